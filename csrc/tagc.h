@@ -1,0 +1,174 @@
+/*
+ * tagc.h - the TAGC gradient codec (CPU).  DESIGN.md section 3.
+ *
+ * One shard of a unit's flat gradient is n values; a rank keeps exactly k of
+ * them (the k largest magnitudes, ties broken by lower position), sends their
+ * positions as a bitmap or as (offset, value) pairs, and their values as a
+ * count sketch of m = 3*t buckets, which the owner of the shard peels.
+ *
+ * Conventions: argument order (dst, dst_capacity, src, n, params...); sizes
+ * and capacities are counts of elements of the pointed-to type unless named
+ * *_bytes; every function validates its arguments and returns a tagc_status
+ * without writing anything when it fails (unless said otherwise); no function
+ * prints, exits, or keeps state between calls.  Functions are thread-safe.
+ * Positions inside a shard are int32, so n < 2^31.
+ */
+#ifndef TAGC_H
+#define TAGC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    TAGC_OK = 0,
+    TAGC_ERR_ARG = 1,       /* NULL pointer where data is needed, bad enum */
+    TAGC_ERR_RANGE = 2,     /* a size or parameter out of its documented range */
+    TAGC_ERR_CAPACITY = 3,  /* a destination is smaller than required */
+    TAGC_ERR_NOMEM = 4,     /* scratch allocation failed */
+    TAGC_ERR_NONFINITE = 5, /* NaN or Inf in a value that must be finite */
+    TAGC_ERR_CORRUPT = 6,   /* decoder input inconsistent (offset out of range...) */
+    TAGC_ERR_DTYPE = 7,     /* dtype not supported by this function */
+    TAGC_ERR_CUDA = 8       /* a CUDA call failed (cuda/ launchers only) */
+} tagc_status;
+
+typedef enum {
+    TAGC_F32 = 0,
+    TAGC_BF16 = 1
+} tagc_dtype;
+
+/* Largest n accepted by every function (positions are int32). */
+#define TAGC_MAX_N ((int64_t)INT32_MAX)
+
+/* Human-readable name of a status ("ok", "invalid argument", ...); static storage. */
+const char *tagc_status_str(tagc_status s);
+
+/* Bytes of one element of a dtype (4 or 2), 0 for an unknown dtype. */
+size_t tagc_dtype_size(tagc_dtype d);
+
+/*
+ * tagc_select_kth - exact k-th largest magnitude of x[0..n).
+ *   Writes *tau = the k-th largest |x_i| (k = 1: the maximum); x is not modified.
+ *   Bounds: 0 <= n <= TAGC_MAX_N, 1 <= k <= n.  k == 0 writes +INFINITY.
+ *   Errors: ARG (NULL), RANGE (k, n), DTYPE, NONFINITE (x has NaN/Inf), NOMEM.
+ */
+tagc_status tagc_select_kth(float *tau, const void *x, tagc_dtype x_dtype,
+                            int64_t n, int64_t k);
+
+/*
+ * tagc_sparsify - fused error feedback + exact top-k + bitmap, one shard.
+ *   v = grad + residual (residual may be NULL: no error feedback).  Keeps
+ *   exactly k positions: every |v| > tau plus the lowest positions with
+ *   |v| == tau, tau being the k-th largest |v|.  Writes
+ *     idx[0..k)     kept positions, ascending;
+ *     val[0..k)     v at those positions, rounded to val_dtype;
+ *     bitmap        ceil(n/8) bytes, bit p set iff p kept (tail bits 0);
+ *     residual      (if not NULL, in place) v where dropped, v - val where
+ *                   kept (the val_dtype rounding error is fed back too);
+ *     *tau          the threshold (+INFINITY when k == 0).
+ *   Capacities: idx_capacity and val_capacity >= k, bitmap_capacity >= ceil(n/8).
+ *   Bounds: 0 <= k <= n <= TAGC_MAX_N.
+ *   Errors: ARG, RANGE, CAPACITY, DTYPE, NOMEM; NONFINITE when v has NaN/Inf,
+ *   in which case nothing (residual included) has been written.
+ */
+tagc_status tagc_sparsify(int32_t *idx, int64_t idx_capacity,
+                          void *val, tagc_dtype val_dtype, int64_t val_capacity,
+                          uint8_t *bitmap, int64_t bitmap_capacity,
+                          void *residual, tagc_dtype residual_dtype,
+                          const void *grad, tagc_dtype grad_dtype,
+                          int64_t n, int64_t k, float *tau);
+
+/*
+ * tagc_lanes_pack - bitmap -> lanes of `bits` bits per position (1, 2, 4, 8),
+ *   layout of tagc_portable.h; a kept position's lane holds 1, others 0.
+ *   Writes tagc_lane_bytes(n, bits) bytes.  Errors: ARG, RANGE (bits, n), CAPACITY.
+ */
+tagc_status tagc_lanes_pack(uint8_t *lanes, int64_t lanes_capacity,
+                            const uint8_t *bitmap, int64_t n, int bits);
+
+/*
+ * tagc_lanes_unpack - lanes (possibly SUM-reduced, carries and all) -> bitmap:
+ *   bit p set iff lane p is non-zero.  Writes ceil(n/8) bytes (tail bits 0).
+ *   Reads exactly tagc_lane_bytes(n, bits) bytes of lanes (lanes_bytes must be
+ *   at least that).  Errors: ARG, RANGE, CAPACITY.
+ */
+tagc_status tagc_lanes_unpack(uint8_t *bitmap, int64_t bitmap_capacity,
+                              const uint8_t *lanes, int64_t lanes_bytes,
+                              int64_t n, int bits);
+
+/*
+ * tagc_bitmap_or - dst[j] = OR over r < count of src[r * nbytes + j], j < nbytes.
+ *   count >= 1 (count == 0 writes zeros).  Errors: ARG, RANGE, CAPACITY.
+ */
+tagc_status tagc_bitmap_or(uint8_t *dst, int64_t dst_capacity,
+                           const uint8_t *src, int64_t nbytes, int64_t count);
+
+/*
+ * tagc_popcount - number of set bits among the first n bits of bitmap.
+ *   Errors: ARG, RANGE.
+ */
+tagc_status tagc_popcount(int64_t *count, const uint8_t *bitmap, int64_t n);
+
+/*
+ * tagc_sketch_encode - count sketch of k (position, value) pairs.
+ *   Overwrites sketch[0..3t): zero, then for each pair and each table i adds
+ *   sign_i(p) * value to bucket h_i(p) (tagc_portable.h hash with
+ *   tagc_table_seed(seed, i)).  Accumulates in fp32, rounds once to
+ *   sketch_dtype.  Only the k pairs are visited (not the n positions).
+ *   Bounds: 1 <= t < 2^32, 0 <= idx[j] < n <= TAGC_MAX_N.
+ *   Errors: ARG, RANGE (t, n, an idx out of [0, n)), CAPACITY (< 3t), DTYPE,
+ *   NOMEM.
+ */
+tagc_status tagc_sketch_encode(void *sketch, tagc_dtype sketch_dtype,
+                               int64_t sketch_capacity,
+                               const int32_t *idx, const void *val,
+                               tagc_dtype val_dtype, int64_t k,
+                               int64_t n, int64_t t, uint64_t seed);
+
+/*
+ * tagc_peel_decode - owner side: recover the values of the positions set in
+ *   bitmap (the union index, n bits) from a sketch of 3t buckets (the sum of
+ *   every rank's sketch).  Per-bucket count and xor of positions are computed
+ *   locally from the bitmap.  Writes out[0..n): decoded value at every union
+ *   position, 0 elsewhere.  Positions that peeling cannot resolve get the
+ *   median of their three signed buckets if estimate != 0, else 0; their
+ *   positions are written ascending to unpeeled[0..min(count, capacity)) when
+ *   unpeeled is not NULL, and their number to *unpeeled_count.
+ *   Never reads or writes out of bounds, whatever the bitmap and sketch hold.
+ *   Bounds: 1 <= t < 2^32, n <= TAGC_MAX_N.
+ *   Errors: ARG, RANGE, CAPACITY (out_capacity < n), DTYPE, NOMEM.
+ */
+tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
+                             int32_t *unpeeled, int64_t unpeeled_capacity,
+                             int64_t *unpeeled_count,
+                             const void *sketch, tagc_dtype sketch_dtype,
+                             const uint8_t *bitmap, int64_t n,
+                             int64_t t, uint64_t seed, int estimate);
+
+/*
+ * tagc_sparse_pack - wire format of k (offset, value) pairs:
+ *   k little-endian int32 offsets, then k values of val_dtype.  Writes
+ *   k * (4 + tagc_dtype_size(val_dtype)) bytes.  Errors: ARG, CAPACITY, DTYPE.
+ */
+tagc_status tagc_sparse_pack(uint8_t *buf, int64_t buf_capacity,
+                             const int32_t *idx, const void *val,
+                             tagc_dtype val_dtype, int64_t k);
+
+/*
+ * tagc_sparse_unpack - scatter-add k received pairs into out[0..n):
+ *   out[offset_j] += value_j.  All offsets are checked first: an offset
+ *   outside [0, n) returns CORRUPT with out untouched.  buf_bytes must equal
+ *   k * (4 + tagc_dtype_size(val_dtype)).  Errors: ARG, RANGE, CORRUPT, DTYPE.
+ */
+tagc_status tagc_sparse_unpack(float *out, int64_t n,
+                               const uint8_t *buf, int64_t buf_bytes,
+                               int64_t k, tagc_dtype val_dtype);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TAGC_H */
