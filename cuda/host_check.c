@@ -1,0 +1,112 @@
+/*
+ * host_check.c - built and run by scripts/check_cuda.sh with a plain C11
+ * compiler: proves tagc_cuda.h is usable from C, that every launcher links,
+ * that argument errors come back synchronously with the C codec's codes
+ * before any CUDA call, and that without a usable GPU a valid call reports
+ * TAGC_ERR_CUDA instead of crashing.  Fake device pointers are never
+ * dereferenced: every call below either fails validation or (no GPU) fails
+ * in its first CUDA call.
+ */
+#include <stdio.h>
+
+#include "tagc_cuda.h"
+
+static int passed, failed;
+
+static void expect(const char *what, long got, long want)
+{
+    if (got == want) {
+        passed++;
+    } else {
+        failed++;
+        fprintf(stderr, "FAIL %s: got %ld, want %ld\n", what, got, want);
+    }
+}
+
+#define EXPECT(call, want) expect(#call, (long)(call), (long)(want))
+
+int main(void)
+{
+    /* Fake device addresses: only ever compared with NULL here. */
+    void *d = (void *)(uintptr_t)0x100000;
+    float *tau = (float *)d;
+    int32_t *idx = (int32_t *)d;
+    uint8_t *bm = (uint8_t *)d;
+    int64_t *cnt = (int64_t *)d;
+    char ws_small[8];
+    cudaStream_t s = 0;
+
+    /* Workspace queries: the sizes grow with the problem and are never 0
+     * where scratch is needed. */
+    size_t sel = tagc_cuda_select_kth_workspace_size(1000);
+    EXPECT(sel > 2048 * 4, 1);
+    EXPECT(tagc_cuda_sparsify_workspace_size(1 << 24) >
+               tagc_cuda_sparsify_workspace_size(1000), 1);
+    EXPECT(tagc_cuda_sketch_encode_workspace_size(1000, TAGC_F32), 0);
+    EXPECT(tagc_cuda_sketch_encode_workspace_size(1000, TAGC_BF16) >= 3000 * 4, 1);
+    EXPECT(tagc_cuda_peel_decode_workspace_size(1 << 20, 1000, 96) >=
+               (size_t)(1 << 20) * 9 + 3000 * 8, 1);
+    EXPECT(tagc_cuda_sparse_unpack_workspace_size() >= 4, 1);
+
+    /* Argument errors, synchronously, with the C op's codes. */
+    EXPECT(tagc_cuda_select_kth(NULL, d, TAGC_F32, 10, 1, d, sel, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_select_kth(tau, d, (tagc_dtype)9, 10, 1, d, sel, s), TAGC_ERR_DTYPE);
+    EXPECT(tagc_cuda_select_kth(tau, d, TAGC_F32, 10, 11, d, sel, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_select_kth(tau, d, TAGC_F32, 10, -1, d, sel, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_select_kth(tau, d, TAGC_F32, 10, 1, ws_small, sizeof ws_small, s),
+           TAGC_ERR_CAPACITY);
+    size_t sp = tagc_cuda_sparsify_workspace_size(100);
+    EXPECT(tagc_cuda_sparsify(idx, 5, d, TAGC_F32, 5, bm, 13, NULL, TAGC_F32, d,
+                              TAGC_F32, 100, 6, tau, d, sp, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_sparsify(idx, 5, d, TAGC_F32, 5, bm, 12, NULL, TAGC_F32, d,
+                              TAGC_F32, 100, 5, tau, d, sp, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_sparsify(idx, 5, d, TAGC_F32, 5, bm, 13, d, (tagc_dtype)3, d,
+                              TAGC_F32, 100, 5, tau, d, sp, s), TAGC_ERR_DTYPE);
+    EXPECT(tagc_cuda_sparsify(NULL, 5, d, TAGC_F32, 5, bm, 13, NULL, TAGC_F32, d,
+                              TAGC_F32, 100, 5, tau, d, sp, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_lanes_pack(bm, 100, bm, 100, 3, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_lanes_pack(bm, 49, bm, 100, 4, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_lanes_unpack(bm, 13, bm, 24, 100, 2, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_lanes_unpack(bm, 12, bm, 25, 100, 2, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_bitmap_or(bm, 9, bm, 10, 2, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_bitmap_or(bm, 10, bm, -1, 2, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_popcount(NULL, bm, 10, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_popcount(cnt, bm, -1, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_sketch_encode(d, TAGC_F32, 29, idx, d, TAGC_F32, 3, 100, 10,
+                                   1, NULL, NULL, 0, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_sketch_encode(d, TAGC_F32, 30, idx, d, TAGC_F32, 3, 100, 0,
+                                   1, NULL, NULL, 0, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_sketch_encode(d, TAGC_BF16, 30, idx, d, TAGC_F32, 3, 100, 10,
+                                   1, NULL, NULL, 0, s), TAGC_ERR_ARG);
+    size_t pd = tagc_cuda_peel_decode_workspace_size(100, 10, 8);
+    EXPECT(tagc_cuda_peel_decode(tau, 99, idx, 4, cnt, d, TAGC_F32, bm, 100, 10, 1,
+                                 1, 8, d, pd, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_peel_decode(tau, 100, idx, 4, cnt, d, TAGC_F32, bm, 100, 10, 1,
+                                 1, 0, d, pd, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_peel_decode(tau, 100, idx, 4, cnt, d, TAGC_F32, bm, 100, 10, 1,
+                                 1, 8, d, pd - 1, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_peel_decode(tau, 100, NULL, 4, cnt, d, TAGC_F32, bm, 100, 10, 1,
+                                 1, 8, d, pd, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_sparse_pack(bm, 47, idx, d, TAGC_BF16, 8, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_sparse_pack(bm, 48, idx, d, (tagc_dtype)2, 8, s), TAGC_ERR_DTYPE);
+    size_t su = tagc_cuda_sparse_unpack_workspace_size();
+    EXPECT(tagc_cuda_sparse_unpack(tau, 100, bm, 47, 8, TAGC_BF16, NULL, d, su, s),
+           TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_sparse_unpack(tau, 100, bm, 48, 8, TAGC_BF16, NULL, NULL, 0, s),
+           TAGC_ERR_ARG);
+
+    /* No usable GPU: a valid call must fail cleanly in its first CUDA call. */
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+        EXPECT(tagc_cuda_popcount(cnt, bm, 100, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_select_kth(tau, d, TAGC_F32, 10, 1, d, sel, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_lanes_pack(bm, 100, bm, 100, 8, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_peel_decode(tau, 100, idx, 4, cnt, d, TAGC_F32, bm, 100, 10,
+                                     1, 1, 8, d, pd, s), TAGC_ERR_CUDA);
+    } else {
+        printf("host_check: %d CUDA device(s) present, no-GPU checks skipped\n",
+               devices);
+    }
+    printf("host_check: %d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}

@@ -1,0 +1,45 @@
+/*
+ * sparse_pack.cu - tagc_cuda_sparse_pack: k little-endian int32 offsets then
+ * k raw values.  Byte stores, because a rank's slice of an all-to-all buffer
+ * of bf16 pairs (6 bytes each) need not be 4-byte aligned.
+ */
+#include "tagc_cuda_common.cuh"
+
+static __global__ void sparse_pack_kernel(uint8_t *buf, const int32_t *idx,
+                                          const void *val, int es, int64_t k)
+{
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < k;
+         j += stride) {
+        uint32_t off = (uint32_t)idx[j];
+        uint32_t bits = es == 4 ? ((const uint32_t *)val)[j]
+                                : ((const uint16_t *)val)[j];
+        uint8_t *o = buf + 4 * j, *v = buf + 4 * k + es * j;
+        for (int b = 0; b < 4; b++)
+            o[b] = (uint8_t)(off >> (8 * b));
+        for (int b = 0; b < es; b++)
+            v[b] = (uint8_t)(bits >> (8 * b));
+    }
+}
+
+extern "C" tagc_status tagc_cuda_sparse_pack(uint8_t *buf, int64_t buf_capacity,
+                                             const int32_t *idx, const void *val,
+                                             tagc_dtype val_dtype, int64_t k,
+                                             cudaStream_t stream)
+{
+    if (k > 0 && (buf == NULL || idx == NULL || val == NULL))
+        return TAGC_ERR_ARG;
+    if (!tagc_dt_valid(val_dtype))
+        return TAGC_ERR_DTYPE;
+    if (k < 0)
+        return TAGC_ERR_RANGE;
+    int64_t es = tagc_dt_size(val_dtype);
+    if (buf_capacity < k * (4 + es))
+        return TAGC_ERR_CAPACITY;
+    if (k == 0)
+        return TAGC_OK;
+    sparse_pack_kernel<<<tagc_grid(k, TAGC_THREADS), TAGC_THREADS, 0, stream>>>(
+        buf, idx, val, (int)es, k);
+    TAGC_CUDA_LAUNCHED();
+    return TAGC_OK;
+}

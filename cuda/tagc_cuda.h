@@ -1,0 +1,187 @@
+/*
+ * tagc_cuda.h - the TAGC gradient codec on CUDA.  Same ops, same spec and
+ * same status codes as csrc/tagc.h, with these differences, all of which
+ * exist so that nothing here ever waits for the GPU:
+ *
+ * - Every launcher takes a cudaStream_t last and only enqueues work on it.
+ *   It returns as soon as the work is queued; a TAGC_OK return means the
+ *   arguments were valid and every launch was accepted, not that the kernels
+ *   have run.  All pointers named as data are DEVICE pointers (including the
+ *   scalar outputs tau, counts and status words); the caller keeps them alive
+ *   until the stream has passed this work.
+ * - Errors that depend only on the arguments (ARG, RANGE, CAPACITY, DTYPE)
+ *   are returned synchronously exactly as by the C op, before anything is
+ *   enqueued.  A failing CUDA call (launch, memset) returns TAGC_ERR_CUDA
+ *   (checked with cudaGetLastError after every launch); work enqueued before
+ *   the failure may still run.
+ * - Errors that depend on the DATA (NaN/Inf in a gradient, an index or offset
+ *   out of range) cannot be returned without a host sync.  They are reported
+ *   on the device instead, as documented per function: a NaN threshold, and
+ *   an optional int32 device status word `dev_status` (may be NULL) into
+ *   which the first data error's tagc_status code is stored (atomic
+ *   compare-and-swap from 0; the caller zeroes it beforehand).
+ * - Scratch memory comes from a caller-provided device workspace: call
+ *   tagc_cuda_<op>_workspace_size(...) for the byte count, pass a buffer of
+ *   at least that many bytes (any alignment: the launchers align it
+ *   themselves).  Ops without a size query need no workspace.  A workspace
+ *   must not be shared by two launches that may run concurrently.
+ *   Launchers never allocate, free or synchronize.
+ *
+ * Every kernel is named *_kernel and lives in the .cu file of its op; the
+ * hashing, lane layout, bf16 rounding, peeling rule and median are those of
+ * csrc/tagc_portable.h, compiled for the device, so CPU tests of the C codec
+ * cover them.  This header is plain C and usable from a C compiler.
+ */
+#ifndef TAGC_CUDA_H
+#define TAGC_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "../csrc/tagc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Default bound on peeling rounds for tagc_cuda_peel_decode (see there). */
+#define TAGC_CUDA_PEEL_ROUNDS 96
+
+/*
+ * tagc_cuda_select_kth - radix select of the k-th largest |x_i| on the float
+ *   bit pattern (sign cleared): one histogram pass per 11/10/10-bit digit,
+ *   each followed by a one-block scan, all stream-ordered (no host sync).
+ *   Writes *tau (device float) = the k-th largest magnitude; k == 0 writes
+ *   +INFINITY.  When x holds NaN/Inf (the C op's NONFINITE), *tau = NaN.
+ *   Bounds and synchronous errors as tagc_select_kth (ARG, RANGE, DTYPE),
+ *   plus CAPACITY (workspace too small) and CUDA.
+ */
+size_t tagc_cuda_select_kth_workspace_size(int64_t n);
+tagc_status tagc_cuda_select_kth(float *tau, const void *x, tagc_dtype x_dtype,
+                                 int64_t n, int64_t k,
+                                 void *workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
+
+/*
+ * tagc_cuda_sparsify - fused error feedback + exact top-k + bitmap +
+ *   compaction, one shard; the output of tagc_sparsify, bit for bit:
+ *   v = grad + residual (fp32), the k largest |v| kept with ties at tau
+ *   broken by lower position (exactly k kept), idx ascending, val rounded to
+ *   val_dtype, residual (in place, may be NULL) = v - val where kept, v where
+ *   dropped, bitmap ceil(n/8) bytes with tail bits 0, *tau (device float).
+ *   NaN/Inf in v (the C op's NONFINITE): *tau = NaN and the residual is left
+ *   untouched; so that whatever the caller enqueued after this still reads
+ *   defined, in-bounds data, the outputs then hold positions 0..k-1 with NaN
+ *   values (idx[j] = j, val[j] = NaN, bitmap bits 0..k-1): the NaN reaches
+ *   the owner's decoded shard, where AMP's GradScaler sees it.
+ *   Bounds and synchronous errors as tagc_sparsify, plus CAPACITY
+ *   (workspace) and CUDA.
+ */
+size_t tagc_cuda_sparsify_workspace_size(int64_t n);
+tagc_status tagc_cuda_sparsify(int32_t *idx, int64_t idx_capacity,
+                               void *val, tagc_dtype val_dtype,
+                               int64_t val_capacity,
+                               uint8_t *bitmap, int64_t bitmap_capacity,
+                               void *residual, tagc_dtype residual_dtype,
+                               const void *grad, tagc_dtype grad_dtype,
+                               int64_t n, int64_t k, float *tau,
+                               void *workspace, size_t workspace_bytes,
+                               cudaStream_t stream);
+
+/* tagc_cuda_lanes_pack - as tagc_lanes_pack. */
+tagc_status tagc_cuda_lanes_pack(uint8_t *lanes, int64_t lanes_capacity,
+                                 const uint8_t *bitmap, int64_t n, int bits,
+                                 cudaStream_t stream);
+
+/* tagc_cuda_lanes_unpack - as tagc_lanes_unpack. */
+tagc_status tagc_cuda_lanes_unpack(uint8_t *bitmap, int64_t bitmap_capacity,
+                                   const uint8_t *lanes, int64_t lanes_bytes,
+                                   int64_t n, int bits, cudaStream_t stream);
+
+/* tagc_cuda_bitmap_or - as tagc_bitmap_or. */
+tagc_status tagc_cuda_bitmap_or(uint8_t *dst, int64_t dst_capacity,
+                                const uint8_t *src, int64_t nbytes,
+                                int64_t count, cudaStream_t stream);
+
+/* tagc_cuda_popcount - as tagc_popcount; *count is a device int64. */
+tagc_status tagc_cuda_popcount(int64_t *count, const uint8_t *bitmap,
+                               int64_t n, cudaStream_t stream);
+
+/*
+ * tagc_cuda_sketch_encode - as tagc_sketch_encode: zero the 3t buckets, then
+ *   one thread per kept pair adds sign_i * value to its three buckets with
+ *   fp32 atomicAdd (so the summation order, and the last bits of a bucket
+ *   shared by several pairs, may differ from the C op), then rounds once to
+ *   sketch_dtype.  An idx outside [0, n) (the C op's RANGE) is skipped and
+ *   TAGC_ERR_RANGE stored in *dev_status (if not NULL).
+ *   Workspace: 3t fp32 accumulators when sketch_dtype is bf16, none for fp32
+ *   (the size query says 0 then and workspace may be NULL).
+ */
+size_t tagc_cuda_sketch_encode_workspace_size(int64_t t, tagc_dtype sketch_dtype);
+tagc_status tagc_cuda_sketch_encode(void *sketch, tagc_dtype sketch_dtype,
+                                    int64_t sketch_capacity,
+                                    const int32_t *idx, const void *val,
+                                    tagc_dtype val_dtype, int64_t k,
+                                    int64_t n, int64_t t, uint64_t seed,
+                                    int32_t *dev_status,
+                                    void *workspace, size_t workspace_bytes,
+                                    cudaStream_t stream);
+
+/*
+ * tagc_cuda_peel_decode - as tagc_peel_decode, peeling in rounds: the union
+ *   positions are compacted (ascending), per-bucket counts built with
+ *   atomics, then each round is two kernels: detect (every unresolved
+ *   position with a count-1 bucket reads its value, tagc_peel_value) and
+ *   apply (those positions subtract themselves from their three buckets).
+ *   max_rounds rounds (>= 1; TAGC_CUDA_PEEL_ROUNDS is a good default) are
+ *   enqueued at once; a device-side progress flag per round makes every
+ *   kernel after the first round without progress exit at once, so there is
+ *   no host round-trip per round.  Positions still unresolved after that get
+ *   the median of their three signed buckets (estimate != 0) or 0, and are
+ *   listed ascending in unpeeled[0..min(count, capacity)) and counted in
+ *   *unpeeled_count (device int64).  Peeling is order-independent, so the
+ *   set of peeled positions equals the C op's unless max_rounds ran out
+ *   while rounds still made progress; values agree up to fp32 rounding of
+ *   the bucket subtractions (atomics, different order).
+ *   Bounds and synchronous errors as tagc_peel_decode, plus RANGE
+ *   (max_rounds < 1), CAPACITY (workspace) and CUDA.
+ */
+size_t tagc_cuda_peel_decode_workspace_size(int64_t n, int64_t t,
+                                            int max_rounds);
+tagc_status tagc_cuda_peel_decode(float *out, int64_t out_capacity,
+                                  int32_t *unpeeled, int64_t unpeeled_capacity,
+                                  int64_t *unpeeled_count,
+                                  const void *sketch, tagc_dtype sketch_dtype,
+                                  const uint8_t *bitmap, int64_t n,
+                                  int64_t t, uint64_t seed, int estimate,
+                                  int max_rounds,
+                                  void *workspace, size_t workspace_bytes,
+                                  cudaStream_t stream);
+
+/* tagc_cuda_sparse_pack - as tagc_sparse_pack (buf may have any alignment). */
+tagc_status tagc_cuda_sparse_pack(uint8_t *buf, int64_t buf_capacity,
+                                  const int32_t *idx, const void *val,
+                                  tagc_dtype val_dtype, int64_t k,
+                                  cudaStream_t stream);
+
+/*
+ * tagc_cuda_sparse_unpack - as tagc_sparse_unpack: a first kernel checks
+ *   every offset; if one is outside [0, n) (the C op's CORRUPT) out is left
+ *   untouched and TAGC_ERR_CORRUPT is stored in *dev_status (if not NULL),
+ *   otherwise a second kernel scatter-adds with fp32 atomicAdd.
+ */
+size_t tagc_cuda_sparse_unpack_workspace_size(void);
+tagc_status tagc_cuda_sparse_unpack(float *out, int64_t n,
+                                    const uint8_t *buf, int64_t buf_bytes,
+                                    int64_t k, tagc_dtype val_dtype,
+                                    int32_t *dev_status,
+                                    void *workspace, size_t workspace_bytes,
+                                    cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TAGC_CUDA_H */
