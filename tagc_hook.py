@@ -1,0 +1,1080 @@
+"""TAGC: Transformer-Aware Gradient Compression for stock PyTorch FSDP.
+
+One call turns an FSDP model's gradient reduce-scatter into a compressed
+exchange; no patch to torch and no per-step call::
+
+    import tagc_hook as tagc
+    cfg = tagc.TAGCConfig(mode="exact", theta=0.9875)
+    state = tagc.register(model, cfg)   # FSDP1 root, or an FSDP2 model
+    ...train as usual...
+    state.stats(); state.state_dict(); state.load_state_dict(sd)
+
+Design: ``DESIGN.md`` sections 2 (one hook call), 4 (transports), 5 (hooking
+into FSDP), 6 (which units are compressed) and 7 (this API).  All codec work
+(selection, sparsification, bitmaps, lanes, sketches, peeling, pair packing)
+is done by the C module ``_tagc``; this file only moves buffers between ranks
+and keeps per-unit state.
+
+Decisions documented here (they are visible in behaviour):
+
+* Granularity is the FSDP unit.  FSDP1 hands the hook a flat gradient whose
+  shards cut across parameters, and FSDP2's comm sees the unit's rows
+  (``input.view(N, -1)``, row ``r`` = chunk ``r`` of every parameter), so a
+  unit is either compressed as a whole (shard ``s`` = row ``s``) or not at
+  all.  A unit is compressed when the parameters selected by ``cfg.layers``
+  hold at least half of its elements.  :func:`fsdp1_auto_wrap_policy` and
+  :func:`shard_model` give every selected module (and every big unselected
+  ``nn.Linear``/``nn.Embedding``, e.g. the attention QKV projection) its own
+  unit so the rule is exact for them; only a selected module's bias rides
+  along with its weight.
+* Error feedback residuals live in "sum space": the residual of rank ``i`` is
+  what rank ``i`` did not send of its own un-averaged gradient, so
+  ``divisor * sum(outputs over owners) + sum(residuals over ranks)`` equals
+  the sum of the raw gradients over ranks and steps.
+* Non-finite gradients: before compressing, ranks agree (one 4-byte
+  all-reduce per compressed call) whether any rank's unit gradient holds
+  NaN/Inf; if so every rank takes the plain reduce-scatter that call and the
+  residual is left untouched, so GradScaler sees the inf/nan.
+* NO_SHARD and HYBRID_SHARD (FSDP1) and HSDP meshes (FSDP2) are refused: the
+  first is DDP (use DDP comm hooks), the others reduce over two groups.
+* FSDP2 with one rank never calls the comm (FSDP copies the gradient), so no
+  compression and no residual happen there; FSDP1 with one rank still calls
+  the hook and runs the codec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+try:  # the codec; `dense` mode and config handling work without it
+    import _tagc
+except ImportError as _exc:  # pragma: no cover - exercised only without a build
+    _tagc = None
+    _TAGC_IMPORT_ERROR: Optional[BaseException] = _exc
+else:
+    _TAGC_IMPORT_ERROR = None
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TAGCConfig",
+    "TAGCState",
+    "register",
+    "fsdp1_auto_wrap_policy",
+    "shard_model",
+    "select_parameter",
+    "MODES",
+    "PAPER_THETA",
+]
+
+MODES = ("paper", "exact", "sparse", "dense")
+# The paper's compression presets: ratio -> sparsity (Table/Section 4 of the paper).
+PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
+_FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
+                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# Module names that always denote a fused or split attention QKV projection.
+_QKV_ALWAYS = {"c_attn", "qkv", "qkv_proj", "query_key_value", "wqkv", "in_proj", "to_qkv"}
+# Names that denote Q/K/V only below an attention module ("q" alone is too generic).
+_QKV_IN_ATTN = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
+                "q", "k", "v", "to_q", "to_k", "to_v", "q_lin", "k_lin", "v_lin"}
+# Wrapper components FSDP1 / checkpointing / torch.compile insert into module names.
+_WRAPPER_NAMES = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+
+LayerPolicy = Union[str, Callable[[str, nn.Module, str, nn.Parameter], bool]]
+
+
+def _require_codec() -> None:
+    if _tagc is None:
+        raise ImportError(
+            "the TAGC codec module `_tagc` is not built; run `pip install -e .` in the "
+            f"repository (import failed with: {_TAGC_IMPORT_ERROR})")
+
+
+def _parse_dtype(value: Any, field_name: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value in (torch.float32, torch.bfloat16):
+            return value
+    elif isinstance(value, str):
+        key = value.lower().replace("torch.", "")
+        if key in _FLOAT_DTYPES:
+            return _FLOAT_DTYPES[key]
+    raise ValueError(f"{field_name}: must be torch.float32 or torch.bfloat16 "
+                     f"(or 'float32'/'bf16'), got {value!r}")
+
+
+# --------------------------------------------------------------------------- config
+
+@dataclass
+class TAGCConfig:
+    """Every knob of TAGC, validated on construction.
+
+    Args:
+        mode: transport (DESIGN.md section 4). ``"paper"``: the paper's
+            Algorithm 1, index all-reduce SUM on ``index_bits`` lanes plus a
+            fixed ``S/ratio`` sketch per shard reduced to its owner (1-bit
+            lanes lose entries to carries; reported in stats). ``"exact"``:
+            bitmap all-to-all with a true OR at the owner, sketch sized from
+            the union bound, lossless (a recovery exchange resolves entries
+            peeling leaves). ``"sparse"``: exactly ``k`` (offset, value) pairs
+            per shard in one all-to-all. ``"dense"``: no compression, values
+            all-to-all to their owner (the honest gloo baseline).
+        theta: sparsity in ``[0, 1)``: fraction of each shard's entries not
+            sent; ``k = ceil((1 - theta) * S)`` kept per shard per rank.
+            Default: from ``ratio`` in paper mode (2x->0.80, 4x->0.90,
+            10x->0.9875), else 0.9875.  Ignored by ``dense``.
+        ratio: paper mode only: sketch size is ``ceil(S / ratio)`` buckets.
+            Default in paper mode: from ``theta`` when it is a paper preset,
+            else 10.  Must be None in other modes.
+        index_bits: paper mode lane width, 1, 2, 4 or 8 bits per position
+            (the paper uses 1 and 4).
+        value_dtype: dtype of sketch buckets and sparse values on the wire,
+            ``torch.float32`` or ``torch.bfloat16``.
+        layers: which parameters are compressed: ``"non_attention"``
+            (``nn.Linear``/``nn.Embedding`` weights that are not attention
+            QKV projections, see :func:`select_parameter`), ``"all"`` (every
+            parameter with >= ``min_numel`` elements), or a callable
+            ``(module_name, module, param_name, param) -> bool``.
+        min_numel: smallest parameter compressed by the built-in policies.
+        error_feedback: keep per-rank, per-unit residuals of what was not sent
+            and add them back next step.
+        seed: base of the sketch hash seeds, ``_tagc.seed_derive(seed, unit, step)``.
+        residual_dtype: residual storage, ``torch.float32`` (default) or
+            ``torch.bfloat16`` (halves the memory, rounds the feedback).
+        sketch_factor: exact mode: buckets per possible union entry,
+            ``m = ceil(sketch_factor * min(S, N*k))``; 3-hash peeling needs
+            about 1.23.  Values below that force peeling failures (used by
+            the tests of the recovery exchange).
+    """
+
+    mode: str = "exact"
+    theta: Optional[float] = None
+    ratio: Optional[float] = None
+    index_bits: int = 1
+    value_dtype: Any = torch.float32
+    layers: LayerPolicy = "non_attention"
+    min_numel: int = 2 ** 16
+    error_feedback: bool = True
+    seed: int = 0
+    residual_dtype: Any = torch.float32
+    sketch_factor: float = 1.3
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
+        for name in ("theta", "ratio", "sketch_factor"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"{name}: must be a number, got {v!r}")
+        if self.mode == "paper":
+            if self.ratio is None:
+                if self.theta is None:
+                    self.ratio = 10.0
+                else:
+                    inv = {th: r for r, th in PAPER_THETA.items()}
+                    if float(self.theta) not in inv:
+                        raise ValueError(
+                            f"ratio: required in paper mode when theta={self.theta} is not "
+                            f"one of the paper's presets {sorted(inv)}")
+                    self.ratio = inv[float(self.theta)]
+            if not math.isfinite(self.ratio) or self.ratio < 1.0:
+                raise ValueError(f"ratio: must be a finite number >= 1, got {self.ratio!r}")
+            self.ratio = float(self.ratio)
+            if self.theta is None:
+                if self.ratio not in PAPER_THETA:
+                    raise ValueError(
+                        f"theta: no paper default for ratio={self.ratio}; give theta "
+                        f"(paper presets: {PAPER_THETA})")
+                self.theta = PAPER_THETA[self.ratio]
+        else:
+            if self.ratio is not None:
+                raise ValueError(f"ratio: only used by mode='paper' (mode={self.mode!r}); "
+                                 "set theta instead")
+            if self.theta is None:
+                self.theta = 0.9875
+        self.theta = float(self.theta)
+        if not (0.0 <= self.theta < 1.0):
+            raise ValueError(f"theta: must be in [0, 1), got {self.theta!r}")
+        if isinstance(self.index_bits, bool) or self.index_bits not in (1, 2, 4, 8):
+            raise ValueError(f"index_bits: must be 1, 2, 4 or 8, got {self.index_bits!r}")
+        self.value_dtype = _parse_dtype(self.value_dtype, "value_dtype")
+        self.residual_dtype = _parse_dtype(self.residual_dtype, "residual_dtype")
+        if isinstance(self.layers, str):
+            if self.layers not in ("non_attention", "all"):
+                raise ValueError(f"layers: must be 'non_attention', 'all' or a callable, "
+                                 f"got {self.layers!r}")
+        elif not callable(self.layers):
+            raise ValueError(f"layers: must be 'non_attention', 'all' or a callable, "
+                             f"got {self.layers!r}")
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) \
+                or self.min_numel < 0:
+            raise ValueError(f"min_numel: must be an int >= 0, got {self.min_numel!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback: must be a bool, got {self.error_feedback!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not (0 <= self.seed < 2 ** 64):
+            raise ValueError(f"seed: must be an int in [0, 2^64), got {self.seed!r}")
+        if not math.isfinite(self.sketch_factor) or self.sketch_factor <= 0:
+            raise ValueError(f"sketch_factor: must be a finite number > 0, "
+                             f"got {self.sketch_factor!r}")
+        self.sketch_factor = float(self.sketch_factor)
+
+    # -- (de)serialisation
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data view (dtypes as names, a callable policy as its qualified name).
+
+        Returns:
+            dict accepted by :meth:`from_dict` (except for callable ``layers``).
+        """
+        d = dataclasses.asdict(self)
+        d["value_dtype"] = str(self.value_dtype).replace("torch.", "")
+        d["residual_dtype"] = str(self.residual_dtype).replace("torch.", "")
+        if callable(self.layers):
+            d["layers"] = "callable:" + getattr(self.layers, "__qualname__",
+                                                type(self.layers).__name__)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "TAGCConfig":
+        """Build a config from a mapping; unknown keys raise.
+
+        Args:
+            d: mapping of field names to values.
+        Returns:
+            the validated config.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"config: expected a mapping, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "TAGCConfig":
+        """Load a YAML preset (e.g. ``configs/tagc-10x-1bit.yaml``); unknown keys raise.
+
+        Args:
+            path: YAML file holding a mapping of field names to values.
+        Returns:
+            the validated config.
+        """
+        import yaml
+
+        with open(path, "r", encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+        return cls.from_dict(data)
+
+    def fingerprint(self) -> str:
+        """Stable digest of the config, compared across ranks at register()."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- selection
+
+def _clean_name(name: str) -> str:
+    return ".".join(p for p in name.split(".") if p and p not in _WRAPPER_NAMES)
+
+
+def _is_qkv_name(module_name: str) -> bool:
+    parts = [p.lower() for p in _clean_name(module_name).split(".") if p]
+    if not parts:
+        return False
+    last = parts[-1]
+    if last in _QKV_ALWAYS:
+        return True
+    in_attn = any("attn" in p or "attention" in p for p in parts[:-1])
+    return in_attn and last in _QKV_IN_ATTN
+
+
+def select_parameter(cfg: TAGCConfig, module_name: str, module: nn.Module,
+                     param_name: str, param: torch.Tensor) -> bool:
+    """Whether ``cfg.layers`` selects one parameter for compression.
+
+    ``"non_attention"``: the ``weight`` of an ``nn.Linear`` or ``nn.Embedding``
+    with at least ``min_numel`` elements, unless the module is an attention
+    QKV projection: its last name component is one of ``c_attn, qkv,
+    qkv_proj, query_key_value, wqkv, in_proj, to_qkv``, or one of ``q_proj,
+    k_proj, v_proj, query, key, value, wq, wk, wv, q, k, v, to_q/k/v,
+    q/k/v_lin`` below a module whose name contains ``attn``/``attention``.
+    The attention output projection (``c_proj``, ``o_proj``, ``out_proj``)
+    is compressed, as in the paper.  ``"all"``: every parameter with at least
+    ``min_numel`` elements.  A callable decides alone.
+
+    Args:
+        cfg: the config.
+        module_name: FQN of the module owning the parameter (wrapper names ignored).
+        module: that module.
+        param_name: the parameter's name inside the module.
+        param: the parameter.
+    Returns:
+        True if the parameter is compressed.
+    """
+    if callable(cfg.layers):
+        return bool(cfg.layers(_clean_name(module_name), module, param_name, param))
+    if param.numel() < cfg.min_numel or not param.is_floating_point():
+        return False
+    if cfg.layers == "all":
+        return True
+    if param_name != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
+        return False
+    return not _is_qkv_name(module_name)
+
+
+def _tied_param_ids(model: nn.Module) -> set:
+    seen: Dict[int, int] = {}
+    for _, mod in model.named_modules(remove_duplicate=False):
+        for _, p in mod.named_parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, c in seen.items() if c > 1}
+
+
+def _modules_to_wrap(model: nn.Module, cfg: TAGCConfig) -> List[nn.Module]:
+    """Modules that get their own FSDP unit: owners of selected parameters and big
+    unselected Linear/Embedding layers (so they do not dilute another unit)."""
+    tied = _tied_param_ids(model)
+    out = []
+    for name, mod in model.named_modules():
+        if mod is model:
+            continue
+        direct = list(mod.named_parameters(recurse=False))
+        if not direct or any(id(p) in tied for _, p in direct):
+            continue  # tied weights must stay in a common ancestor's unit (the root)
+        selected = any(select_parameter(cfg, name, mod, pn, p) for pn, p in direct)
+        big_layer = isinstance(mod, (nn.Linear, nn.Embedding)) and \
+            sum(p.numel() for _, p in direct) >= max(cfg.min_numel, 1)
+        if selected or big_layer:
+            out.append(mod)
+    return out
+
+
+def fsdp1_auto_wrap_policy(model: nn.Module, cfg: TAGCConfig) -> Callable[..., bool]:
+    """FSDP1 ``auto_wrap_policy`` putting selected parameters in their own units.
+
+    Every module owning a selected parameter, and every other ``nn.Linear``/
+    ``nn.Embedding`` with at least ``min_numel`` parameters, becomes one unit;
+    everything else (norms, position embeddings, tied weights) stays in the root.
+
+    Args:
+        model: the unwrapped model (the policy is computed from it).
+        cfg: the config whose ``layers``/``min_numel`` decide the selection.
+    Returns:
+        a callable ``(module, recurse, nonwrapped_numel) -> bool`` for
+        ``FullyShardedDataParallel(model, auto_wrap_policy=...)``.
+    """
+    wrap_ids = {id(m) for m in _modules_to_wrap(model, cfg)}
+
+    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        if recurse:
+            return True
+        return id(module) in wrap_ids
+
+    return policy
+
+
+def shard_model(model: nn.Module, cfg: TAGCConfig, **fully_shard_kwargs: Any) -> nn.Module:
+    """FSDP2: ``fully_shard`` each module of :func:`fsdp1_auto_wrap_policy`'s set, then the root.
+
+    Args:
+        model: the unsharded model.
+        cfg: the config deciding the selection.
+        **fully_shard_kwargs: passed to every ``fully_shard`` call (mesh, mp_policy, ...).
+    Returns:
+        the model (sharded in place; it is an ``FSDPModule`` afterwards).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mods = _modules_to_wrap(model, cfg)
+    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    for mod in sorted(mods, key=lambda m: -order[id(m)]):  # children before parents
+        fully_shard(mod, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
+    return model
+
+
+# --------------------------------------------------------------------------- per-unit state
+
+_COUNTERS = ("calls", "compressed_calls", "plain_calls", "nonfinite_fallbacks",
+             "bytes_handed", "wire_bytes", "default_wire_bytes", "control_bytes",
+             "unpeeled", "recovered", "union_size", "shard_slots",
+             "collision_dropped", "collision_dropped_l1")
+
+
+class _Unit:
+    """State of one FSDP unit: identity, residual, step counter and statistics."""
+
+    def __init__(self, owner: "TAGCState", name: str, index: int, numel: int,
+                 selected_numel: int, compressed: bool, group: Any,
+                 pre: float, post: float) -> None:
+        self.owner = owner
+        self.name = name
+        # Position in the FQN order of the model's FSDP units: identical on every
+        # rank (same model code), which is what the hash seeds need; call order
+        # is not (FSDP may reduce units in a different order under prefetching).
+        self.index = index
+        self.numel = numel
+        self.selected_numel = selected_numel
+        self.compressed = compressed
+        self.group = group
+        self.pre = pre    # the default path's pre/post divide factors
+        self.post = post
+        self.step = 0
+        self.residual: Optional[torch.Tensor] = None
+        self.warned_unpeeled = False
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.counters: Dict[str, float] = {c: 0 for c in _COUNTERS}
+        self.collectives: Dict[str, Dict[str, int]] = {}
+
+    def record(self, op: str, handed: int, wire: float, control: bool = False) -> None:
+        c = self.collectives.setdefault(op, {"calls": 0, "bytes": 0})
+        c["calls"] += 1
+        c["bytes"] += int(handed)
+        self.counters["bytes_handed"] += int(handed)
+        self.counters["wire_bytes"] += wire
+        if control:
+            self.counters["control_bytes"] += int(handed)
+
+    def stats(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"index": self.index, "numel": self.numel,
+                             "selected_numel": self.selected_numel,
+                             "compressed": self.compressed, "step": self.step}
+        d.update(self.counters)
+        d["collectives"] = {k: dict(v) for k, v in self.collectives.items()}
+        slots = self.counters["shard_slots"]
+        d["density"] = self.counters["union_size"] / slots if slots else 0.0
+        dw = self.counters["default_wire_bytes"]
+        d["wire_ratio"] = self.counters["wire_bytes"] / dw if dw else 0.0
+        return d
+
+
+def _stream_kw(t: torch.Tensor) -> Dict[str, int]:
+    # Seam for the CUDA work: the codec runs on the current stream for now;
+    # side streams ordered by events belong to the CUDA issue.
+    if t.is_cuda:
+        return {"stream": torch.cuda.current_stream(t.device).cuda_stream}
+    return {}
+
+
+class TAGCState:
+    """What :func:`register` returns: the per-unit states, stats and checkpoints.
+
+    Not constructed directly.
+    """
+
+    def __init__(self, cfg: TAGCConfig, kind: str) -> None:
+        self.cfg = cfg
+        self.kind = kind
+        self.units: List[_Unit] = []
+        self.rank = 0
+        self.world_size = 1
+
+    # ----------------------------------------------------------------- public
+    def stats(self) -> Dict[str, Any]:
+        """Statistics since registration (or :meth:`reset_stats`).
+
+        Returns:
+            ``{"units": {name: {...}}, "total": {...}, "compressed_total": {...}}``.
+            Per entry: ``calls``, ``compressed_calls``, ``plain_calls`` (plain
+            reduce-scatter), ``nonfinite_fallbacks``, ``collectives`` (per
+            torch.distributed function: calls and bytes of the tensors handed
+            to it, i.e. the send buffer), ``bytes_handed`` (their sum),
+            ``wire_bytes`` (bytes this rank sends on an ideal network: all-to-all
+            minus its own chunk, ring all-reduce ``2(N-1)/N``, reduce: all unless
+            it is the destination, reduce-scatter ``(N-1)/N``), ``default_wire_bytes``
+            (what FSDP's ideal ring reduce-scatter would send for the same
+            calls: ``(N-1)/N * padded numel * element size``), ``wire_ratio``,
+            ``control_bytes`` (non-finite agreement, unpeeled counts),
+            ``unpeeled`` (entries peeling left; estimated in paper mode,
+            recovered exactly in exact mode), ``recovered``, ``density`` (mean
+            union size / shard size at the owner), ``collision_dropped`` and
+            ``collision_dropped_l1`` (paper lanes: kept entries that the SUM
+            carries erased from the union, counted by their senders, and the
+            L1 mass lost with them).
+        """
+        units = {u.name: u.stats() for u in self.units}
+        return {"units": units,
+                "total": self._sum(list(units.values())),
+                "compressed_total": self._sum([s for s in units.values() if s["compressed"]])}
+
+    def reset_stats(self) -> None:
+        """Zero every counter (residuals and step counters are kept)."""
+        for u in self.units:
+            u.reset_stats()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's TAGC state: residuals per unit, step counters, seeds, config.
+
+        Save it per rank (``torch.save(state.state_dict(), f"tagc-rank{r}.pt")``).
+
+        Returns:
+            a dict of plain data and CPU tensors (cloned).
+        """
+        return {
+            "format": "tagc-state-v1",
+            "kind": self.kind,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "seed": self.cfg.seed,
+            "config": self.cfg.to_dict(),
+            "units": {u.name: {"index": u.index, "numel": u.numel, "step": u.step,
+                               "residual": None if u.residual is None
+                               else u.residual.detach().to("cpu", copy=True)}
+                      for u in self.units},
+        }
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output saved by the same rank of the same setup.
+
+        Args:
+            sd: the dict.
+        Raises:
+            ValueError: format, config, world size, rank or unit layout differ.
+        """
+        if not isinstance(sd, dict) or sd.get("format") != "tagc-state-v1":
+            raise ValueError("load_state_dict: not a TAGC state dict (format tagc-state-v1)")
+        if sd["config"] != self.cfg.to_dict():
+            raise ValueError(f"load_state_dict: config differs: saved {sd['config']}, "
+                             f"current {self.cfg.to_dict()}")
+        if sd["world_size"] != self.world_size or sd["rank"] != self.rank:
+            raise ValueError(f"load_state_dict: saved by rank {sd['rank']} of "
+                             f"{sd['world_size']}, loading on rank {self.rank} of "
+                             f"{self.world_size}")
+        names = [u.name for u in self.units]
+        if sorted(sd["units"]) != sorted(names):
+            raise ValueError(f"load_state_dict: unit layout differs: saved "
+                             f"{sorted(sd['units'])}, current {sorted(names)}")
+        for u in self.units:
+            entry = sd["units"][u.name]
+            if entry["numel"] != u.numel or entry["index"] != u.index:
+                raise ValueError(f"load_state_dict: unit {u.name!r} differs "
+                                 f"(numel {entry['numel']} vs {u.numel})")
+        for u in self.units:
+            entry = sd["units"][u.name]
+            u.step = int(entry["step"])
+            r = entry["residual"]
+            if r is None:
+                u.residual = None
+            else:
+                dev = u.residual.device if u.residual is not None else r.device
+                u.residual = r.detach().to(device=dev, dtype=self.cfg.residual_dtype,
+                                           copy=True).contiguous()
+
+    # ----------------------------------------------------------------- internals
+    @staticmethod
+    def _sum(entries: List[Dict[str, Any]]) -> Dict[str, Any]:
+        tot: Dict[str, Any] = {c: 0 for c in _COUNTERS}
+        coll: Dict[str, Dict[str, int]] = {}
+        for e in entries:
+            for c in _COUNTERS:
+                tot[c] += e[c]
+            for op, v in e["collectives"].items():
+                cc = coll.setdefault(op, {"calls": 0, "bytes": 0})
+                cc["calls"] += v["calls"]
+                cc["bytes"] += v["bytes"]
+        tot["collectives"] = coll
+        tot["units"] = len(entries)
+        tot["density"] = tot["union_size"] / tot["shard_slots"] if tot["shard_slots"] else 0.0
+        dw = tot["default_wire_bytes"]
+        tot["wire_ratio"] = tot["wire_bytes"] / dw if dw else 0.0
+        return tot
+
+    # collectives: every one goes through these so the stats match what was
+    # handed to torch.distributed.
+    def _a2a(self, u: _Unit, out: torch.Tensor, inp: torch.Tensor,
+             in_splits: Optional[List[int]] = None, out_splits: Optional[List[int]] = None,
+             async_op: bool = False, control: bool = False) -> Any:
+        n, rank = self.world_size, self.rank
+        rows = inp.shape[0] if inp.dim() > 0 else 0
+        if in_splits is None:
+            own = inp.numel() // n if n else 0
+        else:
+            per_row = inp.numel() // max(rows, 1) if inp.dim() > 0 else 0
+            own = in_splits[rank] * per_row
+        wire = (inp.numel() - own) * inp.element_size()
+        u.record("all_to_all_single", inp.numel() * inp.element_size(), wire, control)
+        return dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                                      input_split_sizes=in_splits, group=u.group,
+                                      async_op=async_op)
+
+    def _all_reduce(self, u: _Unit, t: torch.Tensor, async_op: bool = False,
+                    control: bool = False) -> Any:
+        n = self.world_size
+        nb = t.numel() * t.element_size()
+        u.record("all_reduce", nb, 2.0 * (n - 1) / n * nb, control)
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=u.group, async_op=async_op)
+
+    def _reduce(self, u: _Unit, t: torch.Tensor, dst_group_rank: int,
+                async_op: bool = False) -> Any:
+        nb = t.numel() * t.element_size()
+        u.record("reduce", nb, 0 if dst_group_rank == self.rank else nb)
+        dst = dist.get_global_rank(u.group, dst_group_rank) if u.group is not None \
+            else dst_group_rank
+        return dist.reduce(t, dst=dst, op=dist.ReduceOp.SUM, group=u.group, async_op=async_op)
+
+    def _reduce_scatter(self, u: _Unit, out: torch.Tensor, inp: torch.Tensor) -> None:
+        n = self.world_size
+        nb = inp.numel() * inp.element_size()
+        if hasattr(dist, "reduce_scatter_single"):  # reduce_scatter_tensor is deprecated
+            u.record("reduce_scatter_single", nb, (n - 1) / n * nb)
+            dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=u.group)
+        else:  # pragma: no cover - older torch
+            u.record("reduce_scatter_tensor", nb, (n - 1) / n * nb)
+            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=u.group)
+
+    # ----------------------------------------------------------------- one call
+    def _run(self, u: _Unit, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """Reduce one unit: ``out`` = what the default reduce-scatter would produce."""
+        if not inp.is_floating_point() or not out.is_floating_point():
+            raise TypeError(f"TAGC: unit {u.name!r} has a non-floating gradient "
+                            f"({inp.dtype}); only floating gradients can be reduced")
+        n = self.world_size
+        if inp.numel() != n * out.numel():
+            raise RuntimeError(f"TAGC: unit {u.name!r}: input of {inp.numel()} elements "
+                               f"does not split into {n} shards of {out.numel()}")
+        inp = inp.reshape(-1)
+        if not inp.is_contiguous():
+            inp = inp.contiguous()
+        u.counters["calls"] += 1
+        u.counters["default_wire_bytes"] += (n - 1) / n * inp.numel() * inp.element_size()
+        if out.numel() == 0:
+            return
+        if not u.compressed:
+            self._plain(u, inp, out)
+            return
+        # Ranks must agree before any residual is touched; the flag rides on a
+        # 4-byte all-reduce (on CUDA this .item() is the one host sync left: seam).
+        flag = torch.zeros(1, dtype=torch.int32, device=inp.device)
+        if not bool(torch.isfinite(inp).all()):
+            flag.fill_(1)
+        self._all_reduce(u, flag, control=True)
+        if int(flag.item()) != 0:
+            u.counters["nonfinite_fallbacks"] += 1
+            self._plain(u, inp, out)
+            return
+        u.counters["compressed_calls"] += 1
+        mode = self.cfg.mode
+        if mode != "dense":
+            _require_codec()
+        acc = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
+        if mode == "dense":
+            self._dense(u, inp, acc)
+        else:
+            if self.cfg.error_feedback and u.residual is None:
+                u.residual = torch.zeros(inp.numel(), dtype=self.cfg.residual_dtype,
+                                         device=inp.device)
+            if mode == "exact":
+                self._exact(u, inp, acc)
+            elif mode == "sparse":
+                self._sparse(u, inp, acc)
+            elif mode == "paper":
+                self._paper(u, inp, acc)
+            else:  # pragma: no cover - config validation forbids it
+                raise NotImplementedError(mode)
+        u.step += 1
+        divisor = u.pre * u.post
+        if divisor != 1:
+            acc.div_(divisor)
+        out.copy_(acc)
+
+    def _plain(self, u: _Unit, inp: torch.Tensor, out: torch.Tensor) -> None:
+        # Exactly the default path's arithmetic: pre-divide, SUM reduce-scatter,
+        # post-divide (gloo's AVG has been unreliable, so SUM is used always).
+        u.counters["plain_calls"] += 1
+        if u.pre != 1:
+            inp = inp / u.pre
+        if self.world_size == 1:
+            out.copy_(inp)
+        else:
+            self._reduce_scatter(u, out, inp)
+        if u.post != 1:
+            out.div_(u.post)
+
+    @staticmethod
+    def _note_unpeeled(u: _Unit, cnt: int, usize: int, what: str) -> None:
+        u.counters["unpeeled"] += cnt
+        if cnt and not u.warned_unpeeled:
+            u.warned_unpeeled = True
+            logger.warning("TAGC unit %r: %d of %d union entries left unpeeled at step %d; "
+                           "%s (logged once per unit)", u.name, cnt, usize, u.step, what)
+
+    def _k(self, s: int) -> int:
+        # round() guards against (1 - 0.9875) * 800 == 10.000000000000009
+        k = math.ceil(round((1.0 - self.cfg.theta) * s, 9))
+        return min(max(k, 1), s)
+
+    def _sparsify_all(self, u: _Unit, inp: torch.Tensor, s: int, k: int,
+                      with_bitmap: bool = True,
+                      per_shard: Optional[Callable[[int], None]] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = self.world_size
+        dev = inp.device
+        idx = torch.empty(n, k, dtype=torch.int32, device=dev)
+        val = torch.empty(n, k, dtype=self.cfg.value_dtype, device=dev)
+        nb = (s + 7) // 8
+        bm = torch.empty(n if with_bitmap else 1, nb, dtype=torch.uint8, device=dev)
+        kw = _stream_kw(inp)
+        for r in range(n):
+            res = u.residual[r * s:(r + 1) * s] if u.residual is not None else None
+            _tagc.sparsify(idx[r], val[r], bm[r if with_bitmap else 0], res,
+                           inp[r * s:(r + 1) * s], k, **kw)
+            if per_shard is not None:
+                per_shard(r)
+        return idx, val, bm
+
+    def _dense(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
+        n = self.world_size
+        send = inp.view(n, -1)
+        recv = torch.empty_like(send)
+        self._a2a(u, recv, send)
+        torch.sum(recv.float(), dim=0, out=acc)
+
+    def _sparse(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
+        n, s = self.world_size, acc.numel()
+        k = self._k(s)
+        esize = 4 + torch.empty(0, dtype=self.cfg.value_dtype).element_size()
+        buf = torch.empty(n, k * esize, dtype=torch.uint8, device=inp.device)
+        kw = _stream_kw(inp)
+        idx, val, _ = self._sparsify_all(u, inp, s, k, with_bitmap=False)
+        for r in range(n):
+            _tagc.sparse_pack(buf[r], idx[r], val[r], **kw)
+        recv = torch.empty_like(buf)
+        self._a2a(u, recv, buf)
+        acc.zero_()
+        for r in range(n):
+            _tagc.sparse_unpack(acc, recv[r], k, self.cfg.value_dtype, **kw)
+        u.counters["shard_slots"] += s
+
+    def _exact(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
+        n, s, rank = self.world_size, acc.numel(), self.rank
+        k = self._k(s)
+        kw = _stream_kw(inp)
+        idx, val, bm = self._sparsify_all(u, inp, s, k)
+        recv_bm = torch.empty_like(bm)
+        work = self._a2a(u, recv_bm, bm, async_op=True)
+        # While the bitmaps travel, encode every shard's sketch.
+        m = math.ceil(self.cfg.sketch_factor * min(s, n * k))
+        t = max(1, math.ceil(m / 3))
+        seed = _tagc.seed_derive(self.cfg.seed, u.index, u.step)
+        sk = torch.empty(n, 3 * t, dtype=self.cfg.value_dtype, device=inp.device)
+        for r in range(n):
+            _tagc.sketch_encode(sk[r], idx[r], val[r], s, t, seed, **kw)
+        recv_sk = torch.empty_like(sk)
+        work_sk = self._a2a(u, recv_sk, sk, async_op=True)
+        work.wait()
+        union = torch.empty(bm.shape[1], dtype=torch.uint8, device=inp.device)
+        _tagc.bitmap_or(union, recv_bm.view(-1), n, **kw)
+        usize = _tagc.popcount(union, s, **kw)
+        work_sk.wait()
+        total = recv_sk.float().sum(dim=0) if n > 1 else recv_sk[0].float()
+        unpeeled = torch.empty(max(int(usize), 1), dtype=torch.int32, device=inp.device)
+        cnt = int(_tagc.peel_decode(acc, total, union, s, t, seed, unpeeled=unpeeled,
+                                    estimate=False, **kw))
+        u.counters["union_size"] += int(usize)
+        u.counters["shard_slots"] += s
+        # Agree on who needs recovery (an N-element all-reduce of counts).
+        counts = torch.zeros(n, dtype=torch.int64, device=inp.device)
+        counts[rank] = cnt
+        self._all_reduce(u, counts, control=True)
+        c = [int(x) for x in counts.tolist()]
+        if sum(c) == 0:
+            return
+        u.counters["recovered"] += cnt
+        self._note_unpeeled(u, cnt, usize, "recovered by a second exchange")
+        # Owner names its unpeeled positions to every rank ...
+        mine = unpeeled[:cnt]
+        send_pos = mine.repeat(n) if cnt else torch.empty(0, dtype=torch.int32,
+                                                          device=inp.device)
+        recv_pos = torch.empty(sum(c), dtype=torch.int32, device=inp.device)
+        self._a2a(u, recv_pos, send_pos, in_splits=[cnt] * n, out_splits=c, control=False)
+        # ... each rank answers with its kept value there (0 if not kept) ...
+        answers = torch.zeros(sum(c), dtype=self.cfg.value_dtype, device=inp.device)
+        off = 0
+        for r in range(n):
+            if c[r]:
+                pos = recv_pos[off:off + c[r]].long()
+                kept = idx[r].long()
+                j = torch.searchsorted(kept, pos).clamp_(max=k - 1)
+                hit = kept[j] == pos
+                answers[off:off + c[r]] = torch.where(hit, val[r][j],
+                                                      torch.zeros_like(val[r][j]))
+            off += c[r]
+        got = torch.empty(n * cnt, dtype=self.cfg.value_dtype, device=inp.device)
+        self._a2a(u, got, answers, in_splits=c, out_splits=[cnt] * n)
+        # ... and the owner sums the answers: exact values, nothing lost.
+        if cnt:
+            acc[mine.long()] = got.view(n, cnt).float().sum(dim=0)
+
+    def _paper(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
+        n, s, rank = self.world_size, acc.numel(), self.rank
+        k = self._k(s)
+        bits = self.cfg.index_bits
+        kw = _stream_kw(inp)
+        lane_bytes = (s * bits + 7) // 8
+        lanes = torch.empty(n, lane_bytes, dtype=torch.uint8, device=inp.device)
+        idx, val, bm = self._sparsify_all(u, inp, s, k)
+        for r in range(n):
+            _tagc.lanes_pack(lanes[r], bm[r], s, bits, **kw)
+        # Algorithm 1: SUM all-reduce of every shard's lanes (carries included).
+        work_idx = self._all_reduce(u, lanes, async_op=True)
+        t = max(1, math.ceil(math.ceil(s / self.cfg.ratio) / 3))
+        seed = _tagc.seed_derive(self.cfg.seed, u.index, u.step)
+        sk = torch.empty(n, 3 * t, dtype=self.cfg.value_dtype, device=inp.device)
+        works = []
+        for r in range(n):  # encode shard r+1 while shard r's reduce is in flight
+            _tagc.sketch_encode(sk[r], idx[r], val[r], s, t, seed, **kw)
+            works.append(self._reduce(u, sk[r], r, async_op=True))
+        work_idx.wait()
+        for w in works:
+            w.wait()
+        union = torch.empty(bm.shape[1], dtype=torch.uint8, device=inp.device)
+        _tagc.lanes_unpack(union, lanes[rank], s, bits, **kw)
+        usize = _tagc.popcount(union, s, **kw)
+        cnt = int(_tagc.peel_decode(acc, sk[rank], union, s, t, seed, estimate=True, **kw))
+        u.counters["union_size"] += int(usize)
+        u.counters["shard_slots"] += s
+        self._note_unpeeled(u, cnt, usize, "paper mode estimates them")
+        # Collision loss: every rank sees all reduced lanes, so each counts its own
+        # kept entries that the carries erased from the union (the paper's loss).
+        ub = torch.empty_like(bm)
+        for r in range(n):
+            _tagc.lanes_unpack(ub[r], lanes[r], s, bits, **kw)
+        pos = idx.long()
+        bit = (ub.gather(1, pos >> 3).long() >> (pos & 7)) & 1
+        lost = bit == 0
+        u.counters["collision_dropped"] += int(lost.sum())
+        u.counters["collision_dropped_l1"] += float(val.float().abs()[lost].sum())
+
+
+# --------------------------------------------------------------------------- FSDP glue
+
+def _fsdp1_hook(unit: _Unit, padded_grad: torch.Tensor,
+                output: Optional[torch.Tensor] = None) -> None:
+    """The FSDP1 comm hook; FSDP passes each unit's own state (see register)."""
+    if output is None:
+        raise RuntimeError("TAGC: NO_SHARD is not supported (FSDP passed no output shard)")
+    unit.owner._run(unit, padded_grad, output)
+
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _RSBase
+except ImportError:  # pragma: no cover - older torch without custom comms
+    _RSBase = object  # type: ignore[assignment,misc]
+
+
+class _FSDP2Comm(_RSBase):  # type: ignore[misc,valid-type]
+    """FSDP2 custom reduce-scatter: one object per FSDPModule, i.e. per unit."""
+
+    def __init__(self, unit: _Unit) -> None:
+        self.unit = unit
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: Any, op: Any = None, async_op: bool = False) -> None:
+        if op is not None and op != dist.ReduceOp.SUM:
+            raise RuntimeError(f"TAGC: FSDP2 asked for reduce op {op}; register() forces "
+                               "SUM (set_force_sum_reduction_for_comms) and owns the averaging")
+        self.unit.group = group
+        self.unit.owner._run(self.unit, input_tensor, output_tensor)
+        return None
+
+
+def _module_names(model: nn.Module) -> Dict[int, str]:
+    return {id(m): _clean_name(n) for n, m in model.named_modules()}
+
+
+def _unit_params(cfg: TAGCConfig, names: Dict[int, str],
+                 infos: List[Tuple[nn.Module, str, torch.Tensor, int]]) -> Tuple[int, int]:
+    total = sel = 0
+    for mod, pname, p, numel in infos:
+        total += numel
+        if select_parameter(cfg, names.get(id(mod), ""), mod, pname, p):
+            sel += numel
+    return total, sel
+
+
+def _register_fsdp1(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    if not model.check_is_root():
+        raise ValueError("register: pass the root FSDP module (FSDP1 hooks are root-only)")
+    state = TAGCState(cfg, "fsdp1")
+    names = _module_names(model)
+    fsdp_mods = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDP)]
+    for name, m in fsdp_mods:
+        if m._comm_hook is not None:
+            raise RuntimeError(f"register: a communication hook is already registered on "
+                               f"{name or '<root>'!r} (TAGC registered twice?)")
+        strat = m.sharding_strategy
+        if strat in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+            raise ValueError(f"register: sharding strategy {strat.name} is not supported "
+                             "(FSDP1 comm hooks cannot run hybrid sharding); use FULL_SHARD "
+                             "or SHARD_GRAD_OP")
+        if strat == ShardingStrategy.NO_SHARD:
+            raise ValueError("register: sharding strategy NO_SHARD is not supported (it is "
+                             "data parallel without sharding; use DDP and its comm hooks)")
+    group = model.process_group
+    state.world_size = dist.get_world_size(group)
+    state.rank = dist.get_rank(group)
+    index = 0
+    owned: List[Tuple[nn.Module, _Unit]] = []
+    for name, m in fsdp_mods:
+        handle = m._handle
+        if handle is None:
+            continue
+        fp = handle.flat_param
+        infos = []
+        for pi, numel, shape in zip(fp._param_infos, fp._numels, fp._shapes):
+            p = getattr(pi.module, pi.param_name, None)
+            if not isinstance(p, torch.Tensor) or p.numel() != numel:
+                # use_orig_params=False removed the original; describe it by shape
+                p = torch.empty(shape, dtype=fp.dtype, device="meta")
+            infos.append((pi.module, pi.param_name, p, numel))
+        total, sel = _unit_params(cfg, names, infos)
+        unit = _Unit(state, _clean_name(name) or "<root>", index, int(total), sel,
+                     compressed=sel > 0 and 2 * sel >= total, group=m.process_group,
+                     pre=float(m._gradient_predivide_factor),
+                     post=float(m._gradient_postdivide_factor))
+        index += 1
+        state.units.append(unit)
+        owned.append((m, unit))
+    _check_agreement(state, group)
+    model.register_comm_hook(owned[0][1] if owned else None, _fsdp1_hook)
+    # register_comm_hook gave every unit the same state; give each its own so
+    # residuals follow the unit, never numel or call order.
+    for m, unit in owned:
+        m._comm_hook_state = unit
+    _log_units(state)
+    return state
+
+
+def _register_fsdp2(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    state = TAGCState(cfg, "fsdp2")
+    names = _module_names(model)
+    mods = []
+    for name, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        fstate = m._get_fsdp_state()
+        groups = list(getattr(fstate, "_fsdp_param_groups", []))
+        if not groups:
+            continue
+        if len(groups) > 1:
+            raise ValueError(f"register: FSDP2 module {name!r} has several parameter groups "
+                             "(per-parameter meshes); TAGC needs one per module")
+        pg = groups[0]
+        if isinstance(pg.mesh_info, HSDPMeshInfo):
+            raise ValueError("register: HSDP (2-D mesh, replicate + shard) is not supported; "
+                             "use a 1-D mesh")
+        if isinstance(pg._reduce_scatter_comm, _FSDP2Comm):
+            raise RuntimeError(f"register: TAGC is already registered on {name or '<root>'!r}")
+        mods.append((name, m, pg))
+    if not mods:
+        raise TypeError("register: the model has no fully_shard-ed module with parameters")
+    group = mods[0][2].mesh_info.shard_process_group
+    state.world_size = dist.get_world_size(group)
+    state.rank = dist.get_rank(group)
+    for index, (name, m, pg) in enumerate(mods):
+        infos = [(fp._module_info.module, fp._module_info.param_name,
+                  getattr(fp._module_info.module, fp._module_info.param_name),
+                  int(fp._orig_size.numel())) for fp in pg.fsdp_params]
+        total, sel = _unit_params(cfg, names, infos)
+        factor = pg.gradient_divide_factor
+        divisor = float(factor) if factor is not None else float(state.world_size)
+        unit = _Unit(state, _clean_name(name) or "<root>", index, int(total), sel,
+                     compressed=sel > 0 and 2 * sel >= total,
+                     group=pg.mesh_info.shard_process_group, pre=1.0, post=divisor)
+        state.units.append(unit)
+    _check_agreement(state, group)
+    for (name, m, pg), unit in zip(mods, state.units):
+        m.set_custom_reduce_scatter(_FSDP2Comm(unit))
+        # The comm receives the plain SUM and does the averaging itself.
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
+    _log_units(state)
+    return state
+
+
+def _check_agreement(state: TAGCState, group: Any) -> None:
+    """Every rank must hold the same config and unit layout; raise on all ranks if not."""
+    mine = {"config": state.cfg.to_dict(), "world_size": state.world_size,
+            "units": [(u.name, u.numel, u.compressed) for u in state.units]}
+    gathered: List[Any] = [None] * state.world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    bad = [r for r, g in enumerate(gathered) if g != gathered[0]]
+    if bad:
+        diff = []
+        for r in bad:
+            g = gathered[r]
+            keys = [k for k in g["config"] if g["config"].get(k) != gathered[0]["config"].get(k)]
+            diff.append(f"rank {r}: config fields {keys}"
+                        + ("" if g["units"] == gathered[0]["units"] else ", unit layout"))
+        raise ValueError("register: TAGC config or FSDP unit layout differs between ranks "
+                         f"(compared with rank 0): {'; '.join(diff)}")
+
+
+def _log_units(state: TAGCState) -> None:
+    for u in state.units:
+        if u.compressed and u.selected_numel < u.numel:
+            logger.info("TAGC unit %r: %d of %d elements selected; the whole unit is "
+                        "compressed (use fsdp1_auto_wrap_policy/shard_model to separate)",
+                        u.name, u.selected_numel, u.numel)
+    logger.info("TAGC registered (%s, mode=%s): %d units, %d compressed", state.kind,
+                state.cfg.mode, len(state.units), sum(u.compressed for u in state.units))
+
+
+def register(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
+    """Make an FSDP model's gradient reduce-scatter use TAGC.
+
+    Args:
+        model: an FSDP1 root (``FullyShardedDataParallel``) or an FSDP2 model
+            (``fully_shard``-ed root or containing ``fully_shard``-ed modules).
+            Register before the first backward, once.
+        cfg: the config; must be identical on every rank (checked).
+    Returns:
+        the :class:`TAGCState` (stats, checkpoints).
+    Raises:
+        TypeError: not an FSDP model, or ``cfg`` not a TAGCConfig.
+        ValueError: unsupported sharding strategy, configs differ between ranks.
+        RuntimeError: registered twice.
+    """
+    if not isinstance(cfg, TAGCConfig):
+        raise TypeError(f"register: cfg must be a TAGCConfig, got {type(cfg).__name__}")
+    if cfg.mode != "dense":
+        _require_codec()
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("register: torch.distributed is not initialized")
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):
+        return _register_fsdp1(model, cfg)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        FSDPModule = ()  # type: ignore[assignment]
+    if FSDPModule and any(isinstance(m, FSDPModule) for m in model.modules()):
+        return _register_fsdp2(model, cfg)
+    if any(isinstance(m, FSDP) for m in model.modules()):
+        raise TypeError("register: pass the root FullyShardedDataParallel module")
+    raise TypeError(f"register: {type(model).__name__} is not an FSDP model (wrap it with "
+                    "FullyShardedDataParallel or torch.distributed.fsdp.fully_shard first)")
