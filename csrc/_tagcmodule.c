@@ -1,0 +1,858 @@
+/*
+ * _tagcmodule.c - the CPython module `_tagc`: argument checks and DLPack views
+ * over the C codec of tagc.h.  Contract: docs/module-api.md.
+ *
+ * Every tensor argument is read through its legacy DLPack capsule, checked
+ * (dtype, device, contiguity, size) before any memory is touched, and kept
+ * alive by holding the capsule until the call returns.  The capsule is never
+ * consumed, so its own destructor releases the producer's tensor.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+
+#include "dlpack_min.h"
+#include "tagc.h"
+#include "tagc_portable.h"
+
+typedef struct {
+    PyObject *nonfinite_error;
+} mod_state;
+
+static mod_state *get_state(PyObject *module)
+{
+    return (mod_state *)PyModule_GetState(module);
+}
+
+/* ---- dtypes and views ------------------------------------------------- */
+
+enum { K_F32 = 1, K_BF16 = 2, K_U8 = 4, K_I32 = 8, K_I64 = 16 };
+enum { DEV_CPU = 0, DEV_CUDA = 1 };
+
+static const char *kind_name(unsigned k)
+{
+    switch (k) {
+    case K_F32: return "float32";
+    case K_BF16: return "bfloat16";
+    case K_U8: return "uint8";
+    case K_I32: return "int32";
+    case K_I64: return "int64";
+    }
+    return "?";
+}
+
+static unsigned dl_kind(tagc_dl_dtype d)
+{
+    if (d.lanes != 1)
+        return 0;
+    if (d.code == TAGC_DL_FLOAT && d.bits == 32) return K_F32;
+    if (d.code == TAGC_DL_BFLOAT && d.bits == 16) return K_BF16;
+    if (d.code == TAGC_DL_UINT && d.bits == 8) return K_U8;
+    if (d.code == TAGC_DL_INT && d.bits == 32) return K_I32;
+    if (d.code == TAGC_DL_INT && d.bits == 64) return K_I64;
+    return 0;
+}
+
+static tagc_dtype codec_dtype(unsigned kind)
+{
+    return kind == K_BF16 ? TAGC_BF16 : TAGC_F32;
+}
+
+typedef struct {
+    PyObject *capsule; /* owned; NULL when the argument was None */
+    const char *name;
+    void *data;
+    int64_t numel;
+    unsigned kind;
+    int device;
+    int device_id;
+} view_t;
+
+#define MAX_VIEWS 6
+
+typedef struct {
+    view_t v[MAX_VIEWS];
+    int n;
+    const char *fn;
+} views_t;
+
+static void views_release(views_t *vs)
+{
+    for (int i = 0; i < vs->n; i++)
+        Py_CLEAR(vs->v[i].capsule);
+    vs->n = 0;
+}
+
+static void allowed_names(unsigned allowed, char *buf, size_t cap)
+{
+    buf[0] = '\0';
+    for (unsigned k = 1; k <= K_I64; k <<= 1) {
+        if (!(allowed & k))
+            continue;
+        if (buf[0])
+            strncat(buf, " or ", cap - strlen(buf) - 1);
+        strncat(buf, kind_name(k), cap - strlen(buf) - 1);
+    }
+}
+
+/* Exports obj through DLPack and checks everything about it but its size.
+ * Returns NULL with TypeError/ValueError naming the argument on failure. */
+static view_t *view_take(views_t *vs, PyObject *obj, const char *name,
+                         unsigned allowed)
+{
+    if (vs->n >= MAX_VIEWS) {
+        PyErr_SetString(PyExc_SystemError, "_tagc: too many tensor arguments");
+        return NULL;
+    }
+    if (!PyObject_HasAttrString(obj, "__dlpack__")) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' must be a tensor (an object with __dlpack__), "
+                     "not %.100s", vs->fn, name, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
+    if (rg == NULL) {
+        PyErr_Clear();
+    } else {
+        int yes = PyObject_IsTrue(rg);
+        Py_DECREF(rg);
+        if (yes < 0)
+            return NULL;
+        if (yes) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: argument '%s' requires grad; pass tensor.detach()",
+                         vs->fn, name);
+            return NULL;
+        }
+    }
+    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    if (cap == NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *msg = value ? PyObject_Str(value) : NULL;
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' cannot be exported with DLPack "
+                     "(unsupported device or layout?): %S",
+                     vs->fn, name, msg ? msg : Py_None);
+        Py_XDECREF(msg);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    view_t *v = &vs->v[vs->n];
+    memset(v, 0, sizeof *v);
+    v->capsule = cap;
+    v->name = name;
+    vs->n++;
+    if (!PyCapsule_IsValid(cap, "dltensor")) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s': __dlpack__ did not return a 'dltensor' capsule",
+                     vs->fn, name);
+        return NULL;
+    }
+    tagc_dl_managed *mt = PyCapsule_GetPointer(cap, "dltensor");
+    if (mt == NULL)
+        return NULL;
+    const tagc_dl_tensor *t = &mt->dl_tensor;
+
+    v->kind = dl_kind(t->dtype);
+    if (!(v->kind & allowed)) {
+        char want[96];
+        allowed_names(allowed, want, sizeof want);
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' must be %s, got DLPack dtype (code %d, %d bits, %d lanes)",
+                     vs->fn, name, want, t->dtype.code, t->dtype.bits, t->dtype.lanes);
+        return NULL;
+    }
+    switch (t->device.device_type) {
+    case TAGC_DL_CPU:
+    case TAGC_DL_CUDA_HOST:
+        v->device = DEV_CPU;
+        break;
+    case TAGC_DL_CUDA:
+    case TAGC_DL_CUDA_MANAGED:
+        v->device = DEV_CUDA;
+        break;
+    default:
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' is on an unsupported device (DLPack device type %d)",
+                     vs->fn, name, (int)t->device.device_type);
+        return NULL;
+    }
+    v->device_id = t->device.device_id;
+    if (t->ndim < 0 || (t->ndim > 0 && t->shape == NULL)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' has an invalid shape",
+                     vs->fn, name);
+        return NULL;
+    }
+    int64_t numel = 1;
+    for (int32_t d = 0; d < t->ndim; d++) {
+        if (t->shape[d] < 0 ||
+            (t->shape[d] > 0 && numel > INT64_MAX / t->shape[d])) {
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' has an invalid shape",
+                         vs->fn, name);
+            return NULL;
+        }
+        numel *= t->shape[d];
+    }
+    if (t->strides != NULL && numel > 1) {
+        int64_t expect = 1;
+        for (int32_t d = t->ndim - 1; d >= 0; d--) {
+            if (t->shape[d] != 1 && t->strides[d] != expect) {
+                PyErr_Format(PyExc_TypeError,
+                             "%s: argument '%s' must be contiguous (call .contiguous())",
+                             vs->fn, name);
+                return NULL;
+            }
+            expect *= t->shape[d];
+        }
+    }
+    v->numel = numel;
+    v->data = t->data == NULL ? NULL : (char *)t->data + t->byte_offset;
+    if (v->data == NULL && numel > 0) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' has no data", vs->fn, name);
+        return NULL;
+    }
+    return v;
+}
+
+/* Like view_take, but None gives an empty view (data NULL, numel 0). */
+static view_t *view_take_opt(views_t *vs, PyObject *obj, const char *name,
+                             unsigned allowed, int *present)
+{
+    *present = obj != NULL && obj != Py_None;
+    if (*present)
+        return view_take(vs, obj, name, allowed);
+    static view_t none; /* read-only placeholder */
+    return &none;
+}
+
+/* The one device of all tensor arguments.  Every entry point dispatches on
+ * it: a CUDA build adds `#ifdef TAGC_WITH_CUDA` branches calling the
+ * tagc_cuda_* launchers where the CPU kernel is called. */
+static int common_device(views_t *vs)
+{
+    if (vs->n == 0)
+        return DEV_CPU;
+    const view_t *a = &vs->v[0];
+    for (int i = 1; i < vs->n; i++) {
+        const view_t *b = &vs->v[i];
+        if (b->device != a->device || b->device_id != a->device_id) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: arguments '%s' and '%s' are on different devices",
+                         vs->fn, a->name, b->name);
+            return -1;
+        }
+    }
+#ifndef TAGC_WITH_CUDA
+    if (a->device == DEV_CUDA) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' is a CUDA tensor, but _tagc was built "
+                     "without CUDA kernels (CPU tensors only)", vs->fn, a->name);
+        return -1;
+    }
+#endif
+    return a->device;
+}
+
+static int need_size(views_t *vs, const view_t *v, int64_t need, int exact,
+                     const char *what)
+{
+    if (exact ? v->numel != need : v->numel < need) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s' has %lld elements, needs %s%lld (%s)",
+                     vs->fn, v->name, (long long)v->numel, exact ? "" : "at least ",
+                     (long long)need, what);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- scalar arguments -------------------------------------------------- */
+
+/* o as a Python int (new reference); bools and floats are refused. */
+static PyObject *int_arg(const char *fn, PyObject *o, const char *name)
+{
+    if (PyBool_Check(o) || !PyIndex_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int, not %.100s",
+                     fn, name, Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    return PyNumber_Index(o);
+}
+
+static int arg_i64(const char *fn, PyObject *o, const char *name, int64_t *out)
+{
+    PyObject *i = int_arg(fn, o, name);
+    if (i == NULL)
+        return -1;
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(i, &overflow);
+    Py_DECREF(i);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' is out of range", fn, name);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static int arg_range(const char *fn, PyObject *o, const char *name,
+                     int64_t lo, int64_t hi, int64_t *out)
+{
+    if (arg_i64(fn, o, name, out) < 0)
+        return -1;
+    if (*out < lo || *out > hi) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be in [%lld, %lld], got %lld",
+                     fn, name, (long long)lo, (long long)hi, (long long)*out);
+        return -1;
+    }
+    return 0;
+}
+
+static int arg_u64(const char *fn, PyObject *o, const char *name, uint64_t *out)
+{
+    PyObject *i = int_arg(fn, o, name);
+    if (i == NULL)
+        return -1;
+    PyObject *zero = PyLong_FromLong(0);
+    int neg = zero == NULL ? -1 : PyObject_RichCompareBool(i, zero, Py_LT);
+    Py_XDECREF(zero);
+    unsigned long long x = neg ? 0 : PyLong_AsUnsignedLongLong(i);
+    Py_DECREF(i);
+    if (neg < 0)
+        return -1;
+    if (neg || (x == (unsigned long long)-1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be in [0, 2**64)", fn, name);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static int arg_stream(const char *fn, PyObject *o)
+{
+    int64_t s;
+    return o == NULL || o == Py_None ? 0 : arg_i64(fn, o, "stream", &s);
+}
+
+/* value_dtype: torch.float32 / torch.bfloat16 compared by name, so the module
+ * never imports torch. */
+static int arg_value_dtype(const char *fn, PyObject *o, tagc_dtype *out)
+{
+    PyObject *s = PyObject_Str(o);
+    if (s == NULL)
+        return -1;
+    const char *c = PyUnicode_AsUTF8(s);
+    int ok = 1;
+    if (c == NULL)
+        ok = -1;
+    else if (!strcmp(c, "torch.float32") || !strcmp(c, "float32"))
+        *out = TAGC_F32;
+    else if (!strcmp(c, "torch.bfloat16") || !strcmp(c, "bfloat16"))
+        *out = TAGC_BF16;
+    else
+        ok = 0;
+    Py_DECREF(s);
+    if (ok == 0)
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument 'value_dtype' must be torch.float32 or torch.bfloat16, got %R",
+                     fn, o);
+    return ok == 1 ? 0 : -1;
+}
+
+/* ---- status -> exception ----------------------------------------------- */
+
+static PyObject *raise_status(PyObject *module, const char *fn, tagc_status st,
+                              const char *detail)
+{
+    PyObject *exc;
+    switch (st) {
+    case TAGC_ERR_NONFINITE: exc = get_state(module)->nonfinite_error; break;
+    case TAGC_ERR_DTYPE: exc = PyExc_TypeError; break;
+    case TAGC_ERR_NOMEM: exc = PyExc_MemoryError; break;
+    case TAGC_ERR_CUDA: exc = PyExc_RuntimeError; break;
+    default: exc = PyExc_ValueError; break;
+    }
+    PyErr_Format(exc, "%s: %s%s%s", fn, tagc_status_str(st), detail ? ": " : "",
+                 detail ? detail : "");
+    return NULL;
+}
+
+/* Writes a scalar result to a 1-element `out` tensor, or returns it. */
+static PyObject *scalar_result(view_t *out, int present, double f, int64_t i)
+{
+    if (!present)
+        return out->kind == K_I64 ? PyLong_FromLongLong(i) : PyFloat_FromDouble(f);
+    if (out->kind == K_I64)
+        *(int64_t *)out->data = i;
+    else
+        *(float *)out->data = (float)f;
+    Py_RETURN_NONE;
+}
+
+#define BEGIN(fname)                \
+    views_t vs_;                    \
+    vs_.n = 0;                      \
+    vs_.fn = "_tagc." fname;        \
+    const char *fn = vs_.fn;        \
+    PyObject *ret = NULL;           \
+    tagc_status st = TAGC_OK;       \
+    (void)st
+#define TAKE(var, obj, name, allowed)                          \
+    view_t *var = view_take(&vs_, obj, name, allowed);         \
+    if (var == NULL)                                           \
+        goto done
+#define TAKE_OPT(var, present, obj, name, allowed)                        \
+    int present;                                                          \
+    view_t *var = view_take_opt(&vs_, obj, name, allowed, &present);      \
+    if (var == NULL)                                                      \
+        goto done
+#define CHECK(expr)     \
+    if ((expr) < 0)     \
+        goto done
+#define RUN(call)                   \
+    Py_BEGIN_ALLOW_THREADS          \
+    st = (call);                    \
+    Py_END_ALLOW_THREADS
+
+static int scalar_out_ok(views_t *vs, view_t *out, int present)
+{
+    return present ? need_size(vs, out, 1, 1, "a 1-element result tensor") : 0;
+}
+
+/* ---- entry points ------------------------------------------------------ */
+
+static PyObject *py_seed_derive(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"seed", "unit", "step", NULL};
+    PyObject *a, *b, *c;
+    const char *fn = "_tagc.seed_derive";
+    uint64_t seed, unit, step;
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwl, &a, &b, &c) ||
+        arg_u64(fn, a, "seed", &seed) < 0 || arg_u64(fn, b, "unit", &unit) < 0 ||
+        arg_u64(fn, c, "step", &step) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(tagc_seed_derive(seed, unit, step));
+}
+
+static PyObject *py_select_kth(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"x", "k", "out", "stream", NULL};
+    PyObject *ox, *ok, *oout = NULL, *ostream = NULL;
+    BEGIN("select_kth");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO", kwl, &ox, &ok, &oout, &ostream))
+        return NULL;
+    CHECK(arg_stream(fn, ostream));
+    TAKE(x, ox, "x", K_F32 | K_BF16);
+    TAKE_OPT(out, has_out, oout, "out", K_F32);
+    int64_t k;
+    CHECK(arg_range(fn, ok, "k", 0, x->numel, &k));
+    CHECK(scalar_out_ok(&vs_, out, has_out));
+    if (x->numel > TAGC_MAX_N) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'x' has more than 2**31-1 elements", fn);
+        goto done;
+    }
+    CHECK(common_device(&vs_));
+    float tau = 0;
+    RUN(tagc_select_kth(&tau, x->data, codec_dtype(x->kind), x->numel, k));
+    if (st != TAGC_OK) {
+        raise_status(m, fn, st, st == TAGC_ERR_NONFINITE ? "x holds NaN or Inf" : NULL);
+        goto done;
+    }
+    ret = scalar_result(out, has_out, tau, 0);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+static PyObject *py_sparsify(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"idx", "val", "bitmap", "residual", "grad", "k",
+                          "out", "stream", NULL};
+    PyObject *oidx, *oval, *obm, *ores, *ograd, *ok, *oout = NULL, *ostream = NULL;
+    BEGIN("sparsify");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$OO", kwl, &oidx, &oval, &obm,
+                                     &ores, &ograd, &ok, &oout, &ostream))
+        return NULL;
+    CHECK(arg_stream(fn, ostream));
+    TAKE(idx, oidx, "idx", K_I32);
+    TAKE(val, oval, "val", K_F32 | K_BF16);
+    TAKE(bitmap, obm, "bitmap", K_U8);
+    TAKE_OPT(res, has_res, ores, "residual", K_F32 | K_BF16);
+    TAKE(grad, ograd, "grad", K_F32 | K_BF16);
+    TAKE_OPT(out, has_out, oout, "out", K_F32);
+    int64_t n = grad->numel, k;
+    if (n > TAGC_MAX_N) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'grad' has more than 2**31-1 elements", fn);
+        goto done;
+    }
+    CHECK(arg_range(fn, ok, "k", 0, n, &k));
+    CHECK(need_size(&vs_, idx, k, 0, "k"));
+    CHECK(need_size(&vs_, val, k, 0, "k"));
+    CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(grad.numel() / 8)"));
+    if (has_res)
+        CHECK(need_size(&vs_, res, n, 1, "grad.numel()"));
+    CHECK(scalar_out_ok(&vs_, out, has_out));
+    CHECK(common_device(&vs_));
+    float tau = 0;
+    RUN(tagc_sparsify(idx->data, idx->numel, val->data, codec_dtype(val->kind), val->numel,
+                      bitmap->data, bitmap->numel,
+                      has_res ? res->data : NULL, codec_dtype(res->kind),
+                      grad->data, codec_dtype(grad->kind), n, k, &tau));
+    if (st != TAGC_OK) {
+        raise_status(m, fn, st, st == TAGC_ERR_NONFINITE
+                                    ? "grad + residual holds NaN or Inf (nothing written)"
+                                    : NULL);
+        goto done;
+    }
+    ret = scalar_result(out, has_out, tau, 0);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+static int check_bits(const char *fn, int64_t bits)
+{
+    if (bits != 1 && bits != 2 && bits != 4 && bits != 8) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'bits' must be 1, 2, 4 or 8, got %lld",
+                     fn, (long long)bits);
+        return -1;
+    }
+    return 0;
+}
+
+/* lanes_pack and lanes_unpack: same checks, arguments in mirrored order. */
+static PyObject *lanes_common(PyObject *m, PyObject *args, PyObject *kw, int unpack)
+{
+    static char *kw_pack[] = {"lanes", "bitmap", "n", "bits", "stream", NULL};
+    static char *kw_unpack[] = {"bitmap", "lanes", "n", "bits", "stream", NULL};
+    PyObject *o1, *o2, *on, *obits, *ostream = NULL;
+    BEGIN("lanes_pack");
+    if (unpack)
+        vs_.fn = fn = "_tagc.lanes_unpack";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$O", unpack ? kw_unpack : kw_pack,
+                                     &o1, &o2, &on, &obits, &ostream))
+        return NULL;
+    CHECK(arg_stream(fn, ostream));
+    TAKE(first, o1, unpack ? "bitmap" : "lanes", K_U8);
+    TAKE(second, o2, unpack ? "lanes" : "bitmap", K_U8);
+    view_t *lanes = unpack ? second : first, *bitmap = unpack ? first : second;
+    int64_t n, bits;
+    CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
+    CHECK(arg_i64(fn, obits, "bits", &bits));
+    CHECK(check_bits(fn, bits));
+    CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(n / 8)"));
+    CHECK(need_size(&vs_, lanes, tagc_lane_bytes(n, (int)bits), 0, "ceil(n * bits / 8)"));
+    CHECK(common_device(&vs_));
+    if (unpack) {
+        RUN(tagc_lanes_unpack(bitmap->data, bitmap->numel, lanes->data, lanes->numel, n,
+                              (int)bits));
+    } else {
+        RUN(tagc_lanes_pack(lanes->data, lanes->numel, bitmap->data, n, (int)bits));
+    }
+    ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(m, fn, st, NULL);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+static PyObject *py_lanes_pack(PyObject *m, PyObject *args, PyObject *kw)
+{
+    return lanes_common(m, args, kw, 0);
+}
+
+static PyObject *py_lanes_unpack(PyObject *m, PyObject *args, PyObject *kw)
+{
+    return lanes_common(m, args, kw, 1);
+}
+
+static PyObject *py_bitmap_or(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"dst", "src", "count", "stream", NULL};
+    PyObject *odst, *osrc, *ocount, *ostream = NULL;
+    BEGIN("bitmap_or");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$O", kwl, &odst, &osrc, &ocount,
+                                     &ostream))
+        return NULL;
+    CHECK(arg_stream(fn, ostream));
+    TAKE(dst, odst, "dst", K_U8);
+    TAKE(src, osrc, "src", K_U8);
+    int64_t count;
+    CHECK(arg_range(fn, ocount, "count", 1, INT64_MAX, &count));
+    if (src->numel % count != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument 'src' has %lld elements, not a multiple of count=%lld",
+                     fn, (long long)src->numel, (long long)count);
+        goto done;
+    }
+    int64_t nbytes = src->numel / count;
+    CHECK(need_size(&vs_, dst, nbytes, 0, "src.numel() // count"));
+    CHECK(common_device(&vs_));
+    RUN(tagc_bitmap_or(dst->data, dst->numel, src->data, nbytes, count));
+    ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(m, fn, st, NULL);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+static PyObject *py_popcount(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"bitmap", "n", "out", "stream", NULL};
+    PyObject *obm, *on, *oout = NULL, *ostream = NULL;
+    BEGIN("popcount");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO", kwl, &obm, &on, &oout, &ostream))
+        return NULL;
+    CHECK(arg_stream(fn, ostream));
+    TAKE(bitmap, obm, "bitmap", K_U8);
+    TAKE_OPT(out, has_out, oout, "out", K_I64);
+    int64_t n, count = 0;
+    CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
+    CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(n / 8)"));
+    CHECK(scalar_out_ok(&vs_, out, has_out));
+    CHECK(common_device(&vs_));
+    RUN(tagc_popcount(&count, bitmap->data, n));
+    if (st != TAGC_OK) {
+        raise_status(m, fn, st, NULL);
+        goto done;
+    }
+    out->kind = has_out ? out->kind : K_I64;
+    ret = scalar_result(out, has_out, 0, count);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+#define T_MAX (((int64_t)1 << 32) - 1)
+
+static PyObject *py_sketch_encode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"sketch", "idx", "val", "n", "t", "seed", "stream", NULL};
+    PyObject *osk, *oidx, *oval, *on, *ot, *oseed, *ostream = NULL;
+    BEGIN("sketch_encode");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$O", kwl, &osk, &oidx, &oval, &on,
+                                     &ot, &oseed, &ostream))
+        return NULL;
+    CHECK(arg_stream(fn, ostream));
+    TAKE(sk, osk, "sketch", K_F32 | K_BF16);
+    TAKE(idx, oidx, "idx", K_I32);
+    TAKE(val, oval, "val", K_F32 | K_BF16);
+    int64_t n, t;
+    uint64_t seed;
+    CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
+    CHECK(arg_range(fn, ot, "t", 1, T_MAX, &t));
+    CHECK(arg_u64(fn, oseed, "seed", &seed));
+    CHECK(need_size(&vs_, val, idx->numel, 1, "idx.numel()"));
+    CHECK(need_size(&vs_, sk, 3 * t, 0, "3 * t"));
+    CHECK(common_device(&vs_));
+    RUN(tagc_sketch_encode(sk->data, codec_dtype(sk->kind), sk->numel, idx->data,
+                           val->data, codec_dtype(val->kind), idx->numel, n, t, seed));
+    ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None)
+                        : raise_status(m, fn, st, st == TAGC_ERR_RANGE
+                                                      ? "idx holds a position outside [0, n)"
+                                                      : NULL);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+static PyObject *py_peel_decode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"out", "sketch", "bitmap", "n", "t", "seed", "unpeeled",
+                          "estimate", "count_out", "stream", NULL};
+    PyObject *oout, *osk, *obm, *on, *ot, *oseed, *ounp = NULL, *oest = NULL,
+             *ocnt = NULL, *ostream = NULL;
+    BEGIN("peel_decode");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$OOOO", kwl, &oout, &osk, &obm,
+                                     &on, &ot, &oseed, &ounp, &oest, &ocnt, &ostream))
+        return NULL;
+    CHECK(arg_stream(fn, ostream));
+    TAKE(out, oout, "out", K_F32);
+    TAKE(sk, osk, "sketch", K_F32 | K_BF16);
+    TAKE(bitmap, obm, "bitmap", K_U8);
+    TAKE_OPT(unp, has_unp, ounp, "unpeeled", K_I32);
+    TAKE_OPT(cnt, has_cnt, ocnt, "count_out", K_I64);
+    int64_t n, t;
+    uint64_t seed;
+    int estimate = 1;
+    CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
+    CHECK(arg_range(fn, ot, "t", 1, T_MAX, &t));
+    CHECK(arg_u64(fn, oseed, "seed", &seed));
+    if (oest != NULL && (estimate = PyObject_IsTrue(oest)) < 0)
+        goto done;
+    CHECK(need_size(&vs_, out, n, 0, "n"));
+    CHECK(need_size(&vs_, sk, 3 * t, 0, "3 * t"));
+    CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(n / 8)"));
+    CHECK(scalar_out_ok(&vs_, cnt, has_cnt));
+    CHECK(common_device(&vs_));
+    int64_t left = 0;
+    RUN(tagc_peel_decode(out->data, out->numel, has_unp ? unp->data : NULL,
+                         has_unp ? unp->numel : 0, &left, sk->data, codec_dtype(sk->kind),
+                         bitmap->data, n, t, seed, estimate));
+    if (st != TAGC_OK) {
+        raise_status(m, fn, st, NULL);
+        goto done;
+    }
+    cnt->kind = has_cnt ? cnt->kind : K_I64;
+    ret = scalar_result(cnt, has_cnt, 0, left);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+static PyObject *py_sparse_pack(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"buf", "idx", "val", "stream", NULL};
+    PyObject *obuf, *oidx, *oval, *ostream = NULL;
+    BEGIN("sparse_pack");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$O", kwl, &obuf, &oidx, &oval, &ostream))
+        return NULL;
+    CHECK(arg_stream(fn, ostream));
+    TAKE(buf, obuf, "buf", K_U8);
+    TAKE(idx, oidx, "idx", K_I32);
+    TAKE(val, oval, "val", K_F32 | K_BF16);
+    int64_t k = idx->numel;
+    tagc_dtype vd = codec_dtype(val->kind);
+    CHECK(need_size(&vs_, val, k, 1, "idx.numel()"));
+    CHECK(need_size(&vs_, buf, k * (int64_t)(4 + tagc_dtype_size(vd)), 0,
+                    "k * (4 + value size)"));
+    CHECK(common_device(&vs_));
+    RUN(tagc_sparse_pack(buf->data, buf->numel, idx->data, val->data, vd, k));
+    ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(m, fn, st, NULL);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"out", "buf", "k", "value_dtype", "stream", NULL};
+    PyObject *oout, *obuf, *ok, *odt, *ostream = NULL;
+    BEGIN("sparse_unpack");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$O", kwl, &oout, &obuf, &ok, &odt,
+                                     &ostream))
+        return NULL;
+    CHECK(arg_stream(fn, ostream));
+    TAKE(out, oout, "out", K_F32);
+    TAKE(buf, obuf, "buf", K_U8);
+    int64_t k;
+    tagc_dtype vd;
+    CHECK(arg_value_dtype(fn, odt, &vd));
+    CHECK(arg_range(fn, ok, "k", 0, INT64_MAX / 8, &k));
+    if (out->numel > TAGC_MAX_N) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'out' has more than 2**31-1 elements", fn);
+        goto done;
+    }
+    CHECK(need_size(&vs_, buf, k * (int64_t)(4 + tagc_dtype_size(vd)), 1,
+                    "k * (4 + value size)"));
+    CHECK(common_device(&vs_));
+    RUN(tagc_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd));
+    ret = st == TAGC_OK
+              ? (Py_INCREF(Py_None), Py_None)
+              : raise_status(m, fn, st, st == TAGC_ERR_CORRUPT
+                                            ? "buf holds an offset outside [0, out.numel()) "
+                                              "(out untouched)"
+                                            : NULL);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+static PyObject *py_cuda_available(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+#ifdef TAGC_WITH_CUDA
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
+#define KW(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, \
+                       METH_VARARGS | METH_KEYWORDS, doc}
+
+static PyMethodDef methods[] = {
+    KW(seed_derive, "seed_derive(seed, unit, step) -> int: per-call sketch seed."),
+    KW(select_kth, "select_kth(x, k, *, out=None, stream=0) -> float: k-th largest |x|."),
+    KW(sparsify, "sparsify(idx, val, bitmap, residual, grad, k, *, out=None, stream=0)"
+                 " -> float: fused error feedback + exact top-k; returns the threshold."),
+    KW(lanes_pack, "lanes_pack(lanes, bitmap, n, bits, *, stream=0): bitmap -> lanes."),
+    KW(lanes_unpack, "lanes_unpack(bitmap, lanes, n, bits, *, stream=0): lanes -> bitmap."),
+    KW(bitmap_or, "bitmap_or(dst, src, count, *, stream=0): OR of count bitmaps."),
+    KW(popcount, "popcount(bitmap, n, *, out=None, stream=0) -> int: set bits among n."),
+    KW(sketch_encode, "sketch_encode(sketch, idx, val, n, t, seed, *, stream=0):"
+                      " count sketch of 3t buckets."),
+    KW(peel_decode, "peel_decode(out, sketch, bitmap, n, t, seed, *, unpeeled=None,"
+                    " estimate=True, count_out=None, stream=0) -> int: unpeeled count."),
+    KW(sparse_pack, "sparse_pack(buf, idx, val, *, stream=0): (offset, value) wire format."),
+    KW(sparse_unpack, "sparse_unpack(out, buf, k, value_dtype, *, stream=0): scatter-add."),
+    {"cuda_available", py_cuda_available, METH_NOARGS,
+     "cuda_available() -> bool: built with the CUDA kernels."},
+    {NULL, NULL, 0, NULL}
+};
+
+static int mod_exec(PyObject *module)
+{
+    mod_state *s = get_state(module);
+    s->nonfinite_error = PyErr_NewExceptionWithDoc(
+        "_tagc.NonFiniteError",
+        "grad + residual holds NaN or Inf; nothing was written.",
+        PyExc_ValueError, NULL);
+    if (s->nonfinite_error == NULL)
+        return -1;
+    if (PyModule_AddObjectRef(module, "NonFiniteError", s->nonfinite_error) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(module, "MAX_N", (long)TAGC_MAX_N) < 0 ||
+        PyModule_AddIntConstant(module, "TABLES", TAGC_TABLES) < 0)
+        return -1;
+    return 0;
+}
+
+static int mod_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    mod_state *s = get_state(module);
+    Py_VISIT(s->nonfinite_error);
+    return 0;
+}
+
+static int mod_clear(PyObject *module)
+{
+    mod_state *s = get_state(module);
+    Py_CLEAR(s->nonfinite_error);
+    return 0;
+}
+
+static void mod_free(void *module)
+{
+    mod_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, mod_exec},
+    {0, NULL}
+};
+
+static struct PyModuleDef moddef = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_tagc",
+    .m_doc = "TAGC gradient codec (C kernels of csrc/tagc.h); see docs/module-api.md.",
+    .m_size = sizeof(mod_state),
+    .m_methods = methods,
+    .m_slots = slots,
+    .m_traverse = mod_traverse,
+    .m_clear = mod_clear,
+    .m_free = mod_free,
+};
+
+PyMODINIT_FUNC PyInit__tagc(void)
+{
+    return PyModuleDef_Init(&moddef);
+}
