@@ -1,0 +1,900 @@
+"""Train GPT-2 with PyTorch FSDP, with or without TAGC gradient compression.
+
+One process per device, launched by torchrun, on one node or several:
+
+    # tiny model, built-in offline corpus, 2 CPU processes (gloo), TAGC exact mode
+    torchrun --standalone --nproc_per_node 2 scripts/train_gpt2.py --tagc configs/tagc-exact.yaml
+    # baseline (plain FSDP), FSDP2, gradient accumulation 4
+    torchrun --standalone --nproc_per_node 2 scripts/train_gpt2.py --fsdp 2 --grad_accum 4
+    # the paper's setup on GPUs, 2 nodes
+    torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
+        scripts/train_gpt2.py configs/train-gpt2.yaml --tagc configs/tagc-10x-1bit.yaml
+
+Settings come from the TrainConfig dataclass below, then an optional YAML file (a bare
+``.yaml`` argument or ``--config PATH``), then ``--key=value`` / ``--key value`` overrides,
+converted to the field's type; an unknown key raises.
+
+Checkpoints (``out_dir/ckpt``): model and optimizer through torch.distributed.checkpoint
+(sharded, any world size could read them), plus one ``rank{r}.pt`` per rank written with
+torch.save holding that rank's TAGC state (residuals, step counter, seeds) and RNG state,
+and ``train_state.json`` (iteration, world size, config) written last by rank 0.
+``--init_from=resume`` continues bit-exactly on CPU (batches and learning rate are pure
+functions of the iteration number).
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+import typing
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt2_data beside this file
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tagc_hook at repo root
+import gpt2_data  # noqa: E402
+
+logger = logging.getLogger("train_gpt2")
+
+# =============================================================================== model
+
+
+@dataclass
+class GPTConfig:
+    """GPT-2 architecture.
+
+    Attributes:
+        block_size: context length.
+        vocab_size: embedding rows (pad the tokenizer's vocabulary to a multiple of 64).
+        n_layer, n_head, n_embd: depth, heads, width.
+        dropout: dropout probability (0 keeps runs deterministic).
+        bias: biases in Linear and LayerNorm layers, as GPT-2.
+        tie_weights: share the token embedding with the LM head, as GPT-2 (124M). The
+            paper's ~162M model matches GPT-2 small with an untied head.
+    """
+
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name} must be positive")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError("dropout must be in [0, 1)")
+
+
+# name -> (n_layer, n_head, n_embd); 'tiny' trains in minutes on 2 CPU cores and still has
+# non-attention Linear layers of >= 2**16 weights, which TAGC's default policy compresses.
+MODEL_SIZES: Dict[str, Tuple[int, int, int]] = {
+    "tiny": (2, 4, 256),
+    "mini": (4, 4, 384),
+    "gpt2": (12, 12, 768),          # 124M
+    "gpt2-medium": (24, 16, 1024),  # 350M
+}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention; QKV projection (c_attn) is its own Linear."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """GPT-2 feed-forward block: c_fc (4x up), GELU, c_proj (down)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 language model (nanoGPT layout: transformer.{wte,wpe,h,ln_f}, lm_head)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Number of distinct parameters (a tied weight counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Logits for every position, and the mean cross-entropy if targets are given.
+
+        Args:
+            idx: (B, T) int64 token ids, T <= block_size.
+            targets: (B, T) int64 next-token ids, or None.
+
+        Returns:
+            (logits (B, T, vocab), loss or None).
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+def decayed_parameter_names(model: nn.Module) -> set:
+    """Names of the parameters that get weight decay: matrices and embeddings (dim >= 2).
+
+    Call on the unwrapped model: FSDP1 with use_orig_params shows sharded parameters as
+    1-D views, so their shape no longer tells.
+    """
+    return {name for name, p in model.named_parameters() if p.dim() >= 2}
+
+
+def _clean_fqn(name: str) -> str:
+    return ".".join(part for part in name.split(".")
+                    if part not in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
+
+
+def configure_optimizer(model: nn.Module, decayed: set, weight_decay: float, lr: float,
+                        betas: Tuple[float, float]) -> torch.optim.AdamW:
+    """AdamW with weight decay on the `decayed` parameters only, as nanoGPT.
+
+    Args:
+        model: the (wrapped) model; FSDP1 must use use_orig_params=True.
+        decayed: names from decayed_parameter_names() of the unwrapped model.
+        weight_decay, lr, betas: AdamW settings.
+
+    Returns:
+        The optimizer.
+    """
+    groups: Tuple[List[nn.Parameter], List[nn.Parameter]] = ([], [])
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups[0 if _clean_fqn(name) in decayed else 1].append(p)
+    if not groups[0] or not groups[1]:
+        raise RuntimeError("parameter groups by name failed: one group is empty")
+    return torch.optim.AdamW([{"params": groups[0], "weight_decay": weight_decay},
+                              {"params": groups[1], "weight_decay": 0.0}],
+                             lr=lr, betas=betas)
+
+
+# =============================================================================== config
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a run. Defaults: the tiny model on the built-in corpus, ~1-2 min on 2 cores."""
+
+    # I/O
+    out_dir: str = "out/gpt2"
+    init_from: str = "scratch"         # scratch | resume
+    eval_interval: int = 50
+    eval_iters: int = 8
+    log_interval: int = 10
+    ckpt_interval: int = 0             # 0: only at the end
+    save_checkpoint: bool = True       # save at the end of the run
+    progress: bool = True              # tqdm bar on rank 0
+    tensorboard: bool = True
+    # data
+    data: str = "stdlib"               # stdlib | openwebtext | /path/to/text/folder
+    tokenizer: str = "auto"            # auto | gpt2 | byte
+    cache_dir: str = "data_cache"
+    val_percent: float = 5.0
+    # model
+    model: str = "tiny"                # a MODEL_SIZES key
+    n_layer: int = 0                   # 0: take from `model`
+    n_head: int = 0
+    n_embd: int = 0
+    block_size: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+    # optimisation
+    batch_size: int = 8                # sequences per rank per micro step
+    grad_accum: int = 1                # micro steps per optimizer step
+    max_iters: int = 200
+    learning_rate: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_iters: int = 20
+    lr_decay_iters: int = 0            # 0: max_iters
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0             # 0: off
+    seed: int = 1337
+    # distributed
+    fsdp: int = 1                      # 1: FullyShardedDataParallel, 2: fully_shard
+    sharding: str = "FULL_SHARD"       # FULL_SHARD | SHARD_GRAD_OP
+    tagc: Optional[str] = None         # path to a configs/tagc-*.yaml preset; None = plain FSDP
+    wrap: str = "auto"                 # auto | block | tagc (tagc: the hook's unit layout)
+    device: str = "auto"               # auto | cpu | cuda
+    dtype: str = "auto"                # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    threads: int = 0                   # CPU threads per rank; 0: cores / local ranks
+
+    def validate(self) -> None:
+        """Raise ValueError on any inconsistent setting."""
+        def one_of(name: str, allowed: Sequence[Any]) -> None:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+        one_of("init_from", ("scratch", "resume"))
+        one_of("tokenizer", ("auto", "gpt2", "byte"))
+        one_of("model", tuple(MODEL_SIZES))
+        one_of("fsdp", (1, 2))
+        one_of("sharding", ("FULL_SHARD", "SHARD_GRAD_OP"))
+        one_of("wrap", ("auto", "block", "tagc"))
+        one_of("device", ("auto", "cpu", "cuda"))
+        one_of("dtype", ("auto", "float32", "bfloat16"))
+        for name in ("eval_interval", "eval_iters", "log_interval", "block_size",
+                     "batch_size", "grad_accum", "max_iters"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("ckpt_interval", "n_layer", "n_head", "n_embd", "warmup_iters",
+                     "lr_decay_iters", "threads", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.min_lr > self.learning_rate:
+            raise ValueError("min_lr must not exceed learning_rate")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError("beta1 and beta2 must be in [0, 1)")
+        if not 0 < self.val_percent < 100:
+            raise ValueError("val_percent must be in (0, 100)")
+        if self.wrap == "tagc" and not self.tagc:
+            raise ValueError("wrap=tagc needs --tagc (the preset decides the unit layout)")
+        if self.tagc is not None and not Path(self.tagc).is_file():
+            raise ValueError(f"--tagc {self.tagc}: no such file")
+
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        """The model architecture for a tokenizer of vocab_size ids (padded to 64)."""
+        n_layer, n_head, n_embd = MODEL_SIZES[self.model]
+        return GPTConfig(block_size=self.block_size, vocab_size=(vocab_size + 63) // 64 * 64,
+                         n_layer=self.n_layer or n_layer, n_head=self.n_head or n_head,
+                         n_embd=self.n_embd or n_embd, dropout=self.dropout, bias=self.bias,
+                         tie_weights=self.tie_weights)
+
+
+def _convert(name: str, tp: Any, raw: Any) -> Any:
+    """Convert a YAML or command-line value to the field's declared type."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", "")):
+            return None
+        return _convert(name, args[0], raw)
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        s = str(raw).lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"--{name}: expected a boolean, got {raw!r}")
+    if tp is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError(f"--{name}: expected an integer, got {raw!r}")
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"--{name}: expected an integer, got {raw!r}") from None
+    if tp is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"--{name}: expected a number, got {raw!r}") from None
+    if tp is str:
+        return str(raw)
+    raise TypeError(f"unsupported field type {tp} for {name}")
+
+
+def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
+    """Build the TrainConfig from defaults, an optional YAML file and overrides.
+
+    Args:
+        argv: arguments without the program name (default sys.argv[1:]). Accepted forms:
+            ``file.yaml``, ``--config=file.yaml``, ``--key=value``, ``--key value``, and a
+            bare ``--flag`` for booleans.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ValueError: unknown key, bad value, or inconsistent settings.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    hints = typing.get_type_hints(TrainConfig)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    yaml_files: List[str] = []
+    overrides: List[Tuple[str, Any]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--"):
+            if arg.endswith((".yaml", ".yml")):
+                yaml_files.append(arg)
+                continue
+            raise ValueError(f"unexpected argument {arg!r} (use --key=value)")
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if not eq:
+            if key != "config" and key in names and hints[key] is bool and \
+                    (i >= len(argv) or argv[i].startswith("--")):
+                value = "true"
+            elif i < len(argv):
+                value = argv[i]
+                i += 1
+            else:
+                raise ValueError(f"--{key} needs a value")
+        if key == "config":
+            yaml_files.append(value)
+        elif key not in names:
+            raise ValueError(f"unknown config key --{key}; known: {sorted(names)}")
+        else:
+            overrides.append((key, value))
+    values: Dict[str, Any] = {}
+    for path in yaml_files:
+        import yaml
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of config keys")
+        for key, value in loaded.items():
+            if key not in names:
+                raise ValueError(f"{path}: unknown config key {key!r}")
+            values[key] = _convert(key, hints[key], value)
+    for key, value in overrides:
+        values[key] = _convert(key, hints[key], value)
+    cfg = TrainConfig(**values)
+    cfg.validate()
+    return cfg
+
+
+def get_lr(it: int, cfg: TrainConfig) -> float:
+    """Linear warmup then cosine decay to min_lr (nanoGPT's schedule)."""
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it >= decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
+
+
+# =============================================================================== FSDP + TAGC
+
+
+def import_tagc() -> Any:
+    """Import tagc_hook (at the repository root), with a clear error if it is missing."""
+    try:
+        import tagc_hook
+    except ImportError as exc:
+        raise RuntimeError(f"--tagc needs tagc_hook.py and the _tagc extension "
+                           f"(pip install -e . at the repository root): {exc}") from exc
+    return tagc_hook
+
+
+def wrap_model(model: GPT, cfg: TrainConfig, tagc_cfg: Any, device: torch.device,
+               param_dtype: torch.dtype) -> nn.Module:
+    """Shard the model with FSDP1 or FSDP2.
+
+    Unit layout: ``block`` puts each transformer Block in its own unit (embeddings, final
+    LayerNorm and the tied head stay in the root unit). ``tagc`` asks tagc_hook for its
+    layout, which separates the parameters the preset compresses from the others.
+
+    Args:
+        model: the GPT on `device`.
+        cfg: run config.
+        tagc_cfg: a tagc_hook.TAGCConfig or None.
+        device: this rank's device.
+        param_dtype: compute dtype (bf16 on GPU by default); gradients are reduced in fp32.
+
+    Returns:
+        The FSDP1 root module, or the model itself with fully_shard applied (FSDP2).
+    """
+    wrap = cfg.wrap if cfg.wrap != "auto" else ("tagc" if tagc_cfg is not None else "block")
+    tagc = import_tagc() if wrap == "tagc" else None
+    if cfg.fsdp == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        mp = None
+        if param_dtype != torch.float32:
+            mp = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                buffer_dtype=param_dtype)
+        policy = (tagc.fsdp1_auto_wrap_policy(model, tagc_cfg) if tagc is not None
+                  else ModuleWrapPolicy({Block}))
+        return FSDP(model, auto_wrap_policy=policy, mixed_precision=mp,
+                    sharding_strategy=ShardingStrategy[cfg.sharding],
+                    device_id=device,  # torch.device("cpu") is how FSDP1 runs on gloo
+                    use_orig_params=True)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kw: Dict[str, Any] = dict(mesh=mesh, reshard_after_forward=cfg.sharding == "FULL_SHARD")
+    if param_dtype != torch.float32:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                               reduce_dtype=torch.float32)
+    if tagc is not None:
+        return tagc.shard_model(model, tagc_cfg, **kw)
+    for block in model.transformer.h:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def grad_sync(model: nn.Module, fsdp: int, sync: bool) -> contextlib.AbstractContextManager:
+    """Context for one micro step: gradients are reduced only when sync is True."""
+    if fsdp == 1:
+        return contextlib.nullcontext() if sync else model.no_sync()
+    model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def plain_fsdp_bytes(n_params: int, world: int) -> int:
+    """Bytes per rank a plain fp32 reduce-scatter moves for one synced step.
+
+    Ideal ring reduce-scatter volume, (N-1)/N of the full gradient (padding ignored); the
+    baseline's counterpart of tagc_hook's "bytes the default reduce-scatter would send".
+    """
+    return int(n_params * 4 * (world - 1) / world)
+
+
+def wire_totals(state: Any) -> Dict[str, float]:
+    """Cumulative per-rank counters from tagc_hook's state.stats().
+
+    Returns:
+        sent: bytes this rank sent on an ideal network (``wire_bytes``); uncompressed: what
+        FSDP's ideal ring reduce-scatter would have sent for the same calls
+        (``default_wire_bytes``); unpeeled/recovered entries; and, for the compressed
+        units only, their wire bytes and gradient elements reduced (for bits/param).
+    """
+    st = state.stats()
+    total, comp = st["total"], st["compressed_total"]
+    comp_elems = sum(u["numel"] * u["calls"] for u in st["units"].values() if u["compressed"])
+    return {"sent": float(total["wire_bytes"]),
+            "uncompressed": float(total["default_wire_bytes"]),
+            "unpeeled": float(total["unpeeled"]), "recovered": float(total["recovered"]),
+            "comp_sent": float(comp["wire_bytes"]), "comp_elems": float(comp_elems)}
+
+
+# =============================================================================== checkpoint
+
+
+@contextlib.contextmanager
+def _quiet_checkpoint_warnings() -> typing.Iterator[None]:
+    """FSDP1's sharded state dict path warns about its own deprecated internals on every
+    call; they say nothing about this script, so keep them out of the training log."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
+        yield
+
+
+def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    tagc_state: Any, iter_num: int, cfg: TrainConfig) -> None:
+    """Write a checkpoint atomically (all ranks call this).
+
+    Model and optimizer go through torch.distributed.checkpoint (each rank writes its
+    shards); per-rank state (TAGC residuals/step/seeds, RNG) through torch.save into
+    rank{r}.pt. The directory is assembled as path.tmp and renamed when complete.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    rank = dist.get_rank()
+    tmp = path.with_name(path.name + ".tmp")
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    dist.barrier()
+    with _quiet_checkpoint_warnings():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save({"tagc": tagc_state.state_dict() if tagc_state is not None else None,
+                "rng": torch.get_rng_state(), "iter_num": iter_num},
+               tmp / f"rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (tmp / "train_state.json").write_text(json.dumps(
+            {"iter_num": iter_num, "world_size": dist.get_world_size(),
+             "config": dataclasses.asdict(cfg)}, indent=1))
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old.exists():
+            shutil.rmtree(old)
+    dist.barrier()
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    tagc_state: Any, cfg: TrainConfig) -> int:
+    """Restore what save_checkpoint wrote; returns the iteration to continue from.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at path.
+        ValueError: the checkpoint was written with another world size or TAGC setting.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    meta_path = path / "train_state.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"no complete checkpoint at {path}")
+    meta = json.loads(meta_path.read_text())
+    if meta["world_size"] != dist.get_world_size():
+        raise ValueError(f"checkpoint has world size {meta['world_size']}, this run "
+                         f"{dist.get_world_size()} (the per-rank TAGC residuals need the same)")
+    saved_tagc = meta["config"].get("tagc")
+    if (saved_tagc is None) != (cfg.tagc is None):
+        raise ValueError(f"checkpoint was written with tagc={saved_tagc}, this run uses "
+                         f"tagc={cfg.tagc}")
+    with _quiet_checkpoint_warnings():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    local = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)
+    if tagc_state is not None:
+        tagc_state.load_state_dict(local["tagc"])
+    torch.set_rng_state(local["rng"])
+    return int(local["iter_num"])
+
+
+# =============================================================================== logging
+
+
+class _TqdmHandler(logging.Handler):
+    """Log through tqdm.write so lines do not break the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+        tqdm.write(self.format(record), file=sys.stdout)
+
+
+class MetricsLog:
+    """CSV (always) and TensorBoard (if installed) metrics, written by rank 0 only."""
+
+    FIELDS = ["kind", "iter", "loss", "lr", "step_ms", "tokens_per_s", "bytes_sent",
+              "bytes_uncompressed", "unpeeled", "elapsed_s"]
+
+    def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool, resume: bool) -> None:
+        self.enabled = enabled
+        self.tb = None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / "metrics.csv"
+        append = resume and path.exists()
+        self.f = open(path, "a" if append else "w", newline="")
+        self.w = csv.DictWriter(self.f, fieldnames=self.FIELDS)
+        if not append:
+            self.w.writeheader()
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(log_dir=str(out_dir / "tb"))
+            except ImportError:
+                logger.warning("TensorBoard logging skipped: `pip install tensorboard` "
+                               "to enable it")
+
+    def write(self, **row: Any) -> None:
+        """Append one row (missing fields stay empty) and mirror numbers to TensorBoard."""
+        if not self.enabled:
+            return
+        self.w.writerow(row)
+        self.f.flush()
+        if self.tb is not None:
+            for key in ("loss", "lr", "step_ms", "tokens_per_s", "bytes_sent"):
+                if row.get(key) is not None:
+                    self.tb.add_scalar(f"{row['kind']}/{key}", row[key], row["iter"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self.f.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+# =============================================================================== main
+
+
+@torch.no_grad()
+def estimate_val_loss(model: nn.Module, data: gpt2_data.TokenData, cfg: TrainConfig,
+                      device: torch.device) -> float:
+    """Mean validation loss over eval_iters fixed batches per rank, averaged over ranks."""
+    model.eval()
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    rank = dist.get_rank()
+    for k in range(cfg.eval_iters):
+        x, y = data.get_batch("val", cfg.batch_size, cfg.block_size, (cfg.seed, 1, k, rank))
+        _, loss = model(x.to(device), y.to(device))
+        total += loss.double()
+    dist.all_reduce(total)  # SUM: gloo's AVG is not trusted
+    model.train()
+    return total.item() / (cfg.eval_iters * dist.get_world_size())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Run one training job; returns the summary dict (also written to out_dir/summary.json).
+
+    Args:
+        argv: command-line arguments without the program name (default sys.argv[1:]).
+            The process group is taken from the torchrun environment unless the caller
+            already initialised one (tests do), in which case it is left open.
+    """
+    cfg = parse_config(argv)
+    # Linear layers wrapped on their own (TAGC's unit layout) return views of their matmul;
+    # FSDP2 warns in case the caller modifies them in place, which this model never does.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+    # ---------------------------------------------------------------- distributed setup
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    own_pg = not dist.is_initialized()
+    if own_pg:
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    master = rank == 0
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_world))
+    if cfg.dtype == "auto":
+        param_dtype = (torch.bfloat16 if use_cuda and torch.cuda.is_bf16_supported()
+                       else torch.float32)
+    else:
+        param_dtype = getattr(torch, cfg.dtype)
+    if not logger.handlers:
+        handler = _TqdmHandler() if cfg.progress else logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO if master else logging.WARNING)
+    out_dir = Path(cfg.out_dir)
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank
+
+    # ---------------------------------------------------------------- data
+    meta, tok = gpt2_data.prepare_distributed(cfg.data, cfg.tokenizer, Path(cfg.cache_dir),
+                                              cfg.val_percent)
+    data = gpt2_data.TokenData(meta)
+    logger.info("data: %s, tokenizer: %s (vocab %d), tokens train %d / val %d",
+                meta["source"], tok.name, tok.vocab_size, meta["tokens"]["train"],
+                meta["tokens"]["val"])
+
+    # ---------------------------------------------------------------- model, FSDP, TAGC
+    gcfg = cfg.gpt_config(tok.vocab_size)
+    model = GPT(gcfg).to(device)
+    n_params = model.num_params()
+    decayed = decayed_parameter_names(model)
+    tagc_cfg = tagc_state = None
+    if cfg.tagc is not None:
+        tagc = import_tagc()
+        tagc_cfg = tagc.TAGCConfig.from_yaml(cfg.tagc)
+    model = wrap_model(model, cfg, tagc_cfg, device, param_dtype)
+    if tagc_cfg is not None:
+        tagc_state = tagc.register(model, tagc_cfg)
+    optimizer = configure_optimizer(model, decayed, cfg.weight_decay, cfg.learning_rate,
+                                    (cfg.beta1, cfg.beta2))
+    logger.info("model %s: %d layers, %d heads, %d wide, block %d, %.2fM params; FSDP%d %s, "
+                "world %d on %s (%s), %s", cfg.model, gcfg.n_layer, gcfg.n_head, gcfg.n_embd,
+                gcfg.block_size, n_params / 1e6, cfg.fsdp, cfg.sharding, world, device.type,
+                str(param_dtype).replace("torch.", ""),
+                f"TAGC {cfg.tagc}" if cfg.tagc else "no compression (plain FSDP)")
+
+    iter_num = 0
+    ckpt_path = out_dir / "ckpt"
+    if cfg.init_from == "resume":
+        iter_num = load_checkpoint(ckpt_path, model, optimizer, tagc_state, cfg)
+        logger.info("resumed from %s at iter %d", ckpt_path, iter_num)
+    metrics = MetricsLog(out_dir, master, cfg.tensorboard, cfg.init_from == "resume")
+    if master:
+        (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+
+    # ---------------------------------------------------------------- training loop
+    tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
+    plain_bytes_per_step = plain_fsdp_bytes(n_params, world)
+    wire0 = wire_totals(tagc_state) if tagc_state is not None else None
+    sent = uncompressed = unpeeled = recovered = 0.0
+    comp_bits = float("nan")  # wire bits per gradient element of the compressed units
+    step_times: List[float] = []
+    val_loss = float("nan")
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.max_iters, initial=iter_num, disable=not (master and cfg.progress),
+               dynamic_ncols=True, desc="train", file=sys.stderr)
+    t_start = time.perf_counter()
+    model.train()
+    while True:
+        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
+            val_loss = estimate_val_loss(model, data, cfg, device)
+            logger.info("iter %d: val loss %.4f", iter_num, val_loss)
+            metrics.write(kind="val", iter=iter_num, loss=val_loss,
+                          elapsed_s=time.perf_counter() - t_start)
+            bar.set_postfix(val=f"{val_loss:.3f}")
+        if cfg.ckpt_interval and iter_num % cfg.ckpt_interval == 0 and iter_num > 0 \
+                and iter_num < cfg.max_iters:
+            save_checkpoint(ckpt_path, model, optimizer, tagc_state, iter_num, cfg)
+        if iter_num >= cfg.max_iters:
+            break
+
+        t0 = time.perf_counter()
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            x, y = data.get_batch("train", cfg.batch_size, cfg.block_size,
+                                  (cfg.seed, 0, iter_num, micro, rank))
+            # FSDP's mixed-precision policy casts parameters; no autocast needed
+            with grad_sync(model, cfg.fsdp, micro == cfg.grad_accum - 1):
+                _, loss = model(x.to(device), y.to(device))
+                (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach()
+        if cfg.grad_clip > 0:
+            if cfg.fsdp == 1:
+                model.clip_grad_norm_(cfg.grad_clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        train_loss = loss_sum.item() / cfg.grad_accum  # .item() also waits for the device
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        iter_num += 1
+        bar.update(1)
+
+        if tagc_state is not None:
+            now = wire_totals(tagc_state)
+            sent, uncompressed = now["sent"] - wire0["sent"], \
+                now["uncompressed"] - wire0["uncompressed"]
+            unpeeled = now["unpeeled"] - wire0["unpeeled"]
+            recovered = now["recovered"] - wire0["recovered"]
+            elems = now["comp_elems"] - wire0["comp_elems"]
+            if elems:
+                comp_bits = 8 * (now["comp_sent"] - wire0["comp_sent"]) / elems
+        else:
+            sent = uncompressed = plain_bytes_per_step * len(step_times)
+        if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+            saved = 100.0 * (1 - sent / uncompressed) if uncompressed else 0.0
+            logger.info("iter %d: loss %.4f, lr %.2e, %.0f ms/step, %.0f tok/s, grad bytes/rank "
+                        "sent %s of %s uncompressed (%.1f%% saved)%s", iter_num, train_loss,
+                        lr, dt * 1000, tokens_per_iter / dt, _fmt_bytes(sent),
+                        _fmt_bytes(uncompressed), saved,
+                        f", unpeeled {int(unpeeled)}" if unpeeled else "")
+            metrics.write(kind="train", iter=iter_num, loss=train_loss, lr=lr,
+                          step_ms=dt * 1000, tokens_per_s=tokens_per_iter / dt,
+                          bytes_sent=sent, bytes_uncompressed=uncompressed,
+                          unpeeled=unpeeled, elapsed_s=time.perf_counter() - t_start)
+            bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}")
+    bar.close()
+
+    # ---------------------------------------------------------------- wrap up
+    if cfg.save_checkpoint:
+        save_checkpoint(ckpt_path, model, optimizer, tagc_state, iter_num, cfg)
+    # first steps include warm-up allocations; report the steady state when there is one
+    steady = step_times[min(5, len(step_times) // 2):] if step_times else []
+    steps = len(step_times)
+    summary = {
+        "iters": iter_num, "steps_this_run": steps, "final_val_loss": val_loss,
+        "mean_step_ms": 1000 * sum(steady) / len(steady) if steady else float("nan"),
+        "bytes_sent": sent, "bytes_uncompressed": uncompressed,
+        "saved_pct": 100.0 * (1 - sent / uncompressed) if uncompressed else 0.0,
+        "bits_per_param": 8 * sent / (steps * n_params) if steps else float("nan"),
+        "compressed_bits_per_param": comp_bits, "unpeeled": unpeeled,
+        "recovered": recovered, "n_params": n_params, "world_size": world,
+        "tokenizer": tok.name, "tagc": cfg.tagc, "fsdp": cfg.fsdp, "sharding": cfg.sharding,
+    }
+    logger.info("final: iter %d, val loss %.4f, %.0f ms/step, grad bytes/rank sent %s of %s "
+                "uncompressed (%.1f%% saved; %.2f bits/param/step, %s on compressed units)",
+                iter_num, val_loss, summary["mean_step_ms"], _fmt_bytes(sent),
+                _fmt_bytes(uncompressed), summary["saved_pct"], summary["bits_per_param"],
+                "none" if math.isnan(comp_bits) else f"{comp_bits:.2f}")
+    if master:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    metrics.close()
+    if own_pg:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
