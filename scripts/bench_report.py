@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Turn ``bench_step.py`` results into a markdown report and a PNG bar chart.
+
+Usage:
+    python3 scripts/bench_report.py bench_out/results.json   # rewrites report.md + chart
+
+``bench_step.py`` calls :func:`write_report` itself at the end of a run; this entry point
+re-renders a saved ``results.json`` (e.g. after editing the layout) without re-running.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# issue 5 targets: speed-up of a configuration over plain FSDP, same strategy, same run
+TARGETS = [("FULL_SHARD", "exact", 1.30), ("FULL_SHARD", "sparse", 1.35),
+           ("SHARD_GRAD_OP", "exact", 1.60), ("SHARD_GRAD_OP", "sparse", 1.60)]
+
+
+def _trials(run: dict | None, strategy: str, config: str) -> list[dict]:
+    if not run:
+        return []
+    return [t for t in run["trials"] if t["strategy"] == strategy and t["config"] == config]
+
+
+def _median_step(trials: list[dict]) -> float | None:
+    """Median over every timed step of every repeat (None when there are none)."""
+    steps = [s for t in trials for s in t["step_s"]]
+    return statistics.median(steps) if steps else None
+
+
+def _rep_spread(trials: list[dict]) -> tuple[float, float] | None:
+    """(min, max) over repeats of each repeat's median step time."""
+    meds = [statistics.median(t["step_s"]) for t in trials if t["step_s"]]
+    return (min(meds), max(meds)) if meds else None
+
+
+def _mean(trials: list[dict], key: str) -> float | None:
+    vals = [t[key] for t in trials if t.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def stats_bytes(delta: dict, key: str = "wire_bytes") -> float | None:
+    """Per-step bytes of this rank's gradient exchange, from ``state.stats()`` deltas.
+
+    Args:
+        delta: per-step difference of the numeric ``state.stats()`` entries.
+        key: ``wire_bytes`` (what this rank sends on an ideal network),
+            ``bytes_handed`` (send buffers handed to torch.distributed) or
+            ``default_wire_bytes`` (an ideal plain reduce-scatter for the same calls).
+
+    Returns:
+        ``delta["total"][key]``, or None when the stats have no such entry.
+    """
+    tot = delta.get("total")
+    if isinstance(tot, dict) and isinstance(tot.get(key), (int, float)):
+        return float(tot[key])
+    return None
+
+
+def _fmt_bytes(b: float | None) -> str:
+    return "-" if b is None else f"{b / 1e6:.2f} MB"
+
+
+def _fmt_s(t: float | None) -> str:
+    return "-" if t is None else f"{t:.3f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def summarize(report: dict) -> dict:
+    """Per (strategy, config) numbers used by the tables and the chart.
+
+    Args:
+        report: the dict ``bench_step.py`` writes to results.json.
+
+    Returns:
+        {strategy: {config: {...}}} with medians, spreads, ratios, bytes and time split.
+    """
+    shaped, unshaped = report.get("shaped"), report.get("unshaped")
+    configs = report["args"]["configs"]
+    out: dict = {}
+    for strat in report["args"]["strategies"]:
+        rows = {}
+        for cfg in configs:
+            tr = _trials(shaped, strat, cfg)
+            tu = _trials(unshaped, strat, cfg)
+            med, med_u = _median_step(tr), _median_step(tu)
+            sb = [b for b in (stats_bytes(t["stats_delta_per_step"]) for t in tr) if b is not None]
+            sd = [b for b in (stats_bytes(t["stats_delta_per_step"], "default_wire_bytes") for t in tr)
+                  if b is not None]
+            rows[cfg] = {
+                "median_s": med, "spread": _rep_spread(tr), "n_steps": sum(len(t["step_s"]) for t in tr),
+                "median_unshaped_s": med_u,
+                "link_wait_s": (med - med_u) if med is not None and med_u is not None else None,
+                "codec_s": _mean(tr, "codec_s_per_step_per_rank"),
+                "comm_s": _mean(tr, "comm_s_per_step_per_rank"),
+                "comm_unshaped_s": _mean(tu, "comm_s_per_step_per_rank"),
+                "mean_s": _mean([{"m": sum(t["step_s"]) / len(t["step_s"])} for t in tr if t["step_s"]], "m"),
+                "veth_tx": _mean(tr, "veth_tx_per_step_per_rank"),
+                "stats_bytes": sum(sb) / len(sb) if sb else None,
+                "stats_default_bytes": sum(sd) / len(sd) if sd else None,
+            }
+        base = rows.get("fsdp", {}).get("median_s")
+        dense = rows.get("dense", {}).get("median_s")
+        for r in rows.values():
+            r["speedup_vs_fsdp"] = _ratio(base, r["median_s"])
+            r["speedup_vs_dense"] = _ratio(dense, r["median_s"])
+        out[strat] = rows
+    return out
+
+
+def render_markdown(report: dict, summary: dict) -> str:
+    """Markdown for the whole report.
+
+    Args:
+        report: results.json content.
+        summary: output of :func:`summarize`.
+
+    Returns:
+        The markdown text.
+    """
+    a, sh = report["args"], report["shape"]
+    run = report.get("shaped") or {}
+    lines = ["# TAGC step-time benchmark (emulated slow network)", ""]
+    lines += [f"- command: `{report.get('command', '?')}` (started {report.get('started_utc', '?')} UTC, "
+              f"wall time {report.get('wall_s', 0):.0f} s)",
+              f"- {a['nodes']} emulated hosts (network namespaces, one rank each, `torchrun --nnodes "
+              f"{a['nodes']}`), gloo over veth; link: tc rate `{a['rate']}`, delay `{a['delay']}`",
+              f"- link check (TCP, shaped): {report.get('link_shaped', '?')}",
+              f"- link check (unshaped): {report.get('link_unshaped', '-')}",
+              f"- model: GPT-2 n_layer={sh['n_layer']} n_head={sh['n_head']} n_embd={sh['n_embd']} "
+              f"vocab={sh['vocab_size']} seq={sh['block_size']} batch={sh['batch']}/rank; "
+              f"FSDP{a['fsdp']}; AdamW; torch {run.get('torch', '?')}",
+              f"- {a['repeats']} round-robin repeats x {a['steps']} timed steps (after {a['warmup']} "
+              f"warm-up) per configuration on the shaped link; {a['unshaped_repeats']} on the unshaped link",
+              "- step time = max over ranks, median over all timed steps; spread = min..max of the "
+              "per-repeat medians; speed-up = plain-FSDP median / configuration median",
+              "- bytes/step/rank: `stats wire` = bytes this rank's TAGC gradient exchange sends on an "
+              "ideal network (`state.stats()['total']['wire_bytes']`), in brackets what an ideal "
+              "plain reduce-scatter of the same units would send (`default_wire_bytes`); `veth tx` = "
+              "the veth's own tx counter (all traffic: all-gathers, gloo's all-reduce-based "
+              "reduce-scatter, TCP/IP headers)",
+              "- time split per rank and step (means): `in collectives` = inside torch.distributed "
+              "collectives (FSDP's and TAGC's; sync calls whole, async issue + wait; includes waiting "
+              "for the slower peer), `codec` = inside `_tagc` calls, `rest` = everything else "
+              "(forward/backward compute, optimizer, FSDP bookkeeping); `unshaped s` = median step "
+              "with the tc limit removed", ""]
+    lines += ["## Share of plain FSDP's step spent communicating", "",
+              "| strategy | shaped step s | time in collectives s | share in collectives | "
+              "unshaped step s | 1 - unshaped/shaped |", "|---|---|---|---|---|---|"]
+    for strat, rows in summary.items():
+        r = rows.get("fsdp")
+        if not r:
+            continue
+        frac = (1 - r["median_unshaped_s"] / r["median_s"]) if r["median_s"] and r["median_unshaped_s"] else None
+        share = r["comm_s"] / r["mean_s"] if r["comm_s"] is not None and r["mean_s"] else None
+        lines.append(f"| {strat} | {_fmt_s(r['median_s'])} | {_fmt_s(r['comm_s'])} | {_pct(share)} | "
+                     f"{_fmt_s(r['median_unshaped_s'])} | {_pct(frac)} |")
+    lines.append("")
+    for strat, rows in summary.items():
+        lines += [f"## {strat}", "",
+                  "| config | median step s | spread | vs FSDP | vs dense | stats wire/step "
+                  "(plain RS) | veth tx/step | in collectives s | codec s | rest s | unshaped s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for cfg, r in rows.items():
+            sp = "-" if r["spread"] is None else f"{r['spread'][0]:.3f}..{r['spread'][1]:.3f}"
+            vf = "-" if r["speedup_vs_fsdp"] is None else f"{r['speedup_vs_fsdp']:.2f}x"
+            vd = "-" if r["speedup_vs_dense"] is None else f"{r['speedup_vs_dense']:.2f}x"
+            rest = (r["mean_s"] - (r["comm_s"] or 0) - (r["codec_s"] or 0)) if r["mean_s"] else None
+            plain = "" if r["stats_default_bytes"] is None else f" ({_fmt_bytes(r['stats_default_bytes'])})"
+            lines.append(f"| {cfg} | {_fmt_s(r['median_s'])} | {sp} | {vf} | {vd} | "
+                         f"{_fmt_bytes(r['stats_bytes'])}{plain} | {_fmt_bytes(r['veth_tx'])} | "
+                         f"{_fmt_s(r['comm_s'])} | {_fmt_s(r['codec_s'])} | {_fmt_s(rest)} | "
+                         f"{_fmt_s(r['median_unshaped_s'])} |")
+        lines.append("")
+    lines += ["## Targets (speed-up over plain FSDP, same strategy, this run)", "",
+              "| strategy | config | target | measured | result |", "|---|---|---|---|---|"]
+    for strat, cfg, tgt in TARGETS:
+        r = summary.get(strat, {}).get(cfg)
+        if not r or r["speedup_vs_fsdp"] is None:
+            lines.append(f"| {strat} | {cfg} | {tgt:.2f}x | - | not measured |")
+            continue
+        m = r["speedup_vs_fsdp"]
+        res = "met" if m >= tgt else f"missed by {tgt - m:.2f}x ({100 * (tgt - m) / tgt:.0f}%)"
+        lines.append(f"| {strat} | {cfg} | {tgt:.2f}x | {m:.2f}x | {res} |")
+    lines += ["", "## Codec speed (scripts/bench_codec.py)", "", report.get("codec_table", "").rstrip(), ""]
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path: Path, title: str) -> None:
+    """Grouped bar chart: median step time per configuration, one group per strategy.
+
+    Args:
+        summary: output of :func:`summarize`.
+        path: PNG file to write.
+        title: chart title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    strats = list(summary)
+    configs = list(next(iter(summary.values()))) if summary else []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(strats))
+    for si, strat in enumerate(strats):
+        xs = [i + si * width for i in range(len(configs))]
+        meds = [summary[strat][c]["median_s"] or 0 for c in configs]
+        err = [[max(0.0, m - (summary[strat][c]["spread"] or (m, m))[0]) for c, m in zip(configs, meds)],
+               [max(0.0, (summary[strat][c]["spread"] or (m, m))[1] - m) for c, m in zip(configs, meds)]]
+        bars = axes[0].bar(xs, meds, width, yerr=err, capsize=3, label=strat)
+        for b, c in zip(bars, configs):
+            s = summary[strat][c]["speedup_vs_fsdp"]
+            if s:
+                axes[0].annotate(f"{s:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                                 ha="center", va="bottom", fontsize=7)
+        tx = [(summary[strat][c]["veth_tx"] or 0) / 1e6 for c in configs]
+        axes[1].bar(xs, tx, width, label=strat)
+    for ax, ylabel in zip(axes, ("median step time [s] (label: speed-up vs FSDP)",
+                                 "veth tx per step per rank [MB]")):
+        ax.set_xticks([i + width * (len(strats) - 1) / 2 for i in range(len(configs))])
+        ax.set_xticklabels(configs, rotation=20)
+        ax.set_ylabel(ylabel)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(report: dict, out: Path) -> str:
+    """Write report.md and step_time.png into ``out``.
+
+    Args:
+        report: results.json content.
+        out: output directory.
+
+    Returns:
+        The markdown text.
+    """
+    summary = summarize(report)
+    md = render_markdown(report, summary)
+    (out / "report.md").write_text(md)
+    try:
+        plot(summary, out / "step_time.png",
+             f"TAGC vs FSDP{report['args']['fsdp']}, {report['args']['nodes']} hosts, {report['args']['rate']}")
+    except ImportError:
+        logger.warning("matplotlib not installed (pip install matplotlib): no chart")
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-render report.md and the chart from a results.json.
+
+    Args:
+        argv: command line (default sys.argv[1:]).
+
+    Returns:
+        Process exit code.
+    """
+    p = argparse.ArgumentParser(description="Render bench_step.py results")
+    p.add_argument("results", help="results.json written by bench_step.py")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    path = Path(args.results)
+    print(write_report(json.loads(path.read_text()), path.parent))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

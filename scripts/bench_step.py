@@ -1,0 +1,476 @@
+#!/usr/bin/env python3
+"""Step-time benchmark of TAGC against plain FSDP on an emulated slow network.
+
+Driver (default, needs root): brings up ``scripts/netem.sh`` hosts (one network namespace
+per rank, veth links shaped by ``tc``), measures the link, then launches one ``torchrun``
+node per namespace (``--nnodes N --node-rank i``, gloo bound to the veth) running this
+file with ``--worker``. The worker runs every (sharding strategy, configuration) pair
+round-robin, ``--repeats`` times, so drift hits all alike; each trial builds a fresh
+GPT-2, wraps it in FSDP, optionally registers TAGC, runs warm-up steps and then timed
+steps, reading the veth's own byte counters (``/sys/class/net/<if>/statistics``, the
+numbers ``ip -s link`` prints) and ``state.stats()`` around the timed steps. A second,
+shorter launch repeats everything with the link unshaped, which gives the share of
+plain FSDP's step spent waiting on the link (``1 - t_unshaped / t_shaped``) and, per
+configuration, where the time goes. Results, a markdown report (with the codec speed
+table from ``scripts/bench_codec.py``) and a PNG chart go to ``--out``.
+
+Usage:
+    sudo python3 scripts/bench_step.py --quick            # < 5 min
+    sudo python3 scripts/bench_step.py                    # full run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+NETEM = ROOT / "scripts" / "netem.sh"
+
+# configuration name -> YAML preset in --config-dir (None = plain FSDP, no hook)
+CONFIGS: dict[str, str | None] = {
+    "fsdp": None,
+    "dense": "tagc-dense.yaml",
+    "10x-1bit": "tagc-10x-1bit.yaml",
+    "10x-4bit": "tagc-10x-4bit.yaml",
+    "exact": "tagc-exact.yaml",
+    "sparse": "tagc-sparse.yaml",
+}
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+
+
+@dataclass
+class ModelShape:
+    """GPT-2 shape and batch used by every trial.
+
+    Args:
+        n_layer: transformer blocks.
+        n_head: attention heads.
+        n_embd: model width.
+        vocab_size: token vocabulary (GPT-2: 50257).
+        block_size: context length (the sequence length of each sample).
+        batch: sequences per rank per step.
+    """
+
+    n_layer: int = 2
+    n_head: int = 8
+    n_embd: int = 512
+    vocab_size: int = 16384
+    block_size: int = 64
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        for k, v in asdict(self).items():
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModelShape.{k} must be a positive int, got {v!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def _read_counters(ifname: str) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of ``ifname`` in this process's network namespace."""
+    base = Path("/sys/class/net") / ifname / "statistics"
+    return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+
+
+def _numeric_delta(after: dict, before: dict) -> dict:
+    """Per-key difference of the numeric entries of two (possibly nested) stats dicts."""
+    out: dict = {}
+    for k, v in after.items():
+        b = before.get(k) if isinstance(before, dict) else None
+        if isinstance(v, dict):
+            out[k] = _numeric_delta(v, b if isinstance(b, dict) else {})
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v - (b if isinstance(b, (int, float)) and not isinstance(b, bool) else 0)
+    return out
+
+
+def _scale(d: dict, f: float) -> dict:
+    """Multiply every number of a nested dict by ``f``."""
+    return {k: _scale(v, f) if isinstance(v, dict) else v * f for k, v in d.items()}
+
+
+class _CodecTimer:
+    """Wraps the ``_tagc`` module's functions to add up the wall time spent in them.
+
+    The hook calls the codec synchronously (module attributes looked up at call time),
+    so the sum is the codec's share of the step on this rank.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self.installed = False
+
+    def install(self) -> None:
+        """Replace every public callable of ``_tagc`` with a timing wrapper (once)."""
+        if self.installed:
+            return
+        try:
+            import _tagc  # noqa: PLC0415 - only present once the codec is built
+        except ImportError:
+            logger.warning("_tagc not importable: codec time not measured")
+            return
+        for name in dir(_tagc):
+            fn = getattr(_tagc, name)
+            if name.startswith("_") or not callable(fn) or isinstance(fn, type):
+                continue
+            setattr(_tagc, name, self._wrap(fn))
+        self.installed = True
+
+    def _wrap(self, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        timed.__name__ = getattr(fn, "__name__", "timed")
+        timed.__doc__ = fn.__doc__
+        return timed
+
+
+class _WorkTimer:
+    """Proxy for an async ``Work``: adds the time spent in ``wait()`` to a timer."""
+
+    def __init__(self, work: Any, timer: "_CommTimer") -> None:
+        self._work, self._timer = work, timer
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._timer.seconds += time.perf_counter() - t0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class _CommTimer:
+    """Wall time this rank spends inside torch.distributed collectives (FSDP's and TAGC's).
+
+    Synchronous calls are timed whole; for ``async_op=True`` the issue and the later
+    ``wait()`` are timed. This includes waiting for the slower peer, as any
+    in-collective measurement does.
+    """
+
+    # the package-level names FSDP1/FSDP2 and TAGC call; nested calls inside
+    # distributed_c10d go through that module's globals, so nothing is counted twice
+    NAMES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+             "reduce_scatter_single", "all_reduce", "all_to_all_single", "reduce", "all_gather",
+             "broadcast", "all_to_all", "reduce_scatter")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def install(self) -> None:
+        """Wrap the collectives in ``torch.distributed`` (FSDP and TAGC call them by attribute)."""
+        import torch.distributed as dist
+
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                setattr(dist, name, self._wrap(fn))
+
+    def _wrap(self, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+            return _WorkTimer(work, self) if work is not None and hasattr(work, "wait") else work
+
+        timed.__name__ = getattr(fn, "__name__", "timed")
+        timed.__doc__ = fn.__doc__
+        return timed
+
+
+def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, config_dir: Path):
+    """Fresh GPT-2 wrapped in FSDP (same units for every configuration), TAGC optional.
+
+    Args:
+        shape: model and batch shape.
+        strategy: "FULL_SHARD" or "SHARD_GRAD_OP".
+        preset: TAGC YAML preset file name, or None for plain FSDP.
+        fsdp: 1 (FullyShardedDataParallel) or 2 (fully_shard).
+        config_dir: directory holding the presets.
+
+    Returns:
+        (model, optimizer, tagc state or None).
+    """
+    import torch
+    import tagc_hook as tagc
+    from train_gpt2 import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    gcfg = GPTConfig(n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
+                     vocab_size=shape.vocab_size, block_size=shape.block_size)
+    model = GPT(gcfg)
+    # the wrapping depends on the layer policy only, so plain FSDP gets the same units
+    # as TAGC (compressed and uncompressed parameters in different units)
+    path = config_dir / (preset or CONFIGS["exact"])
+    cfg = tagc.TAGCConfig.from_yaml(str(path)) if preset or path.exists() else tagc.TAGCConfig()
+    if fsdp == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+        model = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy),
+                     auto_wrap_policy=tagc.fsdp1_auto_wrap_policy(model, cfg),
+                     device_id=torch.device("cpu"))
+    else:
+        # FSDP2 has no strategy enum: SHARD_GRAD_OP = keep parameters gathered after forward
+        tagc.shard_model(model, cfg, reshard_after_forward=(strategy == "FULL_SHARD"))
+    state = tagc.register(model, cfg) if preset is not None else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt, state
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    torch.set_num_threads(1)  # one core per emulated host
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    have_if = bool(ifname) and (Path("/sys/class/net") / ifname).exists()
+    shape = ModelShape(**json.loads(args.shape))
+    timer = _CodecTimer()
+    timer.install()
+    comm = _CommTimer()
+    comm.install()
+    trials = []
+    t_start = time.perf_counter()
+    gen = torch.Generator().manual_seed(1234 + rank)
+    for rep in range(args.repeats):
+        for strategy in args.strategies:
+            for name in args.configs:
+                model, opt, state = _build(shape, strategy, CONFIGS[name], args.fsdp,
+                                           Path(args.config_dir))
+                x = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
+                y = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
+
+                def step() -> None:
+                    opt.zero_grad(set_to_none=True)
+                    out = model(x, y)
+                    loss = out[1] if isinstance(out, tuple) else out
+                    loss.backward()
+                    opt.step()
+
+                for _ in range(args.warmup):
+                    step()
+                dist.barrier()
+                s0 = state.stats() if state is not None else {}
+                c0 = _read_counters(ifname) if have_if else (0, 0)
+                k0, m0 = timer.seconds, comm.seconds
+                times = []
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - t0)
+                c1 = _read_counters(ifname) if have_if else (0, 0)
+                k1, m1 = timer.seconds, comm.seconds
+                s1 = state.stats() if state is not None else {}
+                # max over ranks per step: a step ends when its slowest rank ends
+                t = torch.tensor(times, dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                # veth counters and codec time: sum over ranks (divided below)
+                v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0], dtype=torch.float64)
+                dist.all_reduce(v, op=dist.ReduceOp.SUM)
+                trial = {
+                    "rep": rep, "strategy": strategy, "config": name,
+                    "step_s": t.tolist(),
+                    "veth_tx_per_step_per_rank": v[0].item() / args.steps / world,
+                    "veth_rx_per_step_per_rank": v[1].item() / args.steps / world,
+                    "codec_s_per_step_per_rank": v[2].item() / args.steps / world,
+                    "comm_s_per_step_per_rank": v[3].item() / args.steps / world,
+                    "stats_delta_per_step": _scale(_numeric_delta(s1, s0), 1.0 / args.steps),
+                    "stats_total_after": s1.get("total") if rank == 0 else None,
+                }
+                trials.append(trial)
+                if rank == 0:
+                    logger.info("rep %d %-13s %-9s median %.3fs  veth tx %.2f MB/step/rank", rep,
+                                strategy, name, statistics.median(trial["step_s"]),
+                                trial["veth_tx_per_step_per_rank"] / 1e6)
+                del model, opt, state
+    if rank == 0:
+        out = {"world": world, "fsdp": args.fsdp, "shape": asdict(shape), "ifname": ifname,
+               "have_counters": have_if, "codec_timed": timer.installed,
+               "wall_s": time.perf_counter() - t_start, "trials": trials,
+               "torch": torch.__version__}
+        Path(args.result).write_text(json.dumps(out, indent=1, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _free_port() -> int:
+    """A TCP port that is free in the root namespace (namespaces have their own ports)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _netem(net: list[str], *cmd: str, timeout: float = 60, check: bool = True) -> str:
+    r = subprocess.run(["bash", str(NETEM), *net, *cmd], capture_output=True, text=True,
+                       timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"netem.sh {' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
+    if r.stderr.strip():
+        logger.warning("%s", r.stderr.strip())
+    return r.stdout
+
+
+def _launch(net: list[str], args: argparse.Namespace, configs: list[str], repeats: int,
+            steps: int, result: Path, timeout: float) -> dict:
+    """Run the worker on every emulated host; return rank 0's result dict."""
+    if result.exists():
+        result.unlink()
+    cmd = ["bash", str(NETEM), *net, "torchrun", "--port", str(_free_port()), "--timeout",
+           str(int(timeout)), "--", str(Path(__file__).resolve()), "--worker",
+           "--result", str(result), "--fsdp", str(args.fsdp), "--shape", json.dumps(asdict(args.shape_obj)),
+           "--config-dir", str(Path(args.config_dir).resolve()),
+           "--repeats", str(repeats), "--steps", str(steps), "--warmup", str(args.warmup),
+           "--configs", *configs, "--strategies", *args.strategies]
+    logger.info("launch: %s", " ".join(cmd))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(cmd, timeout=timeout + 60, env=env)
+    if r.returncode != 0 or not result.exists():
+        raise RuntimeError(f"benchmark workers failed (exit {r.returncode}); see the log above")
+    return json.loads(result.read_text())
+
+
+def _codec_table(timeout: float) -> str:
+    script = ROOT / "scripts" / "bench_codec.py"
+    if not script.exists():
+        return "(scripts/bench_codec.py not present: codec speed not measured)\n"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=timeout, cwd=ROOT)
+    if r.returncode != 0:
+        return f"(scripts/bench_codec.py failed with exit {r.returncode}:\n{r.stderr[-2000:]})\n"
+    return r.stdout
+
+
+def _driver(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        sys.exit("bench_step.py: needs root to build the emulated network (scripts/netem.sh); "
+                 "run with sudo")
+    for tool in ("ip", "tc", "torchrun"):
+        if shutil.which(tool) is None:
+            sys.exit(f"bench_step.py: '{tool}' not found "
+                     "(iproute2: apt-get install -y iproute2; torchrun: torch)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prefix = f"tagcb{os.getpid() % 1000}"
+    net = ["--prefix", prefix, "-n", str(args.nodes), "--rate", args.rate, "--delay", args.delay]
+    t_wall = time.perf_counter()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    report: dict = {"args": {k: v for k, v in vars(args).items() if k != "shape_obj"},
+                    "shape": asdict(args.shape_obj), "started_utc": time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                                  time.gmtime())}
+    try:
+        _netem(net, "up")
+        report["link_shaped"] = _netem(net, "measure", str(args.measure_mb), timeout=600).strip()
+        logger.info("%s", report["link_shaped"])
+        report["shaped"] = _launch(net, args, args.configs, args.repeats, args.steps,
+                                   out / "raw_shaped.json", args.timeout)
+        if not args.no_unshaped:
+            _netem(net, "rate", "none")
+            report["link_unshaped"] = _netem([*net[:4], "--rate", "none", *net[6:]], "measure",
+                                             str(args.measure_mb), timeout=600).strip()
+            # quick: only plain FSDP (its communication share); full: every configuration
+            uconf = [c for c in args.configs if c == "fsdp"] if args.quick else args.configs
+            report["unshaped"] = _launch(net, args, uconf or args.configs, args.unshaped_repeats, args.steps,
+                                         out / "raw_unshaped.json", args.timeout)
+    finally:
+        _netem(net, "down", check=False)
+    report["codec_table"] = _codec_table(args.timeout) if not args.no_codec else "(skipped)\n"
+    report["wall_s"] = time.perf_counter() - t_wall
+    report["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    import bench_report  # noqa: PLC0415 - lives next to this file
+
+    md = bench_report.write_report(report, out)
+    print(md)
+    print(f"\nwall time {report['wall_s']:.0f} s; report in {out}/report.md, chart {out}/step_time.png")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments and run the driver or, with --worker, one rank.
+
+    Args:
+        argv: command line (default sys.argv[1:]).
+
+    Returns:
+        Process exit code.
+    """
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small run, under 5 minutes")
+    p.add_argument("--out", default=str(ROOT / "bench_out"))
+    p.add_argument("--nodes", type=int, default=2, help="emulated hosts = ranks (default 2)")
+    p.add_argument("--rate", default="200mbit", help="tc rate per link (default 200mbit)")
+    p.add_argument("--delay", default="0.1ms")
+    p.add_argument("--fsdp", type=int, choices=(1, 2), default=1)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    p.add_argument("--repeats", type=int, default=None, help="round-robin passes (shaped link)")
+    p.add_argument("--unshaped-repeats", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per trial")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--config-dir", default=str(ROOT / "configs"), help="TAGC YAML presets")
+    p.add_argument("--no-unshaped", action="store_true", help="skip the unshaped-link pass")
+    p.add_argument("--no-codec", action="store_true", help="skip scripts/bench_codec.py")
+    p.add_argument("--measure-mb", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=3000, help="seconds per launch")
+    for f in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "batch"):
+        p.add_argument("--" + f.replace("_", "-"), type=int, default=None)
+    # worker-only
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--shape", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for k in ("repeats", "steps", "warmup", "unshaped_repeats", "nodes", "measure_mb"):
+        v = getattr(args, k)
+        if v is not None and v < (0 if k == "warmup" else 1):
+            p.error(f"--{k.replace('_', '-')} must be >= 1")
+    if args.worker:
+        return _worker(args)
+    args.repeats = args.repeats or (1 if args.quick else 4)
+    args.steps = args.steps or (2 if args.quick else 3)
+    args.unshaped_repeats = args.unshaped_repeats or (1 if args.quick else 2)
+    shape = {f: getattr(args, f) for f in asdict(ModelShape()) if getattr(args, f) is not None}
+    args.shape_obj = ModelShape(**shape)
+    return _driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
