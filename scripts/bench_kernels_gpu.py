@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""GPU throughput of every CUDA codec op of ``_tagc``, against device memcpy.
+
+For each op the script times ``--iters`` back-to-back calls on the current
+stream with CUDA events (after ``--warmup`` calls) and reports the time per
+call and an effective bandwidth: the bytes the op must at least read and
+write (its inputs and outputs, once each) divided by that time.  The
+reference is ``dst.copy_(src)`` of the shard's fp32 gradient, counted the
+same way (read + write).  ``% memcpy`` is the ratio of the two bandwidths,
+so 50% means the op moves its minimal traffic at half the speed of a copy.
+Multi-pass kernels (the radix select reads its input once per digit) move
+more than the minimal traffic, which is exactly what the ratio shows.
+
+The issue's goal: select+sparsify (the ``sparsify`` row, which includes the
+select) at >= 50% of memcpy.
+
+Usage (needs a CUDA GPU and ``TAGC_BUILD_CUDA=1 pip install -e .``)::
+
+    python scripts/bench_kernels_gpu.py --n 16777216 --theta 0.9875 --json out/gpu.json
+
+Exits with status 2 and a message when no GPU or no CUDA build is present.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from typing import Callable, Dict, List
+
+logger = logging.getLogger(__name__)
+
+
+def _fail(msg: str) -> None:
+    print(f"bench_kernels_gpu: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def time_op(fn: Callable[[], None], iters: int, warmup: int) -> float:
+    """Mean milliseconds per call of fn on the current stream.
+
+    Args:
+        fn: enqueues one call (no host sync inside).
+        iters: timed calls.
+        warmup: untimed calls first (allocator, caches, lazy module loading).
+
+    Returns:
+        Milliseconds per call, measured with CUDA events.
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main(argv: List[str]) -> int:
+    """Run the benchmark.
+
+    Args:
+        argv: command-line arguments (see --help).
+
+    Returns:
+        Process exit status.
+    """
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=1 << 24, help="shard length (elements)")
+    ap.add_argument("--theta", type=float, default=0.9875, help="sparsity (k = ceil((1-theta) n))")
+    ap.add_argument("--ranks", type=int, default=8, help="bitmaps ORed / ranks summed")
+    ap.add_argument("--sketch-factor", type=float, default=1.3, help="m = factor * ranks * k")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    try:
+        import torch
+    except ImportError:
+        _fail("torch is not installed")
+    if not torch.cuda.is_available():
+        _fail("no CUDA device visible to torch: this benchmark needs a GPU "
+              "(nothing was measured)")
+    try:
+        import _tagc
+    except ImportError as exc:
+        _fail(f"cannot import _tagc ({exc}); build it with TAGC_BUILD_CUDA=1 pip install -e .")
+    if not getattr(_tagc, "cuda_available", lambda: False)():
+        _fail("_tagc was built without CUDA kernels or sees no device; "
+              "rebuild with TAGC_BUILD_CUDA=1 pip install -e .")
+
+    dev = torch.device("cuda")
+    n = args.n
+    k = max(1, math.ceil((1.0 - args.theta) * n))
+    nb = (n + 7) // 8
+    N = args.ranks
+    u = min(n, N * k)
+    t = max(1, math.ceil(args.sketch_factor * u / 3))
+    s = torch.cuda.current_stream().cuda_stream
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    grad = torch.randn(n, device=dev, generator=gen)
+    res = torch.randn(n, device=dev, generator=gen) * 0.01
+    src = torch.randn(n, device=dev, generator=gen)
+    dst = torch.empty_like(src)
+    idx = torch.empty(k, dtype=torch.int32, device=dev)
+    val = torch.empty(k, device=dev)
+    bm = torch.empty(nb, dtype=torch.uint8, device=dev)
+    tau = torch.empty(1, device=dev)
+    cnt = torch.empty(1, dtype=torch.int64, device=dev)
+    _tagc.sparsify(idx, val, bm, res, grad, k, out=tau, stream=s)
+
+    # The owner's inputs: a union of u positions and a sketch that peels.
+    upos = torch.randperm(n, device=dev, generator=gen)[:u].sort().values.to(torch.int32)
+    uval = torch.randn(u, device=dev, generator=gen)
+    sk = torch.empty(3 * t, device=dev)
+    _tagc.sketch_encode(sk, upos, uval, n, t, 12345, stream=s)
+    ubits = torch.zeros(nb * 8, dtype=torch.uint8, device=dev)
+    ubits[upos.long()] = 1
+    union = (ubits.view(-1, 8).int() << torch.arange(8, device=dev, dtype=torch.int32)
+             ).sum(1).to(torch.uint8)
+    bms = torch.randint(0, 256, (N * nb,), dtype=torch.uint8, device=dev, generator=gen)
+    lanes4 = torch.empty((n * 4 + 7) // 8, dtype=torch.uint8, device=dev)
+    lanes1 = torch.empty(nb, dtype=torch.uint8, device=dev)
+    out = torch.empty(n, device=dev)
+    unp = torch.empty(u, dtype=torch.int32, device=dev)
+    pairs = torch.empty(k * 8, dtype=torch.uint8, device=dev)
+    _tagc.sparse_pack(pairs, idx, val, stream=s)
+    acc = torch.zeros(n, device=dev)
+
+    f4 = 4
+    ops: Dict[str, tuple] = {
+        "memcpy (torch copy_)": (lambda: dst.copy_(src), 2 * n * f4),
+        "select_kth": (lambda: _tagc.select_kth(grad, k, out=tau, stream=s), n * f4),
+        "sparsify (select+EF+bitmap+compact)": (
+            lambda: _tagc.sparsify(idx, val, bm, res, grad, k, out=tau, stream=s),
+            3 * n * f4 + nb + 8 * k),
+        "lanes_pack 1-bit": (lambda: _tagc.lanes_pack(lanes1, bm, n, 1, stream=s), 2 * nb),
+        "lanes_pack 4-bit": (lambda: _tagc.lanes_pack(lanes4, bm, n, 4, stream=s),
+                             nb + lanes4.numel()),
+        "lanes_unpack 4-bit": (lambda: _tagc.lanes_unpack(bm, lanes4, n, 4, stream=s),
+                               nb + lanes4.numel()),
+        f"bitmap_or x{N}": (lambda: _tagc.bitmap_or(bm, bms, N, stream=s), (N + 1) * nb),
+        "popcount": (lambda: _tagc.popcount(union, n, out=cnt, stream=s), nb),
+        "sketch_encode": (lambda: _tagc.sketch_encode(sk, idx, val, n, t, 7, stream=s),
+                          8 * k + 3 * t * f4),
+        "peel_decode": (lambda: _tagc.peel_decode(out, sk, union, n, t, 12345, unpeeled=unp,
+                                                  estimate=True, count_out=cnt, stream=s),
+                        nb + 3 * t * f4 + n * f4),
+        "sparse_pack": (lambda: _tagc.sparse_pack(pairs, idx, val, stream=s), 16 * k),
+        "sparse_unpack": (lambda: _tagc.sparse_unpack(acc, pairs, k, torch.float32, stream=s),
+                          16 * k),
+    }
+    name = torch.cuda.get_device_name(dev)
+    logger.info("device: %s; n=%d k=%d (theta=%g) union=%d t=%d ranks=%d iters=%d",
+                name, n, k, args.theta, u, t, N, args.iters)
+    rows = []
+    ref_gbs = None
+    for op, (fn, nbytes) in ops.items():
+        ms = time_op(fn, args.iters, args.warmup)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        if ref_gbs is None:
+            ref_gbs = gbs
+        rows.append({"op": op, "bytes": nbytes, "ms": ms, "GB/s": gbs,
+                     "pct_memcpy": 100.0 * gbs / ref_gbs})
+    logger.info("%-38s %12s %10s %10s %9s", "op", "bytes", "ms", "GB/s", "% memcpy")
+    for r in rows:
+        logger.info("%-38s %12d %10.4f %10.1f %8.1f%%", r["op"], r["bytes"], r["ms"],
+                    r["GB/s"], r["pct_memcpy"])
+    peeled = int(cnt.item())  # after timing: the last decode's unpeeled count
+    logger.info("last peel_decode left %d of %d union positions unpeeled", peeled, u)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "n": n, "k": k, "theta": args.theta, "union": u,
+                       "t": t, "ranks": N, "iters": args.iters, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
