@@ -359,7 +359,8 @@ def prepare_distributed(data: str, tokenizer: str, cache_dir: Path,
     """
     import torch.distributed as dist
     dist_on = dist.is_available() and dist.is_initialized()
-    preparer = int(os.environ.get("LOCAL_RANK", "0")) == 0 or not dist_on
+    rank = dist.get_rank() if dist_on else 0
+    preparer = int(os.environ.get("LOCAL_RANK", rank)) == 0
     tok = get_tokenizer(tokenizer)
     meta: Optional[dict] = None
     err: Optional[BaseException] = None
