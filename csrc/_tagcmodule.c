@@ -74,6 +74,7 @@ typedef struct {
 
 typedef struct {
     view_t v[MAX_VIEWS];
+    view_t none; /* what an omitted optional tensor reads as */
     int n;
     const char *fn;
 } views_t;
@@ -226,8 +227,9 @@ static view_t *view_take_opt(views_t *vs, PyObject *obj, const char *name,
     *present = obj != NULL && obj != Py_None;
     if (*present)
         return view_take(vs, obj, name, allowed);
-    static view_t none; /* read-only placeholder */
-    return &none;
+    memset(&vs->none, 0, sizeof vs->none);
+    vs->none.name = name;
+    return &vs->none;
 }
 
 /* The one device of all tensor arguments.  Every entry point dispatches on
@@ -385,21 +387,27 @@ static PyObject *raise_status(PyObject *module, const char *fn, tagc_status st,
     return NULL;
 }
 
-/* Writes a scalar result to a 1-element `out` tensor, or returns it. */
-static PyObject *scalar_result(view_t *out, int present, double f, int64_t i)
+/* Writes a scalar result to a 1-element `out` tensor (already checked to be
+ * of the result's dtype), or returns it. */
+static PyObject *float_result(view_t *out, int present, float f)
 {
     if (!present)
-        return out->kind == K_I64 ? PyLong_FromLongLong(i) : PyFloat_FromDouble(f);
-    if (out->kind == K_I64)
-        *(int64_t *)out->data = i;
-    else
-        *(float *)out->data = (float)f;
+        return PyFloat_FromDouble(f);
+    *(float *)out->data = f;
+    Py_RETURN_NONE;
+}
+
+static PyObject *int_result(view_t *out, int present, int64_t i)
+{
+    if (!present)
+        return PyLong_FromLongLong(i);
+    *(int64_t *)out->data = i;
     Py_RETURN_NONE;
 }
 
 #define BEGIN(fname)                \
     views_t vs_;                    \
-    vs_.n = 0;                      \
+    memset(&vs_, 0, sizeof vs_);    \
     vs_.fn = "_tagc." fname;        \
     const char *fn = vs_.fn;        \
     PyObject *ret = NULL;           \
@@ -467,7 +475,7 @@ static PyObject *py_select_kth(PyObject *m, PyObject *args, PyObject *kw)
         raise_status(m, fn, st, st == TAGC_ERR_NONFINITE ? "x holds NaN or Inf" : NULL);
         goto done;
     }
-    ret = scalar_result(out, has_out, tau, 0);
+    ret = float_result(out, has_out, tau);
 done:
     views_release(&vs_);
     return ret;
@@ -513,7 +521,7 @@ static PyObject *py_sparsify(PyObject *m, PyObject *args, PyObject *kw)
                                     : NULL);
         goto done;
     }
-    ret = scalar_result(out, has_out, tau, 0);
+    ret = float_result(out, has_out, tau);
 done:
     views_release(&vs_);
     return ret;
@@ -623,8 +631,7 @@ static PyObject *py_popcount(PyObject *m, PyObject *args, PyObject *kw)
         raise_status(m, fn, st, NULL);
         goto done;
     }
-    out->kind = has_out ? out->kind : K_I64;
-    ret = scalar_result(out, has_out, 0, count);
+    ret = int_result(out, has_out, count);
 done:
     views_release(&vs_);
     return ret;
@@ -700,8 +707,7 @@ static PyObject *py_peel_decode(PyObject *m, PyObject *args, PyObject *kw)
         raise_status(m, fn, st, NULL);
         goto done;
     }
-    cnt->kind = has_cnt ? cnt->kind : K_I64;
-    ret = scalar_result(cnt, has_cnt, 0, left);
+    ret = int_result(cnt, has_cnt, left);
 done:
     views_release(&vs_);
     return ret;

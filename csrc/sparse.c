@@ -12,7 +12,7 @@ tagc_status tagc_sparse_pack(uint8_t *buf, int64_t buf_capacity,
         return TAGC_ERR_ARG;
     if (!dtype_valid(val_dtype))
         return TAGC_ERR_DTYPE;
-    if (k < 0)
+    if (k < 0 || k > INT64_MAX / 8)
         return TAGC_ERR_RANGE;
     size_t es = tagc_dtype_size(val_dtype);
     if (buf_capacity < k * (int64_t)(4 + es))
@@ -34,7 +34,7 @@ tagc_status tagc_sparse_unpack(float *out, int64_t n,
         return TAGC_ERR_ARG;
     if (!dtype_valid(val_dtype))
         return TAGC_ERR_DTYPE;
-    if (n < 0 || n > TAGC_MAX_N || k < 0)
+    if (n < 0 || n > TAGC_MAX_N || k < 0 || k > INT64_MAX / 8)
         return TAGC_ERR_RANGE;
     size_t es = tagc_dtype_size(val_dtype);
     if (buf_bytes != k * (int64_t)(4 + es))

@@ -686,3 +686,13 @@ def test_cuda_tensor_is_refused_clearly():
         pytest.skip("no CUDA device to make a CUDA tensor")
     with pytest.raises(TypeError, match="without CUDA"):
         _tagc.select_kth(torch.zeros(4, device="cuda"), 1)
+
+
+def test_scalar_result_types_do_not_leak_between_calls():
+    """Omitted out=/count_out= must not change what later calls return."""
+    bm = torch.full((2,), 0xFF, dtype=torch.uint8)
+    assert _tagc.popcount(bm, 12) == 12
+    tau = _tagc.select_kth(torch.tensor([1.0, -2.0]), 1)
+    assert isinstance(tau, float) and tau == 2.0
+    assert isinstance(_tagc.peel_decode(torch.zeros(1), torch.zeros(3), bm[:1], 1, 1, 0), int)
+    assert isinstance(_tagc.sparsify(_i32(1), _f(1), _u8(1), None, torch.ones(3), 1), float)

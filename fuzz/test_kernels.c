@@ -1,0 +1,250 @@
+/*
+ * test_kernels.c - C-level tests of the codec kernels (csrc/tagc.h), built by
+ * scripts/sanitize.sh with ASan + UBSan so every kernel path runs under the
+ * sanitizers.  Exits non-zero on the first failed check.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tagc.h"
+#include "tagc_portable.h"
+
+static int failures = 0;
+
+#define CHECK(cond)                                                         \
+    do {                                                                    \
+        if (!(cond)) {                                                      \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+            failures++;                                                     \
+            return;                                                         \
+        }                                                                   \
+    } while (0)
+
+static uint64_t rng_state = 88172645463325252ULL;
+
+static uint64_t rng(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+static float frand(void)
+{
+    return (float)((double)(rng() >> 11) / (double)(1ULL << 53)) * 2.0f - 1.0f;
+}
+
+typedef struct {
+    float mag;
+    int32_t pos;
+} entry_t;
+
+/* Larger magnitude first, then lower position: the documented keep order. */
+static int by_keep_order(const void *a, const void *b)
+{
+    const entry_t *x = a, *y = b;
+    if (x->mag != y->mag)
+        return x->mag > y->mag ? -1 : 1;
+    return (x->pos > y->pos) - (x->pos < y->pos);
+}
+
+static void test_sparsify_case(int64_t n, int64_t k, int mode)
+{
+    float *grad = malloc((size_t)(n ? n : 1) * 4), *res = malloc((size_t)(n ? n : 1) * 4);
+    float *v = malloc((size_t)(n ? n : 1) * 4);
+    int32_t *idx = malloc((size_t)(k ? k : 1) * 4);
+    float *val = malloc((size_t)(k ? k : 1) * 4);
+    uint8_t *bm = malloc((size_t)((n + 7) / 8 + 1));
+    entry_t *e = malloc((size_t)(n ? n : 1) * sizeof *e);
+    for (int64_t i = 0; i < n; i++) {
+        grad[i] = mode == 0 ? frand() : mode == 1 ? 0.0f : (float)(int)(rng() % 5) - 2.0f;
+        res[i] = mode == 0 ? 0.1f * frand() : 0.0f;
+        v[i] = grad[i] + res[i];
+        e[i].mag = fabsf(v[i]);
+        e[i].pos = (int32_t)i;
+    }
+    qsort(e, (size_t)n, sizeof *e, by_keep_order);
+    float tau = 0;
+    tagc_status st = tagc_sparsify(idx, k, val, TAGC_F32, k, bm, (n + 7) / 8, res, TAGC_F32,
+                                   grad, TAGC_F32, n, k, &tau);
+    CHECK(st == TAGC_OK);
+    CHECK(k == 0 ? isinf(tau) : tau == e[k - 1].mag);
+    uint8_t *want = calloc((size_t)((n + 7) / 8 + 1), 1);
+    for (int64_t j = 0; j < k; j++)
+        want[e[j].pos >> 3] |= (uint8_t)(1u << (e[j].pos & 7));
+    CHECK(memcmp(want, bm, (size_t)((n + 7) / 8)) == 0);
+    int64_t w = 0;
+    for (int64_t p = 0; p < n; p++) {
+        if (tagc_bit_get(want, p)) {
+            CHECK(idx[w] == p && val[w] == v[p] && res[p] == 0.0f);
+            w++;
+        } else {
+            CHECK(res[p] == v[p]);
+        }
+    }
+    CHECK(w == k);
+    free(want);
+    free(grad);
+    free(res);
+    free(v);
+    free(idx);
+    free(val);
+    free(bm);
+    free(e);
+}
+
+static void test_sparsify(void)
+{
+    int64_t sizes[] = {0, 1, 2, 7, 8, 9, 100, 1001, 70000};
+    for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
+        int64_t n = sizes[s];
+        int64_t ks[] = {0, 1, n / 2, (n + 79) / 80, n};
+        for (int mode = 0; mode < 3; mode++)
+            for (size_t j = 0; j < 5; j++)
+                if (ks[j] <= n)
+                    test_sparsify_case(n, ks[j], mode);
+    }
+}
+
+static void test_sparsify_errors(void)
+{
+    float g[4] = {1, 2, NAN, 4}, r[4] = {9, 9, 9, 9}, tau, val[2] = {7, 7};
+    int32_t idx[2] = {-1, -1};
+    uint8_t bm[1] = {0x5a};
+    CHECK(tagc_sparsify(idx, 2, val, TAGC_F32, 2, bm, 1, r, TAGC_F32, g, TAGC_F32, 4, 2, &tau)
+          == TAGC_ERR_NONFINITE);
+    CHECK(r[0] == 9 && r[3] == 9 && idx[0] == -1 && val[0] == 7 && bm[0] == 0x5a);
+    g[2] = 3;
+    CHECK(tagc_sparsify(idx, 1, val, TAGC_F32, 2, bm, 1, r, TAGC_F32, g, TAGC_F32, 4, 2, &tau)
+          == TAGC_ERR_CAPACITY);
+    CHECK(tagc_sparsify(idx, 2, val, TAGC_F32, 2, bm, 1, r, TAGC_F32, g, TAGC_F32, 4, 5, &tau)
+          == TAGC_ERR_RANGE);
+    CHECK(tagc_sparsify(idx, 2, val, TAGC_F32, 2, bm, 1, r, TAGC_F32, g, (tagc_dtype)9, 4, 2,
+                        &tau) == TAGC_ERR_DTYPE);
+    CHECK(tagc_sparsify(idx, 2, val, TAGC_F32, 2, bm, 1, r, TAGC_F32, NULL, TAGC_F32, 4, 2,
+                        &tau) == TAGC_ERR_ARG);
+    CHECK(tagc_select_kth(&tau, g, TAGC_F32, 4, 5) == TAGC_ERR_RANGE);
+    CHECK(tagc_select_kth(&tau, g, TAGC_F32, 4, 1) == TAGC_OK && tau == 4.0f);
+}
+
+static void test_lanes(void)
+{
+    for (int64_t n = 0; n < 200; n++) {
+        for (int bits = 1; bits <= 8; bits <<= 1) {
+            int64_t nb = (n + 7) / 8, lb = tagc_lane_bytes(n, bits);
+            uint8_t *bm = malloc((size_t)(nb ? nb : 1)), *back = malloc((size_t)(nb ? nb : 1));
+            uint8_t *lanes = malloc((size_t)(lb ? lb : 1));
+            for (int64_t j = 0; j < nb; j++)
+                bm[j] = (uint8_t)rng();
+            CHECK(tagc_lanes_pack(lanes, lb, bm, n, bits) == TAGC_OK);
+            CHECK(tagc_lanes_unpack(back, nb, lanes, lb, n, bits) == TAGC_OK);
+            for (int64_t p = 0; p < n; p++)
+                CHECK(tagc_bit_get(back, p) == tagc_bit_get(bm, p) &&
+                      tagc_lane_get(lanes, p, bits) == tagc_bit_get(bm, p));
+            if (n % 8)
+                CHECK((back[nb - 1] >> (n % 8)) == 0);
+            int64_t c1 = -1, c2 = -1;
+            CHECK(tagc_popcount(&c1, back, n) == TAGC_OK && tagc_popcount(&c2, bm, n) == TAGC_OK);
+            CHECK(c1 == c2);
+            CHECK(tagc_lanes_pack(lanes, lb - 1, bm, n, bits) == TAGC_ERR_CAPACITY);
+            CHECK(tagc_lanes_pack(lanes, lb, bm, n, 3) == TAGC_ERR_RANGE);
+            free(bm);
+            free(back);
+            free(lanes);
+        }
+    }
+}
+
+/* N ranks encode disjoint-or-overlapping sparse vectors; the sum of their
+ * sketches peels back to the sum of the vectors. */
+static void test_roundtrip(void)
+{
+    const int64_t n = 200000, k = 2500, ranks = 3, t = (int64_t)(1.3 * ranks * k / 3) + 1;
+    float *truth = calloc((size_t)n, 4), *out = malloc((size_t)n * 4);
+    float *total = calloc((size_t)(3 * t), 4), *sk = malloc((size_t)(3 * t) * 4);
+    uint8_t *uni = calloc((size_t)((n + 7) / 8), 1);
+    int32_t *idx = malloc((size_t)k * 4);
+    float *val = malloc((size_t)k * 4);
+    uint64_t seed = tagc_seed_derive(1, 2, 3);
+    for (int64_t r = 0; r < ranks; r++) {
+        for (int64_t j = 0; j < k; j++) {
+            idx[j] = (int32_t)(rng() % (uint64_t)n);
+            val[j] = frand();
+        }
+        /* duplicate positions within a rank simply add up */
+        CHECK(tagc_sketch_encode(sk, TAGC_F32, 3 * t, idx, val, TAGC_F32, k, n, t, seed) == TAGC_OK);
+        for (int64_t b = 0; b < 3 * t; b++)
+            total[b] += sk[b];
+        for (int64_t j = 0; j < k; j++) {
+            truth[idx[j]] += val[j];
+            uni[idx[j] >> 3] |= (uint8_t)(1u << (idx[j] & 7));
+        }
+    }
+    int64_t left = -1;
+    CHECK(tagc_peel_decode(out, n, NULL, 0, &left, total, TAGC_F32, uni, n, t, seed, 1) == TAGC_OK);
+    CHECK(left == 0);
+    for (int64_t p = 0; p < n; p++)
+        CHECK(fabsf(out[p] - truth[p]) <= 1e-4f);
+    /* too small a sketch: reported, and never out of bounds */
+    int32_t unp[4];
+    CHECK(tagc_peel_decode(out, n, unp, 4, &left, total, TAGC_F32, uni, n, t / 4, seed, 1)
+          == TAGC_OK);
+    CHECK(left > 0 && unp[0] < unp[1]);
+    CHECK(tagc_sketch_encode(sk, TAGC_F32, 3 * t - 1, idx, val, TAGC_F32, k, n, t, seed)
+          == TAGC_ERR_CAPACITY);
+    idx[3] = (int32_t)n;
+    CHECK(tagc_sketch_encode(sk, TAGC_F32, 3 * t, idx, val, TAGC_F32, k, n, t, seed)
+          == TAGC_ERR_RANGE);
+    free(truth);
+    free(out);
+    free(total);
+    free(sk);
+    free(uni);
+    free(idx);
+    free(val);
+}
+
+static void test_sparse(void)
+{
+    int32_t idx[3] = {4, 0, 4};
+    float val[3] = {1.5f, -2.0f, 0.25f}, out[5] = {0};
+    uint8_t buf[24];
+    CHECK(tagc_sparse_pack(buf, 24, idx, val, TAGC_F32, 3) == TAGC_OK);
+    CHECK(tagc_sparse_pack(buf, 23, idx, val, TAGC_F32, 3) == TAGC_ERR_CAPACITY);
+    CHECK(tagc_sparse_unpack(out, 5, buf, 24, 3, TAGC_F32) == TAGC_OK);
+    CHECK(out[0] == -2.0f && out[4] == 1.75f);
+    CHECK(tagc_sparse_unpack(out, 4, buf, 24, 3, TAGC_F32) == TAGC_ERR_CORRUPT);
+    CHECK(out[0] == -2.0f && out[3] == 0.0f);
+    CHECK(tagc_sparse_unpack(out, 5, buf, 23, 3, TAGC_F32) == TAGC_ERR_RANGE);
+}
+
+static void test_misc(void)
+{
+    uint8_t src[6] = {1, 2, 4, 8, 16, 32}, dst[3] = {0};
+    CHECK(tagc_bitmap_or(dst, 3, src, 3, 2) == TAGC_OK);
+    CHECK(dst[0] == 9 && dst[1] == 18 && dst[2] == 36);
+    CHECK(tagc_bitmap_or(dst, 2, src, 3, 2) == TAGC_ERR_CAPACITY);
+    CHECK(strcmp(tagc_status_str(TAGC_OK), "ok") == 0);
+    CHECK(tagc_dtype_size(TAGC_BF16) == 2 && tagc_dtype_size((tagc_dtype)7) == 0);
+    CHECK(tagc_f32_to_bf16(1.0f) == 0x3f80 && tagc_bf16_to_f32(0x3f80) == 1.0f);
+    CHECK(tagc_median3(3, 1, 2) == 2 && tagc_median3(1, 2, 3) == 2);
+}
+
+int main(void)
+{
+    test_sparsify();
+    test_sparsify_errors();
+    test_lanes();
+    test_roundtrip();
+    test_sparse();
+    test_misc();
+    if (failures) {
+        fprintf(stderr, "test_kernels: %d failure(s)\n", failures);
+        return 1;
+    }
+    printf("test_kernels: all checks passed\n");
+    return 0;
+}
