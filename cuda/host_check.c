@@ -10,6 +10,7 @@
 #include <stdio.h>
 
 #include "tagc_cuda.h"
+#include "tagc_cuda_module.h"
 
 static int passed, failed;
 
@@ -97,7 +98,14 @@ int main(void)
 
     /* No usable GPU: a valid call must fail cleanly in its first CUDA call. */
     int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    if (cudaGetDeviceCount(&devices) != cudaSuccess)
+        devices = 0;
+    EXPECT(tagc_cudamod_available(), devices > 0);
+    if (devices == 0) {
+        void *ws = d;
+        int prev = -1;
+        EXPECT(tagc_cudamod_begin(0, 1024, s, &ws, &prev), TAGC_ERR_CUDA);
+        EXPECT(ws == NULL, 1);
         EXPECT(tagc_cuda_popcount(cnt, bm, 100, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_select_kth(tau, d, TAGC_F32, 10, 1, d, sel, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_lanes_pack(bm, 100, bm, 100, 8, s), TAGC_ERR_CUDA);

@@ -2,8 +2,8 @@
 # Compile every cuda/*.cu with all warnings as errors (nvcc front end, host
 # compiler and ptxas) for each architecture in TAGC_CUDA_ARCHS (default
 # "80;90"), then build and run cuda/host_check.c: a plain C11 program that
-# includes cuda/tagc_cuda.h and links every launcher through the static CUDA
-# runtime.  Without a GPU it still runs (argument checks need none, and the
+# includes cuda/tagc_cuda.h and links every launcher and the module glue
+# (cuda/tagc_cuda_module.c) through the static CUDA runtime.  Without a GPU it still runs (argument checks need none, and the
 # first real CUDA call must come back as TAGC_ERR_CUDA).  Exits non-zero on
 # the first failure.  Needs nvcc (CUDA >= 12) and gcc; no GPU, no driver.
 #
@@ -50,8 +50,10 @@ ls cuda/*.cu | xargs -P "$JOBS" -I{} sh -c \
 
 
 # The header is plain C: compile the host check with the C compiler, strict.
-"$CC" -std=c11 -Wall -Wextra -Wpedantic -Werror -I"$CUDA_HOME/include" \
-    -c cuda/host_check.c -o "$OUT/host_check.o"
+for c in cuda/host_check.c cuda/tagc_cuda_module.c; do
+    "$CC" -std=c11 -Wall -Wextra -Wpedantic -Werror -I"$CUDA_HOME/include" \
+        -c "$c" -o "$OUT/$(basename "$c" .c).o"
+done
 "$NVCC" -o "$OUT/host_check" "$OUT"/*.o -cudart static
 "$OUT/host_check"
 echo "check_cuda: all $(ls cuda/*.cu | wc -l) .cu files compiled with -Werror for" \
