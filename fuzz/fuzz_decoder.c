@@ -1,0 +1,186 @@
+/*
+ * fuzz_decoder.c - libFuzzer target over what a decoder reads from other
+ * machines: peel_decode (sketch + union bitmap), lanes_unpack (SUM-reduced
+ * lanes), sparse_unpack (received pairs), plus sketch_encode and sparsify on
+ * hostile values.  Every buffer is allocated at exactly the size the call is
+ * told, so ASan flags any read or write past it.  The first input byte picks
+ * the operation; the next bytes are its parameters; the rest is the payload.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tagc.h"
+#include "tagc_portable.h"
+
+/* An abort is what libFuzzer and the sanitizers report as a finding. */
+#define REQUIRE(c) do { if (!(c)) abort(); } while (0)
+
+typedef struct {
+    const uint8_t *p;
+    size_t left;
+} input_t;
+
+static uint32_t take_u32(input_t *in)
+{
+    uint32_t v = 0;
+    size_t n = in->left < 4 ? in->left : 4;
+    memcpy(&v, in->p, n);
+    in->p += n;
+    in->left -= n;
+    return v;
+}
+
+/* A heap buffer of exactly `bytes` bytes filled from the input (zeros once it
+ * runs out); never NULL so that zero-size calls still get a valid pointer. */
+static uint8_t *take_buf(input_t *in, size_t bytes)
+{
+    uint8_t *b = malloc(bytes ? bytes : 1);
+    REQUIRE(b != NULL);
+    size_t n = in->left < bytes ? in->left : bytes;
+    memcpy(b, in->p, n);
+    memset(b + n, 0, bytes - n);
+    in->p += n;
+    in->left -= n;
+    return b;
+}
+
+static int64_t popcount_n(const uint8_t *bm, int64_t n)
+{
+    int64_t c = -1;
+    REQUIRE(tagc_popcount(&c, bm, n) == TAGC_OK);
+    return c;
+}
+
+static void fuzz_peel(input_t *in)
+{
+    uint32_t a = take_u32(in), b = take_u32(in), c = take_u32(in);
+    int64_t n = a % 4097, t = 1 + b % 300, cap = c % 9;
+    tagc_dtype sd = (c >> 8) & 1 ? TAGC_BF16 : TAGC_F32;
+    int estimate = (c >> 9) & 1;
+    uint64_t seed = take_u32(in);
+    float *out = (float *)take_buf(in, (size_t)n * 4);
+    int32_t *unp = (int32_t *)take_buf(in, (size_t)cap * 4);
+    uint8_t *sk = take_buf(in, (size_t)(3 * t) * tagc_dtype_size(sd));
+    uint8_t *bm = take_buf(in, (size_t)(n + 7) / 8);
+    int64_t left = -1;
+    REQUIRE(tagc_peel_decode(out, n, cap ? unp : NULL, cap, &left, sk, sd, bm, n, t, seed,
+                             estimate) == TAGC_OK);
+    REQUIRE(left >= 0 && left <= popcount_n(bm, n));
+    for (int64_t i = 0; i < left && i < cap; i++)
+        REQUIRE(unp[i] >= 0 && unp[i] < n && tagc_bit_get(bm, unp[i]));
+    REQUIRE(tagc_peel_decode(out, n - 1, NULL, 0, &left, sk, sd, bm, n, t, seed, 1) ==
+            TAGC_ERR_CAPACITY);
+    free(out);
+    free(unp);
+    free(sk);
+    free(bm);
+}
+
+static void fuzz_lanes(input_t *in)
+{
+    uint32_t a = take_u32(in);
+    int64_t n = (a >> 2) % 5000;
+    int bits = 1 << (a & 3);
+    int64_t lb = tagc_lane_bytes(n, bits), nb = (n + 7) / 8;
+    uint8_t *lanes = take_buf(in, (size_t)lb);
+    uint8_t *bm = malloc((size_t)(nb ? nb : 1)), *again = malloc((size_t)(lb ? lb : 1));
+    REQUIRE(bm != NULL && again != NULL);
+    REQUIRE(tagc_lanes_unpack(bm, nb, lanes, lb, n, bits) == TAGC_OK);
+    for (int64_t p = 0; p < n; p++)
+        REQUIRE(tagc_bit_get(bm, p) == tagc_lane_get(lanes, p, bits));
+    REQUIRE(tagc_lanes_pack(again, lb, bm, n, bits) == TAGC_OK);
+    for (int64_t p = 0; p < n; p++)
+        REQUIRE(tagc_lane_get(again, p, bits) == tagc_bit_get(bm, p));
+    REQUIRE(tagc_lanes_unpack(bm, nb, lanes, lb - 1, n, bits) ==
+            (lb > 0 ? TAGC_ERR_CAPACITY : TAGC_ERR_RANGE));
+    free(lanes);
+    free(bm);
+    free(again);
+}
+
+static void fuzz_sparse(input_t *in)
+{
+    uint32_t a = take_u32(in), b = take_u32(in);
+    int64_t n = a % 2000, k = b % 600;
+    tagc_dtype vd = (b >> 16) & 1 ? TAGC_BF16 : TAGC_F32;
+    int64_t bytes = k * (int64_t)(4 + tagc_dtype_size(vd));
+    uint8_t *buf = take_buf(in, (size_t)bytes);
+    float *out = calloc((size_t)(n ? n : 1), 4);
+    REQUIRE(out != NULL);
+    tagc_status st = tagc_sparse_unpack(out, n, buf, bytes, k, vd);
+    REQUIRE(st == TAGC_OK || st == TAGC_ERR_CORRUPT);
+    if (st == TAGC_ERR_CORRUPT)
+        for (int64_t i = 0; i < n; i++)
+            REQUIRE(out[i] == 0.0f);
+    free(buf);
+    free(out);
+}
+
+static void fuzz_encode(input_t *in)
+{
+    uint32_t a = take_u32(in), b = take_u32(in);
+    int64_t n = a % 3000, k = b % 300, t = 1 + (b >> 12) % 64;
+    tagc_dtype sd = (a >> 20) & 1 ? TAGC_BF16 : TAGC_F32;
+    tagc_dtype vd = (a >> 21) & 1 ? TAGC_BF16 : TAGC_F32;
+    int32_t *idx = (int32_t *)take_buf(in, (size_t)k * 4);
+    uint8_t *val = take_buf(in, (size_t)k * tagc_dtype_size(vd));
+    uint8_t *sk = malloc((size_t)(3 * t) * tagc_dtype_size(sd));
+    REQUIRE(sk != NULL);
+    tagc_status st = tagc_sketch_encode(sk, sd, 3 * t, idx, val, vd, k, n, t, a);
+    int in_range = 1;
+    for (int64_t j = 0; j < k; j++)
+        in_range &= idx[j] >= 0 && idx[j] < n;
+    REQUIRE(st == (in_range ? TAGC_OK : TAGC_ERR_RANGE));
+    free(idx);
+    free(val);
+    free(sk);
+}
+
+static void fuzz_sparsify(input_t *in)
+{
+    uint32_t a = take_u32(in);
+    tagc_dtype gd = a & 1 ? TAGC_BF16 : TAGC_F32, vd = a & 2 ? TAGC_BF16 : TAGC_F32;
+    tagc_dtype rd = a & 4 ? TAGC_BF16 : TAGC_F32;
+    int use_res = (a >> 3) & 1;
+    int64_t n = (int64_t)(in->left / (tagc_dtype_size(gd) + (use_res ? tagc_dtype_size(rd) : 0)));
+    if (n > 20000)
+        n = 20000;
+    int64_t k = n ? (int64_t)((a >> 4) % (uint32_t)(n + 1)) : 0;
+    uint8_t *grad = take_buf(in, (size_t)n * tagc_dtype_size(gd));
+    uint8_t *res = use_res ? take_buf(in, (size_t)n * tagc_dtype_size(rd)) : NULL;
+    int32_t *idx = malloc((size_t)(k ? k : 1) * 4);
+    uint8_t *val = malloc((size_t)(k ? k : 1) * tagc_dtype_size(vd));
+    uint8_t *bm = malloc((size_t)((n + 7) / 8 ? (n + 7) / 8 : 1));
+    REQUIRE(idx != NULL && val != NULL && bm != NULL);
+    float tau;
+    tagc_status st = tagc_sparsify(idx, k, val, vd, k, bm, (n + 7) / 8, res, rd, grad, gd,
+                                   n, k, &tau);
+    REQUIRE(st == TAGC_OK || st == TAGC_ERR_NONFINITE);
+    if (st == TAGC_OK) {
+        REQUIRE(popcount_n(bm, n) == k);
+        for (int64_t j = 0; j < k; j++)
+            REQUIRE(idx[j] >= 0 && idx[j] < n && (j == 0 || idx[j] > idx[j - 1]) &&
+                    tagc_bit_get(bm, idx[j]));
+    }
+    free(grad);
+    free(res);
+    free(idx);
+    free(val);
+    free(bm);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 1)
+        return 0;
+    input_t in = {data + 1, size - 1};
+    switch (data[0] % 5) {
+    case 0: fuzz_peel(&in); break;
+    case 1: fuzz_lanes(&in); break;
+    case 2: fuzz_sparse(&in); break;
+    case 3: fuzz_encode(&in); break;
+    default: fuzz_sparsify(&in); break;
+    }
+    return 0;
+}
