@@ -196,6 +196,10 @@ def render_markdown(report: dict, summary: dict) -> str:
         m = r["speedup_vs_fsdp"]
         res = "met" if m >= tgt else f"missed by {tgt - m:.2f}x ({100 * (tgt - m) / tgt:.0f}%)"
         lines.append(f"| {strat} | {cfg} | {tgt:.2f}x | {m:.2f}x | {res} |")
+    for t in (report.get("shaped") or {}).get("trials", []):
+        if t.get("profile"):
+            lines += ["", f"## Profile: {t['strategy']} {t['config']} (rank 0, one untimed step, "
+                      "top ops by self CPU time)", "", "```", t["profile"].rstrip(), "```"]
     lines += ["", "## Codec speed (scripts/bench_codec.py)", "", report.get("codec_table", "").rstrip(), ""]
     return "\n".join(lines)
 

@@ -245,6 +245,26 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
     return model, opt, state
 
 
+def _profile_step(step: Callable[[], None], rank: int, top: int = 12) -> str | None:
+    """One extra (untimed) step under torch.profiler; rank 0's top ops by self CPU time.
+
+    Args:
+        step: the training step.
+        rank: this rank (only rank 0 keeps its table).
+        top: rows kept.
+
+    Returns:
+        The profiler's table on rank 0, None elsewhere.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    if rank != 0:
+        return None
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48)
+
+
 def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -309,6 +329,8 @@ def _worker(args: argparse.Namespace) -> int:
                     "stats_delta_per_step": _scale(_numeric_delta(s1, s0), 1.0 / args.steps),
                     "stats_total_after": s1.get("total") if rank == 0 else None,
                 }
+                if name in args.profile and rep == args.repeats - 1:
+                    trial["profile"] = _profile_step(step, rank)
                 trials.append(trial)
                 if rank == 0:
                     logger.info("rep %d %-13s %-9s median %.3fs  veth tx %.2f MB/step/rank", rep,
@@ -347,7 +369,7 @@ def _netem(net: list[str], *cmd: str, timeout: float = 60, check: bool = True) -
 
 
 def _launch(net: list[str], args: argparse.Namespace, configs: list[str], repeats: int,
-            steps: int, result: Path, timeout: float) -> dict:
+            steps: int, result: Path, timeout: float, profile: list[str] | None = None) -> dict:
     """Run the worker on every emulated host; return rank 0's result dict."""
     if result.exists():
         result.unlink()
@@ -356,7 +378,7 @@ def _launch(net: list[str], args: argparse.Namespace, configs: list[str], repeat
            "--result", str(result), "--fsdp", str(args.fsdp), "--shape", json.dumps(asdict(args.shape_obj)),
            "--config-dir", str(Path(args.config_dir).resolve()),
            "--repeats", str(repeats), "--steps", str(steps), "--warmup", str(args.warmup),
-           "--configs", *configs, "--strategies", *args.strategies]
+           "--configs", *configs, "--strategies", *args.strategies, "--profile", *(profile or [])]
     logger.info("launch: %s", " ".join(cmd))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")]))
@@ -399,7 +421,7 @@ def _driver(args: argparse.Namespace) -> int:
         report["link_shaped"] = _netem(net, "measure", str(args.measure_mb), timeout=600).strip()
         logger.info("%s", report["link_shaped"])
         report["shaped"] = _launch(net, args, args.configs, args.repeats, args.steps,
-                                   out / "raw_shaped.json", args.timeout)
+                                   out / "raw_shaped.json", args.timeout, args.profile)
         if not args.no_unshaped:
             _netem(net, "rate", "none")
             report["link_unshaped"] = _netem([*net[:4], "--rate", "none", *net[6:]], "measure",
@@ -445,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unshaped-repeats", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per trial")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--profile", nargs="*", default=[], choices=list(CONFIGS),
+                   help="configurations to profile (one extra untimed step under torch.profiler "
+                        "in the last shaped repeat; table in the report)")
     p.add_argument("--config-dir", default=str(ROOT / "configs"), help="TAGC YAML presets")
     p.add_argument("--no-unshaped", action="store_true", help="skip the unshaped-link pass")
     p.add_argument("--no-codec", action="store_true", help="skip scripts/bench_codec.py")
