@@ -218,8 +218,9 @@ def _flat(d: Dict[str, Any], prefix: str = "") -> Dict[str, torch.Tensor]:
     return out
 
 
-RESUME_CASES = [("1", None), ("2", None), ("1", "tagc-exact.yaml"), ("2", "tagc-sparse.yaml"),
-                ("2", "tagc-exact.yaml"), ("1", "tagc-sparse.yaml")]
+# FSDP1 and FSDP2 each with a stateful preset, plus plain FSDP (no TAGC state at all).
+# The other pairings add no script-side path; they cost ~20 s each on 2 busy cores.
+RESUME_CASES = [("1", "tagc-exact.yaml"), ("2", "tagc-sparse.yaml"), ("2", None)]
 
 
 def test_resume_is_bit_exact(tmp_path: Path, cache_dir: Path) -> None:
