@@ -388,15 +388,19 @@ def _launch(net: list[str], args: argparse.Namespace, configs: list[str], repeat
     return json.loads(result.read_text())
 
 
-def _codec_table(timeout: float) -> str:
+def _codec_table(timeout: float, quick: bool) -> str:
+    """Markdown output of scripts/bench_codec.py (``--quick`` in quick mode), with its command."""
     script = ROOT / "scripts" / "bench_codec.py"
     if not script.exists():
         return "(scripts/bench_codec.py not present: codec speed not measured)\n"
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                       timeout=timeout, cwd=ROOT)
+    cmd = [sys.executable, str(script)] + (["--quick"] if quick else [])
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if r.returncode != 0:
         return f"(scripts/bench_codec.py failed with exit {r.returncode}:\n{r.stderr[-2000:]})\n"
-    return r.stdout
+    head = (f"`python3 scripts/bench_codec.py{' --quick' if quick else ''}` "
+            f"({time.perf_counter() - t0:.0f} s, run after the network was torn down)\n\n")
+    return head + r.stdout
 
 
 def _driver(args: argparse.Namespace) -> int:
@@ -432,7 +436,7 @@ def _driver(args: argparse.Namespace) -> int:
                                          out / "raw_unshaped.json", args.timeout)
     finally:
         _netem(net, "down", check=False)
-    report["codec_table"] = _codec_table(args.timeout) if not args.no_codec else "(skipped)\n"
+    report["codec_table"] = _codec_table(args.timeout, args.quick) if not args.no_codec else "(skipped)\n"
     report["wall_s"] = time.perf_counter() - t_wall
     report["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
