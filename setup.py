@@ -1,11 +1,32 @@
 """Build of the `_tagc` extension (C codec + CPython module) and `tagc_hook`.
 
 Install: ``pip install -e .`` (no torch needed at build time).
+
+CUDA kernels (``cuda/*.cu``) are compiled in when nvcc is found, or as asked
+by ``TAGC_BUILD_CUDA``:
+
+* ``auto`` (default): CUDA build if nvcc is found (``$NVCC``,
+  ``$CUDA_HOME/bin``, ``PATH``, ``/usr/local/cuda/bin``), else CPU-only;
+* ``1``: CUDA build, fail if nvcc is missing;
+* ``0``: CPU-only, nvcc never run (the fast build for CPU-only machines/CI).
+
+``TAGC_CUDA_ARCHS`` lists the GPU architectures (default ``80;90``, i.e.
+sm_80 and sm_90; separators ``;``, ``,`` or space).  The CUDA runtime is
+linked statically (``cudart_static``), which loads the driver
+(``libcuda.so``) with dlopen at the first CUDA call, so the module imports
+and runs its CPU ops on machines without a GPU or driver;
+``_tagc.cuda_available()`` then says False.
 """
 import glob
 import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -15,15 +36,128 @@ def codec_sources() -> list:
     return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.c")))
 
 
+def cuda_mode() -> str:
+    """``on``, ``off`` or ``auto`` from TAGC_BUILD_CUDA."""
+    v = os.environ.get("TAGC_BUILD_CUDA", "auto").strip().lower()
+    if v in ("", "auto"):
+        return "auto"
+    if v in ("1", "on", "yes", "true"):
+        return "on"
+    if v in ("0", "off", "no", "false"):
+        return "off"
+    raise SystemExit(f"setup.py: TAGC_BUILD_CUDA must be 0, 1 or auto, got {v!r}")
+
+
+def find_nvcc() -> Optional[str]:
+    """Path of nvcc, or None."""
+    cands = [os.environ.get("NVCC")]
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            cands.append(os.path.join(os.environ[var], "bin", "nvcc"))
+    cands += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    for c in cands:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def cuda_root(nvcc: str) -> str:
+    """The toolkit directory (nvcc may be a wrapper on PATH: ask it)."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    out = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    for line in out.splitlines():
+        if line.startswith("#$ TOP="):
+            return os.path.realpath(line[len("#$ TOP="):].strip())
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+def cuda_archs() -> List[str]:
+    """Compute capabilities from TAGC_CUDA_ARCHS, e.g. ["80", "90"]."""
+    raw = os.environ.get("TAGC_CUDA_ARCHS", "80;90")
+    archs = [a.strip().lower().replace("sm_", "") for a in raw.replace(",", ";").replace(" ", ";")
+             .split(";") if a.strip()]
+    if not archs or not all(a.isdigit() for a in archs):
+        raise SystemExit(f"setup.py: TAGC_CUDA_ARCHS must list architectures like '80;90', "
+                         f"got {raw!r}")
+    return archs
+
+
+class BuildExt(build_ext):
+    """build_ext that first compiles the extension's ``cuda_sources`` with nvcc."""
+
+    def build_extension(self, ext: Extension) -> None:
+        cu = getattr(ext, "cuda_sources", [])
+        if cu:
+            ext.extra_objects = list(ext.extra_objects or []) + self._nvcc_all(ext, cu)
+        super().build_extension(ext)
+
+    def _nvcc_all(self, ext: Extension, sources: List[str]) -> List[str]:
+        nvcc = ext.nvcc
+        gencode = []
+        for a in cuda_archs():
+            gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        out_dir = os.path.join(self.build_temp, "cuda")
+        os.makedirs(out_dir, exist_ok=True)
+        headers = glob.glob(os.path.join(HERE, "cuda", "*.h*")) + \
+            glob.glob(os.path.join(HERE, "csrc", "*.h"))
+        newest_header = max((os.path.getmtime(h) for h in headers), default=0.0)
+
+        def one(src: str) -> str:
+            obj = os.path.join(out_dir, os.path.basename(src)[:-3] + ".o")
+            if (os.path.exists(obj) and not self.force and
+                    os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header)):
+                return obj
+            cmd = [nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Icsrc", "-Icuda",
+                   *gencode, "-c", src, "-o", obj]
+            print(" ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True, cwd=HERE)
+            return obj
+
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            return list(pool.map(one, sources))
+
+
 def tagc_extension() -> Extension:
-    """The `_tagc` extension.  A CUDA build adds its objects, TAGC_WITH_CUDA
-    and the cudart link here."""
-    return Extension(
+    """The `_tagc` extension, with the CUDA kernels when building for CUDA."""
+    ext = Extension(
         "_tagc",
         sources=codec_sources(),
         include_dirs=["csrc"],
         extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra"],
     )
+    mode = cuda_mode()
+    nvcc = None if mode == "off" else find_nvcc()
+    if nvcc is None:
+        if mode == "on":
+            raise SystemExit("setup.py: TAGC_BUILD_CUDA=1 but nvcc was not found "
+                             "(set NVCC or CUDA_HOME)")
+        print("setup.py: building _tagc for CPU only"
+              + (" (TAGC_BUILD_CUDA=0)" if mode == "off" else " (no nvcc found)"),
+              file=sys.stderr)
+        return ext
+    root = cuda_root(nvcc)
+    libdirs = [d for d in (os.path.join(root, "lib64"),
+                           os.path.join(root, "targets", "x86_64-linux", "lib"),
+                           os.path.join(root, "targets", "sbsa-linux", "lib"),
+                           os.path.join(root, "lib"))
+               if os.path.exists(os.path.join(d, "libcudart_static.a"))]
+    if not libdirs:
+        raise SystemExit(f"setup.py: no libcudart_static.a under {root}")
+    print(f"setup.py: building _tagc with CUDA kernels ({nvcc}, archs "
+          f"{';'.join(cuda_archs())}); TAGC_BUILD_CUDA=0 builds CPU-only", file=sys.stderr)
+    ext.sources.append(os.path.join("cuda", "tagc_cuda_module.c"))
+    ext.include_dirs += ["cuda", os.path.join(root, "include")]
+    ext.define_macros = [("TAGC_WITH_CUDA", "1")]
+    ext.library_dirs = libdirs[:1]
+    # Static runtime: no libcudart.so dependency; libcuda.so is dlopen-ed at
+    # the first CUDA call, so importing never needs a driver.
+    ext.libraries = ["cudart_static", "dl", "pthread", "rt", "stdc++"]
+    ext.cuda_sources = sorted(os.path.relpath(p, HERE)
+                              for p in glob.glob(os.path.join(HERE, "cuda", "*.cu")))
+    ext.nvcc = nvcc
+    return ext
 
 
 # tagc_hook.py is written separately; the package installs it once it exists.
@@ -35,6 +169,7 @@ setup(
     description="Transformer-Aware Gradient Compression for PyTorch FSDP",
     python_requires=">=3.9",
     ext_modules=[tagc_extension()],
+    cmdclass={"build_ext": BuildExt},
     py_modules=py_modules,
     extras_require={"test": ["pytest", "hypothesis", "numpy", "PyYAML"]},
 )

@@ -16,6 +16,10 @@
 #include "dlpack_min.h"
 #include "tagc.h"
 #include "tagc_portable.h"
+#ifdef TAGC_WITH_CUDA
+#include "tagc_cuda.h"
+#include "tagc_cuda_module.h"
+#endif
 
 typedef struct {
     PyObject *nonfinite_error;
@@ -338,10 +342,11 @@ static int arg_u64(const char *fn, PyObject *o, const char *name, uint64_t *out)
     return 0;
 }
 
-static int arg_stream(const char *fn, PyObject *o)
+/* The caller's cudaStream_t as an int (0: the legacy default stream). */
+static int arg_stream(const char *fn, PyObject *o, int64_t *s)
 {
-    int64_t s;
-    return o == NULL || o == Py_None ? 0 : arg_i64(fn, o, "stream", &s);
+    *s = 0;
+    return o == NULL || o == Py_None ? 0 : arg_i64(fn, o, "stream", s);
 }
 
 /* value_dtype: torch.float32 / torch.bfloat16 compared by name, so the module
@@ -412,7 +417,9 @@ static PyObject *int_result(view_t *out, int present, int64_t i)
     const char *fn = vs_.fn;        \
     PyObject *ret = NULL;           \
     tagc_status st = TAGC_OK;       \
-    (void)st
+    int64_t stream = 0;             \
+    (void)st;                       \
+    (void)stream
 #define TAKE(var, obj, name, allowed)                          \
     view_t *var = view_take(&vs_, obj, name, allowed);         \
     if (var == NULL)                                           \
@@ -433,6 +440,51 @@ static PyObject *int_result(view_t *out, int present, int64_t i)
 static int scalar_out_ok(views_t *vs, view_t *out, int present)
 {
     return present ? need_size(vs, out, 1, 1, "a 1-element result tensor") : 0;
+}
+
+/* CUDA path (TAGC_WITH_CUDA): the tensors' device is made current, the
+ * launcher gets a workspace of `wsb` bytes allocated in stream order on the
+ * caller's stream (names ws_, wsb_, strm_ are visible to `call`), and
+ * nothing waits for the GPU.  Without CUDA it expands to nothing: the
+ * launchers do not exist, and common_device() has refused CUDA tensors. */
+#ifdef TAGC_WITH_CUDA
+#define RUN_CUDA(view, wsb, call)                                              \
+    do {                                                                       \
+        void *ws_ = NULL;                                                      \
+        size_t wsb_ = (wsb);                                                   \
+        int prev_ = 0;                                                         \
+        cudaStream_t strm_ = (cudaStream_t)(uintptr_t)stream;                  \
+        Py_BEGIN_ALLOW_THREADS                                                 \
+        st = tagc_cudamod_begin((view)->device_id, wsb_, strm_, &ws_, &prev_); \
+        if (st == TAGC_OK) {                                                   \
+            st = (call);                                                       \
+            tagc_status end_ = tagc_cudamod_end(ws_, strm_, prev_);            \
+            if (st == TAGC_OK)                                                 \
+                st = end_;                                                     \
+        }                                                                      \
+        Py_END_ALLOW_THREADS                                                   \
+    } while (0)
+#else
+#define RUN_CUDA(view, wsb, call) ((void)0)
+#endif
+
+/* On CUDA a scalar result goes to a device tensor: returning a Python
+ * number would need a host sync, so the result tensor is required. */
+static int cuda_needs(const char *fn, int dev, int present, const char *name)
+{
+    if (dev == DEV_CUDA && !present) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' (a 1-element tensor on the data's device) is "
+                     "required for CUDA tensors: returning a number would need a host sync",
+                     fn, name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *none_result(void)
+{
+    Py_RETURN_NONE;
 }
 
 /* ---- entry points ------------------------------------------------------ */
@@ -458,7 +510,7 @@ static PyObject *py_select_kth(PyObject *m, PyObject *args, PyObject *kw)
     BEGIN("select_kth");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO", kwl, &ox, &ok, &oout, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream));
+    CHECK(arg_stream(fn, ostream, &stream));
     TAKE(x, ox, "x", K_F32 | K_BF16);
     TAKE_OPT(out, has_out, oout, "out", K_F32);
     int64_t k;
@@ -468,14 +520,22 @@ static PyObject *py_select_kth(PyObject *m, PyObject *args, PyObject *kw)
         PyErr_Format(PyExc_ValueError, "%s: argument 'x' has more than 2**31-1 elements", fn);
         goto done;
     }
-    CHECK(common_device(&vs_));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    CHECK(cuda_needs(fn, dev, has_out, "out"));
     float tau = 0;
-    RUN(tagc_select_kth(&tau, x->data, codec_dtype(x->kind), x->numel, k));
+    if (dev == DEV_CUDA) { /* NaN/Inf: *out = NaN on the device, no exception */
+        RUN_CUDA(x, tagc_cuda_select_kth_workspace_size(x->numel),
+                 tagc_cuda_select_kth(out->data, x->data, codec_dtype(x->kind), x->numel,
+                                      k, ws_, wsb_, strm_));
+    } else {
+        RUN(tagc_select_kth(&tau, x->data, codec_dtype(x->kind), x->numel, k));
+    }
     if (st != TAGC_OK) {
         raise_status(m, fn, st, st == TAGC_ERR_NONFINITE ? "x holds NaN or Inf" : NULL);
         goto done;
     }
-    ret = float_result(out, has_out, tau);
+    ret = dev == DEV_CUDA ? none_result() : float_result(out, has_out, tau);
 done:
     views_release(&vs_);
     return ret;
@@ -490,7 +550,7 @@ static PyObject *py_sparsify(PyObject *m, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$OO", kwl, &oidx, &oval, &obm,
                                      &ores, &ograd, &ok, &oout, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream));
+    CHECK(arg_stream(fn, ostream, &stream));
     TAKE(idx, oidx, "idx", K_I32);
     TAKE(val, oval, "val", K_F32 | K_BF16);
     TAKE(bitmap, obm, "bitmap", K_U8);
@@ -509,19 +569,30 @@ static PyObject *py_sparsify(PyObject *m, PyObject *args, PyObject *kw)
     if (has_res)
         CHECK(need_size(&vs_, res, n, 1, "grad.numel()"));
     CHECK(scalar_out_ok(&vs_, out, has_out));
-    CHECK(common_device(&vs_));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    CHECK(cuda_needs(fn, dev, has_out, "out"));
     float tau = 0;
-    RUN(tagc_sparsify(idx->data, idx->numel, val->data, codec_dtype(val->kind), val->numel,
-                      bitmap->data, bitmap->numel,
-                      has_res ? res->data : NULL, codec_dtype(res->kind),
-                      grad->data, codec_dtype(grad->kind), n, k, &tau));
+    if (dev == DEV_CUDA) { /* NaN/Inf: *out = NaN, see tagc_cuda.h */
+        RUN_CUDA(grad, tagc_cuda_sparsify_workspace_size(n),
+                 tagc_cuda_sparsify(idx->data, idx->numel, val->data, codec_dtype(val->kind),
+                                    val->numel, bitmap->data, bitmap->numel,
+                                    has_res ? res->data : NULL, codec_dtype(res->kind),
+                                    grad->data, codec_dtype(grad->kind), n, k, out->data,
+                                    ws_, wsb_, strm_));
+    } else {
+        RUN(tagc_sparsify(idx->data, idx->numel, val->data, codec_dtype(val->kind),
+                          val->numel, bitmap->data, bitmap->numel,
+                          has_res ? res->data : NULL, codec_dtype(res->kind),
+                          grad->data, codec_dtype(grad->kind), n, k, &tau));
+    }
     if (st != TAGC_OK) {
         raise_status(m, fn, st, st == TAGC_ERR_NONFINITE
                                     ? "grad + residual holds NaN or Inf (nothing written)"
                                     : NULL);
         goto done;
     }
-    ret = float_result(out, has_out, tau);
+    ret = dev == DEV_CUDA ? none_result() : float_result(out, has_out, tau);
 done:
     views_release(&vs_);
     return ret;
@@ -549,7 +620,7 @@ static PyObject *lanes_common(PyObject *m, PyObject *args, PyObject *kw, int unp
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$O", unpack ? kw_unpack : kw_pack,
                                      &o1, &o2, &on, &obits, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream));
+    CHECK(arg_stream(fn, ostream, &stream));
     TAKE(first, o1, unpack ? "bitmap" : "lanes", K_U8);
     TAKE(second, o2, unpack ? "lanes" : "bitmap", K_U8);
     view_t *lanes = unpack ? second : first, *bitmap = unpack ? first : second;
@@ -559,8 +630,15 @@ static PyObject *lanes_common(PyObject *m, PyObject *args, PyObject *kw, int unp
     CHECK(check_bits(fn, bits));
     CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(n / 8)"));
     CHECK(need_size(&vs_, lanes, tagc_lane_bytes(n, (int)bits), 0, "ceil(n * bits / 8)"));
-    CHECK(common_device(&vs_));
-    if (unpack) {
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    if (dev == DEV_CUDA && unpack) {
+        RUN_CUDA(bitmap, 0, tagc_cuda_lanes_unpack(bitmap->data, bitmap->numel, lanes->data,
+                                                   lanes->numel, n, (int)bits, strm_));
+    } else if (dev == DEV_CUDA) {
+        RUN_CUDA(bitmap, 0, tagc_cuda_lanes_pack(lanes->data, lanes->numel, bitmap->data, n,
+                                                 (int)bits, strm_));
+    } else if (unpack) {
         RUN(tagc_lanes_unpack(bitmap->data, bitmap->numel, lanes->data, lanes->numel, n,
                               (int)bits));
     } else {
@@ -590,7 +668,7 @@ static PyObject *py_bitmap_or(PyObject *m, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$O", kwl, &odst, &osrc, &ocount,
                                      &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream));
+    CHECK(arg_stream(fn, ostream, &stream));
     TAKE(dst, odst, "dst", K_U8);
     TAKE(src, osrc, "src", K_U8);
     int64_t count;
@@ -603,8 +681,14 @@ static PyObject *py_bitmap_or(PyObject *m, PyObject *args, PyObject *kw)
     }
     int64_t nbytes = src->numel / count;
     CHECK(need_size(&vs_, dst, nbytes, 0, "src.numel() // count"));
-    CHECK(common_device(&vs_));
-    RUN(tagc_bitmap_or(dst->data, dst->numel, src->data, nbytes, count));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    if (dev == DEV_CUDA) {
+        RUN_CUDA(dst, 0, tagc_cuda_bitmap_or(dst->data, dst->numel, src->data, nbytes, count,
+                                             strm_));
+    } else {
+        RUN(tagc_bitmap_or(dst->data, dst->numel, src->data, nbytes, count));
+    }
     ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(m, fn, st, NULL);
 done:
     views_release(&vs_);
@@ -618,20 +702,26 @@ static PyObject *py_popcount(PyObject *m, PyObject *args, PyObject *kw)
     BEGIN("popcount");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO", kwl, &obm, &on, &oout, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream));
+    CHECK(arg_stream(fn, ostream, &stream));
     TAKE(bitmap, obm, "bitmap", K_U8);
     TAKE_OPT(out, has_out, oout, "out", K_I64);
     int64_t n, count = 0;
     CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
     CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(n / 8)"));
     CHECK(scalar_out_ok(&vs_, out, has_out));
-    CHECK(common_device(&vs_));
-    RUN(tagc_popcount(&count, bitmap->data, n));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    CHECK(cuda_needs(fn, dev, has_out, "out"));
+    if (dev == DEV_CUDA) {
+        RUN_CUDA(bitmap, 0, tagc_cuda_popcount(out->data, bitmap->data, n, strm_));
+    } else {
+        RUN(tagc_popcount(&count, bitmap->data, n));
+    }
     if (st != TAGC_OK) {
         raise_status(m, fn, st, NULL);
         goto done;
     }
-    ret = int_result(out, has_out, count);
+    ret = dev == DEV_CUDA ? none_result() : int_result(out, has_out, count);
 done:
     views_release(&vs_);
     return ret;
@@ -641,26 +731,39 @@ done:
 
 static PyObject *py_sketch_encode(PyObject *m, PyObject *args, PyObject *kw)
 {
-    static char *kwl[] = {"sketch", "idx", "val", "n", "t", "seed", "stream", NULL};
-    PyObject *osk, *oidx, *oval, *on, *ot, *oseed, *ostream = NULL;
+    static char *kwl[] = {"sketch", "idx", "val", "n", "t", "seed", "stream",
+                          "status_out", NULL};
+    PyObject *osk, *oidx, *oval, *on, *ot, *oseed, *ostream = NULL, *ostatus = NULL;
     BEGIN("sketch_encode");
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$O", kwl, &osk, &oidx, &oval, &on,
-                                     &ot, &oseed, &ostream))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$OO", kwl, &osk, &oidx, &oval, &on,
+                                     &ot, &oseed, &ostream, &ostatus))
         return NULL;
-    CHECK(arg_stream(fn, ostream));
+    CHECK(arg_stream(fn, ostream, &stream));
     TAKE(sk, osk, "sketch", K_F32 | K_BF16);
     TAKE(idx, oidx, "idx", K_I32);
     TAKE(val, oval, "val", K_F32 | K_BF16);
+    TAKE_OPT(status, has_status, ostatus, "status_out", K_I32);
     int64_t n, t;
     uint64_t seed;
+    CHECK(scalar_out_ok(&vs_, status, has_status));
     CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
     CHECK(arg_range(fn, ot, "t", 1, T_MAX, &t));
     CHECK(arg_u64(fn, oseed, "seed", &seed));
     CHECK(need_size(&vs_, val, idx->numel, 1, "idx.numel()"));
     CHECK(need_size(&vs_, sk, 3 * t, 0, "3 * t"));
-    CHECK(common_device(&vs_));
-    RUN(tagc_sketch_encode(sk->data, codec_dtype(sk->kind), sk->numel, idx->data,
-                           val->data, codec_dtype(val->kind), idx->numel, n, t, seed));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    if (dev == DEV_CUDA) { /* an idx outside [0, n): skipped, RANGE in status_out */
+        RUN_CUDA(sk, tagc_cuda_sketch_encode_workspace_size(t, codec_dtype(sk->kind)),
+                 tagc_cuda_sketch_encode(sk->data, codec_dtype(sk->kind), sk->numel,
+                                         idx->data, val->data, codec_dtype(val->kind),
+                                         idx->numel, n, t, seed,
+                                         has_status ? status->data : NULL, ws_, wsb_,
+                                         strm_));
+    } else {
+        RUN(tagc_sketch_encode(sk->data, codec_dtype(sk->kind), sk->numel, idx->data,
+                               val->data, codec_dtype(val->kind), idx->numel, n, t, seed));
+    }
     ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None)
                         : raise_status(m, fn, st, st == TAGC_ERR_RANGE
                                                       ? "idx holds a position outside [0, n)"
@@ -680,7 +783,7 @@ static PyObject *py_peel_decode(PyObject *m, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$OOOO", kwl, &oout, &osk, &obm,
                                      &on, &ot, &oseed, &ounp, &oest, &ocnt, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream));
+    CHECK(arg_stream(fn, ostream, &stream));
     TAKE(out, oout, "out", K_F32);
     TAKE(sk, osk, "sketch", K_F32 | K_BF16);
     TAKE(bitmap, obm, "bitmap", K_U8);
@@ -698,16 +801,26 @@ static PyObject *py_peel_decode(PyObject *m, PyObject *args, PyObject *kw)
     CHECK(need_size(&vs_, sk, 3 * t, 0, "3 * t"));
     CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(n / 8)"));
     CHECK(scalar_out_ok(&vs_, cnt, has_cnt));
-    CHECK(common_device(&vs_));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    CHECK(cuda_needs(fn, dev, has_cnt, "count_out"));
     int64_t left = 0;
-    RUN(tagc_peel_decode(out->data, out->numel, has_unp ? unp->data : NULL,
-                         has_unp ? unp->numel : 0, &left, sk->data, codec_dtype(sk->kind),
-                         bitmap->data, n, t, seed, estimate));
+    if (dev == DEV_CUDA) {
+        RUN_CUDA(out, tagc_cuda_peel_decode_workspace_size(n, t, TAGC_CUDA_PEEL_ROUNDS),
+                 tagc_cuda_peel_decode(out->data, out->numel, has_unp ? unp->data : NULL,
+                                       has_unp ? unp->numel : 0, cnt->data, sk->data,
+                                       codec_dtype(sk->kind), bitmap->data, n, t, seed,
+                                       estimate, TAGC_CUDA_PEEL_ROUNDS, ws_, wsb_, strm_));
+    } else {
+        RUN(tagc_peel_decode(out->data, out->numel, has_unp ? unp->data : NULL,
+                             has_unp ? unp->numel : 0, &left, sk->data, codec_dtype(sk->kind),
+                             bitmap->data, n, t, seed, estimate));
+    }
     if (st != TAGC_OK) {
         raise_status(m, fn, st, NULL);
         goto done;
     }
-    ret = int_result(cnt, has_cnt, left);
+    ret = dev == DEV_CUDA ? none_result() : int_result(cnt, has_cnt, left);
 done:
     views_release(&vs_);
     return ret;
@@ -720,7 +833,7 @@ static PyObject *py_sparse_pack(PyObject *m, PyObject *args, PyObject *kw)
     BEGIN("sparse_pack");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$O", kwl, &obuf, &oidx, &oval, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream));
+    CHECK(arg_stream(fn, ostream, &stream));
     TAKE(buf, obuf, "buf", K_U8);
     TAKE(idx, oidx, "idx", K_I32);
     TAKE(val, oval, "val", K_F32 | K_BF16);
@@ -729,8 +842,14 @@ static PyObject *py_sparse_pack(PyObject *m, PyObject *args, PyObject *kw)
     CHECK(need_size(&vs_, val, k, 1, "idx.numel()"));
     CHECK(need_size(&vs_, buf, k * (int64_t)(4 + tagc_dtype_size(vd)), 0,
                     "k * (4 + value size)"));
-    CHECK(common_device(&vs_));
-    RUN(tagc_sparse_pack(buf->data, buf->numel, idx->data, val->data, vd, k));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    if (dev == DEV_CUDA) {
+        RUN_CUDA(buf, 0, tagc_cuda_sparse_pack(buf->data, buf->numel, idx->data, val->data,
+                                               vd, k, strm_));
+    } else {
+        RUN(tagc_sparse_pack(buf->data, buf->numel, idx->data, val->data, vd, k));
+    }
     ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(m, fn, st, NULL);
 done:
     views_release(&vs_);
@@ -739,15 +858,17 @@ done:
 
 static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
 {
-    static char *kwl[] = {"out", "buf", "k", "value_dtype", "stream", NULL};
-    PyObject *oout, *obuf, *ok, *odt, *ostream = NULL;
+    static char *kwl[] = {"out", "buf", "k", "value_dtype", "stream", "status_out", NULL};
+    PyObject *oout, *obuf, *ok, *odt, *ostream = NULL, *ostatus = NULL;
     BEGIN("sparse_unpack");
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$O", kwl, &oout, &obuf, &ok, &odt,
-                                     &ostream))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$OO", kwl, &oout, &obuf, &ok, &odt,
+                                     &ostream, &ostatus))
         return NULL;
-    CHECK(arg_stream(fn, ostream));
+    CHECK(arg_stream(fn, ostream, &stream));
     TAKE(out, oout, "out", K_F32);
     TAKE(buf, obuf, "buf", K_U8);
+    TAKE_OPT(status, has_status, ostatus, "status_out", K_I32);
+    CHECK(scalar_out_ok(&vs_, status, has_status));
     int64_t k;
     tagc_dtype vd;
     CHECK(arg_value_dtype(fn, odt, &vd));
@@ -758,8 +879,16 @@ static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
     }
     CHECK(need_size(&vs_, buf, k * (int64_t)(4 + tagc_dtype_size(vd)), 1,
                     "k * (4 + value size)"));
-    CHECK(common_device(&vs_));
-    RUN(tagc_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    if (dev == DEV_CUDA) { /* bad offset: out untouched, CORRUPT in status_out */
+        RUN_CUDA(out, tagc_cuda_sparse_unpack_workspace_size(),
+                 tagc_cuda_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd,
+                                         has_status ? status->data : NULL, ws_, wsb_,
+                                         strm_));
+    } else {
+        RUN(tagc_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd));
+    }
     ret = st == TAGC_OK
               ? (Py_INCREF(Py_None), Py_None)
               : raise_status(m, fn, st, st == TAGC_ERR_CORRUPT
@@ -776,7 +905,11 @@ static PyObject *py_cuda_available(PyObject *m, PyObject *unused)
     (void)m;
     (void)unused;
 #ifdef TAGC_WITH_CUDA
-    Py_RETURN_TRUE;
+    int yes;
+    Py_BEGIN_ALLOW_THREADS
+    yes = tagc_cudamod_available();
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(yes);
 #else
     Py_RETURN_FALSE;
 #endif
@@ -794,14 +927,15 @@ static PyMethodDef methods[] = {
     KW(lanes_unpack, "lanes_unpack(bitmap, lanes, n, bits, *, stream=0): lanes -> bitmap."),
     KW(bitmap_or, "bitmap_or(dst, src, count, *, stream=0): OR of count bitmaps."),
     KW(popcount, "popcount(bitmap, n, *, out=None, stream=0) -> int: set bits among n."),
-    KW(sketch_encode, "sketch_encode(sketch, idx, val, n, t, seed, *, stream=0):"
-                      " count sketch of 3t buckets."),
+    KW(sketch_encode, "sketch_encode(sketch, idx, val, n, t, seed, *, stream=0,"
+                      " status_out=None): count sketch of 3t buckets."),
     KW(peel_decode, "peel_decode(out, sketch, bitmap, n, t, seed, *, unpeeled=None,"
                     " estimate=True, count_out=None, stream=0) -> int: unpeeled count."),
     KW(sparse_pack, "sparse_pack(buf, idx, val, *, stream=0): (offset, value) wire format."),
-    KW(sparse_unpack, "sparse_unpack(out, buf, k, value_dtype, *, stream=0): scatter-add."),
+    KW(sparse_unpack, "sparse_unpack(out, buf, k, value_dtype, *, stream=0,"
+                      " status_out=None): scatter-add."),
     {"cuda_available", py_cuda_available, METH_NOARGS,
-     "cuda_available() -> bool: built with the CUDA kernels."},
+     "cuda_available() -> bool: built with the CUDA kernels and a CUDA device is usable."},
     {NULL, NULL, 0, NULL}
 };
 
