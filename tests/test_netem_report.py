@@ -1,0 +1,83 @@
+"""Tests for the benchmark's bookkeeping (no network, no torch.distributed): medians,
+speed-ups, target verdicts, stats deltas and the chart, on hand-made results."""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+bench_report = importlib.import_module("bench_report")
+bench_step = importlib.import_module("bench_step")
+
+
+def _trial(strategy: str, config: str, steps: list[float], rep: int = 0, wire: float | None = None,
+           tx: float = 1e6) -> dict:
+    delta = {} if wire is None else {"total": {"wire_bytes": wire, "default_wire_bytes": 4 * wire}}
+    return {"rep": rep, "strategy": strategy, "config": config, "step_s": steps,
+            "veth_tx_per_step_per_rank": tx, "veth_rx_per_step_per_rank": tx,
+            "codec_s_per_step_per_rank": 0.1, "comm_s_per_step_per_rank": 0.5 * steps[0],
+            "stats_delta_per_step": delta}
+
+
+def _report() -> dict:
+    shaped = {"trials": [
+        _trial("FULL_SHARD", "fsdp", [4.0, 4.2, 3.8], 0), _trial("FULL_SHARD", "fsdp", [4.0], 1),
+        _trial("FULL_SHARD", "dense", [3.0, 3.0], 0, wire=8.0),
+        _trial("FULL_SHARD", "exact", [2.0, 2.0], 0, wire=1.0),
+        _trial("FULL_SHARD", "sparse", [4.0, 4.0], 0, wire=0.5),
+    ], "torch": "x"}
+    unshaped = {"trials": [_trial("FULL_SHARD", "fsdp", [1.0, 1.0])]}
+    return {"args": {"configs": ["fsdp", "dense", "exact", "sparse"], "strategies": ["FULL_SHARD"],
+                     "nodes": 2, "rate": "200mbit", "delay": "0", "fsdp": 1, "repeats": 2, "steps": 3,
+                     "warmup": 1, "unshaped_repeats": 1},
+            "shape": {"n_layer": 1, "n_head": 1, "n_embd": 8, "vocab_size": 16, "block_size": 4,
+                      "batch": 1},
+            "shaped": shaped, "unshaped": unshaped, "codec_table": "| codec |\n", "wall_s": 1.0}
+
+
+def test_summary_medians_ratios_and_bytes():
+    s = bench_report.summarize(_report())["FULL_SHARD"]
+    assert s["fsdp"]["median_s"] == pytest.approx(4.0)          # median of 4.0, 4.2, 3.8, 4.0
+    assert s["fsdp"]["spread"] == (pytest.approx(4.0), pytest.approx(4.0))
+    assert s["exact"]["speedup_vs_fsdp"] == pytest.approx(2.0)
+    assert s["exact"]["speedup_vs_dense"] == pytest.approx(1.5)
+    assert s["dense"]["stats_bytes"] == pytest.approx(8.0)
+    assert s["dense"]["stats_default_bytes"] == pytest.approx(32.0)
+    assert s["fsdp"]["stats_bytes"] is None
+    assert s["fsdp"]["median_unshaped_s"] == pytest.approx(1.0)
+    assert s["exact"]["median_unshaped_s"] is None
+
+
+def test_markdown_verdicts_and_share():
+    rep = _report()
+    md = bench_report.render_markdown(rep, bench_report.summarize(rep))
+    assert "| FULL_SHARD | exact | 1.30x | 2.00x | met |" in md
+    # sparse is as slow as fsdp: 1.00x against 1.35x
+    assert "| FULL_SHARD | sparse | 1.35x | 1.00x | missed by 0.35x (26%) |" in md
+    assert "| SHARD_GRAD_OP | exact | 1.60x | - | not measured |" in md
+    assert "75.0%" in md          # 1 - 1.0 / 4.0
+    assert "| codec |" in md
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rep = _report()
+    bench_report.plot(bench_report.summarize(rep), tmp_path / "c.png", "t")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stats_delta_is_per_key_and_nested():
+    before = {"total": {"wire_bytes": 10, "calls": 1, "name": "a"}, "flag": True}
+    after = {"total": {"wire_bytes": 40, "calls": 4, "name": "a"}, "flag": True}
+    d = bench_step._scale(bench_step._numeric_delta(after, before), 1 / 3)
+    assert d == {"total": {"wire_bytes": pytest.approx(10.0), "calls": pytest.approx(1.0)}}
+
+
+def test_model_shape_validates():
+    with pytest.raises(ValueError):
+        bench_step.ModelShape(n_embd=100, n_head=3)
+    with pytest.raises(ValueError):
+        bench_step.ModelShape(batch=0)
