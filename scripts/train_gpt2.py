@@ -757,9 +757,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     meta, tok = gpt2_data.prepare_distributed(cfg.data, cfg.tokenizer, Path(cfg.cache_dir),
                                               cfg.val_percent)
     data = gpt2_data.TokenData(meta)
-    logger.info("data: %s, tokenizer: %s (vocab %d), tokens train %d / val %d",
-                meta["source"], tok.name, tok.vocab_size, meta["tokens"]["train"],
-                meta["tokens"]["val"])
+    logger.info("data: %s, tokenizer: %s (vocab %d)%s, tokens train %d / val %d",
+                meta["source"], tok.name, tok.vocab_size,
+                " - GPT-2 BPE files not in tiktoken's cache, byte-level fallback"
+                if tok.name == "byte" and cfg.tokenizer == "auto" else "",
+                meta["tokens"]["train"], meta["tokens"]["val"])
 
     # ---------------------------------------------------------------- model, FSDP, TAGC
     gcfg = cfg.gpt_config(tok.vocab_size)
