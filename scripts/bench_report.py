@@ -72,6 +72,10 @@ def _fmt_s(t: float | None) -> str:
     return "-" if t is None else f"{t:.3f}"
 
 
+def _load(la: list | None) -> str:
+    return "?" if not la else "/".join(f"{x:.1f}" for x in la)
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -139,6 +143,8 @@ def render_markdown(report: dict, summary: dict) -> str:
               f"wall time {report.get('wall_s', 0):.0f} s)",
               f"- {a['nodes']} emulated hosts (network namespaces, one rank each, `torchrun --nnodes "
               f"{a['nodes']}`), gloo over veth; link: tc rate `{a['rate']}`, delay `{a['delay']}`",
+              f"- machine load (1/5/15-min load average) at start {_load(report.get('loadavg_start'))}, "
+              f"at end {_load(report.get('loadavg_end'))}, on {report.get('cpus', '?')} CPUs",
               f"- link check (TCP, shaped): {report.get('link_shaped', '?')}",
               f"- link check (unshaped): {report.get('link_unshaped', '-')}",
               f"- model: GPT-2 n_layer={sh['n_layer']} n_head={sh['n_head']} n_embd={sh['n_embd']} "

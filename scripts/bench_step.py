@@ -420,6 +420,7 @@ def _driver(args: argparse.Namespace) -> int:
     report: dict = {"args": {k: v for k, v in vars(args).items() if k != "shape_obj"},
                     "shape": asdict(args.shape_obj), "started_utc": time.strftime("%Y-%m-%d %H:%M:%S",
                                                                                   time.gmtime())}
+    report["loadavg_start"], report["cpus"] = os.getloadavg(), os.cpu_count()
     try:
         _netem(net, "up")
         report["link_shaped"] = _netem(net, "measure", str(args.measure_mb), timeout=600).strip()
@@ -438,6 +439,7 @@ def _driver(args: argparse.Namespace) -> int:
         _netem(net, "down", check=False)
     report["codec_table"] = _codec_table(args.timeout, args.quick) if not args.no_codec else "(skipped)\n"
     report["wall_s"] = time.perf_counter() - t_wall
+    report["loadavg_end"] = os.getloadavg()
     report["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
     import bench_report  # noqa: PLC0415 - lives next to this file
