@@ -55,9 +55,19 @@ tagc_status tagc_sketch_encode(void *sketch, tagc_dtype sketch_dtype,
  * costs one cache miss, not three. */
 typedef struct {
     float sum;     /* sketch value minus what peeling has subtracted */
-    uint32_t cnt;  /* unresolved union positions hashing here */
-    uint32_t pxor; /* xor of those positions (the position when cnt == 1) */
+    uint32_t cnt;  /* unresolved union entries hashing here */
+    uint32_t rxor; /* xor of their ranks (the rank itself when cnt == 1) */
 } bucket_t;
+
+/* One union position, by rank (its index among the union's positions in
+ * ascending order): its buckets within each table and their sign bits, hashed
+ * once.  Peeling works on ranks so that everything it touches is a few
+ * compact arrays (cache-resident for realistic unions) instead of the n-long
+ * output, which is written once, in position order, at the end. */
+typedef struct {
+    uint32_t off[TAGC_TABLES]; /* bucket within its table, < t */
+    uint32_t neg;              /* bit i set: sign of table i is -1 */
+} entry_t;
 
 /* Calls body(p) for every set bit p < n of bitmap, ascending. */
 #define FOR_EACH_BIT(bitmap, n, p, body)                                    \
@@ -77,6 +87,11 @@ typedef struct {
         }                                                                   \
     } while (0)
 
+TAGC_AI float entry_sign(const entry_t *e, int i)
+{
+    return (e->neg >> i) & 1u ? -1.0f : 1.0f;
+}
+
 tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
                              int32_t *unpeeled, int64_t unpeeled_capacity,
                              int64_t *unpeeled_count,
@@ -95,15 +110,20 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
     if (out_capacity < n)
         return TAGC_ERR_CAPACITY;
 
-    int64_t m = TAGC_TABLES * t, nb = bitmap_bytes(n);
+    int64_t m = TAGC_TABLES * t, u = 0;
+    FOR_EACH_BIT(bitmap, n, p, { (void)p; u++; });
+    size_t ua = (size_t)(u > 0 ? u : 1);
     bucket_t *bk = malloc((size_t)m * sizeof *bk);
     int64_t *queue = malloc((size_t)m * sizeof *queue);
-    uint8_t *left = malloc((size_t)(nb > 0 ? nb : 1));
-    if (bk == NULL || queue == NULL || left == NULL) {
-        free(bk);
-        free(queue);
-        free(left);
-        return TAGC_ERR_NOMEM;
+    int32_t *pos = malloc(ua * sizeof *pos);
+    entry_t *ent = malloc(ua * sizeof *ent);
+    float *vals = malloc(ua * sizeof *vals);
+    uint8_t *done = calloc(ua, 1);
+    tagc_status st = TAGC_OK;
+    if (bk == NULL || queue == NULL || pos == NULL || ent == NULL || vals == NULL ||
+        done == NULL) {
+        st = TAGC_ERR_NOMEM;
+        goto out;
     }
     uint64_t ts[TAGC_TABLES];
     for (int i = 0; i < TAGC_TABLES; i++)
@@ -111,64 +131,84 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
     for (int64_t b = 0; b < m; b++) {
         bk[b].sum = ld_val(sketch, sketch_dtype, b);
         bk[b].cnt = 0;
-        bk[b].pxor = 0;
-    }
-    if (nb > 0) {
-        memcpy(left, bitmap, (size_t)nb);
-        if (n & 7)
-            left[nb - 1] &= (uint8_t)((1u << (n & 7)) - 1u);
-        memset(out, 0, (size_t)n * sizeof *out);
+        bk[b].rxor = 0;
     }
     /* Counts and xors come from the union bitmap itself, so they are
-     * consistent whatever it holds: a count-1 bucket always names a position
-     * < n that is still unresolved. */
-    FOR_EACH_BIT(left, n, p, {
+     * consistent whatever it holds: a count-1 bucket always names a rank
+     * < u that is still unresolved. */
+    int64_t r = 0;
+    FOR_EACH_BIT(bitmap, n, p, {
+        entry_t *e = &ent[r];
+        e->neg = 0;
         for (int i = 0; i < TAGC_TABLES; i++) {
-            int64_t b = tagc_bucket(tagc_hash((uint64_t)p, ts[i]), i, t);
+            uint64_t h = tagc_hash((uint64_t)p, ts[i]);
+            int64_t b = tagc_bucket(h, i, t);
+            e->off[i] = (uint32_t)(b - i * t);
+            e->neg |= (uint32_t)(h & 1u) << i;
             bk[b].cnt++;
-            bk[b].pxor ^= (uint32_t)p;
+            bk[b].rxor ^= (uint32_t)r;
         }
+        pos[r++] = (int32_t)p;
     });
     /* A count only falls, so each bucket enters the queue at most once. */
     int64_t qn = 0, qh = 0;
     for (int64_t b = 0; b < m; b++)
         if (bk[b].cnt == 1)
             queue[qn++] = b;
+    /* The loop is bound by cache misses on bk and ent (random by design of
+     * the hash); prefetching a few queue entries ahead overlaps them. */
     while (qh < qn) {
+        if (qh + 16 < qn)
+            __builtin_prefetch(&bk[queue[qh + 16]]);
         int64_t b = queue[qh++];
         if (bk[b].cnt != 1)
             continue;
-        int64_t p = bk[b].pxor;
+        uint32_t rk = bk[b].rxor;
+        const entry_t *e = &ent[rk];
         int table = (int)(b / t);
-        float v = tagc_peel_value(bk[b].sum, tagc_hash((uint64_t)p, ts[table]));
-        out[p] = v;
-        left[p >> 3] &= (uint8_t)~(1u << (p & 7));
+        float v = entry_sign(e, table) * bk[b].sum; /* tagc_peel_value's rule */
+        vals[rk] = v;
+        done[rk] = 1;
         for (int i = 0; i < TAGC_TABLES; i++) {
-            uint64_t h = tagc_hash((uint64_t)p, ts[i]);
-            int64_t c = tagc_bucket(h, i, t);
-            bk[c].sum -= tagc_sign(h) * v;
-            bk[c].pxor ^= (uint32_t)p;
+            int64_t c = i * t + e->off[i];
+            bk[c].sum -= entry_sign(e, i) * v;
+            bk[c].rxor ^= rk;
             if (--bk[c].cnt == 1)
                 queue[qn++] = c;
         }
     }
-    int64_t nleft = 0;
-    FOR_EACH_BIT(left, n, p, {
+    /* One streaming pass over out: zeros between union positions. */
+    int64_t nleft = 0, next = 0;
+    for (int64_t j = 0; j < u; j++) {
+        int64_t p = pos[j];
+        if (p > next)
+            memset(out + next, 0, (size_t)(p - next) * sizeof *out);
+        next = p + 1;
+        if (done[j]) {
+            out[p] = vals[j];
+            continue;
+        }
         if (nleft < unpeeled_capacity)
             unpeeled[nleft] = (int32_t)p;
         nleft++;
+        out[p] = 0.0f;
         if (estimate) {
-            float e[TAGC_TABLES];
-            for (int i = 0; i < TAGC_TABLES; i++) {
-                uint64_t h = tagc_hash((uint64_t)p, ts[i]);
-                e[i] = tagc_peel_value(bk[tagc_bucket(h, i, t)].sum, h);
-            }
-            out[p] = tagc_median3(e[0], e[1], e[2]);
+            const entry_t *e = &ent[j];
+            float est[TAGC_TABLES];
+            for (int i = 0; i < TAGC_TABLES; i++)
+                est[i] = entry_sign(e, i) * bk[i * t + e->off[i]].sum;
+            out[p] = tagc_median3(est[0], est[1], est[2]);
         }
-    });
+    }
+    if (n > next)
+        memset(out + next, 0, (size_t)(n - next) * sizeof *out);
     *unpeeled_count = nleft;
+out:
     free(bk);
     free(queue);
-    free(left);
-    return TAGC_OK;
+    free(pos);
+    free(ent);
+    free(vals);
+    free(done);
+    return st;
 }
