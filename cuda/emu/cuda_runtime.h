@@ -1,0 +1,239 @@
+/*
+ * cuda/emu/cuda_runtime.h - a CPU emulation of the slice of the CUDA
+ * execution model that the cuda/ kernels use, so that the kernels' logic can RUN on
+ * a machine without a GPU (tests/test_cuda_emulated.py).  It stands in for
+ * the real <cuda_runtime.h> when the .cu files are compiled by g++ after
+ * cuda/emu/translate.py has rewritten each `k<<<g, b, s, st>>>(args)` into
+ * `tagc_emu_launch(g, b, s, st, [=] { k(args); })`.
+ *
+ * Model: the blocks of a launch run one after another; the threads of a
+ * block are real threads (std::thread) meeting at barriers for
+ * __syncthreads and its _count/_or forms; warp intrinsics (ballot, shuffles)
+ * exchange through per-warp slots between two warp barriers; atomics are
+ * GCC __atomic builtins; __shared__ variables are function statics (one
+ * block at a time owns them); device memory is host memory.  What this does
+ * NOT model: concurrent blocks (inter-block races), the GPU memory model,
+ * occupancy, speed.  Passing here checks logic, not a GPU.
+ */
+#ifndef TAGC_CUDA_EMU_RUNTIME_H
+#define TAGC_CUDA_EMU_RUNTIME_H
+
+#ifndef __cplusplus
+#error "the CUDA emulation needs C++ (it is used by the emulated .cu build only)"
+#endif
+
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <functional>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+
+typedef void *cudaStream_t;
+typedef enum { cudaSuccess = 0, cudaErrorInvalidValue = 1 } cudaError_t;
+
+struct tagc_emu_dim3 {
+    unsigned x, y, z;
+};
+
+static thread_local tagc_emu_dim3 threadIdx;
+static tagc_emu_dim3 blockIdx, blockDim, gridDim;
+
+/* Per-block synchronisation state, rebuilt for every block. */
+struct tagc_emu_block {
+    pthread_barrier_t all;
+    std::vector<pthread_barrier_t> warps;
+    std::vector<int> flag;            /* one per thread (__syncthreads_*) */
+    int result;                       /* __syncthreads_* result */
+    std::vector<uint64_t> xch;        /* 32 slots per warp */
+};
+static tagc_emu_block *tagc_emu_cur;
+static cudaError_t tagc_emu_last = cudaSuccess;
+
+static inline cudaError_t cudaGetLastError(void)
+{
+    cudaError_t e = tagc_emu_last;
+    tagc_emu_last = cudaSuccess;
+    return e;
+}
+
+static inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s)
+{
+    (void)s;
+    memset(p, v, n);
+    return cudaSuccess;
+}
+
+static inline void tagc_emu_launch(unsigned grid, unsigned block, size_t smem,
+                                   cudaStream_t stream, std::function<void()> body)
+{
+    (void)smem;
+    (void)stream;
+    if (grid == 0 || block == 0 || block > 1024 || block % 32 != 0) {
+        tagc_emu_last = cudaErrorInvalidValue;
+        return;
+    }
+    gridDim = {grid, 1, 1};
+    blockDim = {block, 1, 1};
+    for (unsigned b = 0; b < grid; b++) {
+        tagc_emu_block st;
+        pthread_barrier_init(&st.all, NULL, block);
+        st.warps.resize(block / 32);
+        for (auto &w : st.warps)
+            pthread_barrier_init(&w, NULL, 32);
+        st.flag.assign(block, 0);
+        st.xch.assign(block, 0);
+        st.result = 0;
+        tagc_emu_cur = &st;
+        blockIdx = {b, 0, 0};
+        std::vector<std::thread> ts;
+        ts.reserve(block);
+        for (unsigned t = 0; t < block; t++)
+            ts.emplace_back([t, &body] {
+                threadIdx = {t, 0, 0};
+                body();
+            });
+        for (auto &t : ts)
+            t.join();
+        pthread_barrier_destroy(&st.all);
+        for (auto &w : st.warps)
+            pthread_barrier_destroy(&w);
+    }
+    tagc_emu_cur = NULL;
+}
+
+static inline void __syncthreads(void)
+{
+    pthread_barrier_wait(&tagc_emu_cur->all);
+}
+
+/* Every thread posts its predicate; thread 0 folds them between two
+ * barriers; all read the result before anyone can post the next one. */
+static inline int tagc_emu_sync_fold(int pred, int count)
+{
+    tagc_emu_block *st = tagc_emu_cur;
+    st->flag[threadIdx.x] = pred != 0;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int r = 0;
+        for (int f : st->flag)
+            r += f;
+        st->result = count ? r : (r != 0);
+    }
+    __syncthreads();
+    int r = st->result;
+    __syncthreads();
+    return r;
+}
+
+static inline int __syncthreads_count(int pred) { return tagc_emu_sync_fold(pred, 1); }
+static inline int __syncthreads_or(int pred) { return tagc_emu_sync_fold(pred, 0); }
+
+static inline void tagc_emu_warp_sync(void)
+{
+    pthread_barrier_wait(&tagc_emu_cur->warps[threadIdx.x / 32]);
+}
+
+/* Posts v for the warp, returns what lane `src` posted. */
+static inline uint64_t tagc_emu_exchange(uint64_t v, unsigned src)
+{
+    tagc_emu_block *st = tagc_emu_cur;
+    unsigned base = threadIdx.x / 32 * 32;
+    st->xch[threadIdx.x] = v;
+    tagc_emu_warp_sync();
+    uint64_t r = st->xch[base + src];
+    tagc_emu_warp_sync();
+    return r;
+}
+
+static inline unsigned __ballot_sync(unsigned mask, int pred)
+{
+    (void)mask;
+    tagc_emu_block *st = tagc_emu_cur;
+    unsigned base = threadIdx.x / 32 * 32;
+    st->xch[threadIdx.x] = pred != 0;
+    tagc_emu_warp_sync();
+    unsigned r = 0;
+    for (unsigned l = 0; l < 32; l++)
+        r |= (unsigned)st->xch[base + l] << l;
+    tagc_emu_warp_sync();
+    return r;
+}
+
+static inline unsigned __shfl_up_sync(unsigned mask, unsigned v, unsigned d)
+{
+    (void)mask;
+    unsigned lane = threadIdx.x % 32;
+    unsigned r = (unsigned)tagc_emu_exchange(v, lane >= d ? lane - d : lane);
+    return r;
+}
+
+static inline unsigned __shfl_down_sync(unsigned mask, unsigned v, unsigned d)
+{
+    (void)mask;
+    unsigned lane = threadIdx.x % 32;
+    return (unsigned)tagc_emu_exchange(v, lane + d < 32 ? lane + d : lane);
+}
+
+static inline unsigned __shfl_sync(unsigned mask, unsigned v, int src)
+{
+    (void)mask;
+    return (unsigned)tagc_emu_exchange(v, (unsigned)src % 32);
+}
+
+static inline int __popc(unsigned x) { return __builtin_popcount(x); }
+
+static inline unsigned __float_as_uint(float f)
+{
+    unsigned u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float __uint_as_float(unsigned u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline unsigned atomicAdd(unsigned *p, unsigned v)
+{
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+
+static inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v)
+{
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+
+static inline float atomicAdd(float *p, float v)
+{
+    float old, want;
+    __atomic_load(p, &old, __ATOMIC_RELAXED);
+    do {
+        want = old + v;
+    } while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED));
+    return old;
+}
+
+static inline unsigned atomicSub(unsigned *p, unsigned v)
+{
+    return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED);
+}
+
+static inline int atomicCAS(int *p, int cmp, int v)
+{
+    __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return cmp;
+}
+
+#endif /* TAGC_CUDA_EMU_RUNTIME_H */

@@ -1,0 +1,352 @@
+"""The CUDA kernels' own code, run on the CPU, against the C codec.
+
+No GPU here, so ``cuda/emu/`` emulates the part of the CUDA execution model
+the kernels use (blocks one after another, a block's threads as real threads
+meeting at barriers, warp ballots/shuffles, atomics; see
+``cuda/emu/cuda_runtime.h``).  ``cuda/emu/translate.py`` rewrites the
+``<<<...>>>`` launches, g++ compiles every ``cuda/*.cu`` unchanged otherwise
+into a shared library, and each launcher is compared with the C op of
+``_tagc`` on identical inputs.  This checks the kernels' logic (radix
+select, tie-breaking compaction, tile scans, bitmaps, peeling rounds, the
+device-side error reporting) on every CPU run; it says nothing about GPU
+speed, occupancy or the GPU memory model, which only tests/test_cuda_ops.py
+on a GPU can check.  Sizes are small because every emulated thread is an OS
+thread.
+"""
+from __future__ import annotations
+
+import ctypes as C
+import math
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import pytest
+import torch
+
+_tagc = pytest.importorskip("_tagc")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+F32, BF16 = 0, 1
+ERR_RANGE, ERR_CORRUPT = 2, 6
+DT = {torch.float32: F32, torch.bfloat16: BF16}
+I64, SZ, VP, INT, U64 = C.c_int64, C.c_size_t, C.c_void_p, C.c_int, C.c_uint64
+
+SIGS = {
+    "tagc_cuda_select_kth_workspace_size": (SZ, [I64]),
+    "tagc_cuda_select_kth": (INT, [VP, VP, INT, I64, I64, VP, SZ, VP]),
+    "tagc_cuda_sparsify_workspace_size": (SZ, [I64]),
+    "tagc_cuda_sparsify": (INT, [VP, I64, VP, INT, I64, VP, I64, VP, INT, VP, INT, I64, I64,
+                                 VP, VP, SZ, VP]),
+    "tagc_cuda_lanes_pack": (INT, [VP, I64, VP, I64, INT, VP]),
+    "tagc_cuda_lanes_unpack": (INT, [VP, I64, VP, I64, I64, INT, VP]),
+    "tagc_cuda_bitmap_or": (INT, [VP, I64, VP, I64, I64, VP]),
+    "tagc_cuda_popcount": (INT, [VP, VP, I64, VP]),
+    "tagc_cuda_sketch_encode_workspace_size": (SZ, [I64, INT]),
+    "tagc_cuda_sketch_encode": (INT, [VP, INT, I64, VP, VP, INT, I64, I64, I64, U64, VP, VP,
+                                      SZ, VP]),
+    "tagc_cuda_peel_decode_workspace_size": (SZ, [I64, I64, INT]),
+    "tagc_cuda_peel_decode": (INT, [VP, I64, VP, I64, VP, VP, INT, VP, I64, I64, U64, INT,
+                                    INT, VP, SZ, VP]),
+    "tagc_cuda_sparse_pack": (INT, [VP, I64, VP, VP, INT, I64, VP]),
+    "tagc_cuda_sparse_unpack_workspace_size": (SZ, []),
+    "tagc_cuda_sparse_unpack": (INT, [VP, I64, VP, I64, I64, INT, VP, VP, SZ, VP]),
+}
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
+    """The launchers compiled by g++ against the emulation."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++) to build the emulated kernels")
+    out = tmp_path_factory.mktemp("cuda_emu")
+    os.symlink(os.path.join(ROOT, "csrc"), out / "csrc")
+    subprocess.run([sys.executable, os.path.join(ROOT, "cuda", "emu", "translate.py"),
+                    os.path.join(ROOT, "cuda"), str(out / "cuda")], check=True)
+    srcs = sorted(p for p in os.listdir(out / "cuda") if p.endswith(".cu"))
+
+    def compile_one(name: str) -> str:
+        obj = str(out / "cuda" / (name[:-3] + ".o"))
+        subprocess.run([cxx, "-std=c++17", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror",
+                        "-I", os.path.join(ROOT, "cuda", "emu"), "-I", os.path.join(ROOT, "cuda"),
+                        "-x", "c++", "-c", str(out / "cuda" / name), "-o", obj],
+                       check=True, capture_output=True, text=True)
+        return obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        try:
+            objs = list(pool.map(compile_one, srcs))
+        except subprocess.CalledProcessError as exc:
+            pytest.fail(f"emulated build failed:\n{exc.stderr[-4000:]}")
+    so = str(out / "libtagc_cuda_emu.so")
+    subprocess.run([cxx, "-shared", "-o", so, *objs, "-lpthread"], check=True)
+    dll = C.CDLL(so)
+    for name, (res, args) in SIGS.items():
+        fn = getattr(dll, name)
+        fn.restype, fn.argtypes = res, args
+    return dll
+
+
+def P(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def ws(nbytes: int) -> torch.Tensor:
+    return torch.empty(max(int(nbytes), 1), dtype=torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(a.dtype)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.view(view), b.view(view)) if view else torch.equal(a, b)
+
+
+def gradient(n: int, dtype: torch.dtype, ties: bool, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-6, 7, (n,), generator=g).float() / 4 if ties
+         else torch.randn(n, generator=g))
+    return x.to(dtype)
+
+
+def bitmap_of(mask: torch.Tensor) -> torch.Tensor:
+    n = mask.numel()
+    pad = torch.zeros((n + 7) // 8 * 8, dtype=torch.bool)
+    pad[:n] = mask
+    return (pad.view(-1, 8).long() << torch.arange(8)).sum(1).to(torch.uint8)
+
+
+SIZES = [(1, 1), (9, 4), (300, 0), (300, 300), (4096, 40), (9000, 113)]
+
+
+@pytest.mark.parametrize("n,k", SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_kth(lib: C.CDLL, n: int, k: int, dtype: torch.dtype, ties: bool) -> None:
+    x = gradient(n, dtype, ties, seed=n + k)
+    tau = torch.full((1,), -1.0)
+    w = ws(lib.tagc_cuda_select_kth_workspace_size(n))
+    assert lib.tagc_cuda_select_kth(P(tau), P(x), DT[dtype], n, k, P(w), w.numel(), None) == 0
+    assert same_bits(tau, torch.tensor([_tagc.select_kth(x, k)], dtype=torch.float32))
+
+
+def test_select_kth_nonfinite_is_nan(lib: C.CDLL) -> None:
+    x = gradient(5000, torch.float32, False, seed=2)
+    x[1234] = float("-inf")
+    tau = torch.zeros(1)
+    w = ws(lib.tagc_cuda_select_kth_workspace_size(5000))
+    assert lib.tagc_cuda_select_kth(P(tau), P(x), F32, 5000, 7, P(w), w.numel(), None) == 0
+    assert math.isnan(float(tau))
+
+
+def run_sparsify(lib: C.CDLL, g: torch.Tensor, r: Optional[torch.Tensor], k: int,
+                 vd: torch.dtype):
+    n = g.numel()
+    idx = torch.full((k + 2,), -7, dtype=torch.int32)
+    val = torch.full((k + 2,), 9.0, dtype=vd)
+    bm = torch.full(((n + 7) // 8 + 2,), 0xA5, dtype=torch.uint8)
+    tau = torch.zeros(1)
+    w = ws(lib.tagc_cuda_sparsify_workspace_size(n))
+    rd = DT[r.dtype] if r is not None else F32
+    st = lib.tagc_cuda_sparsify(P(idx), k, P(val), DT[vd], k, P(bm), (n + 7) // 8, P(r), rd,
+                                P(g), DT[g.dtype], n, k, P(tau), P(w), w.numel(), None)
+    assert st == 0
+    return idx, val, bm, tau
+
+
+@pytest.mark.parametrize("n,k", SIZES)
+@pytest.mark.parametrize("gd,rd,vd", [
+    (torch.float32, torch.float32, torch.float32),
+    (torch.float32, None, torch.float32),
+    (torch.bfloat16, torch.float32, torch.bfloat16),
+    (torch.float32, torch.bfloat16, torch.bfloat16),
+])
+@pytest.mark.parametrize("ties", [False, True])
+def test_sparsify(lib: C.CDLL, n: int, k: int, gd: torch.dtype, rd: Optional[torch.dtype],
+                  vd: torch.dtype, ties: bool) -> None:
+    g = gradient(n, gd, ties, seed=3 * n + k)
+    r = None if rd is None else (gradient(n, torch.float32, ties, seed=n) / 8).to(rd)
+    c_idx = torch.full((k + 2,), -7, dtype=torch.int32)
+    c_val = torch.full((k + 2,), 9.0, dtype=vd)
+    c_bm = torch.full(((n + 7) // 8 + 2,), 0xA5, dtype=torch.uint8)
+    c_res = None if r is None else r.clone()
+    want = _tagc.sparsify(c_idx[:k], c_val[:k], c_bm[:(n + 7) // 8], c_res, g, k)
+    e_res = None if r is None else r.clone()
+    idx, val, bm, tau = run_sparsify(lib, g, e_res, k, vd)
+    assert same_bits(tau, torch.tensor([want], dtype=torch.float32))
+    assert torch.equal(idx, c_idx)
+    assert same_bits(val, c_val)
+    assert torch.equal(bm, c_bm)
+    if r is not None:
+        assert same_bits(e_res, c_res)
+
+
+def test_sparsify_nonfinite(lib: C.CDLL) -> None:
+    n, k = 6000, 30
+    g = gradient(n, torch.float32, False, seed=8)
+    g[4999] = float("nan")
+    r = gradient(n, torch.float32, False, seed=9) / 8
+    res = r.clone()
+    idx, val, bm, tau = run_sparsify(lib, g, res, k, torch.float32)
+    assert math.isnan(float(tau))
+    assert same_bits(res, r)
+    assert torch.equal(idx[:k], torch.arange(k, dtype=torch.int32))
+    assert torch.isnan(val[:k]).all()
+    want = torch.zeros(n, dtype=torch.bool)
+    want[:k] = True
+    assert torch.equal(bm[:(n + 7) // 8], bitmap_of(want))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 13, 5000])
+def test_lanes_and_bitmaps(lib: C.CDLL, bits: int, n: int) -> None:
+    g = torch.Generator().manual_seed(n * bits)
+    bms = [bitmap_of(torch.rand(n, generator=g) < 0.3) for _ in range(3)]
+    nl = (n * bits + 7) // 8
+    lanes = []
+    for b in bms:
+        c_l = torch.zeros(nl + 1, dtype=torch.uint8)
+        e_l = torch.zeros(nl + 1, dtype=torch.uint8)
+        _tagc.lanes_pack(c_l, b, n, bits)
+        assert lib.tagc_cuda_lanes_pack(P(e_l), nl, P(b), n, bits, None) == 0
+        assert torch.equal(e_l, c_l)
+        lanes.append(c_l[:nl])
+    summed = (sum(x.long() for x in lanes) % 256).to(torch.uint8)
+    c_bm = torch.full(((n + 7) // 8 + 1,), 0x5A, dtype=torch.uint8)
+    e_bm = c_bm.clone()
+    _tagc.lanes_unpack(c_bm, summed, n, bits)
+    assert lib.tagc_cuda_lanes_unpack(P(e_bm), e_bm.numel(), P(summed), nl, n, bits, None) == 0
+    assert torch.equal(e_bm, c_bm)
+
+    nb = (n + 7) // 8
+    src = torch.cat(bms)
+    c_or = torch.full((nb + 1,), 0x33, dtype=torch.uint8)
+    e_or = c_or.clone()
+    _tagc.bitmap_or(c_or, src, 3)
+    assert lib.tagc_cuda_bitmap_or(P(e_or), nb, P(src), nb, 3, None) == 0
+    assert torch.equal(e_or, c_or)
+
+    cnt = torch.full((1,), -1, dtype=torch.int64)
+    raw = torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)  # tail bits set too
+    assert lib.tagc_cuda_popcount(P(cnt), P(raw), n, None) == 0
+    assert int(cnt) == _tagc.popcount(raw, n)
+
+
+def kept(n: int, k: int, vd: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(n, generator=g)[:k].sort().values.to(torch.int32)
+    return idx, torch.randn(k, generator=g).to(vd)
+
+
+def encode(lib: C.CDLL, sd: torch.dtype, idx: torch.Tensor, val: torch.Tensor, n: int,
+           t: int, seed: int, status: Optional[torch.Tensor] = None) -> torch.Tensor:
+    sk = torch.full((3 * t + 1,), 5.0, dtype=sd)
+    w = ws(lib.tagc_cuda_sketch_encode_workspace_size(t, DT[sd]))
+    st = lib.tagc_cuda_sketch_encode(P(sk), DT[sd], 3 * t, P(idx), P(val), DT[val.dtype],
+                                     idx.numel(), n, t, seed, P(status), P(w), w.numel(), None)
+    assert st == 0
+    return sk
+
+
+@pytest.mark.parametrize("sd", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vd", [torch.float32, torch.bfloat16])
+def test_sketch_encode(lib: C.CDLL, sd: torch.dtype, vd: torch.dtype) -> None:
+    n, k, t = 20_000, 700, 300
+    idx, val = kept(n, k, vd, seed=4)
+    seed = _tagc.seed_derive(7, 3, 11)
+    c_sk = torch.full((3 * t + 1,), 5.0, dtype=sd)
+    _tagc.sketch_encode(c_sk[:3 * t], idx, val, n, t, seed)
+    e_sk = encode(lib, sd, idx, val, n, t, seed)
+    assert same_bits(e_sk[3 * t:], c_sk[3 * t:])
+    tol = dict(rtol=1e-5, atol=1e-5) if sd == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(e_sk[:3 * t].float(), c_sk[:3 * t].float(), **tol)
+
+
+def test_sketch_encode_bad_index_sets_range(lib: C.CDLL) -> None:
+    idx = torch.tensor([1, 5, 99], dtype=torch.int32)
+    status = torch.zeros(1, dtype=torch.int32)
+    encode(lib, torch.float32, idx, torch.ones(3), 50, 10, 1, status)
+    assert int(status) == ERR_RANGE
+
+
+@pytest.mark.parametrize("sd", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,u,c,rounds", [(40, 0, 1.5, 96), (3000, 200, 1.6, 96),
+                                          (20_000, 2000, 1.3, 96), (20_000, 2000, 0.8, 96),
+                                          (5000, 1500, 0.3, 96), (20_000, 2000, 1.3, 2)])
+@pytest.mark.parametrize("estimate", [1, 0])
+def test_peel_decode(lib: C.CDLL, sd: torch.dtype, n: int, u: int, c: float, rounds: int,
+                     estimate: int) -> None:
+    t = max(1, math.ceil(c * u / 3))
+    seed = _tagc.seed_derive(0, 1, 2)
+    sk = torch.zeros(3 * t)
+    union = torch.zeros(n, dtype=torch.bool)
+    for r in range(2):
+        idx, val = kept(n, u // 2, torch.float32, seed=100 + r)
+        part = torch.empty(3 * t)
+        _tagc.sketch_encode(part, idx, val, n, t, seed)
+        sk += part
+        union[idx.long()] = True
+    sk = sk.to(sd)
+    bm = bitmap_of(union)
+    usize = int(union.sum())
+    c_out = torch.full((n,), 3.0)
+    c_unp = torch.full((usize + 1,), -1, dtype=torch.int32)
+    c_cnt = _tagc.peel_decode(c_out, sk, bm, n, t, seed, unpeeled=c_unp,
+                              estimate=bool(estimate))
+    e_out = torch.full((n,), 3.0)
+    e_unp = torch.full((usize + 1,), -1, dtype=torch.int32)
+    cnt = torch.full((1,), -1, dtype=torch.int64)
+    w = ws(lib.tagc_cuda_peel_decode_workspace_size(n, t, rounds))
+    st = lib.tagc_cuda_peel_decode(P(e_out), n, P(e_unp), e_unp.numel(), P(cnt), P(sk), DT[sd],
+                                   P(bm), n, t, seed, estimate, rounds, P(w), w.numel(), None)
+    assert st == 0
+    if rounds < 10 and c_cnt == 0:
+        # Too few rounds for this sketch: what is left is reported, never lost.
+        assert 0 < int(cnt) <= usize
+        left = e_unp[:int(cnt)].long()
+        assert torch.all(left[1:] > left[:-1])
+        assert bool(union[left].all())
+        peeled = union.clone()
+        peeled[left] = False
+        torch.testing.assert_close(e_out[peeled], c_out[peeled], rtol=1e-4, atol=1e-4)
+        return
+    assert int(cnt) == c_cnt
+    assert torch.equal(e_unp, c_unp)
+    torch.testing.assert_close(e_out, c_out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("vd", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 3, 700])
+def test_sparse_pack_unpack(lib: C.CDLL, vd: torch.dtype, k: int) -> None:
+    n = 3000
+    idx, val = kept(n, k, vd, seed=k)
+    es = 4 + torch.empty(0, dtype=vd).element_size()
+    c_buf = torch.full((k * es + 3,), 0xEE, dtype=torch.uint8)
+    _tagc.sparse_pack(c_buf[1:1 + k * es], idx, val)
+    e_buf = torch.full((k * es + 3,), 0xEE, dtype=torch.uint8)
+    assert lib.tagc_cuda_sparse_pack(P(e_buf[1:]), k * es, P(idx), P(val), DT[vd], k, None) == 0
+    assert torch.equal(e_buf, c_buf)
+    base = gradient(n, torch.float32, False, seed=5)
+    c_out = base.clone()
+    _tagc.sparse_unpack(c_out, c_buf[1:1 + k * es].clone(), k, vd)
+    e_out = base.clone()
+    w = ws(lib.tagc_cuda_sparse_unpack_workspace_size())
+    assert lib.tagc_cuda_sparse_unpack(P(e_out), n, P(e_buf[1:]), k * es, k, DT[vd], None,
+                                       P(w), w.numel(), None) == 0
+    assert same_bits(e_out, c_out)
+
+
+def test_sparse_unpack_corrupt(lib: C.CDLL) -> None:
+    buf = torch.empty(24, dtype=torch.uint8)
+    _tagc.sparse_pack(buf, torch.tensor([3, 70_000, 5], dtype=torch.int32), torch.ones(3))
+    out = torch.zeros(100)
+    status = torch.zeros(1, dtype=torch.int32)
+    w = ws(lib.tagc_cuda_sparse_unpack_workspace_size())
+    assert lib.tagc_cuda_sparse_unpack(P(out), 100, P(buf), 24, 3, F32, P(status), P(w),
+                                       w.numel(), None) == 0
+    assert int(status) == ERR_CORRUPT
+    assert not out.any()
