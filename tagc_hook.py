@@ -35,11 +35,11 @@ Decisions documented here (they are visible in behaviour):
   all-reduce per compressed call) whether any rank's unit gradient holds
   NaN/Inf; if so every rank takes the plain reduce-scatter that call and the
   residual is left untouched, so GradScaler sees the inf/nan.
-* NO_SHARD and HYBRID_SHARD (FSDP1) and HSDP meshes (FSDP2) are refused: the
-  first is DDP (use DDP comm hooks), the others reduce over two groups.
-* FSDP2 with one rank never calls the comm (FSDP copies the gradient), so no
-  compression and no residual happen there; FSDP1 with one rank still calls
-  the hook and runs the codec.
+* NO_SHARD with more than one rank, HYBRID_SHARD (FSDP1) and HSDP meshes
+  (FSDP2) are refused: the first is DDP (use DDP comm hooks), the others
+  reduce over two groups.
+* With one rank nothing is compressed: FSDP2 never calls the comm and FSDP1
+  switches itself to NO_SHARD, whose reduction the hook leaves as the identity.
 """
 
 from __future__ import annotations
@@ -459,6 +459,20 @@ class _Unit:
         return d
 
 
+def _host_int(fn: Callable[..., Any], *args: Any, out_kw: str = "out", **kw: Any) -> int:
+    """Call a codec function returning a count; on CUDA it writes a device scalar.
+
+    The ``.item()`` on CUDA is a host sync: a seam for the CUDA issue (counts
+    could stay on the device and feed the next collective directly).
+    """
+    dev = args[0].device
+    if dev.type == "cuda":
+        o = torch.empty(1, dtype=torch.int64, device=dev)
+        fn(*args, **{out_kw: o}, **kw)
+        return int(o.item())
+    return int(fn(*args, **kw))
+
+
 def _stream_kw(t: torch.Tensor) -> Dict[str, int]:
     # Seam for the CUDA work: the codec runs on the current stream for now;
     # side streams ordered by events belong to the CUDA issue.
@@ -725,8 +739,12 @@ class TAGCState:
         nb = (s + 7) // 8
         bm = torch.empty(n if with_bitmap else 1, nb, dtype=torch.uint8, device=dev)
         kw = _stream_kw(inp)
+        # on CUDA the threshold goes to a device scalar (no host sync)
+        tau = torch.empty(n, dtype=torch.float32, device=dev) if inp.is_cuda else None
         for r in range(n):
             res = u.residual[r * s:(r + 1) * s] if u.residual is not None else None
+            if tau is not None:
+                kw["out"] = tau[r:r + 1]
             _tagc.sparsify(idx[r], val[r], bm[r if with_bitmap else 0], res,
                            inp[r * s:(r + 1) * s], k, **kw)
             if per_shard is not None:
@@ -775,12 +793,12 @@ class TAGCState:
         work.wait()
         union = torch.empty(bm.shape[1], dtype=torch.uint8, device=inp.device)
         _tagc.bitmap_or(union, recv_bm.view(-1), n, **kw)
-        usize = _tagc.popcount(union, s, **kw)
+        usize = _host_int(_tagc.popcount, union, s, **kw)
         work_sk.wait()
         total = recv_sk.float().sum(dim=0) if n > 1 else recv_sk[0].float()
-        unpeeled = torch.empty(max(int(usize), 1), dtype=torch.int32, device=inp.device)
-        cnt = int(_tagc.peel_decode(acc, total, union, s, t, seed, unpeeled=unpeeled,
-                                    estimate=False, **kw))
+        unpeeled = torch.empty(max(usize, 1), dtype=torch.int32, device=inp.device)
+        cnt = _host_int(_tagc.peel_decode, acc, total, union, s, t, seed, unpeeled=unpeeled,
+                        estimate=False, out_kw="count_out", **kw)
         u.counters["union_size"] += int(usize)
         u.counters["shard_slots"] += s
         # Agree on who needs recovery (an N-element all-reduce of counts).
@@ -840,8 +858,9 @@ class TAGCState:
             w.wait()
         union = torch.empty(bm.shape[1], dtype=torch.uint8, device=inp.device)
         _tagc.lanes_unpack(union, lanes[rank], s, bits, **kw)
-        usize = _tagc.popcount(union, s, **kw)
-        cnt = int(_tagc.peel_decode(acc, sk[rank], union, s, t, seed, estimate=True, **kw))
+        usize = _host_int(_tagc.popcount, union, s, **kw)
+        cnt = _host_int(_tagc.peel_decode, acc, sk[rank], union, s, t, seed, estimate=True,
+                        out_kw="count_out", **kw)
         u.counters["union_size"] += int(usize)
         u.counters["shard_slots"] += s
         self._note_unpeeled(u, cnt, usize, "paper mode estimates them")
@@ -863,7 +882,15 @@ def _fsdp1_hook(unit: _Unit, padded_grad: torch.Tensor,
                 output: Optional[torch.Tensor] = None) -> None:
     """The FSDP1 comm hook; FSDP passes each unit's own state (see register)."""
     if output is None:
-        raise RuntimeError("TAGC: NO_SHARD is not supported (FSDP passed no output shard)")
+        # NO_SHARD: register() admits it only with one rank (FSDP1 switches to it
+        # by itself at world size 1), where the reduction is the identity.
+        if unit.owner.world_size != 1:
+            raise RuntimeError("TAGC: NO_SHARD is not supported with more than one rank")
+        unit.counters["calls"] += 1
+        unit.counters["plain_calls"] += 1
+        if unit.pre * unit.post != 1:
+            padded_grad.div_(unit.pre * unit.post)
+        return
     unit.owner._run(unit, padded_grad, output)
 
 
@@ -925,7 +952,7 @@ def _register_fsdp1(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
             raise ValueError(f"register: sharding strategy {strat.name} is not supported "
                              "(FSDP1 comm hooks cannot run hybrid sharding); use FULL_SHARD "
                              "or SHARD_GRAD_OP")
-        if strat == ShardingStrategy.NO_SHARD:
+        if strat == ShardingStrategy.NO_SHARD and dist.get_world_size(m.process_group) > 1:
             raise ValueError("register: sharding strategy NO_SHARD is not supported (it is "
                              "data parallel without sharding; use DDP and its comm hooks)")
     group = model.process_group

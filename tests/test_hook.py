@@ -65,31 +65,79 @@ def _tap(state: tagc.TAGCState) -> Dict[str, List[torch.Tensor]]:
     return rec
 
 
-def _check_equal_default(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig,
-                         reduce_dtype: Any = None, tol: float = 1e-6, accum: int = 1) -> None:
+class _Counter:
+    """Counts the tensors handed to torch.distributed while ``active`` is set."""
+
+    NAMES = ("all_to_all_single", "all_reduce", "reduce", "reduce_scatter_single",
+             "reduce_scatter_tensor")
+
+    def __init__(self) -> None:
+        self.active: Dict[str, List[int]] | None = None
+        self.saved = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
+
+    def __enter__(self) -> "_Counter":
+        for name, fn in self.saved.items():
+            setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.active is not None:
+                if name in ("all_to_all_single",) or name.startswith("reduce_scatter"):
+                    t = kwargs.get("input", args[1] if len(args) > 1 else None)
+                else:
+                    t = kwargs.get("tensor", args[0] if args else None)
+                c = self.active.setdefault(name, [0, 0])
+                c[0] += 1
+                c[1] += t.numel() * t.element_size()
+            return fn(*args, **kwargs)
+        return counted
+
+
+def _check_equal_default(rank: int, n: int, kind: str, cfgs: List[tagc.TAGCConfig],
+                         reduce_dtype: Any = None, tol: float = 1e-6,
+                         accum: int = 2) -> Dict[str, Any]:
+    """Each TAGC model's sharded gradients == plain FSDP's (one shared reference),
+    through gradient accumulation; and stats() bytes == bytes handed to
+    torch.distributed (counted by wrapping it)."""
     ref = build_fsdp(kind, None, reduce_dtype=reduce_dtype)
-    mod = build_fsdp(kind, cfg, reduce_dtype=reduce_dtype)
-    state = tagc.register(mod, cfg)
-    for step in range(2):
-        _backward(ref, rank, step, kind, accum)
-        _backward(mod, rank, step, kind, accum)
-        ga, gb = local_grads(mod), local_grads(ref)
-        # relative to this rank's largest gradient entry: peeling subtracts
-        # bucket-mates, so a tiny bias gradient carries its bucket's rounding
-        scale = max(float(b.abs().max()) for b in gb if b.numel())
-        for i, (a, b) in enumerate(zip(ga, gb)):
-            err = float((a - b).abs().max()) / scale if b.numel() else 0.0
-            assert err <= tol, (f"{kind} {cfg.mode} N={n} step {step} param {i}: "
-                                f"rel err {err:.3g} > {tol}")
-        ref.zero_grad()
-        mod.zero_grad()
-    st = state.stats()["total"]
-    expect_calls = 2 * sum(1 for u in state.units)
-    if kind == "fsdp2" and n == 1:
-        expect_calls = 0  # FSDP2 does not call the comm with one rank
-    assert st["calls"] == expect_calls, (st["calls"], expect_calls)
-    if expect_calls:
-        assert st["compressed_calls"] > 0 and st["plain_calls"] > 0
+    mods = [build_fsdp(kind, c, reduce_dtype=reduce_dtype) for c in cfgs]
+    states = [tagc.register(m, c) for m, c in zip(mods, cfgs)]
+    seen: List[Dict[str, List[int]]] = [{} for _ in cfgs]
+    with _Counter() as counter:
+        for step in range(2):
+            _backward(ref, rank, step, kind, accum)
+            gb = local_grads(ref)
+            # relative to this rank's largest gradient entry: peeling subtracts
+            # bucket-mates, so a tiny bias gradient carries its bucket's rounding
+            scale = max(float(b.abs().max()) for b in gb if b.numel())
+            for j, (mod, cfg) in enumerate(zip(mods, cfgs)):
+                counter.active = seen[j]
+                _backward(mod, rank, step, kind, accum)
+                counter.active = None
+                for i, (a, b) in enumerate(zip(local_grads(mod), gb)):
+                    err = float((a - b).abs().max()) / scale if b.numel() else 0.0
+                    assert err <= tol, (f"{kind} {cfg.mode} N={n} step {step} param {i}: "
+                                        f"rel err {err:.3g} > {tol}")
+                mod.zero_grad()
+            ref.zero_grad()
+    out = {}
+    for state, cfg, cnt in zip(states, cfgs, seen):
+        st = state.stats()["total"]
+        expect_calls = 2 * len(state.units)
+        if kind == "fsdp2" and n == 1:
+            expect_calls = 0  # FSDP2 does not call the comm with one rank
+        assert st["calls"] == expect_calls, (st["calls"], expect_calls)
+        if n > 1:
+            assert st["compressed_calls"] > 0 and st["plain_calls"] > 0
+        coll = {k: [v["calls"], v["bytes"]] for k, v in st["collectives"].items()}
+        assert coll == cnt, (cfg.mode, coll, cnt)
+        out[cfg.mode] = state.stats()["compressed_total"]
+    return out
 
 
 def _check_conservation(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig, steps: int = 20,
@@ -121,45 +169,6 @@ def _check_conservation(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig, step
     return state.stats()["total"]
 
 
-_COUNTED = ("all_to_all_single", "all_reduce", "reduce", "reduce_scatter_single",
-            "reduce_scatter_tensor")
-
-
-def _check_bytes(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig) -> Dict[str, Any]:
-    """stats() byte counts == bytes of the tensors handed to torch.distributed."""
-    mod = build_fsdp(kind, cfg)
-    state = tagc.register(mod, cfg)
-    seen: Dict[str, List[int]] = {}
-    saved = {name: getattr(dist, name) for name in _COUNTED if hasattr(dist, name)}
-
-    def wrap(name: str, fn: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if name == "all_to_all_single":
-                t = kwargs.get("input", args[1] if len(args) > 1 else None)
-            elif name.startswith("reduce_scatter"):
-                t = kwargs.get("input", args[1] if len(args) > 1 else None)
-            else:
-                t = kwargs.get("tensor", args[0] if args else None)
-            c = seen.setdefault(name, [0, 0])
-            c[0] += 1
-            c[1] += t.numel() * t.element_size()
-            return fn(*args, **kwargs)
-        return counted
-
-    try:
-        for name, fn in saved.items():
-            setattr(dist, name, wrap(name, fn))
-        for step in range(3):
-            _backward(mod, rank, step, kind)
-            mod.zero_grad()
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-    coll = state.stats()["total"]["collectives"]
-    assert {k: [v["calls"], v["bytes"]] for k, v in coll.items()} == seen, (coll, seen)
-    return state.stats()["compressed_total"]
-
-
 def _modes() -> List[str]:
     return ["dense"] + (["exact", "sparse"] if HAVE_CODEC else [])
 
@@ -168,25 +177,17 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
     warnings.filterwarnings("ignore")
     out: Dict[str, Any] = {}
     for kind in KINDS:
-        for mode in _modes():
-            cfg = _cfg(mode) if mode == "dense" else _cfg(mode, theta=0.0)
-            _check_equal_default(rank, n, kind, cfg)
-        # gradient accumulation and bf16 reduction (fp32 inside, one rounding)
-        _check_equal_default(rank, n, kind, _cfg("dense"), accum=2)
-        _check_equal_default(rank, n, kind, _cfg("dense"), reduce_dtype=torch.bfloat16,
+        # dense, and exact/sparse at theta=0, through accumulation (no_sync /
+        # set_requires_gradient_sync(False)) and with bf16 reduction (fp32 inside)
+        cfgs = [_cfg(m) if m == "dense" else _cfg(m, theta=0.0) for m in _modes()]
+        out[f"bytes/{kind}"] = _check_equal_default(rank, n, kind, cfgs)
+        _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:], reduce_dtype=torch.bfloat16,
                              tol=2e-2)
-        if HAVE_CODEC:
-            _check_equal_default(rank, n, kind, _cfg("exact", theta=0.0), accum=2)
-            _check_equal_default(rank, n, kind, _cfg("sparse", theta=0.0),
-                                 reduce_dtype=torch.bfloat16, tol=2e-2)
-        for mode in _modes():
-            out[f"bytes/{kind}/{mode}"] = _check_bytes(rank, n, kind, _cfg(mode))
-        if HAVE_CODEC and not (kind == "fsdp2" and n == 1):
-            for mode in ("exact", "sparse"):
+        if HAVE_CODEC and n > 1:  # one rank: no exchange, nothing compressed
+            # 20 steps at theta=0.9875; sparse also accumulates 2 micro-batches per step
+            for mode, accum in (("exact", 1), ("sparse", 2)):
                 out[f"ef/{kind}/{mode}"] = _check_conservation(
-                    rank, n, kind, _cfg(mode, theta=0.9875), steps=20)
-            # accumulation + error feedback
-            _check_conservation(rank, n, kind, _cfg("sparse", theta=0.9), steps=4, accum=2)
+                    rank, n, kind, _cfg(mode, theta=0.9875), steps=20, accum=accum)
             # undersized sketch: peeling fails, the recovery exchange keeps mass
             st = _check_conservation(rank, n, kind, _cfg("exact", theta=0.5,
                                                          sketch_factor=0.5), steps=3)

@@ -1,0 +1,117 @@
+"""TAGCConfig validation, YAML presets and the layer selection policy (no processes)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import tagc_hook as tagc  # noqa: E402
+from dist_helpers import ToyGPT  # noqa: E402
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(mode="fast"), "mode"),
+    (dict(theta=1.0), "theta"),
+    (dict(theta=-0.1), "theta"),
+    (dict(theta="0.9"), "theta"),
+    (dict(mode="exact", ratio=10), "ratio"),
+    (dict(mode="paper", ratio=0.5), "ratio"),
+    (dict(mode="paper", ratio=3), "theta"),
+    (dict(mode="paper", theta=0.95), "ratio"),
+    (dict(index_bits=3), "index_bits"),
+    (dict(index_bits=True), "index_bits"),
+    (dict(value_dtype=torch.float16), "value_dtype"),
+    (dict(value_dtype="int8"), "value_dtype"),
+    (dict(residual_dtype=torch.float64), "residual_dtype"),
+    (dict(layers="attention"), "layers"),
+    (dict(layers=3), "layers"),
+    (dict(min_numel=-1), "min_numel"),
+    (dict(min_numel=1.5), "min_numel"),
+    (dict(error_feedback=1), "error_feedback"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=2 ** 64), "seed"),
+    (dict(sketch_factor=0), "sketch_factor"),
+    (dict(sketch_factor=float("nan")), "sketch_factor"),
+])
+def test_invalid_values_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        tagc.TAGCConfig(**kw)
+
+
+def test_paper_theta_defaults_from_ratio():
+    assert tagc.TAGCConfig(mode="paper", ratio=2).theta == 0.80
+    assert tagc.TAGCConfig(mode="paper", ratio=4).theta == 0.90
+    assert tagc.TAGCConfig(mode="paper", ratio=10).theta == 0.9875
+    assert tagc.TAGCConfig(mode="paper", theta=0.9).ratio == 4.0
+    c = tagc.TAGCConfig(mode="paper")
+    assert (c.ratio, c.theta) == (10.0, 0.9875)
+    assert tagc.TAGCConfig(mode="exact").theta == 0.9875
+    assert tagc.TAGCConfig(value_dtype="bf16").value_dtype == torch.bfloat16
+
+
+def test_presets_load_and_unknown_keys_raise(tmp_path):
+    names = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml"))}
+    for r in (2, 4, 10):
+        for b in (1, 4):
+            assert f"tagc-{r}x-{b}bit.yaml" in names
+            c = tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{r}x-{b}bit.yaml"))
+            assert (c.mode, c.ratio, c.index_bits) == ("paper", float(r), b)
+            assert c.theta == tagc.PAPER_THETA[float(r)]
+    for m in ("exact", "sparse", "dense"):
+        assert tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{m}.yaml")).mode == m
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: exact\ntheta: 0.9\nthetta: 0.8\n")
+    with pytest.raises(ValueError, match="thetta"):
+        tagc.TAGCConfig.from_yaml(str(bad))
+    c = tagc.TAGCConfig(mode="sparse", theta=0.5, value_dtype=torch.bfloat16)
+    assert tagc.TAGCConfig.from_dict(c.to_dict()) == c
+
+
+def test_non_attention_policy():
+    cfg = tagc.TAGCConfig(min_numel=64)
+    m = ToyGPT()
+    sel = {f"{mn}.{pn}" if mn else pn
+           for mn, mod in m.named_modules() for pn, p in mod.named_parameters(recurse=False)
+           if tagc.select_parameter(cfg, mn, mod, pn, p)}
+    assert sel == {"wte.weight", "lm_head.weight", "h.0.attn.c_proj.weight", "h.1.attn.c_proj.weight",
+                   "h.0.mlp.0.weight", "h.0.mlp.2.weight", "h.1.mlp.0.weight", "h.1.mlp.2.weight"}
+    # QKV naming conventions of other models
+    lin = torch.nn.Linear(16, 16)
+    for name, expect in [("model.layers.0.self_attn.q_proj", False),
+                         ("model.layers.0.self_attn.o_proj", True),
+                         ("encoder.layer.0.attention.self.query", False),
+                         ("transformer.h.0.attn.c_attn", False),
+                         ("gpt_neox.layers.0.attention.query_key_value", False),
+                         ("model.layers.0.mlp.gate_proj", True),
+                         ("decoder.key", True)]:   # 'key' outside attention: not QKV
+        assert tagc.select_parameter(tagc.TAGCConfig(min_numel=1), name, lin, "weight",
+                                     lin.weight) is expect, name
+    assert not tagc.select_parameter(cfg, "h.0.mlp.0", m.h[0].mlp[0], "bias", m.h[0].mlp[0].bias)
+    big = tagc.TAGCConfig(min_numel=10 ** 6)
+    assert not tagc.select_parameter(big, "wte", m.wte, "weight", m.wte.weight)
+    allc = tagc.TAGCConfig(layers="all", min_numel=64)
+    assert tagc.select_parameter(allc, "h.0.attn.c_attn", m.h[0].attn.c_attn, "weight",
+                                 m.h[0].attn.c_attn.weight)
+    fn = tagc.TAGCConfig(layers=lambda mn, mod, pn, p: mn.startswith("h.1"))
+    assert tagc.select_parameter(fn, "h.1.attn.c_attn", m.h[1].attn.c_attn, "bias",
+                                 m.h[1].attn.c_attn.bias)
+
+
+def test_wrap_policy_separates_units_and_keeps_tied_weights_in_root():
+    cfg = tagc.TAGCConfig(min_numel=64)
+    m = ToyGPT()
+    m.lm_head.weight = m.wte.weight   # tied, as in GPT-2
+    wrapped = {n for n, mod in m.named_modules() if mod in tagc._modules_to_wrap(m, cfg)}
+    assert "wte" not in wrapped and "lm_head" not in wrapped
+    assert {"h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.mlp.0", "h.0.mlp.2"} <= wrapped
+    pol = tagc.fsdp1_auto_wrap_policy(m, cfg)
+    assert pol(m.h[0].mlp[0], False, 0) and not pol(m.h[0].ln_1, False, 0)
+    assert pol(m, True, 0)
