@@ -527,6 +527,22 @@ class TAGCState:
         for u in self.units:
             u.reset_stats()
 
+    def scale_residuals(self, factor: float) -> None:
+        """Multiply every residual by ``factor``.
+
+        Residuals hold gradient in the loss scale of the step that produced
+        them; with dynamic loss scaling call this after ``scaler.update()``
+        with ``new_scale / old_scale`` so the feedback stays in the new scale.
+
+        Args:
+            factor: finite positive multiplier.
+        """
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"scale_residuals: factor must be finite and > 0, got {factor!r}")
+        for u in self.units:
+            if u.residual is not None and factor != 1.0:
+                u.residual.mul_(factor)
+
     def state_dict(self) -> Dict[str, Any]:
         """This rank's TAGC state: residuals per unit, step counters, seeds, config.
 

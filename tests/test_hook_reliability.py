@@ -95,6 +95,10 @@ def _grad_scaler(rank: int, n: int, kind: str) -> Dict[str, Any]:
     for name, v in before.items():
         if per_unit[name]["nonfinite_fallbacks"] > 0:
             assert torch.equal(v, after[name]), f"residual of {name} touched"
+    # keep the feedback in the new loss scale
+    state.scale_residuals(0.5)
+    for name, v in _residuals(state).items():
+        assert torch.equal(v, after[name] * 0.5)
     calls = state.stats()["total"]["compressed_calls"]
     model(toy_batch(rank, 2)).backward()
     assert state.stats()["total"]["compressed_calls"] > calls
