@@ -158,50 +158,61 @@ def _misuse(rank: int, n: int) -> List[str]:
     return msgs
 
 
-def _resume(rank: int, n: int, kind: str, mode: str, tmp: str) -> None:
-    """6 steps straight == 3 steps, torch.save per rank, fresh model/optimizer/
-    TAGC state, load, 3 steps (bit for bit).  Without loading the TAGC state
-    the parameters differ (the test can fail)."""
+def _resume_setup(rank: int, kind: str, mode: str) -> Any:
     cfg = _cfg(mode, theta=0.9)
-
-    def make() -> Any:
-        model = build_fsdp(kind, cfg)
-        return model, tagc.register(model, cfg), torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def steps(model: Any, opt: Any, r: range) -> None:
-        for i in r:
-            model(toy_batch(rank, i)).backward()
-            opt.step()
-            opt.zero_grad()
-
-    def params(model: Any) -> List[torch.Tensor]:
-        return [_local(p).clone() for p in model.parameters()]
-
-    model, state, opt = make()
-    steps(model, opt, range(6))
-    straight = params(model)
-
-    model, state, opt = make()
-    steps(model, opt, range(3))
-    path = os.path.join(tmp, f"{kind}-{mode}-rank{rank}.pt")
-    torch.save({"params": params(model), "tagc": state.state_dict()}, path)
-    del model, state, opt
-
-    for load_tagc in (True, False):
-        model, state, opt = make()
-        ck = torch.load(path, weights_only=True)
-        with torch.no_grad():
-            for p, saved in zip(model.parameters(), ck["params"]):
-                _local(p).copy_(saved)
-        if load_tagc:
-            state.load_state_dict(ck["tagc"])
-            assert all(u.step == 3 for u in state.units if u.compressed)
-        steps(model, opt, range(3, 6))
-        same = all(torch.equal(a, b) for a, b in zip(params(model), straight))
-        assert same == load_tagc, (kind, mode, load_tagc, same)
+    model = build_fsdp(kind, cfg)
+    return model, tagc.register(model, cfg), torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def _suite(rank: int, n: int, tmp: str) -> Dict[str, Any]:
+def _resume_steps(rank: int, model: Any, opt: Any, r: range) -> None:
+    for i in r:
+        model(toy_batch(rank, i)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _params(model: Any) -> List[torch.Tensor]:
+    return [_local(p).clone() for p in model.parameters()]
+
+
+def _resume_save(rank: int, n: int, tmp: str) -> None:
+    """Processes 1: 6 steps straight (kept for comparison), and 3 steps + torch.save per rank."""
+    warnings.filterwarnings("ignore")
+    for kind in KINDS:
+        for mode in ("exact", "sparse"):
+            model, state, opt = _resume_setup(rank, kind, mode)
+            _resume_steps(rank, model, opt, range(6))
+            torch.save(_params(model), os.path.join(tmp, f"{kind}-{mode}-straight-{rank}.pt"))
+            model, state, opt = _resume_setup(rank, kind, mode)
+            _resume_steps(rank, model, opt, range(3))
+            torch.save({"params": _params(model), "tagc": state.state_dict()},
+                       os.path.join(tmp, f"{kind}-{mode}-ck-{rank}.pt"))
+
+
+def _resume_load(rank: int, n: int, tmp: str) -> None:
+    """Processes 2 (new): load, 3 more steps, parameters bit-identical to 6 straight;
+    without loading the TAGC state they differ (so the test can fail)."""
+    warnings.filterwarnings("ignore")
+    for kind in KINDS:
+        for mode in ("exact", "sparse"):
+            straight = torch.load(os.path.join(tmp, f"{kind}-{mode}-straight-{rank}.pt"),
+                                  weights_only=True)
+            for load_tagc in (True, False):
+                model, state, opt = _resume_setup(rank, kind, mode)
+                ck = torch.load(os.path.join(tmp, f"{kind}-{mode}-ck-{rank}.pt"),
+                                weights_only=True)
+                with torch.no_grad():
+                    for p, saved in zip(model.parameters(), ck["params"]):
+                        _local(p).copy_(saved)
+                if load_tagc:
+                    state.load_state_dict(ck["tagc"])
+                    assert all(u.step == 3 for u in state.units if u.compressed)
+                _resume_steps(rank, model, opt, range(3, 6))
+                same = all(torch.equal(a, b) for a, b in zip(_params(model), straight))
+                assert same == load_tagc, (kind, mode, load_tagc, same)
+
+
+def _suite(rank: int, n: int) -> Dict[str, Any]:
     warnings.filterwarnings("ignore")
     import logging
 
@@ -211,15 +222,19 @@ def _suite(rank: int, n: int, tmp: str) -> Dict[str, Any]:
         out[f"nonfinite/{kind}"] = _nonfinite(rank, n, kind)
         out[f"scaler/{kind}"] = _grad_scaler(rank, n, kind)
         out[f"agree/{kind}"] = _agreement(rank, n, kind)
-        for mode in ("exact", "sparse"):
-            _resume(rank, n, kind, mode, tmp)
     out["misuse"] = _misuse(rank, n)
     return out
 
 
-def test_reliability_suite() -> None:
+def test_checkpoint_resume_in_new_processes() -> None:
+    """6 steps == 3 steps, save, new processes, load, 3 steps (FSDP1/FSDP2, exact/sparse)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_dist(_suite, 2, tmp, timeout=400)
+        run_dist(_resume_save, 2, tmp, timeout=300)
+        run_dist(_resume_load, 2, tmp, timeout=300)
+
+
+def test_reliability_suite() -> None:
+    out = run_dist(_suite, 2, timeout=400)
     # both ranks raised the agreement error (no hang, no one-sided failure)
     assert all("differs between ranks" in o["agree/fsdp1"] for o in out)
     assert out[0]["nonfinite/fsdp1"] == out[1]["nonfinite/fsdp1"]
