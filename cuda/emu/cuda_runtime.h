@@ -1,19 +1,20 @@
 /*
  * cuda/emu/cuda_runtime.h - a CPU emulation of the slice of the CUDA
- * execution model that the cuda/ kernels use, so that the kernels' logic can RUN on
- * a machine without a GPU (tests/test_cuda_emulated.py).  It stands in for
- * the real <cuda_runtime.h> when the .cu files are compiled by g++ after
+ * execution model that the cuda/ kernels use, so that the kernels' logic can
+ * RUN on a machine without a GPU (tests/test_cuda_emulated.py).  It stands in
+ * for the real <cuda_runtime.h> when the .cu files are compiled by g++ after
  * cuda/emu/translate.py has rewritten each `k<<<g, b, s, st>>>(args)` into
  * `tagc_emu_launch(g, b, s, st, [=] { k(args); })`.
  *
  * Model: the blocks of a launch run one after another; the threads of a
- * block are real threads (std::thread) meeting at barriers for
- * __syncthreads and its _count/_or forms; warp intrinsics (ballot, shuffles)
- * exchange through per-warp slots between two warp barriers; atomics are
- * GCC __atomic builtins; __shared__ variables are function statics (one
- * block at a time owns them); device memory is host memory.  What this does
- * NOT model: concurrent blocks (inter-block races), the GPU memory model,
- * occupancy, speed.  Passing here checks logic, not a GPU.
+ * block are fibers (ucontext) switched at barriers for __syncthreads and its
+ * _count/_or forms; warp intrinsics (ballot, shuffles) exchange through
+ * per-warp slots between two warp barriers; atomics are GCC __atomic
+ * builtins; __shared__ variables are function statics (one block at a time
+ * owns them); device memory is host memory.  What this does NOT model:
+ * concurrent blocks (inter-block races), independent thread scheduling
+ * inside a warp, the GPU memory model, occupancy, speed.  Passing here
+ * checks logic, not a GPU.
  */
 #ifndef TAGC_CUDA_EMU_RUNTIME_H
 #define TAGC_CUDA_EMU_RUNTIME_H
@@ -22,12 +23,13 @@
 #error "the CUDA emulation needs C++ (it is used by the emulated .cu build only)"
 #endif
 
-#include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <ucontext.h>
 
 #include <functional>
-#include <thread>
 #include <vector>
 
 #define __global__
@@ -43,19 +45,9 @@ struct tagc_emu_dim3 {
     unsigned x, y, z;
 };
 
-static thread_local tagc_emu_dim3 threadIdx;
-static tagc_emu_dim3 blockIdx, blockDim, gridDim;
-
-/* Per-block synchronisation state, rebuilt for every block. */
-struct tagc_emu_block {
-    pthread_barrier_t all;
-    std::vector<pthread_barrier_t> warps;
-    std::vector<int> flag;            /* one per thread (__syncthreads_*) */
-    int result;                       /* __syncthreads_* result */
-    std::vector<uint64_t> xch;        /* 32 slots per warp */
-};
-static tagc_emu_block *tagc_emu_cur;
-static cudaError_t tagc_emu_last = cudaSuccess;
+/* inline (C++17): one instance shared by every translation unit. */
+inline tagc_emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+inline cudaError_t tagc_emu_last = cudaSuccess;
 
 static inline cudaError_t cudaGetLastError(void)
 {
@@ -71,6 +63,92 @@ static inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t
     return cudaSuccess;
 }
 
+/* A block's threads are fibers (ucontext) on the calling OS thread, run
+ * round-robin: each runs until it reaches a barrier or returns, and a
+ * barrier releases its waiters once every member has arrived.  Cheap and
+ * deterministic; a barrier not reached by every thread is reported as a
+ * deadlock (it would hang or be undefined on a GPU). */
+enum { TAGC_EMU_RUN, TAGC_EMU_BLOCK_WAIT, TAGC_EMU_WARP_WAIT, TAGC_EMU_DONE };
+
+struct tagc_emu_fiber {
+    ucontext_t ctx;
+    int state;
+    uint64_t wait_gen;
+};
+
+struct tagc_emu_block {
+    std::vector<tagc_emu_fiber> fib;
+    unsigned arrived = 0;
+    uint64_t gen = 0;
+    std::vector<unsigned> warp_arrived;
+    std::vector<uint64_t> warp_gen;
+    std::vector<int> flag;     /* one per thread (__syncthreads_*) */
+    int result = 0;            /* __syncthreads_* result */
+    std::vector<uint64_t> xch; /* one slot per thread (warp exchange) */
+    unsigned cur = 0;
+    const std::function<void()> *body = nullptr;
+    ucontext_t sched;
+};
+inline tagc_emu_block *tagc_emu_cur;
+inline std::vector<char *> tagc_emu_stacks; /* reused, never freed */
+#define TAGC_EMU_STACK (256 * 1024)
+
+static inline void tagc_emu_fiber_main(void)
+{
+    tagc_emu_block *st = tagc_emu_cur;
+    (*st->body)();
+    st->fib[st->cur].state = TAGC_EMU_DONE;
+    /* returning resumes uc_link: the scheduler */
+}
+
+static inline void tagc_emu_yield(int state, uint64_t gen)
+{
+    tagc_emu_block *st = tagc_emu_cur;
+    tagc_emu_fiber &f = st->fib[st->cur];
+    f.state = state;
+    f.wait_gen = gen;
+    swapcontext(&f.ctx, &st->sched);
+}
+
+static inline void tagc_emu_run_block(tagc_emu_block *st, unsigned nthreads)
+{
+    while (tagc_emu_stacks.size() < nthreads)
+        tagc_emu_stacks.push_back((char *)malloc(TAGC_EMU_STACK));
+    st->fib.resize(nthreads);
+    for (unsigned i = 0; i < nthreads; i++) {
+        tagc_emu_fiber &f = st->fib[i];
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = tagc_emu_stacks[i];
+        f.ctx.uc_stack.ss_size = TAGC_EMU_STACK;
+        f.ctx.uc_link = &st->sched;
+        makecontext(&f.ctx, tagc_emu_fiber_main, 0);
+        f.state = TAGC_EMU_RUN;
+    }
+    unsigned left = nthreads;
+    while (left > 0) {
+        int ran = 0;
+        for (unsigned i = 0; i < nthreads; i++) {
+            tagc_emu_fiber &f = st->fib[i];
+            if (f.state == TAGC_EMU_DONE ||
+                (f.state == TAGC_EMU_BLOCK_WAIT && f.wait_gen == st->gen) ||
+                (f.state == TAGC_EMU_WARP_WAIT && f.wait_gen == st->warp_gen[i / 32]))
+                continue;
+            st->cur = i;
+            threadIdx = {i, 0, 0};
+            f.state = TAGC_EMU_RUN;
+            swapcontext(&st->sched, &f.ctx);
+            ran = 1;
+            if (f.state == TAGC_EMU_DONE)
+                left--;
+        }
+        if (!ran) {
+            fprintf(stderr, "cuda emu: deadlock: a barrier not reached by every thread "
+                            "(block %u)\n", blockIdx.x);
+            abort();
+        }
+    }
+}
+
 static inline void tagc_emu_launch(unsigned grid, unsigned block, size_t smem,
                                    cudaStream_t stream, std::function<void()> body)
 {
@@ -84,34 +162,27 @@ static inline void tagc_emu_launch(unsigned grid, unsigned block, size_t smem,
     blockDim = {block, 1, 1};
     for (unsigned b = 0; b < grid; b++) {
         tagc_emu_block st;
-        pthread_barrier_init(&st.all, NULL, block);
-        st.warps.resize(block / 32);
-        for (auto &w : st.warps)
-            pthread_barrier_init(&w, NULL, 32);
+        st.warp_arrived.assign(block / 32, 0);
+        st.warp_gen.assign(block / 32, 0);
         st.flag.assign(block, 0);
         st.xch.assign(block, 0);
-        st.result = 0;
+        st.body = &body;
         tagc_emu_cur = &st;
         blockIdx = {b, 0, 0};
-        std::vector<std::thread> ts;
-        ts.reserve(block);
-        for (unsigned t = 0; t < block; t++)
-            ts.emplace_back([t, &body] {
-                threadIdx = {t, 0, 0};
-                body();
-            });
-        for (auto &t : ts)
-            t.join();
-        pthread_barrier_destroy(&st.all);
-        for (auto &w : st.warps)
-            pthread_barrier_destroy(&w);
+        tagc_emu_run_block(&st, block);
     }
     tagc_emu_cur = NULL;
 }
 
 static inline void __syncthreads(void)
 {
-    pthread_barrier_wait(&tagc_emu_cur->all);
+    tagc_emu_block *st = tagc_emu_cur;
+    if (++st->arrived == blockDim.x) {
+        st->arrived = 0;
+        st->gen++; /* releases every waiter; the last one goes on */
+        return;
+    }
+    tagc_emu_yield(TAGC_EMU_BLOCK_WAIT, st->gen);
 }
 
 /* Every thread posts its predicate; thread 0 folds them between two
@@ -138,7 +209,14 @@ static inline int __syncthreads_or(int pred) { return tagc_emu_sync_fold(pred, 0
 
 static inline void tagc_emu_warp_sync(void)
 {
-    pthread_barrier_wait(&tagc_emu_cur->warps[threadIdx.x / 32]);
+    tagc_emu_block *st = tagc_emu_cur;
+    unsigned w = threadIdx.x / 32;
+    if (++st->warp_arrived[w] == 32) {
+        st->warp_arrived[w] = 0;
+        st->warp_gen[w]++;
+        return;
+    }
+    tagc_emu_yield(TAGC_EMU_WARP_WAIT, st->warp_gen[w]);
 }
 
 /* Posts v for the warp, returns what lane `src` posted. */
