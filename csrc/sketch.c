@@ -114,7 +114,8 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
     FOR_EACH_BIT(bitmap, n, p, { (void)p; u++; });
     size_t ua = (size_t)(u > 0 ? u : 1);
     bucket_t *bk = malloc((size_t)m * sizeof *bk);
-    int64_t *queue = malloc((size_t)m * sizeof *queue);
+    /* + 1: the branch-free push below always stores one slot past the end */
+    int64_t *queue = malloc((size_t)(m + 1) * sizeof *queue);
     int32_t *pos = malloc(ua * sizeof *pos);
     entry_t *ent = malloc(ua * sizeof *ent);
     float *vals = malloc(ua * sizeof *vals);
@@ -173,8 +174,10 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
             int64_t c = i * t + e->off[i];
             bk[c].sum -= entry_sign(e, i) * v;
             bk[c].rxor ^= rk;
-            if (--bk[c].cnt == 1)
-                queue[qn++] = c;
+            /* branch-free push: a mispredicted branch here would serialise
+             * the cache misses the out-of-order core otherwise overlaps */
+            queue[qn] = c;
+            qn += --bk[c].cnt == 1;
         }
     }
     /* One streaming pass over out: zeros between union positions. */

@@ -207,6 +207,19 @@ static void test_roundtrip(void)
     free(val);
 }
 
+/* One position, one bucket per table: every bucket is queued at once, the
+ * smallest queue there is. */
+static void test_peel_tiny(void)
+{
+    int32_t idx[1] = {0};
+    float val[1] = {2.5f}, sk[3], out[1] = {9};
+    uint8_t bm[1] = {1};
+    int64_t left = -1;
+    CHECK(tagc_sketch_encode(sk, TAGC_F32, 3, idx, val, TAGC_F32, 1, 1, 1, 5) == TAGC_OK);
+    CHECK(tagc_peel_decode(out, 1, NULL, 0, &left, sk, TAGC_F32, bm, 1, 1, 5, 1) == TAGC_OK);
+    CHECK(left == 0 && out[0] == 2.5f);
+}
+
 static void test_sparse(void)
 {
     int32_t idx[3] = {4, 0, 4};
@@ -239,6 +252,7 @@ int main(void)
     test_sparsify_errors();
     test_lanes();
     test_roundtrip();
+    test_peel_tiny();
     test_sparse();
     test_misc();
     if (failures) {
