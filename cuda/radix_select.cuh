@@ -6,6 +6,11 @@
  * prefix found so far, then a one-block scan that picks the bin holding the
  * k-th largest and narrows k.  The device state carries prefix and k between
  * kernels, so nothing returns to the host.
+ *
+ * The second pass also appends the keys it histograms (those matching the
+ * first digit: typically well under 1% of the entries for gradients) to a
+ * candidate buffer; if they fit, the third pass reads only them instead of
+ * the whole input, so the select reads its input twice, not three times.
  */
 #ifndef TAGC_RADIX_SELECT_CUH
 #define TAGC_RADIX_SELECT_CUH
@@ -24,7 +29,18 @@ typedef struct {
                          * keep (ties, taken in position order) */
     uint32_t nonfinite; /* some entry is NaN/Inf */
     uint32_t done;      /* nonfinite or k == 0: later passes skip */
+    uint32_t ncand;     /* keys appended by the second pass (may exceed cap) */
 } tagc_sel_state;
+
+enum { TAGC_SEL_FULL = 0, TAGC_SEL_WRITE_CAND = 1, TAGC_SEL_READ_CAND = 2 };
+
+/* Candidate keys kept for the third pass: enough for any gradient-like
+ * distribution; beyond it the third pass falls back to the full input. */
+static inline int64_t tagc_sel_cand_cap(int64_t n)
+{
+    int64_t cap = n / 16;
+    return cap < 4096 ? 4096 : cap;
+}
 
 /* Digit d (0, 1, 2) covers bits [shift, shift + width). */
 static inline int tagc_sel_shift(int d)
@@ -47,12 +63,14 @@ static __global__ void select_init_kernel(tagc_sel_state *st, uint32_t *hist,
         st->k_rem = (uint32_t)k;
         st->nonfinite = 0;
         st->done = 0;
+        st->ncand = 0;
     }
 }
 
 static __global__ void select_hist_kernel(tagc_gr src, int64_t n, int shift,
                                           int width, tagc_sel_state *st,
-                                          uint32_t *hist)
+                                          uint32_t *hist, uint32_t *cand,
+                                          uint32_t cap, int cand_mode)
 {
     __shared__ uint32_t sh[TAGC_SEL_BINS];
     if (st->done)
@@ -65,13 +83,29 @@ static __global__ void select_hist_kernel(tagc_gr src, int64_t n, int shift,
     int first = hi >= 31;
     int bad = 0;
     int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += stride) {
-        uint32_t key = tagc_mag_key(tagc_gr_load(src, i));
-        if (first)
-            bad |= key >= TAGC_NONFINITE_KEY;
-        if (first || (key >> hi) == want)
-            atomicAdd(&sh[(key >> shift) & (uint32_t)(nbins - 1)], 1u);
+    int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    uint32_t mask = (uint32_t)(nbins - 1);
+    if (cand_mode == TAGC_SEL_READ_CAND && st->ncand <= cap) {
+        int64_t nc = st->ncand;
+        for (int64_t i = i0; i < nc; i += stride) {
+            uint32_t key = cand[i];
+            if ((key >> hi) == want)
+                atomicAdd(&sh[(key >> shift) & mask], 1u);
+        }
+    } else {
+        for (int64_t i = i0; i < n; i += stride) {
+            uint32_t key = tagc_mag_key(tagc_gr_load(src, i));
+            if (first)
+                bad |= key >= TAGC_NONFINITE_KEY;
+            if (first || (key >> hi) == want) {
+                atomicAdd(&sh[(key >> shift) & mask], 1u);
+                if (cand_mode == TAGC_SEL_WRITE_CAND) {
+                    uint32_t slot = atomicAdd(&st->ncand, 1u);
+                    if (slot < cap)
+                        cand[slot] = key;
+                }
+            }
+        }
     }
     if (first && __syncthreads_or(bad) && threadIdx.x == 0)
         st->nonfinite = 1;
@@ -135,26 +169,38 @@ static __global__ void select_scan_kernel(tagc_sel_state *st, uint32_t *hist,
         hist[i] = 0;
 }
 
-/* Workspace of the select: its state and one histogram. */
-static inline void tagc_sel_carve(tagc_carver *c, tagc_sel_state **st,
-                                  uint32_t **hist)
+/* Workspace of the select: its state, one histogram, the candidates. */
+typedef struct {
+    tagc_sel_state *st;
+    uint32_t *hist;
+    uint32_t *cand;
+    uint32_t cap;
+} tagc_sel_ws;
+
+static inline void tagc_sel_carve(tagc_carver *c, int64_t n, tagc_sel_ws *w)
 {
-    *st = (tagc_sel_state *)tagc_carve(c, sizeof(tagc_sel_state));
-    *hist = (uint32_t *)tagc_carve(c, TAGC_SEL_BINS * sizeof(uint32_t));
+    w->cap = (uint32_t)tagc_sel_cand_cap(n);
+    w->st = (tagc_sel_state *)tagc_carve(c, sizeof(tagc_sel_state));
+    w->hist = (uint32_t *)tagc_carve(c, TAGC_SEL_BINS * sizeof(uint32_t));
+    w->cand = (uint32_t *)tagc_carve(c, (size_t)w->cap * sizeof(uint32_t));
 }
 
 /* Enqueues the whole select of the k-th largest |v|; 0 <= k <= n. */
 static inline tagc_status tagc_sel_enqueue(tagc_gr src, int64_t n, int64_t k,
-                                           tagc_sel_state *st, uint32_t *hist,
-                                           float *tau, cudaStream_t stream)
+                                           const tagc_sel_ws *w, float *tau,
+                                           cudaStream_t stream)
 {
+    tagc_sel_state *st = w->st;
+    uint32_t *hist = w->hist;
     select_init_kernel<<<1, TAGC_THREADS, 0, stream>>>(st, hist, k);
     TAGC_CUDA_LAUNCHED();
     unsigned grid = tagc_grid(n, (int64_t)TAGC_THREADS * 8);
     for (int d = 0; d < 3; d++) {
         int shift = tagc_sel_shift(d), width = tagc_sel_width(d);
-        select_hist_kernel<<<grid, TAGC_THREADS, 0, stream>>>(src, n, shift,
-                                                              width, st, hist);
+        int mode = d == 1 ? TAGC_SEL_WRITE_CAND
+                          : (d == 2 ? TAGC_SEL_READ_CAND : TAGC_SEL_FULL);
+        select_hist_kernel<<<grid, TAGC_THREADS, 0, stream>>>(
+            src, n, shift, width, st, hist, w->cand, w->cap, mode);
         TAGC_CUDA_LAUNCHED();
         select_scan_kernel<<<1, 1024, 0, stream>>>(st, hist, shift, width,
                                                    d == 2, tau);

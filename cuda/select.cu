@@ -4,19 +4,12 @@
  */
 #include "radix_select.cuh"
 
-static size_t select_layout(tagc_carver *c, tagc_sel_state **st, uint32_t **hist)
-{
-    tagc_sel_carve(c, st, hist);
-    return tagc_carved_size(c);
-}
-
 extern "C" size_t tagc_cuda_select_kth_workspace_size(int64_t n)
 {
-    (void)n; /* the select needs the same few kB at any n */
     tagc_carver c = {NULL, 0};
-    tagc_sel_state *st;
-    uint32_t *hist;
-    return select_layout(&c, &st, &hist);
+    tagc_sel_ws w;
+    tagc_sel_carve(&c, n, &w);
+    return tagc_carved_size(&c);
 }
 
 extern "C" tagc_status tagc_cuda_select_kth(float *tau, const void *x,
@@ -36,9 +29,8 @@ extern "C" tagc_status tagc_cuda_select_kth(float *tau, const void *x,
                                  tagc_cuda_select_kth_workspace_size(n));
     if (s != TAGC_OK)
         return s;
-    tagc_sel_state *st;
-    uint32_t *hist;
-    select_layout(&c, &st, &hist);
+    tagc_sel_ws w;
+    tagc_sel_carve(&c, n, &w);
     tagc_gr src = {x, NULL, (int)x_dtype, TAGC_DT_NONE};
-    return tagc_sel_enqueue(src, n, k, st, hist, tau, stream);
+    return tagc_sel_enqueue(src, n, k, &w, tau, stream);
 }

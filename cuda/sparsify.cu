@@ -98,14 +98,14 @@ static __global__ void sparsify_write_kernel(sparsify_out o, tagc_gr src,
 }
 
 typedef struct {
-    tagc_sel_state *st;
-    uint32_t *hist, *tile_gt, *tile_eq, *gt_off, *eq_off;
+    tagc_sel_ws sel;
+    uint32_t *tile_gt, *tile_eq, *gt_off, *eq_off;
 } sparsify_ws;
 
 static size_t sparsify_layout(tagc_carver *c, int64_t n, sparsify_ws *w)
 {
     size_t tiles = (size_t)tagc_ceil_div(n > 0 ? n : 1, TAGC_TILE);
-    tagc_sel_carve(c, &w->st, &w->hist);
+    tagc_sel_carve(c, n, &w->sel);
     w->tile_gt = (uint32_t *)tagc_carve(c, tiles * sizeof(uint32_t));
     w->tile_eq = (uint32_t *)tagc_carve(c, tiles * sizeof(uint32_t));
     w->gt_off = (uint32_t *)tagc_carve(c, tiles * sizeof(uint32_t));
@@ -150,21 +150,21 @@ extern "C" tagc_status tagc_cuda_sparsify(int32_t *idx, int64_t idx_capacity,
 
     tagc_gr src = {grad, residual, (int)grad_dtype,
                    residual != NULL ? (int)residual_dtype : TAGC_DT_NONE};
-    s = tagc_sel_enqueue(src, n, k, w.st, w.hist, tau, stream);
+    s = tagc_sel_enqueue(src, n, k, &w.sel, tau, stream);
     if (s != TAGC_OK)
         return s;
     if (n == 0)
         return TAGC_OK;
     int64_t ntiles = tagc_ceil_div(n, TAGC_TILE);
     unsigned grid = tagc_grid(ntiles, 1);
-    sparsify_count_kernel<<<grid, TAGC_THREADS, 0, stream>>>(src, n, w.st,
+    sparsify_count_kernel<<<grid, TAGC_THREADS, 0, stream>>>(src, n, w.sel.st,
                                                              w.tile_gt, w.tile_eq);
     TAGC_CUDA_LAUNCHED();
     if ((s = tagc_tile_scan(w.gt_off, w.tile_gt, ntiles, NULL, stream)) != TAGC_OK ||
         (s = tagc_tile_scan(w.eq_off, w.tile_eq, ntiles, NULL, stream)) != TAGC_OK)
         return s;
     sparsify_out o = {idx, val, bitmap, residual, (int)val_dtype};
-    sparsify_write_kernel<<<grid, TAGC_THREADS, 0, stream>>>(o, src, n, k, w.st,
+    sparsify_write_kernel<<<grid, TAGC_THREADS, 0, stream>>>(o, src, n, k, w.sel.st,
                                                              w.gt_off, w.eq_off);
     TAGC_CUDA_LAUNCHED();
     return TAGC_OK;

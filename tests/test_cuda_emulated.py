@@ -134,6 +134,34 @@ def test_select_kth(lib: C.CDLL, n: int, k: int, dtype: torch.dtype, ties: bool)
     assert same_bits(tau, torch.tensor([_tagc.select_kth(x, k)], dtype=torch.float32))
 
 
+def flat(n: int, seed: int) -> torch.Tensor:
+    """Mostly +-1 with a few larger values: the k-th magnitude's digit bin holds
+    almost every entry, more than the select's candidate buffer (n/16, at
+    least 4096), so its third pass must fall back to reading the input."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    x[torch.randperm(n, generator=g)[:n // 50]] *= 3.0
+    return x
+
+
+@pytest.mark.parametrize("n,k", [(9000, 500), (9000, 180), (70_000, 5000)])
+def test_select_and_sparsify_when_candidates_overflow(lib: C.CDLL, n: int, k: int) -> None:
+    x = flat(n, seed=k)
+    tau = torch.zeros(1)
+    w = ws(lib.tagc_cuda_select_kth_workspace_size(n))
+    assert lib.tagc_cuda_select_kth(P(tau), P(x), F32, n, k, P(w), w.numel(), None) == 0
+    assert same_bits(tau, torch.tensor([_tagc.select_kth(x, k)], dtype=torch.float32))
+    r = flat(n, seed=k + 1) / 1024
+    c_idx, c_val = torch.empty(k, dtype=torch.int32), torch.empty(k)
+    c_bm, c_res = torch.empty((n + 7) // 8, dtype=torch.uint8), r.clone()
+    want = _tagc.sparsify(c_idx, c_val, c_bm, c_res, x, k)
+    res = r.clone()
+    idx, val, bm, tau = run_sparsify(lib, x, res, k, torch.float32)
+    assert same_bits(tau, torch.tensor([want], dtype=torch.float32))
+    assert torch.equal(idx[:k], c_idx) and same_bits(val[:k], c_val)
+    assert torch.equal(bm[:(n + 7) // 8], c_bm) and same_bits(res, c_res)
+
+
 def test_select_kth_nonfinite_is_nan(lib: C.CDLL) -> None:
     x = gradient(5000, torch.float32, False, seed=2)
     x[1234] = float("-inf")
