@@ -746,7 +746,7 @@ class TAGCState:
 
     def _sparsify_all(self, u: _Unit, inp: torch.Tensor, s: int, k: int,
                       with_bitmap: bool = True,
-                      per_shard: Optional[Callable[[int], None]] = None
+                      per_shard: Optional[Callable[..., None]] = None
                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = self.world_size
         dev = inp.device
@@ -763,8 +763,8 @@ class TAGCState:
                 kw["out"] = tau[r:r + 1]
             _tagc.sparsify(idx[r], val[r], bm[r if with_bitmap else 0], res,
                            inp[r * s:(r + 1) * s], k, **kw)
-            if per_shard is not None:
-                per_shard(r)
+            if per_shard is not None:  # start shard r's exchange before selecting r+1
+                per_shard(r, idx, val, bm)
         return idx, val, bm
 
     def _dense(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
@@ -857,19 +857,22 @@ class TAGCState:
         kw = _stream_kw(inp)
         lane_bytes = (s * bits + 7) // 8
         lanes = torch.empty(n, lane_bytes, dtype=torch.uint8, device=inp.device)
-        idx, val, bm = self._sparsify_all(u, inp, s, k)
-        for r in range(n):
-            _tagc.lanes_pack(lanes[r], bm[r], s, bits, **kw)
-        # Algorithm 1: SUM all-reduce of every shard's lanes (carries included).
-        work_idx = self._all_reduce(u, lanes, async_op=True)
         t = max(1, math.ceil(math.ceil(s / self.cfg.ratio) / 3))
         seed = _tagc.seed_derive(self.cfg.seed, u.index, u.step)
         sk = torch.empty(n, 3 * t, dtype=self.cfg.value_dtype, device=inp.device)
-        works = []
-        for r in range(n):  # encode shard r+1 while shard r's reduce is in flight
+        works: List[Any] = []
+
+        def exchange(r: int, idx: torch.Tensor, val: torch.Tensor, bm: torch.Tensor) -> None:
+            # Algorithm 1 per shard: SUM all-reduce of the lanes (carries included;
+            # elementwise, so per-shard calls equal one call over the unit), then
+            # the fixed-size sketch reduced to the owner.  Both run while shard
+            # r+1 is selected and encoded.
+            _tagc.lanes_pack(lanes[r], bm[r], s, bits, **kw)
+            works.append(self._all_reduce(u, lanes[r], async_op=True))
             _tagc.sketch_encode(sk[r], idx[r], val[r], s, t, seed, **kw)
             works.append(self._reduce(u, sk[r], r, async_op=True))
-        work_idx.wait()
+
+        idx, val, bm = self._sparsify_all(u, inp, s, k, per_shard=exchange)
         for w in works:
             w.wait()
         union = torch.empty(bm.shape[1], dtype=torch.uint8, device=inp.device)
