@@ -85,8 +85,13 @@ def write_table(results: Dict[str, Dict[str, Any]], path: Path, command: str) ->
     """Markdown table of the runs against the baseline; returns the text it wrote."""
     base = results["baseline"]["final_val_loss"]
     b0 = results["baseline"]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
     lines = [
-        f"Command: `{command}`",
+        f"Command: `{command}` (commit {commit}, {time.strftime('%Y-%m-%d %H:%M %Z')})",
         "",
         f"GPT-2 `{json.loads(Path(b0['_config']).read_text())['model']}` "
         f"({b0['n_params'] / 1e6:.2f}M params), {b0['iters']} steps, {b0['world_size']} ranks, "
@@ -156,7 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
         argv, extra = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default=DEFAULT_PRESETS,
-                   help="comma-separated names of configs/<name>.yaml (baseline always runs)")
+                   help="comma-separated names of configs/<name>.yaml or paths to TAGC YAML "
+                        "files (the baseline always runs)")
     p.add_argument("--train_config", default=str(REPO / "configs" / "train-tiny.yaml"))
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     p.add_argument("--fsdp", type=int, choices=(1, 2), default=1)
@@ -168,10 +174,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     names = [n.strip() for n in args.presets.split(",") if n.strip()]
     presets: List[Tuple[str, Optional[Path]]] = [("baseline", None)]
     for n in names:
-        path = REPO / "configs" / f"{n}.yaml"
+        path = Path(n) if n.endswith((".yaml", ".yml")) else REPO / "configs" / f"{n}.yaml"
         if not path.is_file():
             raise SystemExit(f"no preset {path}")
-        presets.append((n, path))
+        presets.append((path.stem, path.resolve()))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Dict[str, Any]] = {}
