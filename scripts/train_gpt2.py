@@ -278,7 +278,7 @@ class TrainConfig:
     # optimisation
     batch_size: int = 8                # sequences per rank per micro step
     grad_accum: int = 1                # micro steps per optimizer step
-    max_iters: int = 200
+    max_iters: int = 150
     learning_rate: float = 1e-3
     min_lr: float = 1e-4
     warmup_iters: int = 20
