@@ -11,6 +11,11 @@
  * first digit: typically well under 1% of the entries for gradients) to a
  * candidate buffer; if they fit, the third pass reads only them instead of
  * the whole input, so the select reads its input twice, not three times.
+ * For sparsify the second pass also counts, per tile of TAGC_TILE entries,
+ * the entries whose first digit is above the chosen bin (certainly kept),
+ * and keeps the candidates' positions, so that the per-tile kept/tie counts
+ * the compaction needs come from the candidates alone, without another pass
+ * over the input.
  */
 #ifndef TAGC_RADIX_SELECT_CUH
 #define TAGC_RADIX_SELECT_CUH
@@ -70,7 +75,8 @@ static __global__ void select_init_kernel(tagc_sel_state *st, uint32_t *hist,
 static __global__ void select_hist_kernel(tagc_gr src, int64_t n, int shift,
                                           int width, tagc_sel_state *st,
                                           uint32_t *hist, uint32_t *cand,
-                                          uint32_t cap, int cand_mode)
+                                          int32_t *cand_pos, uint32_t cap,
+                                          int cand_mode, uint32_t *tile_above)
 {
     __shared__ uint32_t sh[TAGC_SEL_BINS];
     if (st->done)
@@ -92,6 +98,27 @@ static __global__ void select_hist_kernel(tagc_gr src, int64_t n, int shift,
             if ((key >> hi) == want)
                 atomicAdd(&sh[(key >> shift) & mask], 1u);
         }
+    } else if (cand_mode == TAGC_SEL_WRITE_CAND && tile_above != NULL) {
+        /* Tile order (blockDim == TAGC_THREADS): per-tile counts too. */
+        int64_t ntiles = tagc_ceil_div(n, TAGC_TILE);
+        for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+            uint32_t above = 0;
+            for (int c = 0; c < TAGC_TILE_CHUNKS; c++) {
+                int64_t p = tile * TAGC_TILE + (int64_t)c * TAGC_THREADS + threadIdx.x;
+                uint32_t key = p < n ? tagc_mag_key(tagc_gr_load(src, p)) : 0u;
+                if (p < n && (key >> hi) == want) {
+                    atomicAdd(&sh[(key >> shift) & mask], 1u);
+                    uint32_t slot = atomicAdd(&st->ncand, 1u);
+                    if (slot < cap) {
+                        cand[slot] = key;
+                        cand_pos[slot] = (int32_t)p;
+                    }
+                }
+                above += (uint32_t)__syncthreads_count(p < n && (key >> hi) > want);
+            }
+            if (threadIdx.x == 0)
+                tile_above[tile] = above;
+        }
     } else {
         for (int64_t i = i0; i < n; i += stride) {
             uint32_t key = tagc_mag_key(tagc_gr_load(src, i));
@@ -101,8 +128,10 @@ static __global__ void select_hist_kernel(tagc_gr src, int64_t n, int shift,
                 atomicAdd(&sh[(key >> shift) & mask], 1u);
                 if (cand_mode == TAGC_SEL_WRITE_CAND) {
                     uint32_t slot = atomicAdd(&st->ncand, 1u);
-                    if (slot < cap)
+                    if (slot < cap) {
                         cand[slot] = key;
+                        cand_pos[slot] = (int32_t)i;
+                    }
                 }
             }
         }
@@ -173,7 +202,8 @@ static __global__ void select_scan_kernel(tagc_sel_state *st, uint32_t *hist,
 typedef struct {
     tagc_sel_state *st;
     uint32_t *hist;
-    uint32_t *cand;
+    uint32_t *cand;    /* keys */
+    int32_t *cand_pos; /* their positions */
     uint32_t cap;
 } tagc_sel_ws;
 
@@ -183,12 +213,14 @@ static inline void tagc_sel_carve(tagc_carver *c, int64_t n, tagc_sel_ws *w)
     w->st = (tagc_sel_state *)tagc_carve(c, sizeof(tagc_sel_state));
     w->hist = (uint32_t *)tagc_carve(c, TAGC_SEL_BINS * sizeof(uint32_t));
     w->cand = (uint32_t *)tagc_carve(c, (size_t)w->cap * sizeof(uint32_t));
+    w->cand_pos = (int32_t *)tagc_carve(c, (size_t)w->cap * sizeof(int32_t));
 }
 
-/* Enqueues the whole select of the k-th largest |v|; 0 <= k <= n. */
+/* Enqueues the whole select of the k-th largest |v|; 0 <= k <= n.
+ * tile_above (may be NULL): per tile, the entries above the first digit's bin. */
 static inline tagc_status tagc_sel_enqueue(tagc_gr src, int64_t n, int64_t k,
                                            const tagc_sel_ws *w, float *tau,
-                                           cudaStream_t stream)
+                                           uint32_t *tile_above, cudaStream_t stream)
 {
     tagc_sel_state *st = w->st;
     uint32_t *hist = w->hist;
@@ -200,7 +232,8 @@ static inline tagc_status tagc_sel_enqueue(tagc_gr src, int64_t n, int64_t k,
         int mode = d == 1 ? TAGC_SEL_WRITE_CAND
                           : (d == 2 ? TAGC_SEL_READ_CAND : TAGC_SEL_FULL);
         select_hist_kernel<<<grid, TAGC_THREADS, 0, stream>>>(
-            src, n, shift, width, st, hist, w->cand, w->cap, mode);
+            src, n, shift, width, st, hist, w->cand, w->cand_pos, w->cap, mode,
+            tile_above);
         TAGC_CUDA_LAUNCHED();
         select_scan_kernel<<<1, 1024, 0, stream>>>(st, hist, shift, width,
                                                    d == 2, tau);

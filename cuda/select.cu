@@ -32,5 +32,5 @@ extern "C" tagc_status tagc_cuda_select_kth(float *tau, const void *x,
     tagc_sel_ws w;
     tagc_sel_carve(&c, n, &w);
     tagc_gr src = {x, NULL, (int)x_dtype, TAGC_DT_NONE};
-    return tagc_sel_enqueue(src, n, k, &w, tau, stream);
+    return tagc_sel_enqueue(src, n, k, &w, tau, NULL, stream);
 }

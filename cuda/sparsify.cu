@@ -1,19 +1,46 @@
 /*
  * sparsify.cu - tagc_cuda_sparsify: fused error feedback + exact top-k +
  * bitmap + compaction.  Stream order: radix select of tau on v = g + r (read
- * on the fly, nothing written), per-tile counts of |v| > tau and |v| == tau,
- * two tile scans, then one write pass in which every tile knows how many
- * entries before it are kept, so idx/val come out ascending and exactly the
- * first (k - #{|v| > tau}) ties are kept.
+ * on the fly, nothing written; its second pass also counts per tile the
+ * entries certainly above tau and keeps the few candidates near it), per-tile
+ * counts of |v| > tau and |v| == tau completed from the candidates (or, if
+ * they overflowed their buffer, by a full counting pass), two tile scans,
+ * then one write pass in which every tile knows how many entries before it
+ * are kept, so idx/val come out ascending and exactly the first
+ * (k - #{|v| > tau}) ties are kept.  The input is read three times in the
+ * common case (two select passes, the write pass), four on overflow.
  */
 #include "radix_select.cuh"
 
+/* Completes the per-tile counts from the candidates (entries in tau's
+ * first-digit bin); tile_gt already holds the entries above that bin. */
+static __global__ void sparsify_cand_count_kernel(const tagc_sel_state *st,
+                                                  const uint32_t *cand,
+                                                  const int32_t *cand_pos,
+                                                  uint32_t cap, uint32_t *tile_gt,
+                                                  uint32_t *tile_eq)
+{
+    if (st->nonfinite || st->ncand > cap)
+        return;
+    uint32_t tau_key = st->prefix;
+    int64_t nc = st->ncand, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < nc;
+         j += stride) {
+        int64_t tile = cand_pos[j] / TAGC_TILE;
+        if (cand[j] > tau_key)
+            atomicAdd(&tile_gt[tile], 1u);
+        else if (cand[j] == tau_key)
+            atomicAdd(&tile_eq[tile], 1u);
+    }
+}
+
+/* Fallback when the candidates overflowed: count everything again. */
 static __global__ void sparsify_count_kernel(tagc_gr src, int64_t n,
                                              const tagc_sel_state *st,
-                                             uint32_t *tile_gt,
+                                             uint32_t cap, uint32_t *tile_gt,
                                              uint32_t *tile_eq)
 {
-    if (st->nonfinite)
+    if (st->nonfinite || st->ncand <= cap)
         return;
     uint32_t tau_key = st->prefix;
     int64_t ntiles = tagc_ceil_div(n, TAGC_TILE);
@@ -150,14 +177,21 @@ extern "C" tagc_status tagc_cuda_sparsify(int32_t *idx, int64_t idx_capacity,
 
     tagc_gr src = {grad, residual, (int)grad_dtype,
                    residual != NULL ? (int)residual_dtype : TAGC_DT_NONE};
-    s = tagc_sel_enqueue(src, n, k, &w.sel, tau, stream);
+    int64_t ntiles = tagc_ceil_div(n > 0 ? n : 1, TAGC_TILE);
+    /* Zero counts stand for "nothing kept" when the select stops early. */
+    TAGC_CUDA_TRY(cudaMemsetAsync(w.tile_gt, 0, (size_t)ntiles * sizeof(uint32_t), stream));
+    TAGC_CUDA_TRY(cudaMemsetAsync(w.tile_eq, 0, (size_t)ntiles * sizeof(uint32_t), stream));
+    s = tagc_sel_enqueue(src, n, k, &w.sel, tau, w.tile_gt, stream);
     if (s != TAGC_OK)
         return s;
     if (n == 0)
         return TAGC_OK;
-    int64_t ntiles = tagc_ceil_div(n, TAGC_TILE);
     unsigned grid = tagc_grid(ntiles, 1);
-    sparsify_count_kernel<<<grid, TAGC_THREADS, 0, stream>>>(src, n, w.sel.st,
+    sparsify_cand_count_kernel<<<tagc_grid(w.sel.cap, TAGC_THREADS), TAGC_THREADS, 0,
+                                 stream>>>(w.sel.st, w.sel.cand, w.sel.cand_pos,
+                                           w.sel.cap, w.tile_gt, w.tile_eq);
+    TAGC_CUDA_LAUNCHED();
+    sparsify_count_kernel<<<grid, TAGC_THREADS, 0, stream>>>(src, n, w.sel.st, w.sel.cap,
                                                              w.tile_gt, w.tile_eq);
     TAGC_CUDA_LAUNCHED();
     if ((s = tagc_tile_scan(w.gt_off, w.tile_gt, ntiles, NULL, stream)) != TAGC_OK ||
