@@ -861,7 +861,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         "sent %s of %s uncompressed (%.1f%% saved)%s", iter_num, train_loss,
                         lr, dt * 1000, tokens_per_iter / dt, _fmt_bytes(sent),
                         _fmt_bytes(uncompressed), saved,
-                        f", unpeeled {int(unpeeled)}" if unpeeled else "")
+                        f", unpeeled {int(unpeeled)} (recovered {int(recovered)})"
+                        if unpeeled else "")
             metrics.write(kind="train", iter=iter_num, loss=train_loss, lr=lr,
                           step_ms=dt * 1000, tokens_per_s=tokens_per_iter / dt,
                           bytes_sent=sent, bytes_uncompressed=uncompressed,
