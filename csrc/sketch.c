@@ -36,6 +36,12 @@ tagc_status tagc_sketch_encode(void *sketch, tagc_dtype sketch_dtype,
     for (int i = 0; i < TAGC_TABLES; i++)
         ts[i] = tagc_table_seed(seed, i);
     for (int64_t j = 0; j < k; j++) {
+        /* hashing is cheap next to a cache miss on a large sketch: hash an
+         * entry a few ahead twice, once to prefetch its buckets */
+        if (j + 8 < k)
+            for (int i = 0; i < TAGC_TABLES; i++)
+                __builtin_prefetch(&acc[tagc_bucket(tagc_hash((uint64_t)idx[j + 8], ts[i]), i, t)],
+                                   1);
         uint64_t p = (uint64_t)idx[j];
         float v = ld_val(val, val_dtype, j);
         for (int i = 0; i < TAGC_TABLES; i++) {
@@ -143,24 +149,47 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
         e->neg = 0;
         for (int i = 0; i < TAGC_TABLES; i++) {
             uint64_t h = tagc_hash((uint64_t)p, ts[i]);
-            int64_t b = tagc_bucket(h, i, t);
-            e->off[i] = (uint32_t)(b - i * t);
+            e->off[i] = (uint32_t)(tagc_bucket(h, i, t) - i * t);
             e->neg |= (uint32_t)(h & 1u) << i;
-            bk[b].cnt++;
-            bk[b].rxor ^= (uint32_t)r;
         }
         pos[r++] = (int32_t)p;
     });
+    /* Separate from hashing so the random bucket updates can be prefetched
+     * a few entries ahead. */
+    for (int64_t j = 0; j < u; j++) {
+        if (j + 16 < u)
+            for (int i = 0; i < TAGC_TABLES; i++)
+                __builtin_prefetch(&bk[i * t + ent[j + 16].off[i]], 1);
+        for (int i = 0; i < TAGC_TABLES; i++) {
+            bucket_t *c = &bk[i * t + ent[j].off[i]];
+            c->cnt++;
+            c->rxor ^= (uint32_t)j;
+        }
+    }
     /* A count only falls, so each bucket enters the queue at most once. */
     int64_t qn = 0, qh = 0;
     for (int64_t b = 0; b < m; b++)
         if (bk[b].cnt == 1)
             queue[qn++] = b;
     /* The loop is bound by cache misses on bk and ent (random by design of
-     * the hash); prefetching a few queue entries ahead overlaps them. */
+     * the hash).  A three-stage software pipeline overlaps them: the bucket
+     * of a queue entry far ahead, then its entry, then that entry's other
+     * buckets.  Early reads may be stale (counts still change); a stale
+     * prefetch only costs a wasted hint, and every index stays in bounds. */
     while (qh < qn) {
-        if (qh + 16 < qn)
-            __builtin_prefetch(&bk[queue[qh + 16]]);
+        if (qh + 24 < qn)
+            __builtin_prefetch(&bk[queue[qh + 24]]);
+        if (qh + 12 < qn) {
+            uint32_t r2 = bk[queue[qh + 12]].rxor;
+            if (r2 < (uint64_t)u)
+                __builtin_prefetch(&ent[r2]);
+        }
+        if (qh + 4 < qn) {
+            uint32_t r3 = bk[queue[qh + 4]].rxor;
+            if (r3 < (uint64_t)u)
+                for (int i = 0; i < TAGC_TABLES; i++)
+                    __builtin_prefetch(&bk[i * t + ent[r3].off[i]], 1);
+        }
         int64_t b = queue[qh++];
         if (bk[b].cnt != 1)
             continue;
