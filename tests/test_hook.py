@@ -181,8 +181,9 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
         # set_requires_gradient_sync(False)) and with bf16 reduction (fp32 inside)
         cfgs = [_cfg(m) if m == "dense" else _cfg(m, theta=0.0) for m in _modes()]
         out[f"bytes/{kind}"] = _check_equal_default(rank, n, kind, cfgs)
-        _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:], reduce_dtype=torch.bfloat16,
-                             tol=2e-2)
+        if n != 3:  # N=3 is here for padding; bf16 and paper run at N=1, 2, 4
+            _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:],
+                                 reduce_dtype=torch.bfloat16, tol=2e-2)
         if HAVE_CODEC and n > 1:  # one rank: no exchange, nothing compressed
             # 20 steps at theta=0.9875; sparse also accumulates 2 micro-batches per step
             for mode, accum in (("exact", 1), ("sparse", 2)):
@@ -193,7 +194,8 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
                                                          sketch_factor=0.5), steps=3)
             assert st["unpeeled"] > 0 and st["recovered"] == st["unpeeled"], st
             out[f"recovery/{kind}"] = st
-            out[f"paper/{kind}"] = _paper_stats(rank, n, kind)
+            if n != 3:
+                out[f"paper/{kind}"] = _paper_stats(rank, n, kind)
     return out
 
 

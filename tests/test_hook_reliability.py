@@ -212,7 +212,7 @@ def _resume_load(rank: int, n: int, tmp: str) -> None:
                 assert same == load_tagc, (kind, mode, load_tagc, same)
 
 
-def _suite(rank: int, n: int) -> Dict[str, Any]:
+def _suite(rank: int, n: int, tmp: str) -> Dict[str, Any]:
     warnings.filterwarnings("ignore")
     import logging
 
@@ -223,18 +223,17 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
         out[f"scaler/{kind}"] = _grad_scaler(rank, n, kind)
         out[f"agree/{kind}"] = _agreement(rank, n, kind)
     out["misuse"] = _misuse(rank, n)
+    _resume_save(rank, n, tmp)  # first half of the resume test (shares this spawn)
     return out
 
 
-def test_checkpoint_resume_in_new_processes() -> None:
-    """6 steps == 3 steps, save, new processes, load, 3 steps (FSDP1/FSDP2, exact/sparse)."""
+def test_reliability_suite_and_resume_in_new_processes() -> None:
+    """Non-finite, scaler, agreement, misuse; then checkpoint resume: 6 steps ==
+    3 steps + torch.save per rank (first processes), load + 3 steps in new
+    processes (FSDP1/FSDP2, exact/sparse)."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_dist(_resume_save, 2, tmp, timeout=300)
+        out = run_dist(_suite, 2, tmp, timeout=400)
         run_dist(_resume_load, 2, tmp, timeout=300)
-
-
-def test_reliability_suite() -> None:
-    out = run_dist(_suite, 2, timeout=400)
     # both ranks raised the agreement error (no hang, no one-sided failure)
     assert all("differs between ranks" in o["agree/fsdp1"] for o in out)
     assert out[0]["nonfinite/fsdp1"] == out[1]["nonfinite/fsdp1"]
