@@ -160,8 +160,6 @@ def tagc_extension() -> Extension:
     return ext
 
 
-# tagc_hook.py is written separately; the package installs it once it exists.
-py_modules = ["tagc_hook"] if os.path.exists(os.path.join(HERE, "tagc_hook.py")) else []
 
 setup(
     name="tagc",
@@ -170,6 +168,9 @@ setup(
     python_requires=">=3.9",
     ext_modules=[tagc_extension()],
     cmdclass={"build_ext": BuildExt},
-    py_modules=py_modules,
-    extras_require={"test": ["pytest", "hypothesis", "numpy", "PyYAML"]},
+    py_modules=["tagc_hook"],
+    # torch itself is not listed: `pip install torch==2.13.0` first (README);
+    # a bare "torch" requirement would make pip fetch a multi-GB CUDA build.
+    install_requires=["PyYAML", "tqdm", "numpy"],
+    extras_require={"test": ["pytest", "hypothesis", "matplotlib", "tensorboard"]},
 )
