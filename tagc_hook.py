@@ -34,7 +34,15 @@ Decisions documented here (they are visible in behaviour):
 * Non-finite gradients: before compressing, ranks agree (one 4-byte
   all-reduce per compressed call) whether any rank's unit gradient holds
   NaN/Inf; if so every rank takes the plain reduce-scatter that call and the
-  residual is left untouched, so GradScaler sees the inf/nan.
+  residual is left untouched, so GradScaler sees the inf/nan.  On CUDA the
+  flag never reaches the host: every rank instead poisons every shard with a
+  NaN (:func:`_poison_nonfinite`), which the CUDA sparsify answers by leaving
+  the residual untouched and sending NaN to every owner.
+* CUDA: codec work runs on a side stream per device, ordered against FSDP's
+  reduce-scatter stream, with no host synchronisation (timeline in
+  ``TAGCState._run``); counters accumulate on the device and are read by
+  ``stats()``; exact mode has no recovery exchange there (unpeeled entries get
+  the median estimate and are counted).
 * NO_SHARD with more than one rank, HYBRID_SHARD (FSDP1) and HSDP meshes
   (FSDP2) are refused: the first is DDP (use DDP comm hooks), the others
   reduce over two groups.
@@ -431,11 +439,33 @@ class _Unit:
         self.step = 0
         self.residual: Optional[torch.Tensor] = None
         self.warned_unpeeled = False
+        # CUDA only: the current call's "all ranks finite" device flag, which
+        # gates the device counters (set in TAGCState._run_body).
+        self.ok: Optional[torch.Tensor] = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.counters: Dict[str, float] = {c: 0 for c in _COUNTERS}
+        # CUDA: data-dependent counters accumulate on the device (reading them
+        # per call would be a host sync) and are read only by stats().
+        self.dev_counters: Dict[str, torch.Tensor] = {}
         self.collectives: Dict[str, Dict[str, int]] = {}
+
+    def add(self, name: str, value: Union[int, float, torch.Tensor]) -> None:
+        """Add to a counter; a device tensor stays on the device until stats().
+
+        Args:
+            name: one of ``_COUNTERS``.
+            value: a host number, or a 1-element CUDA tensor (gated by ``self.ok``).
+        """
+        if isinstance(value, torch.Tensor):
+            v = value.reshape(-1)[:1].to(torch.float64, copy=True)
+            if self.ok is not None:
+                v = _gate(v, self.ok)
+            acc = self.dev_counters.get(name)
+            self.dev_counters[name] = v if acc is None else acc.add_(v)
+        else:
+            self.counters[name] += value
 
     def record(self, op: str, handed: int, wire: float, control: bool = False) -> None:
         c = self.collectives.setdefault(op, {"calls": 0, "bytes": 0})
@@ -451,34 +481,108 @@ class _Unit:
                              "selected_numel": self.selected_numel,
                              "compressed": self.compressed, "step": self.step}
         d.update(self.counters)
+        for name, t in self.dev_counters.items():  # the one host read, off the hot path
+            v = float(t.item())
+            d[name] += int(v) if name != "collision_dropped_l1" else v
+        if self.dev_counters.get("unpeeled") is not None and d["unpeeled"] \
+                and not self.warned_unpeeled:
+            self.warned_unpeeled = True
+            logger.warning("TAGC unit %r: %d union entries left unpeeled so far on CUDA; "
+                           "they got the median estimate (logged once per unit)",
+                           self.name, d["unpeeled"])
         d["collectives"] = {k: dict(v) for k, v in self.collectives.items()}
-        slots = self.counters["shard_slots"]
-        d["density"] = self.counters["union_size"] / slots if slots else 0.0
+        slots = d["shard_slots"]
+        d["density"] = d["union_size"] / slots if slots else 0.0
         dw = self.counters["default_wire_bytes"]
         d["wire_ratio"] = self.counters["wire_bytes"] / dw if dw else 0.0
         return d
 
 
-def _host_int(fn: Callable[..., Any], *args: Any, out_kw: str = "out", **kw: Any) -> int:
-    """Call a codec function returning a count; on CUDA it writes a device scalar.
+def _count(fn: Callable[..., Any], *args: Any, out_kw: str = "out",
+           **kw: Any) -> Union[int, torch.Tensor]:
+    """Call a codec function returning a count.
 
-    The ``.item()`` on CUDA is a host sync: a seam for the CUDA issue (counts
-    could stay on the device and feed the next collective directly).
+    Args:
+        fn: the ``_tagc`` function; ``args[0]`` decides the device.
+        *args, **kw: its arguments.
+        out_kw: name of its device-scalar output keyword.
+    Returns:
+        on CPU the count as an int; on CUDA a 1-element int64 device tensor
+        (reading it would be a host sync; it feeds :meth:`_Unit.add`).
     """
     dev = args[0].device
     if dev.type == "cuda":
         o = torch.empty(1, dtype=torch.int64, device=dev)
         fn(*args, **{out_kw: o}, **kw)
-        return int(o.item())
+        return o
     return int(fn(*args, **kw))
 
 
 def _stream_kw(t: torch.Tensor) -> Dict[str, int]:
-    # Seam for the CUDA work: the codec runs on the current stream for now;
-    # side streams ordered by events belong to the CUDA issue.
+    # On CUDA the hook body runs with its codec stream S current (see
+    # TAGCState._run), so the current stream is S.
     if t.is_cuda:
         return {"stream": torch.cuda.current_stream(t.device).cuda_stream}
     return {}
+
+
+def _issue(cuda: bool, async_op: bool, fn: Callable[..., Any], *args: Any,
+           **kw: Any) -> Any:
+    """Issue one torch.distributed collective.
+
+    On CPU exactly ``fn(..., async_op=async_op)``.  On CUDA always async: a
+    caller that wants the result now gets ``work.wait()`` called here, with
+    the codec stream current, which for NCCL makes that stream wait for the
+    collective (a stream wait, not a host wait).
+
+    Args:
+        cuda: the tensors are CUDA tensors.
+        async_op: the caller waits on the returned work itself.
+        fn: the collective; ``*args``/``**kw`` its arguments.
+    Returns:
+        the work object if ``async_op``, else None.
+    """
+    if not cuda:
+        return fn(*args, async_op=async_op, **kw)
+    work = fn(*args, async_op=True, **kw)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _gate(value: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """``value`` where ``ok``, else 0, without reading ``ok`` on the host.
+
+    Args:
+        value: any tensor.
+        ok: bool tensor broadcastable to ``value`` (1 element: the call's
+            "every rank's gradient is finite" flag).
+    Returns:
+        a new tensor; ``torch.where`` selects, so NaN/Inf in ``value`` do not
+        leak through a False ``ok`` (a product ``value * ok`` would give NaN).
+    """
+    return torch.where(ok, value, torch.zeros_like(value))
+
+
+def _poison_nonfinite(grad2d: torch.Tensor, bad: torch.Tensor) -> None:
+    """If ``bad``, write NaN into element 0 of every shard (row) of ``grad2d``, in place.
+
+    The sync-free form of the non-finite fallback (CUDA): when any rank's
+    gradient holds NaN/Inf, every rank poisons every shard, so the CUDA
+    sparsify of every shard sees NaN and, by its contract (cuda/tagc_cuda.h),
+    leaves the residual untouched and sends NaN values that reach every
+    owner's decoded shard, where GradScaler finds them.  When ``bad`` is
+    False the rows are rewritten with their own values (no change).
+
+    Args:
+        grad2d: ``(N, S)`` view of the unit gradient: FSDP's scratch buffer,
+            which FSDP drops after the reduce-scatter (FSDP1's default path
+            pre-divides it in place too).
+        bad: 1-element bool tensor on the same device.
+    """
+    col = grad2d[:, 0]
+    col.copy_(torch.where(bad, torch.full_like(col, float("nan")), col))
 
 
 class TAGCState:
@@ -493,6 +597,7 @@ class TAGCState:
         self.units: List[_Unit] = []
         self.rank = 0
         self.world_size = 1
+        self._streams: Dict[Optional[int], Any] = {}  # CUDA codec stream per device index
 
     # ----------------------------------------------------------------- public
     def stats(self) -> Dict[str, Any]:
@@ -517,6 +622,7 @@ class TAGCState:
             carries erased from the union, counted by their senders, and the
             L1 mass lost with them).
         """
+        self._join_streams()
         units = {u.name: u.stats() for u in self.units}
         return {"units": units,
                 "total": self._sum(list(units.values())),
@@ -539,6 +645,7 @@ class TAGCState:
         """
         if not math.isfinite(factor) or factor <= 0:
             raise ValueError(f"scale_residuals: factor must be finite and > 0, got {factor!r}")
+        self._join_streams()
         for u in self.units:
             if u.residual is not None and factor != 1.0:
                 u.residual.mul_(factor)
@@ -551,6 +658,7 @@ class TAGCState:
         Returns:
             a dict of plain data and CPU tensors (cloned).
         """
+        self._join_streams()
         return {
             "format": "tagc-state-v1",
             "kind": self.kind,
@@ -590,6 +698,7 @@ class TAGCState:
             if entry["numel"] != u.numel or entry["index"] != u.index:
                 raise ValueError(f"load_state_dict: unit {u.name!r} differs "
                                  f"(numel {entry['numel']} vs {u.numel})")
+        self._join_streams()  # the old residuals may still be in use on a codec stream
         for u in self.units:
             entry = sd["units"][u.name]
             u.step = int(entry["step"])
@@ -634,16 +743,17 @@ class TAGCState:
             own = in_splits[rank] * per_row
         wire = (inp.numel() - own) * inp.element_size()
         u.record("all_to_all_single", inp.numel() * inp.element_size(), wire, control)
-        return dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
-                                      input_split_sizes=in_splits, group=u.group,
-                                      async_op=async_op)
+        return _issue(out.is_cuda, async_op, dist.all_to_all_single, out, inp,
+                      output_split_sizes=out_splits, input_split_sizes=in_splits,
+                      group=u.group)
 
     def _all_reduce(self, u: _Unit, t: torch.Tensor, async_op: bool = False,
                     control: bool = False) -> Any:
         n = self.world_size
         nb = t.numel() * t.element_size()
         u.record("all_reduce", nb, 2.0 * (n - 1) / n * nb, control)
-        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=u.group, async_op=async_op)
+        return _issue(t.is_cuda, async_op, dist.all_reduce, t, op=dist.ReduceOp.SUM,
+                      group=u.group)
 
     def _reduce(self, u: _Unit, t: torch.Tensor, dst_group_rank: int,
                 async_op: bool = False) -> Any:
@@ -651,21 +761,73 @@ class TAGCState:
         u.record("reduce", nb, 0 if dst_group_rank == self.rank else nb)
         dst = dist.get_global_rank(u.group, dst_group_rank) if u.group is not None \
             else dst_group_rank
-        return dist.reduce(t, dst=dst, op=dist.ReduceOp.SUM, group=u.group, async_op=async_op)
+        return _issue(t.is_cuda, async_op, dist.reduce, t, dst=dst, op=dist.ReduceOp.SUM,
+                      group=u.group)
 
     def _reduce_scatter(self, u: _Unit, out: torch.Tensor, inp: torch.Tensor) -> None:
         n = self.world_size
         nb = inp.numel() * inp.element_size()
         if hasattr(dist, "reduce_scatter_single"):  # reduce_scatter_tensor is deprecated
             u.record("reduce_scatter_single", nb, (n - 1) / n * nb)
-            dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=u.group)
+            _issue(out.is_cuda, False, dist.reduce_scatter_single, out, inp,
+                   op=dist.ReduceOp.SUM, group=u.group)
         else:  # pragma: no cover - older torch
             u.record("reduce_scatter_tensor", nb, (n - 1) / n * nb)
-            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=u.group)
+            _issue(out.is_cuda, False, dist.reduce_scatter_tensor, out, inp,
+                   op=dist.ReduceOp.SUM, group=u.group)
 
     # ----------------------------------------------------------------- one call
+    def _codec_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        key = torch.device(device).index
+        if key is None:
+            key = torch.cuda.current_device()
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device=key)
+        return stream
+
+    def _join_streams(self) -> None:
+        """Order the caller's current stream after all codec work (before host reads)."""
+        for key, stream in self._streams.items():
+            torch.cuda.current_stream(key).wait_stream(stream)
+
     def _run(self, u: _Unit, inp: torch.Tensor, out: torch.Tensor) -> None:
-        """Reduce one unit: ``out`` = what the default reduce-scatter would produce."""
+        """Reduce one unit: ``out`` = what the default reduce-scatter would produce.
+
+        Called by FSDP2 on its reduce-scatter stream and by FSDP1 on its
+        post-backward stream (R below).  On CUDA the work runs on this state's
+        codec stream S of the device and the host only enqueues::
+
+          R  (FSDP reduce-scatter): copy-in(g) ─ev0┐                                      ┌wait(S)─ FSDP post-reduce
+          S  (TAGC codec):              wait(ev0) ─ sparsify shards ─ lanes/sketch ─┐ ... bitmap_or/popcount/peel/unpack(out) ─┘
+          NCCL (ProcessGroupNCCL):                             after S ─ a2a(bitmaps) ─ a2a(sketches) ─ work.wait() on S
+          AG (FSDP all-gather prefetch of the next unit): runs concurrently with all of the above
+          Host: only enqueues; no synchronize / .item()
+
+        ``R.wait_stream(S)`` happens before returning because FSDP records its
+        reduce-scatter event on R right after the comm returns.  ``inp`` and
+        ``out`` belong to FSDP's streams, so they are ``record_stream``-ed on
+        S; everything else (residuals, buffers, device counters) is allocated
+        while S is current.  Data-dependent decisions never reach the host on
+        CUDA: see :func:`_poison_nonfinite` (non-finite gradients) and
+        :meth:`_exact` (no recovery exchange on CUDA).
+        """
+        if not inp.is_cuda:
+            self._run_body(u, inp, out)
+            return
+        r_stream = torch.cuda.current_stream(inp.device)
+        s_stream = self._codec_stream(inp.device)
+        s_stream.wait_stream(r_stream)
+        inp.record_stream(s_stream)
+        out.record_stream(s_stream)
+        try:
+            with torch.cuda.stream(s_stream):
+                self._run_body(u, inp, out)
+        finally:
+            u.ok = None
+            r_stream.wait_stream(s_stream)
+
+    def _run_body(self, u: _Unit, inp: torch.Tensor, out: torch.Tensor) -> None:
         if not inp.is_floating_point() or not out.is_floating_point():
             raise TypeError(f"TAGC: unit {u.name!r} has a non-floating gradient "
                             f"({inp.dtype}); only floating gradients can be reduced")
@@ -683,20 +845,36 @@ class TAGCState:
         if not u.compressed:
             self._plain(u, inp, out)
             return
-        # Ranks must agree before any residual is touched; the flag rides on a
-        # 4-byte all-reduce (on CUDA this .item() is the one host sync left: seam).
-        flag = torch.zeros(1, dtype=torch.int32, device=inp.device)
-        if not bool(torch.isfinite(inp).all()):
-            flag.fill_(1)
-        self._all_reduce(u, flag, control=True)
-        if int(flag.item()) != 0:
-            u.counters["nonfinite_fallbacks"] += 1
-            self._plain(u, inp, out)
-            return
-        u.counters["compressed_calls"] += 1
         mode = self.cfg.mode
         if mode != "dense":
             _require_codec()
+        # Ranks must agree before any residual is touched; the flag rides on a
+        # 4-byte all-reduce.
+        if inp.is_cuda:
+            # Sync-free: the flag stays on the device.  A non-finite call still
+            # takes the compressed path, with every shard poisoned so that no
+            # residual changes and the NaN reaches every owner's output (dense
+            # sums values, so NaN/Inf reach the owners without poisoning).
+            # Unlike CPU, the call counts in `nonfinite_fallbacks` only and
+            # advances `step` (identically on every rank, so seeds still agree).
+            flag = (~torch.isfinite(inp).all()).to(torch.int32).reshape(1)
+            self._all_reduce(u, flag, control=True)
+            bad = flag > 0
+            u.add("nonfinite_fallbacks", bad)
+            u.ok = ~bad
+            u.add("compressed_calls", u.ok)
+            if mode != "dense":
+                _poison_nonfinite(inp.view(n, -1), bad)
+        else:
+            flag = torch.zeros(1, dtype=torch.int32, device=inp.device)
+            if not bool(torch.isfinite(inp).all()):
+                flag.fill_(1)
+            self._all_reduce(u, flag, control=True)
+            if int(flag.item()) != 0:
+                u.counters["nonfinite_fallbacks"] += 1
+                self._plain(u, inp, out)
+                return
+            u.counters["compressed_calls"] += 1
         acc = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
         if mode == "dense":
             self._dense(u, inp, acc)
@@ -732,7 +910,11 @@ class TAGCState:
             out.div_(u.post)
 
     @staticmethod
-    def _note_unpeeled(u: _Unit, cnt: int, usize: int, what: str) -> None:
+    def _note_unpeeled(u: _Unit, cnt: Union[int, torch.Tensor],
+                       usize: Union[int, torch.Tensor], what: str) -> None:
+        if isinstance(cnt, torch.Tensor):  # CUDA: stats() warns instead
+            u.add("unpeeled", cnt)
+            return
         u.counters["unpeeled"] += cnt
         if cnt and not u.warned_unpeeled:
             u.warned_unpeeled = True
@@ -809,12 +991,25 @@ class TAGCState:
         work.wait()
         union = torch.empty(bm.shape[1], dtype=torch.uint8, device=inp.device)
         _tagc.bitmap_or(union, recv_bm.view(-1), n, **kw)
-        usize = _host_int(_tagc.popcount, union, s, **kw)
+        usize = _count(_tagc.popcount, union, s, **kw)
         work_sk.wait()
         total = recv_sk.float().sum(dim=0) if n > 1 else recv_sk[0].float()
+        if inp.is_cuda:
+            # No recovery exchange on CUDA: its sizes depend on the unpeeled
+            # counts, which only the host could turn into splits.  Entries
+            # peeling leaves (rare at sketch_factor >= 1.23) get the median
+            # estimate of their buckets and are counted in `unpeeled`
+            # (`recovered` stays 0): CUDA exact mode is lossless only when
+            # `unpeeled` is 0.
+            cnt_dev = _count(_tagc.peel_decode, acc, total, union, s, t, seed, estimate=True,
+                             out_kw="count_out", **kw)
+            u.add("union_size", usize)
+            u.add("shard_slots", s)
+            u.add("unpeeled", cnt_dev)
+            return
         unpeeled = torch.empty(max(usize, 1), dtype=torch.int32, device=inp.device)
-        cnt = _host_int(_tagc.peel_decode, acc, total, union, s, t, seed, unpeeled=unpeeled,
-                        estimate=False, out_kw="count_out", **kw)
+        cnt = _count(_tagc.peel_decode, acc, total, union, s, t, seed, unpeeled=unpeeled,
+                     estimate=False, out_kw="count_out", **kw)
         u.counters["union_size"] += int(usize)
         u.counters["shard_slots"] += s
         # Agree on who needs recovery (an N-element all-reduce of counts).
@@ -877,11 +1072,11 @@ class TAGCState:
             w.wait()
         union = torch.empty(bm.shape[1], dtype=torch.uint8, device=inp.device)
         _tagc.lanes_unpack(union, lanes[rank], s, bits, **kw)
-        usize = _host_int(_tagc.popcount, union, s, **kw)
-        cnt = _host_int(_tagc.peel_decode, acc, sk[rank], union, s, t, seed, estimate=True,
-                        out_kw="count_out", **kw)
-        u.counters["union_size"] += int(usize)
-        u.counters["shard_slots"] += s
+        usize = _count(_tagc.popcount, union, s, **kw)
+        cnt = _count(_tagc.peel_decode, acc, sk[rank], union, s, t, seed, estimate=True,
+                     out_kw="count_out", **kw)
+        u.add("union_size", usize)
+        u.add("shard_slots", s)
         self._note_unpeeled(u, cnt, usize, "paper mode estimates them")
         # Collision loss: every rank sees all reduced lanes, so each counts its own
         # kept entries that the carries erased from the union (the paper's loss).
@@ -891,6 +1086,10 @@ class TAGCState:
         pos = idx.long()
         bit = (ub.gather(1, pos >> 3).long() >> (pos & 7)) & 1
         lost = bit == 0
+        if inp.is_cuda:  # boolean indexing would sync; where() keeps it on the device
+            u.add("collision_dropped", lost.sum())
+            u.add("collision_dropped_l1", _gate(val.float().abs(), lost).sum())
+            return
         u.counters["collision_dropped"] += int(lost.sum())
         u.counters["collision_dropped_l1"] += float(val.float().abs()[lost].sum())
 
