@@ -7,8 +7,10 @@ through the comm objects register() installed, exactly as FSDP2 calls them
 on more ranks (on a side stream).  With one rank every mode sends the kept
 entries losslessly, so the output must be the top-k (by |g + r|, ties to the
 lower position) of gradient plus error-feedback residual, over several steps.
-Also: the comm enqueues no host sync (issue 6 item 3), and a full FSDP2
-training step on one rank keeps plain gradients.
+Also: device-side counters reach stats(), a non-finite gradient reaches the
+output and leaves the residual untouched (sync-free on CUDA), the comm
+enqueues no host sync (issue 6 item 3), and a full FSDP2 training step on
+one rank keeps plain gradients.
 
 Skipped without a CUDA device or a CUDA build of ``_tagc``.
 ``TAGC_CUDA_TEST_DEVICE=cpu`` runs the same harness on CPU with gloo (a
@@ -102,6 +104,24 @@ def installed_comms(model: nn.Module) -> List[tuple]:
     return out
 
 
+def call_on_side_stream(comm, out: torch.Tensor, g: torch.Tensor, pg) -> None:  # noqa: ANN001
+    """Call the comm as FSDP2 does: on its reduce-scatter stream (CUDA)."""
+    if DEV == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            comm(output_tensor=out, input_tensor=g, group=pg, op=dist.ReduceOp.SUM)
+        torch.cuda.current_stream().wait_stream(stream)
+    else:
+        comm(output_tensor=out, input_tensor=g, group=pg, op=dist.ReduceOp.SUM)
+
+
+def unit_stats(state: "tagc.TAGCState", numel: int) -> dict:
+    units = [v for v in state.stats()["units"].values() if v["numel"] == numel]
+    assert len(units) == 1
+    return units[0]
+
+
 def sharded(cfg: "tagc.TAGCConfig") -> tuple:
     model = tagc.shard_model(make_model(0), cfg)
     state = tagc.register(model, cfg)
@@ -142,7 +162,45 @@ def test_comm_one_rank_is_topk_with_error_feedback(group: None, mode: str,
     res = [t for t in residuals(state).values() if t.numel() == numel]
     assert len(res) == 1
     torch.testing.assert_close(res[0].float(), r.to("cpu"), rtol=1e-5, atol=1e-6)
-    assert state.stats() is not None
+    # On CUDA these counters live on the device until stats() reads them.
+    st = unit_stats(state, numel)
+    assert (st["calls"], st["compressed_calls"], st["nonfinite_fallbacks"]) == (3, 3, 0)
+    per_call = 0 if mode == "sparse" else k  # sparse mode has no union to measure
+    assert st["union_size"] == 3 * per_call and st["shard_slots"] == 3 * numel
+    assert st["unpeeled"] == 0 and st["collision_dropped"] == 0
+
+
+@pytest.mark.parametrize("mode,theta", [("exact", THETA), ("sparse", THETA),
+                                        ("paper", 0.9875)])
+def test_comm_nonfinite_keeps_residual_and_reaches_output(group: None, mode: str,
+                                                          theta: float) -> None:
+    # A non-finite gradient must reach the output (GradScaler skips the step)
+    # and leave the residual as it was, so the next finite step is top-k of
+    # g + the residual from before.  On CUDA the flag is never read on the
+    # host (poisoned shards, tagc_hook._poison_nonfinite); on CPU the plain path.
+    cfg = tagc.TAGCConfig(mode=mode, theta=theta, min_numel=1024, seed=5)
+    state, comms = sharded(cfg)
+    comm, pg = comms[0]
+    numel = IN * HID
+    k = min(max(math.ceil(round((1.0 - theta) * numel, 9)), 1), numel)
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    g1 = torch.randn(numel, device=DEV, generator=gen)
+    out = torch.empty(numel, device=DEV)
+    call_on_side_stream(comm, out, g1, pg)
+    r1 = g1 - topk_split(g1, k)
+    g2 = torch.randn(numel, device=DEV, generator=gen)
+    g2[numel // 2] = float("inf")
+    call_on_side_stream(comm, out, g2, pg)
+    assert not torch.isfinite(out).all()
+    res = [t for t in residuals(state).values() if t.numel() == numel]
+    torch.testing.assert_close(res[0].float(), r1.to("cpu"), rtol=1e-5, atol=1e-6)
+    g3 = torch.randn(numel, device=DEV, generator=gen)
+    call_on_side_stream(comm, out, g3, pg)
+    torch.testing.assert_close(out, topk_split(g3 + r1, k), rtol=1e-5, atol=1e-6)
+    st = unit_stats(state, numel)
+    assert (st["calls"], st["compressed_calls"], st["nonfinite_fallbacks"]) == (3, 2, 1)
+    if mode != "sparse":  # the non-finite call's device counts are dropped
+        assert st["union_size"] == 2 * k
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="host-sync detection is CUDA-only")
