@@ -130,6 +130,22 @@ def sharded(cfg: "tagc.TAGCConfig") -> tuple:
     return state, comms
 
 
+def first_unit(mode: str, theta: float, seed: int) -> tuple:
+    """(state, comm, group, numel, k) of the first Linear's unit."""
+    cfg = tagc.TAGCConfig(mode=mode, theta=theta, min_numel=1024, seed=seed)
+    state, comms = sharded(cfg)
+    comm, pg = comms[0]
+    numel = IN * HID
+    k = min(max(math.ceil(round((1.0 - theta) * numel, 9)), 1), numel)
+    return state, comm, pg, numel, k
+
+
+def unit_residual(state: "tagc.TAGCState", numel: int) -> torch.Tensor:
+    res = [t for t in residuals(state).values() if t.numel() == numel]
+    assert len(res) == 1
+    return res[0].float()
+
+
 @pytest.mark.parametrize("mode,theta", [("exact", THETA), ("sparse", THETA),
                                         ("paper", 0.9875)])
 def test_comm_one_rank_is_topk_with_error_feedback(group: None, mode: str,
@@ -137,31 +153,18 @@ def test_comm_one_rank_is_topk_with_error_feedback(group: None, mode: str,
     # One rank: the union is the rank's own kept set, and each mode sends it
     # losslessly (paper's 10x sketch holds 8 buckets per kept entry here), so
     # the output must be exactly top-k(g + r) and the residual the rest.
-    cfg = tagc.TAGCConfig(mode=mode, theta=theta, min_numel=1024, seed=3)
-    state, comms = sharded(cfg)
-    comm, pg = comms[0]
-    numel = IN * HID
-    k = min(max(math.ceil(round((1.0 - theta) * numel, 9)), 1), numel)
+    state, comm, pg, numel, k = first_unit(mode, theta, seed=3)
     r = torch.zeros(numel, device=DEV)
     gen = torch.Generator(device=DEV).manual_seed(1)
-    stream = torch.cuda.Stream() if DEV == "cuda" else None
     for step in range(3):
         g = torch.randn(numel, device=DEV, generator=gen)
         out = torch.full((numel,), float("nan"), device=DEV)
-        if stream is not None:  # FSDP2 calls the comm on its reduce-scatter stream
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                comm(output_tensor=out, input_tensor=g, group=pg, op=dist.ReduceOp.SUM)
-            torch.cuda.current_stream().wait_stream(stream)
-        else:
-            comm(output_tensor=out, input_tensor=g, group=pg, op=dist.ReduceOp.SUM)
+        call_on_side_stream(comm, out, g, pg)
         v = g + r
         want = topk_split(v, k)
         r = v - want
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6, msg=f"step {step}")
-    res = [t for t in residuals(state).values() if t.numel() == numel]
-    assert len(res) == 1
-    torch.testing.assert_close(res[0].float(), r.to("cpu"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(unit_residual(state, numel), r.to("cpu"), rtol=1e-5, atol=1e-6)
     # On CUDA these counters live on the device until stats() reads them.
     st = unit_stats(state, numel)
     assert (st["calls"], st["compressed_calls"], st["nonfinite_fallbacks"]) == (3, 3, 0)
@@ -178,11 +181,7 @@ def test_comm_nonfinite_keeps_residual_and_reaches_output(group: None, mode: str
     # and leave the residual as it was, so the next finite step is top-k of
     # g + the residual from before.  On CUDA the flag is never read on the
     # host (poisoned shards, tagc_hook._poison_nonfinite); on CPU the plain path.
-    cfg = tagc.TAGCConfig(mode=mode, theta=theta, min_numel=1024, seed=5)
-    state, comms = sharded(cfg)
-    comm, pg = comms[0]
-    numel = IN * HID
-    k = min(max(math.ceil(round((1.0 - theta) * numel, 9)), 1), numel)
+    state, comm, pg, numel, k = first_unit(mode, theta, seed=5)
     gen = torch.Generator(device=DEV).manual_seed(2)
     g1 = torch.randn(numel, device=DEV, generator=gen)
     out = torch.empty(numel, device=DEV)
@@ -192,8 +191,7 @@ def test_comm_nonfinite_keeps_residual_and_reaches_output(group: None, mode: str
     g2[numel // 2] = float("inf")
     call_on_side_stream(comm, out, g2, pg)
     assert not torch.isfinite(out).all()
-    res = [t for t in residuals(state).values() if t.numel() == numel]
-    torch.testing.assert_close(res[0].float(), r1.to("cpu"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(unit_residual(state, numel), r1.to("cpu"), rtol=1e-5, atol=1e-6)
     g3 = torch.randn(numel, device=DEV, generator=gen)
     call_on_side_stream(comm, out, g3, pg)
     torch.testing.assert_close(out, topk_split(g3 + r1, k), rtol=1e-5, atol=1e-6)
