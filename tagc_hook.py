@@ -620,7 +620,11 @@ class TAGCState:
             union size / shard size at the owner), ``collision_dropped`` and
             ``collision_dropped_l1`` (paper lanes: kept entries that the SUM
             carries erased from the union, counted by their senders, and the
-            L1 mass lost with them).
+            L1 mass lost with them).  On CUDA the data-dependent counters
+            are accumulated on the device and read here (the only host
+            syncs); a non-finite call counts in ``nonfinite_fallbacks`` only,
+            and exact mode's ``unpeeled`` entries are estimated, not
+            recovered (``recovered`` stays 0).
         """
         self._join_streams()
         units = {u.name: u.stats() for u in self.units}
