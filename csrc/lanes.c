@@ -2,12 +2,8 @@
  * lanes.c - bitmap <-> 1/2/4/8-bit lanes (the paper's SUM-as-OR index), OR of
  * N bitmaps, popcount.  Lane layout: tagc_portable.h.
  */
+#include "tagc_checks.h"
 #include "tagc_internal.h"
-
-static int bits_valid(int bits)
-{
-    return bits == 1 || bits == 2 || bits == 4 || bits == 8;
-}
 
 /* Byte j of the bitmap with the bits at positions >= n cleared. */
 static unsigned bitmap_byte(const uint8_t *bitmap, int64_t j, int64_t n)
@@ -32,15 +28,10 @@ static uint64_t spread(unsigned byte, int bits)
 tagc_status tagc_lanes_pack(uint8_t *lanes, int64_t lanes_capacity,
                             const uint8_t *bitmap, int64_t n, int bits)
 {
-    if (!bits_valid(bits))
-        return TAGC_ERR_RANGE;
-    if (n < 0 || n > TAGC_MAX_N)
-        return TAGC_ERR_RANGE;
-    if (n > 0 && (lanes == NULL || bitmap == NULL))
-        return TAGC_ERR_ARG;
+    tagc_status st = tagc_check_lanes_pack(lanes, lanes_capacity, bitmap, n, bits);
+    if (st != TAGC_OK)
+        return st;
     int64_t out = tagc_lane_bytes(n, bits);
-    if (lanes_capacity < out)
-        return TAGC_ERR_CAPACITY;
     if (bits == 8 || bits == 4 || bits == 2) {
         /* One bitmap byte becomes `bits` lane bytes; the table keeps the
          * loop free of per-bit work. */
@@ -78,15 +69,11 @@ tagc_status tagc_lanes_unpack(uint8_t *bitmap, int64_t bitmap_capacity,
                               const uint8_t *lanes, int64_t lanes_bytes,
                               int64_t n, int bits)
 {
-    if (!bits_valid(bits))
-        return TAGC_ERR_RANGE;
-    if (n < 0 || n > TAGC_MAX_N || lanes_bytes < 0)
-        return TAGC_ERR_RANGE;
-    if (n > 0 && (lanes == NULL || bitmap == NULL))
-        return TAGC_ERR_ARG;
+    tagc_status st = tagc_check_lanes_unpack(bitmap, bitmap_capacity, lanes,
+                                             lanes_bytes, n, bits);
+    if (st != TAGC_OK)
+        return st;
     int64_t in = tagc_lane_bytes(n, bits), nb = bitmap_bytes(n);
-    if (lanes_bytes < in || bitmap_capacity < nb)
-        return TAGC_ERR_CAPACITY;
     for (int64_t j = 0; j < nb; j++) {
         int64_t at = j * bits, len = in - at < bits ? in - at : bits;
         unsigned byte = gather(load_le(lanes + at, len), bits);
@@ -101,14 +88,9 @@ tagc_status tagc_lanes_unpack(uint8_t *bitmap, int64_t bitmap_capacity,
 tagc_status tagc_bitmap_or(uint8_t *dst, int64_t dst_capacity,
                            const uint8_t *src, int64_t nbytes, int64_t count)
 {
-    if (nbytes < 0 || count < 0)
-        return TAGC_ERR_RANGE;
-    if (nbytes > 0 && (dst == NULL || (src == NULL && count > 0)))
-        return TAGC_ERR_ARG;
-    if (dst_capacity < nbytes)
-        return TAGC_ERR_CAPACITY;
-    if (nbytes == 0)
-        return TAGC_OK;
+    tagc_status st = tagc_check_bitmap_or(dst, dst_capacity, src, nbytes, count);
+    if (st != TAGC_OK || nbytes == 0)
+        return st;
     if (count == 0) {
         memset(dst, 0, (size_t)nbytes);
         return TAGC_OK;
@@ -125,10 +107,9 @@ tagc_status tagc_bitmap_or(uint8_t *dst, int64_t dst_capacity,
 
 tagc_status tagc_popcount(int64_t *count, const uint8_t *bitmap, int64_t n)
 {
-    if (count == NULL || (bitmap == NULL && n > 0))
-        return TAGC_ERR_ARG;
-    if (n < 0 || n > TAGC_MAX_N)
-        return TAGC_ERR_RANGE;
+    tagc_status st = tagc_check_popcount(count, bitmap, n);
+    if (st != TAGC_OK)
+        return st;
     int64_t full = n >> 3, total = 0, j = 0;
     for (; j + 8 <= full; j += 8)
         total += __builtin_popcountll(load_le(bitmap + j, 8));

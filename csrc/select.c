@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "tagc_checks.h"
 #include "tagc_internal.h"
 
 /* Patterns of NaN/Inf are >= 0x7f800000; their high half is < 0x8000 too, so
@@ -104,17 +105,13 @@ TAGC_AI void hist_lo(uint32_t *lo, const void *x, int xd, int64_t n, uint32_t bi
 tagc_status tagc_select_kth(float *tau, const void *x, tagc_dtype x_dtype,
                             int64_t n, int64_t k)
 {
-    if (tau == NULL || (x == NULL && n > 0))
-        return TAGC_ERR_ARG;
-    if (!dtype_valid(x_dtype))
-        return TAGC_ERR_DTYPE;
-    if (n < 0 || n > TAGC_MAX_N || k < 0 || k > n)
-        return TAGC_ERR_RANGE;
+    tagc_status st = tagc_check_select_kth(tau, x, (int)x_dtype, n, k);
+    if (st != TAGC_OK)
+        return st;
     uint32_t *h = calloc(4 * HI_BINS + LO_BINS, sizeof *h);
     if (h == NULL)
         return TAGC_ERR_NOMEM;
     uint32_t *lo = h + 4 * HI_BINS;
-    tagc_status st = TAGC_OK;
     if (hist_hi_dispatch(h, x, x_dtype, NULL, DT_NONE, n)) {
         st = TAGC_ERR_NONFINITE;
         goto done;
@@ -238,16 +235,12 @@ tagc_status tagc_sparsify(int32_t *idx, int64_t idx_capacity,
                           const void *grad, tagc_dtype grad_dtype,
                           int64_t n, int64_t k, float *tau)
 {
-    if (tau == NULL || (grad == NULL && n > 0) || (bitmap == NULL && n > 0) ||
-        ((idx == NULL || val == NULL) && k > 0))
-        return TAGC_ERR_ARG;
-    if (!dtype_valid(val_dtype) || !dtype_valid(grad_dtype) ||
-        (residual != NULL && !dtype_valid(residual_dtype)))
-        return TAGC_ERR_DTYPE;
-    if (n < 0 || n > TAGC_MAX_N || k < 0 || k > n)
-        return TAGC_ERR_RANGE;
-    if (idx_capacity < k || val_capacity < k || bitmap_capacity < bitmap_bytes(n))
-        return TAGC_ERR_CAPACITY;
+    tagc_status st = tagc_check_sparsify(idx, idx_capacity, val, (int)val_dtype,
+                                         val_capacity, bitmap, bitmap_capacity,
+                                         residual, (int)residual_dtype, grad,
+                                         (int)grad_dtype, n, k, tau);
+    if (st != TAGC_OK)
+        return st;
 
     int rd = residual != NULL ? (int)residual_dtype : DT_NONE;
     uint32_t *h = calloc(4 * HI_BINS + LO_BINS, sizeof *h);
@@ -255,7 +248,6 @@ tagc_status tagc_sparsify(int32_t *idx, int64_t idx_capacity,
         return TAGC_ERR_NOMEM;
     int32_t *cand = NULL;
     float *cval = NULL;
-    tagc_status st = TAGC_OK;
 
     if (hist_hi_dispatch(h, grad, grad_dtype, residual, rd, n)) {
         st = TAGC_ERR_NONFINITE; /* nothing written yet */

@@ -5,9 +5,8 @@
  */
 #include <stdlib.h>
 
+#include "tagc_checks.h"
 #include "tagc_internal.h"
-
-#define T_LIMIT ((int64_t)1 << 32)
 
 tagc_status tagc_sketch_encode(void *sketch, tagc_dtype sketch_dtype,
                                int64_t sketch_capacity,
@@ -15,15 +14,11 @@ tagc_status tagc_sketch_encode(void *sketch, tagc_dtype sketch_dtype,
                                tagc_dtype val_dtype, int64_t k,
                                int64_t n, int64_t t, uint64_t seed)
 {
-    if (sketch == NULL || ((idx == NULL || val == NULL) && k > 0))
-        return TAGC_ERR_ARG;
-    if (!dtype_valid(sketch_dtype) || !dtype_valid(val_dtype))
-        return TAGC_ERR_DTYPE;
-    if (t < 1 || t >= T_LIMIT || n < 0 || n > TAGC_MAX_N || k < 0)
-        return TAGC_ERR_RANGE;
+    tagc_status st = tagc_check_sketch_encode(sketch, (int)sketch_dtype, sketch_capacity,
+                                              idx, val, (int)val_dtype, k, n, t);
+    if (st != TAGC_OK)
+        return st;
     int64_t m = TAGC_TABLES * t;
-    if (sketch_capacity < m)
-        return TAGC_ERR_CAPACITY;
     for (int64_t j = 0; j < k; j++)
         if (idx[j] < 0 || idx[j] >= n)
             return TAGC_ERR_RANGE;
@@ -105,16 +100,12 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
                              const uint8_t *bitmap, int64_t n,
                              int64_t t, uint64_t seed, int estimate)
 {
-    if (unpeeled_count == NULL || sketch == NULL ||
-        ((out == NULL || bitmap == NULL) && n > 0) ||
-        (unpeeled == NULL && unpeeled_capacity > 0))
-        return TAGC_ERR_ARG;
-    if (!dtype_valid(sketch_dtype))
-        return TAGC_ERR_DTYPE;
-    if (t < 1 || t >= T_LIMIT || n < 0 || n > TAGC_MAX_N || unpeeled_capacity < 0)
-        return TAGC_ERR_RANGE;
-    if (out_capacity < n)
-        return TAGC_ERR_CAPACITY;
+    /* No round bound here: this decoder peels to completion (1 always passes). */
+    tagc_status st = tagc_check_peel_decode(out, out_capacity, unpeeled,
+                                            unpeeled_capacity, unpeeled_count, sketch,
+                                            (int)sketch_dtype, bitmap, n, t, 1);
+    if (st != TAGC_OK)
+        return st;
 
     int64_t m = TAGC_TABLES * t, u = 0;
     FOR_EACH_BIT(bitmap, n, p, { (void)p; u++; });
@@ -126,7 +117,6 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
     entry_t *ent = malloc(ua * sizeof *ent);
     float *vals = malloc(ua * sizeof *vals);
     uint8_t *done = calloc(ua, 1);
-    tagc_status st = TAGC_OK;
     if (bk == NULL || queue == NULL || pos == NULL || ent == NULL || vals == NULL ||
         done == NULL) {
         st = TAGC_ERR_NOMEM;

@@ -8,6 +8,8 @@ tagc_status tagc_sparse_pack(uint8_t *buf, int64_t buf_capacity,
                              const int32_t *idx, const void *val,
                              tagc_dtype val_dtype, int64_t k)
 {
+    /* Not tagc_checks.h: unlike the CUDA launcher, this also bounds k by
+     * INT64_MAX / 8 (RANGE); sharing would change one side's status codes. */
     if (k > 0 && (buf == NULL || idx == NULL || val == NULL))
         return TAGC_ERR_ARG;
     if (!dtype_valid(val_dtype))
@@ -30,6 +32,8 @@ tagc_status tagc_sparse_unpack(float *out, int64_t n,
                                const uint8_t *buf, int64_t buf_bytes,
                                int64_t k, tagc_dtype val_dtype)
 {
+    /* Not tagc_checks.h: unlike the CUDA launcher, this also bounds k by
+     * INT64_MAX / 8 (RANGE); sharing would change one side's status codes. */
     if ((out == NULL && n > 0) || (buf == NULL && k > 0))
         return TAGC_ERR_ARG;
     if (!dtype_valid(val_dtype))

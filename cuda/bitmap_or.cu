@@ -3,6 +3,7 @@
  * laid end to end (what an all-to-all of bitmaps delivers to the owner).
  */
 #include "tagc_cuda_common.cuh"
+#include "../csrc/tagc_checks.h"
 
 static __global__ void bitmap_or_kernel(uint8_t *dst, const uint8_t *src,
                                         int64_t nbytes, int64_t count)
@@ -21,14 +22,9 @@ extern "C" tagc_status tagc_cuda_bitmap_or(uint8_t *dst, int64_t dst_capacity,
                                            const uint8_t *src, int64_t nbytes,
                                            int64_t count, cudaStream_t stream)
 {
-    if (nbytes < 0 || count < 0)
-        return TAGC_ERR_RANGE;
-    if (nbytes > 0 && (dst == NULL || (src == NULL && count > 0)))
-        return TAGC_ERR_ARG;
-    if (dst_capacity < nbytes)
-        return TAGC_ERR_CAPACITY;
-    if (nbytes == 0)
-        return TAGC_OK;
+    tagc_status s = tagc_check_bitmap_or(dst, dst_capacity, src, nbytes, count);
+    if (s != TAGC_OK || nbytes == 0)
+        return s;
     if (count == 0) {
         TAGC_CUDA_TRY(cudaMemsetAsync(dst, 0, (size_t)nbytes, stream));
         return TAGC_OK;

@@ -3,6 +3,7 @@
  * tagc_portable.h), one thread per output byte.
  */
 #include "tagc_cuda_common.cuh"
+#include "../csrc/tagc_checks.h"
 
 static __global__ void lanes_pack_kernel(uint8_t *lanes, int64_t out_bytes,
                                          const uint8_t *bitmap, int64_t n,
@@ -25,15 +26,10 @@ extern "C" tagc_status tagc_cuda_lanes_pack(uint8_t *lanes, int64_t lanes_capaci
                                             const uint8_t *bitmap, int64_t n,
                                             int bits, cudaStream_t stream)
 {
-    if (bits != 1 && bits != 2 && bits != 4 && bits != 8)
-        return TAGC_ERR_RANGE;
-    if (n < 0 || n > TAGC_MAX_N)
-        return TAGC_ERR_RANGE;
-    if (n > 0 && (lanes == NULL || bitmap == NULL))
-        return TAGC_ERR_ARG;
+    tagc_status s = tagc_check_lanes_pack(lanes, lanes_capacity, bitmap, n, bits);
+    if (s != TAGC_OK)
+        return s;
     int64_t out = tagc_lane_bytes(n, bits);
-    if (lanes_capacity < out)
-        return TAGC_ERR_CAPACITY;
     if (out == 0)
         return TAGC_OK;
     lanes_pack_kernel<<<tagc_grid(out, TAGC_THREADS), TAGC_THREADS, 0, stream>>>(

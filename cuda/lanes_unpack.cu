@@ -3,6 +3,7 @@
  * bitmap, bit p set iff lane p is non-zero; one thread per bitmap byte.
  */
 #include "tagc_cuda_common.cuh"
+#include "../csrc/tagc_checks.h"
 
 static __global__ void lanes_unpack_kernel(uint8_t *bitmap, int64_t nb,
                                            const uint8_t *lanes, int64_t n,
@@ -25,17 +26,11 @@ extern "C" tagc_status tagc_cuda_lanes_unpack(uint8_t *bitmap,
                                               int64_t lanes_bytes, int64_t n,
                                               int bits, cudaStream_t stream)
 {
-    if (bits != 1 && bits != 2 && bits != 4 && bits != 8)
-        return TAGC_ERR_RANGE;
-    if (n < 0 || n > TAGC_MAX_N || lanes_bytes < 0)
-        return TAGC_ERR_RANGE;
-    if (n > 0 && (lanes == NULL || bitmap == NULL))
-        return TAGC_ERR_ARG;
+    tagc_status s = tagc_check_lanes_unpack(bitmap, bitmap_capacity, lanes,
+                                            lanes_bytes, n, bits);
     int64_t nb = (n + 7) >> 3;
-    if (lanes_bytes < tagc_lane_bytes(n, bits) || bitmap_capacity < nb)
-        return TAGC_ERR_CAPACITY;
-    if (nb == 0)
-        return TAGC_OK;
+    if (s != TAGC_OK || nb == 0)
+        return s;
     lanes_unpack_kernel<<<tagc_grid(nb, TAGC_THREADS), TAGC_THREADS, 0, stream>>>(
         bitmap, nb, lanes, n, bits);
     TAGC_CUDA_LAUNCHED();

@@ -19,6 +19,7 @@
  *      compaction over pos order).
  */
 #include "tagc_cuda_common.cuh"
+#include "../csrc/tagc_checks.h"
 
 typedef struct {
     uint64_t s[TAGC_TABLES];
@@ -251,19 +252,13 @@ extern "C" tagc_status tagc_cuda_peel_decode(float *out, int64_t out_capacity,
                                              size_t workspace_bytes,
                                              cudaStream_t stream)
 {
-    if (unpeeled_count == NULL || sketch == NULL ||
-        ((out == NULL || bitmap == NULL) && n > 0) ||
-        (unpeeled == NULL && unpeeled_capacity > 0))
-        return TAGC_ERR_ARG;
-    if (!tagc_dt_valid(sketch_dtype))
-        return TAGC_ERR_DTYPE;
-    if (t < 1 || t >= ((int64_t)1 << 32) || n < 0 || n > TAGC_MAX_N ||
-        unpeeled_capacity < 0 || max_rounds < 1)
-        return TAGC_ERR_RANGE;
-    if (out_capacity < n)
-        return TAGC_ERR_CAPACITY;
+    tagc_status s = tagc_check_peel_decode(out, out_capacity, unpeeled,
+                                           unpeeled_capacity, unpeeled_count, sketch,
+                                           (int)sketch_dtype, bitmap, n, t, max_rounds);
+    if (s != TAGC_OK)
+        return s;
     tagc_carver c;
-    tagc_status s = tagc_ws_open(&c, workspace, workspace_bytes,
+    s = tagc_ws_open(&c, workspace, workspace_bytes,
                                  tagc_cuda_peel_decode_workspace_size(n, t,
                                                                       max_rounds));
     if (s != TAGC_OK)

@@ -3,6 +3,7 @@
  * bitmap, summed per block then atomically into the device int64.
  */
 #include "tagc_cuda_common.cuh"
+#include "../csrc/tagc_checks.h"
 
 static __global__ void popcount_kernel(unsigned long long *count,
                                        const uint8_t *bitmap, int64_t n)
@@ -25,10 +26,9 @@ static __global__ void popcount_kernel(unsigned long long *count,
 extern "C" tagc_status tagc_cuda_popcount(int64_t *count, const uint8_t *bitmap,
                                           int64_t n, cudaStream_t stream)
 {
-    if (count == NULL || (bitmap == NULL && n > 0))
-        return TAGC_ERR_ARG;
-    if (n < 0 || n > TAGC_MAX_N)
-        return TAGC_ERR_RANGE;
+    tagc_status s = tagc_check_popcount(count, bitmap, n);
+    if (s != TAGC_OK)
+        return s;
     TAGC_CUDA_TRY(cudaMemsetAsync(count, 0, sizeof *count, stream));
     if (n == 0)
         return TAGC_OK;

@@ -3,6 +3,7 @@
  * (radix_select.cuh), no host sync.
  */
 #include "radix_select.cuh"
+#include "../csrc/tagc_checks.h"
 
 extern "C" size_t tagc_cuda_select_kth_workspace_size(int64_t n)
 {
@@ -18,15 +19,11 @@ extern "C" tagc_status tagc_cuda_select_kth(float *tau, const void *x,
                                             size_t workspace_bytes,
                                             cudaStream_t stream)
 {
-    if (tau == NULL || (x == NULL && n > 0))
-        return TAGC_ERR_ARG;
-    if (!tagc_dt_valid(x_dtype))
-        return TAGC_ERR_DTYPE;
-    if (n < 0 || n > TAGC_MAX_N || k < 0 || k > n)
-        return TAGC_ERR_RANGE;
+    tagc_status s = tagc_check_select_kth(tau, x, (int)x_dtype, n, k);
+    if (s != TAGC_OK)
+        return s;
     tagc_carver c;
-    tagc_status s = tagc_ws_open(&c, workspace, workspace_bytes,
-                                 tagc_cuda_select_kth_workspace_size(n));
+    s = tagc_ws_open(&c, workspace, workspace_bytes, tagc_cuda_select_kth_workspace_size(n));
     if (s != TAGC_OK)
         return s;
     tagc_sel_ws w;

@@ -4,6 +4,7 @@
  * bf16 if asked.  Hash, bucket and sign are tagc_portable.h's.
  */
 #include "tagc_cuda_common.cuh"
+#include "../csrc/tagc_checks.h"
 
 typedef struct {
     uint64_t s[TAGC_TABLES];
@@ -67,15 +68,12 @@ extern "C" tagc_status tagc_cuda_sketch_encode(void *sketch, tagc_dtype sketch_d
                                                size_t workspace_bytes,
                                                cudaStream_t stream)
 {
-    if (sketch == NULL || ((idx == NULL || val == NULL) && k > 0))
-        return TAGC_ERR_ARG;
-    if (!tagc_dt_valid(sketch_dtype) || !tagc_dt_valid(val_dtype))
-        return TAGC_ERR_DTYPE;
-    if (t < 1 || t >= ((int64_t)1 << 32) || n < 0 || n > TAGC_MAX_N || k < 0)
-        return TAGC_ERR_RANGE;
+    /* The idx[j] < n bound is checked on the device (dev_status). */
+    tagc_status st = tagc_check_sketch_encode(sketch, (int)sketch_dtype, sketch_capacity,
+                                              idx, val, (int)val_dtype, k, n, t);
+    if (st != TAGC_OK)
+        return st;
     int64_t m = TAGC_TABLES * t;
-    if (sketch_capacity < m)
-        return TAGC_ERR_CAPACITY;
     float *acc = (float *)sketch;
     if (sketch_dtype != TAGC_F32) {
         tagc_carver c;

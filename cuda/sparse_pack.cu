@@ -27,6 +27,8 @@ extern "C" tagc_status tagc_cuda_sparse_pack(uint8_t *buf, int64_t buf_capacity,
                                              tagc_dtype val_dtype, int64_t k,
                                              cudaStream_t stream)
 {
+    /* Not tagc_checks.h: tagc_sparse_(un)pack also bounds k by INT64_MAX / 8
+     * (RANGE) and this launcher never did; sharing would change its codes. */
     if (k > 0 && (buf == NULL || idx == NULL || val == NULL))
         return TAGC_ERR_ARG;
     if (!tagc_dt_valid(val_dtype))

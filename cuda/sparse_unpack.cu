@@ -68,6 +68,8 @@ extern "C" tagc_status tagc_cuda_sparse_unpack(float *out, int64_t n,
                                                size_t workspace_bytes,
                                                cudaStream_t stream)
 {
+    /* Not tagc_checks.h: tagc_sparse_(un)pack also bounds k by INT64_MAX / 8
+     * (RANGE) and this launcher never did; sharing would change its codes. */
     if ((out == NULL && n > 0) || (buf == NULL && k > 0))
         return TAGC_ERR_ARG;
     if (!tagc_dt_valid(val_dtype))

@@ -11,6 +11,7 @@
  * common case (two select passes, the write pass), four on overflow.
  */
 #include "radix_select.cuh"
+#include "../csrc/tagc_checks.h"
 
 /* Completes the per-tile counts from the candidates (entries in tau's
  * first-digit bin); tile_gt already holds the entries above that bin. */
@@ -157,19 +158,14 @@ extern "C" tagc_status tagc_cuda_sparsify(int32_t *idx, int64_t idx_capacity,
                                           void *workspace, size_t workspace_bytes,
                                           cudaStream_t stream)
 {
-    if (tau == NULL || (grad == NULL && n > 0) || (bitmap == NULL && n > 0) ||
-        ((idx == NULL || val == NULL) && k > 0))
-        return TAGC_ERR_ARG;
-    if (!tagc_dt_valid(val_dtype) || !tagc_dt_valid(grad_dtype) ||
-        (residual != NULL && !tagc_dt_valid(residual_dtype)))
-        return TAGC_ERR_DTYPE;
-    if (n < 0 || n > TAGC_MAX_N || k < 0 || k > n)
-        return TAGC_ERR_RANGE;
-    if (idx_capacity < k || val_capacity < k || bitmap_capacity < ((n + 7) >> 3))
-        return TAGC_ERR_CAPACITY;
+    tagc_status s = tagc_check_sparsify(idx, idx_capacity, val, (int)val_dtype,
+                                        val_capacity, bitmap, bitmap_capacity, residual,
+                                        (int)residual_dtype, grad, (int)grad_dtype, n, k,
+                                        tau);
+    if (s != TAGC_OK)
+        return s;
     tagc_carver c;
-    tagc_status s = tagc_ws_open(&c, workspace, workspace_bytes,
-                                 tagc_cuda_sparsify_workspace_size(n));
+    s = tagc_ws_open(&c, workspace, workspace_bytes, tagc_cuda_sparsify_workspace_size(n));
     if (s != TAGC_OK)
         return s;
     sparsify_ws w;

@@ -28,6 +28,8 @@ import pytest
 import torch
 
 _tagc = pytest.importorskip("_tagc")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_helpers import bitmap_of, kept, two_rank_sketch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32, BF16 = 0, 1
@@ -111,13 +113,6 @@ def gradient(n: int, dtype: torch.dtype, ties: bool, seed: int) -> torch.Tensor:
     x = (torch.randint(-6, 7, (n,), generator=g).float() / 4 if ties
          else torch.randn(n, generator=g))
     return x.to(dtype)
-
-
-def bitmap_of(mask: torch.Tensor) -> torch.Tensor:
-    n = mask.numel()
-    pad = torch.zeros((n + 7) // 8 * 8, dtype=torch.bool)
-    pad[:n] = mask
-    return (pad.view(-1, 8).long() << torch.arange(8)).sum(1).to(torch.uint8)
 
 
 SIZES = [(1, 1), (9, 4), (300, 0), (300, 300), (4096, 40), (9000, 113)]
@@ -264,12 +259,6 @@ def test_lanes_and_bitmaps(lib: C.CDLL, bits: int, n: int) -> None:
     assert int(cnt) == _tagc.popcount(raw, n)
 
 
-def kept(n: int, k: int, vd: torch.dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(n, generator=g)[:k].sort().values.to(torch.int32)
-    return idx, torch.randn(k, generator=g).to(vd)
-
-
 def encode(lib: C.CDLL, sd: torch.dtype, idx: torch.Tensor, val: torch.Tensor, n: int,
            t: int, seed: int, status: Optional[torch.Tensor] = None) -> torch.Tensor:
     sk = torch.full((3 * t + 1,), 5.0, dtype=sd)
@@ -335,17 +324,7 @@ PEEL_CASES = [  # sketch dtype, n, union (two ranks), buckets per entry, rounds,
 @pytest.mark.parametrize("sd,n,u,c,rounds,estimate", PEEL_CASES)
 def test_peel_decode(lib: C.CDLL, sd: torch.dtype, n: int, u: int, c: float, rounds: int,
                      estimate: int) -> None:
-    t = max(1, math.ceil(c * u / 3))
-    seed = _tagc.seed_derive(0, 1, 2)
-    sk = torch.zeros(3 * t)
-    union = torch.zeros(n, dtype=torch.bool)
-    for r in range(2):
-        idx, val = kept(n, u // 2, torch.float32, seed=100 + r)
-        part = torch.empty(3 * t)
-        _tagc.sketch_encode(part, idx, val, n, t, seed)
-        sk += part
-        union[idx.long()] = True
-    sk = sk.to(sd)
+    t, seed, sk, union = two_rank_sketch(_tagc, n, u, c, sd)
     bm = bitmap_of(union)
     usize = int(union.sum())
     c_out = torch.full((n,), 3.0)

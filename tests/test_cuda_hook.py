@@ -22,6 +22,7 @@ import copy
 import datetime
 import math
 import os
+import sys
 from typing import Dict, Iterator, List
 
 import pytest
@@ -31,18 +32,10 @@ import torch.nn as nn
 
 _tagc = pytest.importorskip("_tagc")
 tagc = pytest.importorskip("tagc_hook")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_helpers import DEV, needs_cuda  # noqa: E402
 
-DEV = os.environ.get("TAGC_CUDA_TEST_DEVICE", "cuda")
-
-
-def _cuda_ready() -> bool:
-    return (torch.cuda.is_available() and hasattr(_tagc, "cuda_available")
-            and bool(_tagc.cuda_available()))
-
-
-pytestmark = pytest.mark.skipif(
-    DEV == "cuda" and not _cuda_ready(),
-    reason="needs a CUDA GPU and _tagc built with CUDA (TAGC_BUILD_CUDA=1)")
+pytestmark = needs_cuda(_tagc)
 
 THETA = 0.9
 IN, HID, OUT, BATCH = 48, 160, 40, 16

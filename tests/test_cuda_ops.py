@@ -17,26 +17,20 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from typing import Iterator, Optional
 
 import pytest
 import torch
 
 _tagc = pytest.importorskip("_tagc")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_helpers import DEV, bitmap_of, kept, needs_cuda, two_rank_sketch  # noqa: E402
 
-DEV = os.environ.get("TAGC_CUDA_TEST_DEVICE", "cuda")
 TAGC_ERR_RANGE = 2
 TAGC_ERR_CORRUPT = 6
 
-
-def _cuda_ready() -> bool:
-    return (torch.cuda.is_available() and hasattr(_tagc, "cuda_available")
-            and bool(_tagc.cuda_available()))
-
-
-pytestmark = pytest.mark.skipif(
-    DEV == "cuda" and not _cuda_ready(),
-    reason="needs a CUDA GPU and _tagc built with CUDA (TAGC_BUILD_CUDA=1)")
+pytestmark = needs_cuda(_tagc)
 
 
 # CUDA-only semantics (device NaN/status words instead of exceptions, out=
@@ -184,11 +178,7 @@ def test_sparsify_nonfinite_outputs_nan_and_keeps_residual() -> None:
 
 def _random_bitmap(n: int, density: float, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    bits = torch.rand(n, generator=g) < density
-    pad = torch.zeros((n + 7) // 8 * 8, dtype=torch.bool)
-    pad[:n] = bits
-    w = (pad.view(-1, 8).long() << torch.arange(8)).sum(1)
-    return w.to(torch.uint8)
+    return bitmap_of(torch.rand(n, generator=g) < density)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -237,18 +227,11 @@ def test_popcount_ignores_tail_bits(n: int) -> None:
     assert int(host(cnt)) == want
 
 
-def _kept(n: int, k: int, vd: torch.dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(n, generator=g)[:k].sort().values.to(torch.int32)
-    val = torch.randn(k, generator=g).to(vd)
-    return idx, val
-
-
 @pytest.mark.parametrize("sd", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vd", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k,t", [(100, 0, 5), (1000, 100, 50), (200_000, 2500, 1100)])
 def test_sketch_encode(sd: torch.dtype, vd: torch.dtype, n: int, k: int, t: int) -> None:
-    idx, val = _kept(n, k, vd, seed=k)
+    idx, val = kept(n, k, vd, seed=k)
     seed = _tagc.seed_derive(7, 3, 11)
     c_sk = torch.full((3 * t + 2,), 5.0, dtype=sd)
     _tagc.sketch_encode(c_sk[:3 * t], idx, val, n, t, seed)
@@ -282,20 +265,8 @@ def test_sketch_encode_bad_index_reports_range_on_device() -> None:
 def test_peel_decode(sd: torch.dtype, n: int, u: int, c: float, estimate: bool) -> None:
     # Two ranks' kept sets; the owner decodes the sum of their sketches on the
     # union of their bitmaps, as in `exact` mode.
-    t = max(1, math.ceil(c * u / 3))
-    seed = _tagc.seed_derive(0, 1, 2)
-    sk = torch.zeros(3 * t)
-    union = torch.zeros(n, dtype=torch.bool)
-    for r in range(2):
-        idx, val = _kept(n, u // 2, torch.float32, seed=100 + r)
-        part = torch.empty(3 * t)
-        _tagc.sketch_encode(part, idx, val, n, t, seed)
-        sk += part
-        union[idx.long()] = True
-    sk = sk.to(sd)
-    pad = torch.zeros((n + 7) // 8 * 8, dtype=torch.bool)
-    pad[:n] = union
-    bm = (pad.view(-1, 8).long() << torch.arange(8)).sum(1).to(torch.uint8)
+    t, seed, sk, union = two_rank_sketch(_tagc, n, u, c, sd)
+    bm = bitmap_of(union)
     usize = int(union.sum())
 
     c_out = torch.full((n,), 3.0)
@@ -327,7 +298,7 @@ def test_peel_decode(sd: torch.dtype, n: int, u: int, c: float, estimate: bool) 
 @pytest.mark.parametrize("k", [0, 1, 3, 1001])
 def test_sparse_pack_unaligned_and_unpack(vd: torch.dtype, k: int) -> None:
     n = 5000
-    idx, val = _kept(n, k, vd, seed=k + 1)
+    idx, val = kept(n, k, vd, seed=k + 1)
     es = 4 + torch.empty(0, dtype=vd).element_size()
     c_buf = torch.full((k * es + 3,), 0xEE, dtype=torch.uint8)
     _tagc.sparse_pack(c_buf[1:1 + k * es], idx, val)

@@ -1,0 +1,168 @@
+/*
+ * tagc_checks.h - argument validation of each op, shared by the C codec
+ * (the csrc C files) and the CUDA launchers (the cuda .cu files) so both
+ * return the same status for the same bad call.  Host-only, plain C11 that
+ * also compiles as C++ under nvcc and g++ (the emulated build).  Not
+ * installed, not part of the contract.
+ *
+ * Each check returns TAGC_OK or the first error in the order the contract
+ * (tagc.h) implies: ARG, then DTYPE, then RANGE, then CAPACITY.  Checks that
+ * read the data (index bounds, finiteness) stay in the ops: the CUDA side
+ * does them on the device.
+ */
+#ifndef TAGC_CHECKS_H
+#define TAGC_CHECKS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tagc.h"
+#include "tagc_portable.h"
+
+/* Sketch width bound: bucket indices are computed in 32 bits. */
+#define TAGC_T_LIMIT ((int64_t)1 << 32)
+
+static inline int tagc_check_dtype_ok(int d)
+{
+    return d == TAGC_F32 || d == TAGC_BF16;
+}
+
+static inline int tagc_check_bits_ok(int bits)
+{
+    return bits == 1 || bits == 2 || bits == 4 || bits == 8;
+}
+
+static inline tagc_status tagc_check_lanes_pack(const uint8_t *lanes,
+                                                int64_t lanes_capacity,
+                                                const uint8_t *bitmap, int64_t n,
+                                                int bits)
+{
+    if (!tagc_check_bits_ok(bits))
+        return TAGC_ERR_RANGE;
+    if (n < 0 || n > TAGC_MAX_N)
+        return TAGC_ERR_RANGE;
+    if (n > 0 && (lanes == NULL || bitmap == NULL))
+        return TAGC_ERR_ARG;
+    if (lanes_capacity < tagc_lane_bytes(n, bits))
+        return TAGC_ERR_CAPACITY;
+    return TAGC_OK;
+}
+
+static inline tagc_status tagc_check_lanes_unpack(const uint8_t *bitmap,
+                                                  int64_t bitmap_capacity,
+                                                  const uint8_t *lanes,
+                                                  int64_t lanes_bytes, int64_t n,
+                                                  int bits)
+{
+    if (!tagc_check_bits_ok(bits))
+        return TAGC_ERR_RANGE;
+    if (n < 0 || n > TAGC_MAX_N || lanes_bytes < 0)
+        return TAGC_ERR_RANGE;
+    if (n > 0 && (lanes == NULL || bitmap == NULL))
+        return TAGC_ERR_ARG;
+    if (lanes_bytes < tagc_lane_bytes(n, bits) || bitmap_capacity < ((n + 7) >> 3))
+        return TAGC_ERR_CAPACITY;
+    return TAGC_OK;
+}
+
+static inline tagc_status tagc_check_bitmap_or(const uint8_t *dst,
+                                               int64_t dst_capacity,
+                                               const uint8_t *src, int64_t nbytes,
+                                               int64_t count)
+{
+    if (nbytes < 0 || count < 0)
+        return TAGC_ERR_RANGE;
+    if (nbytes > 0 && (dst == NULL || (src == NULL && count > 0)))
+        return TAGC_ERR_ARG;
+    if (dst_capacity < nbytes)
+        return TAGC_ERR_CAPACITY;
+    return TAGC_OK;
+}
+
+static inline tagc_status tagc_check_popcount(const int64_t *count,
+                                              const uint8_t *bitmap, int64_t n)
+{
+    if (count == NULL || (bitmap == NULL && n > 0))
+        return TAGC_ERR_ARG;
+    if (n < 0 || n > TAGC_MAX_N)
+        return TAGC_ERR_RANGE;
+    return TAGC_OK;
+}
+
+static inline tagc_status tagc_check_select_kth(const float *tau, const void *x,
+                                                int x_dtype, int64_t n, int64_t k)
+{
+    if (tau == NULL || (x == NULL && n > 0))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(x_dtype))
+        return TAGC_ERR_DTYPE;
+    if (n < 0 || n > TAGC_MAX_N || k < 0 || k > n)
+        return TAGC_ERR_RANGE;
+    return TAGC_OK;
+}
+
+static inline tagc_status tagc_check_sparsify(const int32_t *idx, int64_t idx_capacity,
+                                              const void *val, int val_dtype,
+                                              int64_t val_capacity,
+                                              const uint8_t *bitmap,
+                                              int64_t bitmap_capacity,
+                                              const void *residual, int residual_dtype,
+                                              const void *grad, int grad_dtype,
+                                              int64_t n, int64_t k, const float *tau)
+{
+    if (tau == NULL || (grad == NULL && n > 0) || (bitmap == NULL && n > 0) ||
+        ((idx == NULL || val == NULL) && k > 0))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(val_dtype) || !tagc_check_dtype_ok(grad_dtype) ||
+        (residual != NULL && !tagc_check_dtype_ok(residual_dtype)))
+        return TAGC_ERR_DTYPE;
+    if (n < 0 || n > TAGC_MAX_N || k < 0 || k > n)
+        return TAGC_ERR_RANGE;
+    if (idx_capacity < k || val_capacity < k || bitmap_capacity < ((n + 7) >> 3))
+        return TAGC_ERR_CAPACITY;
+    return TAGC_OK;
+}
+
+/* The idx[j] < n bound reads idx, so it is not checked here. */
+static inline tagc_status tagc_check_sketch_encode(const void *sketch, int sketch_dtype,
+                                                   int64_t sketch_capacity,
+                                                   const int32_t *idx, const void *val,
+                                                   int val_dtype, int64_t k,
+                                                   int64_t n, int64_t t)
+{
+    if (sketch == NULL || ((idx == NULL || val == NULL) && k > 0))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(sketch_dtype) || !tagc_check_dtype_ok(val_dtype))
+        return TAGC_ERR_DTYPE;
+    if (t < 1 || t >= TAGC_T_LIMIT || n < 0 || n > TAGC_MAX_N || k < 0)
+        return TAGC_ERR_RANGE;
+    if (sketch_capacity < TAGC_TABLES * t)
+        return TAGC_ERR_CAPACITY;
+    return TAGC_OK;
+}
+
+/* max_rounds bounds the CUDA decoder's fixed round count; the C decoder peels
+ * to completion and passes 1, which always passes. */
+static inline tagc_status tagc_check_peel_decode(const float *out, int64_t out_capacity,
+                                                 const int32_t *unpeeled,
+                                                 int64_t unpeeled_capacity,
+                                                 const int64_t *unpeeled_count,
+                                                 const void *sketch, int sketch_dtype,
+                                                 const uint8_t *bitmap, int64_t n,
+                                                 int64_t t, int max_rounds)
+{
+    if (unpeeled_count == NULL || sketch == NULL ||
+        ((out == NULL || bitmap == NULL) && n > 0) ||
+        (unpeeled == NULL && unpeeled_capacity > 0))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(sketch_dtype))
+        return TAGC_ERR_DTYPE;
+    if (t < 1 || t >= TAGC_T_LIMIT || n < 0 || n > TAGC_MAX_N ||
+        unpeeled_capacity < 0 || max_rounds < 1)
+        return TAGC_ERR_RANGE;
+    if (out_capacity < n)
+        return TAGC_ERR_CAPACITY;
+    return TAGC_OK;
+}
+
+#endif /* TAGC_CHECKS_H */
