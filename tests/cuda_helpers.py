@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 from types import ModuleType
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import pytest
 import torch
@@ -14,6 +14,15 @@ import torch
 # "cpu" runs the CUDA harnesses with both sides on the CPU: a self-check of
 # the test code only, never of CUDA.
 DEV = os.environ.get("TAGC_CUDA_TEST_DEVICE", "cuda")
+
+# (grad, residual or None, val) dtypes the sparsify tests cover: every dtype
+# in each role, residual absent, and mixed precisions.
+SPARSIFY_DTYPES: List[Tuple[torch.dtype, Optional[torch.dtype], torch.dtype]] = [
+    (torch.float32, torch.float32, torch.float32),
+    (torch.float32, None, torch.float32),
+    (torch.bfloat16, torch.float32, torch.bfloat16),
+    (torch.float32, torch.bfloat16, torch.bfloat16),
+]
 
 
 def cuda_ready(ext: ModuleType) -> bool:

@@ -29,7 +29,7 @@ import torch
 
 _tagc = pytest.importorskip("_tagc")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_helpers import bitmap_of, kept, two_rank_sketch  # noqa: E402
+from cuda_helpers import SPARSIFY_DTYPES, bitmap_of, kept, two_rank_sketch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32, BF16 = 0, 1
@@ -182,12 +182,7 @@ def run_sparsify(lib: C.CDLL, g: torch.Tensor, r: Optional[torch.Tensor], k: int
 
 
 @pytest.mark.parametrize("n,k", SIZES)
-@pytest.mark.parametrize("gd,rd,vd", [
-    (torch.float32, torch.float32, torch.float32),
-    (torch.float32, None, torch.float32),
-    (torch.bfloat16, torch.float32, torch.bfloat16),
-    (torch.float32, torch.bfloat16, torch.bfloat16),
-])
+@pytest.mark.parametrize("gd,rd,vd", SPARSIFY_DTYPES)
 @pytest.mark.parametrize("ties", [False, True])
 def test_sparsify(lib: C.CDLL, n: int, k: int, gd: torch.dtype, rd: Optional[torch.dtype],
                   vd: torch.dtype, ties: bool) -> None:

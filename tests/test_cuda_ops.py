@@ -25,7 +25,8 @@ import torch
 
 _tagc = pytest.importorskip("_tagc")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_helpers import DEV, bitmap_of, kept, needs_cuda, two_rank_sketch  # noqa: E402
+from cuda_helpers import (DEV, SPARSIFY_DTYPES, bitmap_of, kept, needs_cuda,  # noqa: E402
+                          two_rank_sketch)
 
 TAGC_ERR_RANGE = 2
 TAGC_ERR_CORRUPT = 6
@@ -121,12 +122,7 @@ def _sparsify_buffers(n: int, k: int, vd: torch.dtype, device: str):
 
 
 @pytest.mark.parametrize("n,k", SIZES)
-@pytest.mark.parametrize("gd,rd,vd", [
-    (torch.float32, torch.float32, torch.float32),
-    (torch.float32, None, torch.float32),
-    (torch.bfloat16, torch.float32, torch.bfloat16),
-    (torch.float32, torch.bfloat16, torch.bfloat16),
-])
+@pytest.mark.parametrize("gd,rd,vd", SPARSIFY_DTYPES)
 @pytest.mark.parametrize("ties", [False, True])
 def test_sparsify(n: int, k: int, gd: torch.dtype, rd: Optional[torch.dtype],
                   vd: torch.dtype, ties: bool) -> None:
