@@ -471,6 +471,8 @@ class _Unit:
         c = self.collectives.setdefault(op, {"calls": 0, "bytes": 0})
         c["calls"] += 1
         c["bytes"] += int(handed)
+        if op == "irecv":  # a receive buffer: listed, but nothing this rank sends
+            return
         self.counters["bytes_handed"] += int(handed)
         self.counters["wire_bytes"] += wire
         if control:
@@ -610,7 +612,8 @@ class TAGCState:
             torch.distributed function: calls and bytes of the tensors handed
             to it, i.e. the send buffer), ``bytes_handed`` (their sum),
             ``wire_bytes`` (bytes this rank sends on an ideal network: all-to-all
-            minus its own chunk, ring all-reduce ``2(N-1)/N``, reduce: all unless
+            minus its own chunk, isend all of it (``irecv`` entries list the
+            receive buffers and add nothing to the byte totals), ring all-reduce ``2(N-1)/N``, reduce: all unless
             it is the destination, reduce-scatter ``(N-1)/N``), ``default_wire_bytes``
             (what FSDP's ideal ring reduce-scatter would send for the same
             calls: ``(N-1)/N * padded numel * element size``), ``wire_ratio``,
@@ -767,6 +770,24 @@ class TAGCState:
             else dst_group_rank
         return _issue(t.is_cuda, async_op, dist.reduce, t, dst=dst, op=dist.ReduceOp.SUM,
                       group=u.group)
+
+    def _p2p(self, u: _Unit, send: bool, t: torch.Tensor, peer: int) -> Any:
+        """Post one async ``dist.isend``/``dist.irecv`` with group rank ``peer``.
+
+        Args:
+            u: the unit (stats).
+            send: isend if true, else irecv.
+            t: the buffer.
+            peer: the other rank, relative to ``u.group``.
+        Returns:
+            the work object (CPU only; CUDA pairs its ops, see ``_sparse``).
+        """
+        nb = t.numel() * t.element_size()
+        if send:
+            u.record("isend", nb, nb)
+            return dist.isend(t, group=u.group, group_dst=peer)
+        u.record("irecv", nb, 0)
+        return dist.irecv(t, group=u.group, group_src=peer)
 
     def _reduce_scatter(self, u: _Unit, out: torch.Tensor, inp: torch.Tensor) -> None:
         n = self.world_size
@@ -932,7 +953,8 @@ class TAGCState:
 
     def _sparsify_all(self, u: _Unit, inp: torch.Tensor, s: int, k: int,
                       with_bitmap: bool = True,
-                      per_shard: Optional[Callable[..., None]] = None
+                      per_shard: Optional[Callable[..., None]] = None,
+                      order: Optional[Sequence[int]] = None
                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = self.world_size
         dev = inp.device
@@ -943,7 +965,9 @@ class TAGCState:
         kw = _stream_kw(inp)
         # on CUDA the threshold goes to a device scalar (no host sync)
         tau = torch.empty(n, dtype=torch.float32, device=dev) if inp.is_cuda else None
-        for r in range(n):
+        # Shards are independent (disjoint residual slices), so the order does
+        # not change any result; it only decides which exchange starts first.
+        for r in (range(n) if order is None else order):
             res = u.residual[r * s:(r + 1) * s] if u.residual is not None else None
             if tau is not None:
                 kw["out"] = tau[r:r + 1]
@@ -961,19 +985,47 @@ class TAGCState:
         torch.sum(recv.float(), dim=0, out=acc)
 
     def _sparse(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
-        n, s = self.world_size, acc.numel()
+        n, s, rank = self.world_size, acc.numel(), self.rank
         k = self._k(s)
         esize = 4 + torch.empty(0, dtype=self.cfg.value_dtype).element_size()
         buf = torch.empty(n, k * esize, dtype=torch.uint8, device=inp.device)
-        kw = _stream_kw(inp)
-        idx, val, _ = self._sparsify_all(u, inp, s, k, with_bitmap=False)
-        for r in range(n):
-            _tagc.sparse_pack(buf[r], idx[r], val[r], **kw)
         recv = torch.empty_like(buf)
-        self._a2a(u, recv, buf)
+        kw = _stream_kw(inp)
+        cuda = inp.is_cuda
+        # Exactly k pairs per shard, so every receive size is known up front.
+        works: List[Any] = [] if cuda else \
+            [self._p2p(u, False, recv[r], r) for r in range(n) if r != rank]
+
+        def send(r: int, idx: torch.Tensor, val: torch.Tensor, bm: torch.Tensor) -> None:
+            # Shard r goes to its owner while shard r+1 is selected.
+            _tagc.sparse_pack(buf[r], idx[r], val[r], **kw)
+            if r == rank:
+                return
+            if not cuda:
+                works.append(self._p2p(u, True, buf[r], r))
+                return
+            # NCCL: a lone recv ahead of a lone send deadlocks between two ranks,
+            # so each send is batched with the ring-symmetric receive (at ring
+            # step i this rank sends to rank+1+i and hears from rank-1-i).
+            src = (2 * rank - r) % n
+            nb = buf[r].numel()
+            u.record("isend", nb, nb)
+            u.record("irecv", nb, 0)
+            c10d = dist.distributed_c10d
+            works.extend(dist.batch_isend_irecv([
+                dist.P2POp(c10d.isend, buf[r], group=u.group, group_peer=r),
+                dist.P2POp(c10d.irecv, recv[src], group=u.group, group_peer=src)]))
+
+        # Ring order from rank+1: at each step the ranks target different owners;
+        # the own shard comes last and stays local.
+        ring = [(rank + 1 + i) % n for i in range(n)]
+        self._sparsify_all(u, inp, s, k, with_bitmap=False, per_shard=send, order=ring)
+        for w in works:
+            w.wait()  # on CUDA with the codec stream current: a stream wait
         acc.zero_()
-        for r in range(n):
-            _tagc.sparse_unpack(acc, recv[r], k, self.cfg.value_dtype, **kw)
+        for r in range(n):  # rank order, as the all-to-all version summed
+            _tagc.sparse_unpack(acc, buf[r] if r == rank else recv[r], k,
+                                self.cfg.value_dtype, **kw)
         u.counters["shard_slots"] += s
 
     def _exact(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:

@@ -69,7 +69,7 @@ class _Counter:
     """Counts the tensors handed to torch.distributed while ``active`` is set."""
 
     NAMES = ("all_to_all_single", "all_reduce", "reduce", "reduce_scatter_single",
-             "reduce_scatter_tensor")
+             "reduce_scatter_tensor", "isend", "irecv")
 
     def __init__(self) -> None:
         self.active: Dict[str, List[int]] | None = None
