@@ -178,7 +178,7 @@ class _CommTimer:
     # distributed_c10d go through that module's globals, so nothing is counted twice
     NAMES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
              "reduce_scatter_single", "all_reduce", "all_to_all_single", "reduce", "all_gather",
-             "broadcast", "all_to_all", "reduce_scatter")
+             "broadcast", "all_to_all", "reduce_scatter", "isend", "irecv")
 
     def __init__(self) -> None:
         self.seconds = 0.0
