@@ -422,8 +422,8 @@ class _Unit:
     """State of one FSDP unit: identity, residual, step counter and statistics."""
 
     def __init__(self, owner: "TAGCState", name: str, index: int, numel: int,
-                 selected_numel: int, compressed: bool, group: Any,
-                 pre: float, post: float) -> None:
+                 flat_numel: int, selected_numel: int, compressed: bool, group: Any,
+                 pre: float, post: float, device: torch.device) -> None:
         self.owner = owner
         self.name = name
         # Position in the FQN order of the model's FSDP units: identical on every
@@ -431,6 +431,11 @@ class _Unit:
         # is not (FSDP may reduce units in a different order under prefetching).
         self.index = index
         self.numel = numel
+        # Elements of the reduce-scatter input (parameters padded to N shards):
+        # the residual's length, known before the first backward so that a
+        # checkpoint template (torch.distributed.checkpoint) can be built then.
+        self.flat_numel = flat_numel
+        self.device = device  # where the gradient is reduced: the residual's home
         self.selected_numel = selected_numel
         self.compressed = compressed
         self.group = group
@@ -587,6 +592,14 @@ def _poison_nonfinite(grad2d: torch.Tensor, bad: torch.Tensor) -> None:
     col.copy_(torch.where(bad, torch.full_like(col, float("nan")), col))
 
 
+def _local_part(t: Any) -> torch.Tensor:
+    """This rank's tensor of a state-dict entry: a DTensor's local shard, or the tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"load_state_dict: expected a tensor, got {type(t).__name__}")
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 class TAGCState:
     """What :func:`register` returns: the per-unit states, stats and checkpoints.
 
@@ -600,6 +613,7 @@ class TAGCState:
         self.rank = 0
         self.world_size = 1
         self._streams: Dict[Optional[int], Any] = {}  # CUDA codec stream per device index
+        self._meshes: Dict[int, Any] = {}  # checkpoint DeviceMesh per process group
 
     # ----------------------------------------------------------------- public
     def stats(self) -> Dict[str, Any]:
@@ -660,64 +674,121 @@ class TAGCState:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's TAGC state: residuals per unit, step counters, seeds, config.
 
-        Save it per rank (``torch.save(state.state_dict(), f"tagc-rank{r}.pt")``).
+        Works both ways PyTorch checkpoints are written:
+
+        * ``torch.save(state.state_dict(), f"tagc-rank{r}.pt")`` per rank, and
+          ``state.load_state_dict(torch.load(...))`` on the same rank later;
+        * ``torch.distributed.checkpoint``: ``dcp.save({"tagc": state}, ...)``
+          and ``dcp.load({"tagc": state}, ...)`` (``TAGCState`` is a DCP
+          ``Stateful``), beside the model and optimizer.
+
+        Residuals differ per rank, everything else is identical on every rank.
+        So each residual is a ``DTensor`` of global shape ``(N, flat_numel)``
+        sharded by row over the unit's process group: DCP writes every rank's
+        row and reads each row back into its rank (a plain tensor under one
+        key would be de-duplicated as if replicated: one rank's residual for
+        all).  ``rank`` is an ``(N,)`` DTensor holding each rank's own number,
+        so a per-rank file loaded on the wrong rank is refused.  A compressed
+        unit whose residual does not exist yet gets zeros and
+        ``has_residual=False``: the template DCP loads into must have every
+        tensor before the first backward.
 
         Returns:
-            a dict of plain data and CPU tensors (cloned).
+            a dict of plain data and DTensors over CPU copies (``to_local()``
+            gives this rank's ``(1, flat_numel)`` row).
         """
         self._join_streams()
+        units: Dict[str, Any] = {}
+        for u in self.units:
+            entry: Dict[str, Any] = {"index": u.index, "numel": u.numel,
+                                     "flat_numel": u.flat_numel, "step": u.step}
+            if u.compressed and self.cfg.error_feedback and self.cfg.mode != "dense":
+                entry["has_residual"] = u.residual is not None
+                row = (torch.zeros(u.flat_numel, dtype=self.cfg.residual_dtype)
+                       if u.residual is None else u.residual.detach().to("cpu", copy=True))
+                entry["residual"] = self._rows(u.group, row.reshape(1, -1))
+            units[u.name] = entry
         return {
-            "format": "tagc-state-v1",
+            "format": "tagc-state-v2",
             "kind": self.kind,
-            "rank": self.rank,
             "world_size": self.world_size,
             "seed": self.cfg.seed,
             "config": self.cfg.to_dict(),
-            "units": {u.name: {"index": u.index, "numel": u.numel, "step": u.step,
-                               "residual": None if u.residual is None
-                               else u.residual.detach().to("cpu", copy=True)}
-                      for u in self.units},
+            "rank": self._rows(self.units[0].group if self.units else None,
+                               torch.tensor([self.rank], dtype=torch.int64)),
+            "units": units,
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output saved by the same rank of the same setup.
+        """Restore :meth:`state_dict` output of the same rank of the same setup.
 
         Args:
-            sd: the dict.
+            sd: the dict, from ``torch.load`` of this rank's file or filled in
+                by ``torch.distributed.checkpoint``.
         Raises:
-            ValueError: format, config, world size, rank or unit layout differ.
+            ValueError: format, config, world size, rank, unit layout or a
+                residual's size differ; nothing is changed then.
         """
-        if not isinstance(sd, dict) or sd.get("format") != "tagc-state-v1":
-            raise ValueError("load_state_dict: not a TAGC state dict (format tagc-state-v1)")
+        if not isinstance(sd, dict) or sd.get("format") != "tagc-state-v2":
+            raise ValueError("load_state_dict: not a TAGC state dict (format tagc-state-v2)")
         if sd["config"] != self.cfg.to_dict():
             raise ValueError(f"load_state_dict: config differs: saved {sd['config']}, "
                              f"current {self.cfg.to_dict()}")
-        if sd["world_size"] != self.world_size or sd["rank"] != self.rank:
-            raise ValueError(f"load_state_dict: saved by rank {sd['rank']} of "
+        saved_rank = int(_local_part(sd["rank"]).reshape(-1)[0])
+        if sd["world_size"] != self.world_size or saved_rank != self.rank:
+            raise ValueError(f"load_state_dict: saved by rank {saved_rank} of "
                              f"{sd['world_size']}, loading on rank {self.rank} of "
                              f"{self.world_size}")
         names = [u.name for u in self.units]
         if sorted(sd["units"]) != sorted(names):
             raise ValueError(f"load_state_dict: unit layout differs: saved "
                              f"{sorted(sd['units'])}, current {sorted(names)}")
+        rows: Dict[str, Optional[torch.Tensor]] = {}
         for u in self.units:
             entry = sd["units"][u.name]
-            if entry["numel"] != u.numel or entry["index"] != u.index:
-                raise ValueError(f"load_state_dict: unit {u.name!r} differs "
-                                 f"(numel {entry['numel']} vs {u.numel})")
+            if (entry["numel"], entry["flat_numel"], entry["index"]) != \
+                    (u.numel, u.flat_numel, u.index):
+                raise ValueError(f"load_state_dict: unit {u.name!r} differs (numel "
+                                 f"{entry['numel']}/{entry['flat_numel']} saved, "
+                                 f"{u.numel}/{u.flat_numel} now)")
+            row = None
+            if entry.get("has_residual"):
+                row = _local_part(entry["residual"]).reshape(-1)
+                if row.numel() != u.flat_numel:
+                    raise ValueError(f"load_state_dict: unit {u.name!r}: residual of "
+                                     f"{row.numel()} elements, expected {u.flat_numel}")
+            rows[u.name] = row
         self._join_streams()  # the old residuals may still be in use on a codec stream
         for u in self.units:
-            entry = sd["units"][u.name]
-            u.step = int(entry["step"])
-            r = entry["residual"]
-            if r is None:
+            u.step = int(sd["units"][u.name]["step"])
+            row = rows[u.name]
+            if row is None:
                 u.residual = None
             else:
-                dev = u.residual.device if u.residual is not None else r.device
-                u.residual = r.detach().to(device=dev, dtype=self.cfg.residual_dtype,
-                                           copy=True).contiguous()
+                dev = u.residual.device if u.residual is not None else u.device
+                u.residual = row.detach().to(device=dev, dtype=self.cfg.residual_dtype,
+                                             copy=True).contiguous()
 
     # ----------------------------------------------------------------- internals
+    def _rows(self, group: Any, local: torch.Tensor) -> Any:
+        """``local`` (this rank's row, CPU) as row ``rank`` of a DTensor over ``group``."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if group is None:
+            group = dist.group.WORLD
+        key = id(group)
+        mesh = self._meshes.get(key)
+        if mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            # "cpu": the rows are host copies; DCP moves only local shards and
+            # never runs a collective on this mesh.
+            mesh = self._meshes[key] = DeviceMesh.from_group(group, "cpu")
+        n = dist.get_world_size(group)
+        shape = torch.Size([n * local.shape[0], *local.shape[1:]])
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                  shape=shape, stride=torch.empty(shape, device="meta").stride())
+
     @staticmethod
     def _sum(entries: List[Dict[str, Any]]) -> Dict[str, Any]:
         tot: Dict[str, Any] = {c: 0 for c in _COUNTERS}
@@ -867,6 +938,14 @@ class TAGCState:
         u.counters["default_wire_bytes"] += (n - 1) / n * inp.numel() * inp.element_size()
         if out.numel() == 0:
             return
+        if u.compressed and inp.numel() != u.flat_numel:
+            # The residual is indexed by position in this buffer; a buffer of
+            # another length (FSDP2 leaves out parameters without a gradient)
+            # would mix up parameters.  Sizes agree across ranks, so every
+            # rank raises here, none waits in a collective.
+            raise RuntimeError(f"TAGC: unit {u.name!r}: reduce-scatter input has "
+                               f"{inp.numel()} elements, expected {u.flat_numel} (every "
+                               "parameter of a compressed unit must get a gradient each step)")
         if not u.compressed:
             self._plain(u, inp, out)
             return
@@ -905,7 +984,7 @@ class TAGCState:
             self._dense(u, inp, acc)
         else:
             if self.cfg.error_feedback and u.residual is None:
-                u.residual = torch.zeros(inp.numel(), dtype=self.cfg.residual_dtype,
+                u.residual = torch.zeros(u.flat_numel, dtype=self.cfg.residual_dtype,
                                          device=inp.device)
             if mode == "exact":
                 self._exact(u, inp, acc)
@@ -1247,10 +1326,11 @@ def _register_fsdp1(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
                 p = torch.empty(shape, dtype=fp.dtype, device="meta")
             infos.append((pi.module, pi.param_name, p, numel))
         total, sel = _unit_params(cfg, names, infos)
-        unit = _Unit(state, _clean_name(name) or "<root>", index, int(total), sel,
+        flat = int(fp._sharded_size.numel()) * dist.get_world_size(m.process_group)
+        unit = _Unit(state, _clean_name(name) or "<root>", index, int(total), flat, sel,
                      compressed=sel > 0 and 2 * sel >= total, group=m.process_group,
                      pre=float(m._gradient_predivide_factor),
-                     post=float(m._gradient_postdivide_factor))
+                     post=float(m._gradient_postdivide_factor), device=handle.device)
         index += 1
         state.units.append(unit)
         owned.append((m, unit))
@@ -1300,9 +1380,13 @@ def _register_fsdp2(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
         total, sel = _unit_params(cfg, names, infos)
         factor = pg.gradient_divide_factor
         divisor = float(factor) if factor is not None else float(state.world_size)
-        unit = _Unit(state, _clean_name(name) or "<root>", index, int(total), sel,
+        # foreach_reduce pads every parameter's dim 0 to a multiple of N
+        flat = state.world_size * sum(int(fp.padded_sharded_param_size.numel())
+                                      for fp in pg.fsdp_params)
+        unit = _Unit(state, _clean_name(name) or "<root>", index, int(total), flat, sel,
                      compressed=sel > 0 and 2 * sel >= total,
-                     group=pg.mesh_info.shard_process_group, pre=1.0, post=divisor)
+                     group=pg.mesh_info.shard_process_group, pre=1.0, post=divisor,
+                     device=pg.device)
         state.units.append(unit)
     _check_agreement(state, group)
     for (name, m, pg), unit in zip(mods, state.units):
@@ -1319,7 +1403,7 @@ def _register_fsdp2(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
 def _check_agreement(state: TAGCState, group: Any) -> None:
     """Every rank must hold the same config and unit layout; raise on all ranks if not."""
     mine = {"config": state.cfg.to_dict(), "world_size": state.world_size,
-            "units": [(u.name, u.numel, u.compressed) for u in state.units]}
+            "units": [(u.name, u.numel, u.flat_numel, u.compressed) for u in state.units]}
     gathered: List[Any] = [None] * state.world_size
     dist.all_gather_object(gathered, mine, group=group)
     bad = [r for r, g in enumerate(gathered) if g != gathered[0]]

@@ -14,10 +14,10 @@ Settings come from the TrainConfig dataclass below, then an optional YAML file (
 ``.yaml`` argument or ``--config PATH``), then ``--key=value`` / ``--key value`` overrides,
 converted to the field's type; an unknown key raises.
 
-Checkpoints (``out_dir/ckpt``): model and optimizer through torch.distributed.checkpoint
-(sharded, any world size could read them), plus one ``rank{r}.pt`` per rank written with
-torch.save holding that rank's TAGC state (residuals, step counter, seeds) and RNG state,
-and ``train_state.json`` (iteration, world size, config) written last by rank 0.
+Checkpoints (``out_dir/ckpt``): model, optimizer and TAGC state (each rank's residuals,
+step counters, seeds) through torch.distributed.checkpoint, plus one ``rank{r}.pt`` per
+rank with that rank's RNG state, and ``train_state.json`` (iteration, world size, config)
+written last by rank 0.
 ``--init_from=resume`` continues bit-exactly on CPU (batches and learning rate are pure
 functions of the iteration number).
 """
@@ -565,8 +565,8 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                     tagc_state: Any, iter_num: int, cfg: TrainConfig) -> None:
     """Write a checkpoint atomically (all ranks call this).
 
-    Model and optimizer go through torch.distributed.checkpoint (each rank writes its
-    shards); per-rank state (TAGC residuals/step/seeds, RNG) through torch.save into
+    Model, optimizer and TAGC state go through torch.distributed.checkpoint (each rank
+    writes its shards and its own residual rows); the RNG state through torch.save into
     rank{r}.pt. The directory is assembled as path.tmp and renamed when complete.
     """
     import torch.distributed.checkpoint as dcp
@@ -578,10 +578,11 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     dist.barrier()
     with _quiet_checkpoint_warnings():
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save({"tagc": tagc_state.state_dict() if tagc_state is not None else None,
-                "rng": torch.get_rng_state(), "iter_num": iter_num},
-               tmp / f"rank{rank}.pt")
+        state: Dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        if tagc_state is not None:
+            state["tagc"] = tagc_state  # a DCP Stateful: state_dict() now, per-rank rows
+        dcp.save(state, checkpoint_id=str(tmp))
+    torch.save({"rng": torch.get_rng_state(), "iter_num": iter_num}, tmp / f"rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         (tmp / "train_state.json").write_text(json.dumps(
@@ -620,12 +621,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     with _quiet_checkpoint_warnings():
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        if tagc_state is not None:
+            state["tagc"] = tagc_state  # dcp.load calls its load_state_dict (checks config)
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-    local = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)
-    if tagc_state is not None:
-        tagc_state.load_state_dict(local["tagc"])
+    local = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=True)
     torch.set_rng_state(local["rng"])
     return int(local["iter_num"])
 

@@ -75,8 +75,9 @@ def topk_split(v: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def residuals(state: "tagc.TAGCState") -> Dict[str, torch.Tensor]:
-    return {name: u["residual"] for name, u in state.state_dict()["units"].items()
-            if u["residual"] is not None}
+    """This rank's residual rows, as checkpointed (CPU copies)."""
+    return {name: u["residual"].to_local().reshape(-1)
+            for name, u in state.state_dict()["units"].items() if u.get("has_residual")}
 
 
 def installed_comms(model: nn.Module) -> List[tuple]:

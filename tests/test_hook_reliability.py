@@ -155,6 +155,10 @@ def _misuse(rank: int, n: int) -> List[str]:
     with pytest.raises(TypeError, match="non-floating"):
         tagc._fsdp1_hook(unit, torch.zeros(2 * n, dtype=torch.int64),
                          torch.zeros(2, dtype=torch.int64))
+    # a buffer shorter than the unit (a parameter without gradient) would shift the
+    # residual's positions: refused on every rank before any collective
+    with pytest.raises(RuntimeError, match="must get a gradient"):
+        tagc._fsdp1_hook(unit, torch.zeros(2 * n), torch.zeros(2))
     return msgs
 
 
@@ -176,7 +180,10 @@ def _params(model: Any) -> List[torch.Tensor]:
 
 
 def _resume_save(rank: int, n: int, tmp: str) -> None:
-    """Processes 1: 6 steps straight (kept for comparison), and 3 steps + torch.save per rank."""
+    """Processes 1: 6 steps straight (kept for comparison), and 3 steps, then the
+    TAGC state saved both ways: torch.save per rank and torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
     warnings.filterwarnings("ignore")
     for kind in KINDS:
         for mode in ("exact", "sparse"):
@@ -187,29 +194,51 @@ def _resume_save(rank: int, n: int, tmp: str) -> None:
             _resume_steps(rank, model, opt, range(3))
             torch.save({"params": _params(model), "tagc": state.state_dict()},
                        os.path.join(tmp, f"{kind}-{mode}-ck-{rank}.pt"))
+            dcp.save({"tagc": state}, checkpoint_id=os.path.join(tmp, f"{kind}-{mode}-dcp"))
 
 
 def _resume_load(rank: int, n: int, tmp: str) -> None:
-    """Processes 2 (new): load, 3 more steps, parameters bit-identical to 6 straight;
-    without loading the TAGC state they differ (so the test can fail)."""
+    """Processes 2 (new): load, 3 more steps, parameters bit-identical to 6 straight,
+    whether the TAGC state comes from torch.load or torch.distributed.checkpoint;
+    without loading it they differ (so the test can fail)."""
+    import torch.distributed.checkpoint as dcp
+
     warnings.filterwarnings("ignore")
     for kind in KINDS:
         for mode in ("exact", "sparse"):
             straight = torch.load(os.path.join(tmp, f"{kind}-{mode}-straight-{rank}.pt"),
                                   weights_only=True)
-            for load_tagc in (True, False):
+            for how in ("torch", "dcp", None):
                 model, state, opt = _resume_setup(rank, kind, mode)
                 ck = torch.load(os.path.join(tmp, f"{kind}-{mode}-ck-{rank}.pt"),
                                 weights_only=True)
                 with torch.no_grad():
                     for p, saved in zip(model.parameters(), ck["params"]):
                         _local(p).copy_(saved)
-                if load_tagc:
+                if how == "torch":
                     state.load_state_dict(ck["tagc"])
+                elif how == "dcp":
+                    dcp.load({"tagc": state}, checkpoint_id=os.path.join(tmp, f"{kind}-{mode}-dcp"))
+                if how is not None:
                     assert all(u.step == 3 for u in state.units if u.compressed)
+                    assert all(u.residual is not None and bool(u.residual.any())
+                               for u in state.units if u.compressed)
                 _resume_steps(rank, model, opt, range(3, 6))
                 same = all(torch.equal(a, b) for a, b in zip(_params(model), straight))
-                assert same == load_tagc, (kind, mode, load_tagc, same)
+                assert same == (how is not None), (kind, mode, how, same)
+            # another config: DCP reads the checkpoint, load_state_dict refuses it on every rank
+            cfg = _cfg(mode, theta=0.8)
+            other_state = tagc.register(build_fsdp(kind, cfg), cfg)
+            with pytest.raises(ValueError, match="config differs"):
+                dcp.load({"tagc": other_state},
+                         checkpoint_id=os.path.join(tmp, f"{kind}-{mode}-dcp"))
+            assert all(u.residual is None and u.step == 0 for u in other_state.units)
+            if rank == 1:
+                # rank 0's file on rank 1: refused, nothing changed
+                other = torch.load(os.path.join(tmp, f"{kind}-{mode}-ck-0.pt"),
+                                   weights_only=True)
+                with pytest.raises(ValueError, match="saved by rank 0"):
+                    state.load_state_dict(other["tagc"])
 
 
 def _suite(rank: int, n: int, tmp: str) -> Dict[str, Any]:

@@ -54,7 +54,7 @@ def test_poison_makes_every_shard_nonfinite_for_the_codec() -> None:
 
 def _unit() -> "tagc._Unit":
     state = tagc.TAGCState(tagc.TAGCConfig(), "fsdp2")
-    return tagc._Unit(state, "u", 0, 100, 100, True, None, 1.0, 1.0)
+    return tagc._Unit(state, "u", 0, 100, 100, 100, True, None, 1.0, 1.0, torch.device("cpu"))
 
 
 def test_device_counters_accumulate_gated_and_read_in_stats() -> None:
