@@ -162,6 +162,22 @@ class TAGCConfig:
             ``m = ceil(sketch_factor * min(S, N*k))``; 3-hash peeling needs
             about 1.23.  Values below that force peeling failures (used by
             the tests of the recovery exchange).
+        dense_steps: the first ``dense_steps`` reductions of every compressed
+            unit go through the plain reduce-scatter (no residual yet), as
+            PowerSGD's ``start_powerSGD_iter``: early gradients are large and
+            change fast, and error feedback cannot make up for what is
+            dropped while the loss falls steeply.  A reduction is one call
+            of the hook per unit, i.e. one optimizer step with gradient
+            accumulation (``no_sync``).  0: compress from the first step.
+        warmup_steps: after the dense steps, ``exact`` and ``sparse`` ramp the
+            sparsity from ``warmup_theta`` to ``theta`` over this many
+            reductions, the density falling geometrically as in DGC's
+            warm-up (Lin et al. 2018: 75%, 93.75%, ... sparsity); the wire
+            bytes follow the density.  0: ``theta`` from the start.  Not in
+            ``paper`` mode, whose sketch is a fixed ``S/ratio`` sized for
+            ``theta`` (a denser start would overflow it).
+        warmup_theta: sparsity at the start of the warm-up, in ``[0, theta]``
+            when ``warmup_steps > 0`` (unused otherwise).
     """
 
     mode: str = "exact"
@@ -175,6 +191,9 @@ class TAGCConfig:
     seed: int = 0
     residual_dtype: Any = torch.float32
     sketch_factor: float = 1.3
+    dense_steps: int = 0
+    warmup_steps: int = 0
+    warmup_theta: float = 0.75
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -235,6 +254,40 @@ class TAGCConfig:
             raise ValueError(f"sketch_factor: must be a finite number > 0, "
                              f"got {self.sketch_factor!r}")
         self.sketch_factor = float(self.sketch_factor)
+        for name in ("dense_steps", "warmup_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}: must be an int >= 0, got {v!r}")
+        w = self.warmup_theta
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 <= w < 1.0):
+            raise ValueError(f"warmup_theta: must be a number in [0, 1), got {w!r}")
+        if self.warmup_steps and w > self.theta:
+            raise ValueError(f"warmup_theta: the warm-up must start at most as sparse as "
+                             f"theta={self.theta}, got {w!r}")
+        self.warmup_theta = float(w)
+        if self.warmup_steps and self.mode == "paper":
+            raise ValueError("warmup_steps: not available in mode='paper' (its sketch has a "
+                             "fixed S/ratio buckets sized for theta); use dense_steps, or "
+                             "mode 'exact'/'sparse'")
+
+    def theta_at(self, step: int) -> Optional[float]:
+        """Sparsity of a unit's reduction number ``step`` (0-based) under the warm-up.
+
+        Args:
+            step: how many reductions of the unit came before (dense ones included).
+        Returns:
+            None while ``step < dense_steps`` (plain reduce-scatter), else the
+            sparsity: ``warmup_theta`` rising to ``theta`` with density
+            ``(1-warmup_theta) * ((1-theta)/(1-warmup_theta)) ** (j/warmup_steps)``
+            at warm-up step ``j``, then ``theta``.
+        """
+        if step < self.dense_steps:
+            return None
+        j = step - self.dense_steps
+        if j >= self.warmup_steps:
+            return self.theta
+        d0, d1 = 1.0 - self.warmup_theta, 1.0 - self.theta
+        return 1.0 - d0 * (d1 / d0) ** (j / self.warmup_steps)
 
     # -- (de)serialisation
     def to_dict(self) -> Dict[str, Any]:
@@ -412,7 +465,8 @@ def shard_model(model: nn.Module, cfg: TAGCConfig, **fully_shard_kwargs: Any) ->
 
 # --------------------------------------------------------------------------- per-unit state
 
-_COUNTERS = ("calls", "compressed_calls", "plain_calls", "nonfinite_fallbacks",
+_COUNTERS = ("calls", "compressed_calls", "plain_calls", "dense_step_calls",
+             "nonfinite_fallbacks",
              "bytes_handed", "wire_bytes", "default_wire_bytes", "control_bytes",
              "unpeeled", "recovered", "union_size", "shard_slots",
              "collision_dropped", "collision_dropped_l1")
@@ -622,7 +676,8 @@ class TAGCState:
         Returns:
             ``{"units": {name: {...}}, "total": {...}, "compressed_total": {...}}``.
             Per entry: ``calls``, ``compressed_calls``, ``plain_calls`` (plain
-            reduce-scatter), ``nonfinite_fallbacks``, ``collectives`` (per
+            reduce-scatter), ``dense_step_calls`` (those of them in the
+            warm-up's ``dense_steps``), ``nonfinite_fallbacks``, ``collectives`` (per
             torch.distributed function: calls and bytes of the tensors handed
             to it, i.e. the send buffer), ``bytes_handed`` (their sum),
             ``wire_bytes`` (bytes this rank sends on an ideal network: all-to-all
@@ -949,6 +1004,15 @@ class TAGCState:
         if not u.compressed:
             self._plain(u, inp, out)
             return
+        theta = self.cfg.theta_at(u.step)
+        if theta is None:
+            # Warm-up's dense steps: u.step is the same on every rank, so all
+            # take this path together.  Non-finite values need no agreement
+            # here: the plain path passes them on and no residual exists yet.
+            u.counters["dense_step_calls"] += 1
+            self._plain(u, inp, out)
+            u.step += 1
+            return
         mode = self.cfg.mode
         if mode != "dense":
             _require_codec()
@@ -1025,9 +1089,12 @@ class TAGCState:
             logger.warning("TAGC unit %r: %d of %d union entries left unpeeled at step %d; "
                            "%s (logged once per unit)", u.name, cnt, usize, u.step, what)
 
-    def _k(self, s: int) -> int:
+    def _k(self, u: _Unit, s: int) -> int:
+        """Entries kept per shard at the unit's current step (warm-up schedule)."""
+        theta = self.cfg.theta_at(u.step)
+        assert theta is not None  # dense steps never reach the codecs
         # round() guards against (1 - 0.9875) * 800 == 10.000000000000009
-        k = math.ceil(round((1.0 - self.cfg.theta) * s, 9))
+        k = math.ceil(round((1.0 - theta) * s, 9))
         return min(max(k, 1), s)
 
     def _sparsify_all(self, u: _Unit, inp: torch.Tensor, s: int, k: int,
@@ -1065,7 +1132,7 @@ class TAGCState:
 
     def _sparse(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
         n, s, rank = self.world_size, acc.numel(), self.rank
-        k = self._k(s)
+        k = self._k(u, s)
         esize = 4 + torch.empty(0, dtype=self.cfg.value_dtype).element_size()
         buf = torch.empty(n, k * esize, dtype=torch.uint8, device=inp.device)
         recv = torch.empty_like(buf)
@@ -1109,7 +1176,7 @@ class TAGCState:
 
     def _exact(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
         n, s, rank = self.world_size, acc.numel(), self.rank
-        k = self._k(s)
+        k = self._k(u, s)
         kw = _stream_kw(inp)
         idx, val, bm = self._sparsify_all(u, inp, s, k)
         recv_bm = torch.empty_like(bm)
@@ -1182,7 +1249,7 @@ class TAGCState:
 
     def _paper(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
         n, s, rank = self.world_size, acc.numel(), self.rank
-        k = self._k(s)
+        k = self._k(u, s)
         bits = self.cfg.index_bits
         kw = _stream_kw(inp)
         lane_bytes = (s * bits + 7) // 8

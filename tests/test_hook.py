@@ -7,6 +7,7 @@ the worker's traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -169,6 +170,37 @@ def _check_conservation(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig, step
     return state.stats()["total"]
 
 
+def _check_warmup(rank: int, n: int, kind: str) -> Dict[str, Any]:
+    """Warm-up: the dense steps are bit-identical to plain FSDP; then each step
+    sends the k of its scheduled sparsity (sparse mode: exactly k pairs per shard,
+    so the isend bytes tell k); error feedback conserves mass through the switch."""
+    cfg = _cfg("sparse", theta=0.9875, dense_steps=2, warmup_steps=3, warmup_theta=0.5)
+    ref, mod = build_fsdp(kind, None), build_fsdp(kind, cfg)
+    state = tagc.register(mod, cfg)
+    comp = [u for u in state.units if u.compressed]
+    for step in range(7):
+        _backward(mod, rank, step, kind)
+        if step < cfg.dense_steps:
+            _backward(ref, rank, step, kind)
+            for i, (a, b) in enumerate(zip(local_grads(mod), local_grads(ref))):
+                assert torch.equal(a, b), f"{kind} dense step {step} param {i} differs"
+            ref.zero_grad()
+            if step == cfg.dense_steps - 1:
+                st = state.stats()["compressed_total"]
+                assert st["dense_step_calls"] == st["calls"] == 2 * len(comp), st
+                assert st["compressed_calls"] == 0 and all(u.residual is None for u in comp)
+        mod.zero_grad()
+    st = state.stats()["compressed_total"]
+    ks = []
+    for u in comp:
+        s = u.flat_numel // n
+        ks += [min(max(math.ceil(round((1.0 - cfg.theta_at(t)) * s, 9)), 1), s)
+               for t in range(cfg.dense_steps, 7)]
+    assert st["collectives"]["isend"]["bytes"] == (n - 1) * 8 * sum(ks), (st, ks)
+    assert ks[0] > 4 * ks[-1]  # the schedule really went from dense to sparse
+    return _check_conservation(rank, n, kind, cfg, steps=7)
+
+
 def _modes() -> List[str]:
     return ["dense"] + (["exact", "sparse"] if HAVE_CODEC else [])
 
@@ -196,6 +228,8 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
             out[f"recovery/{kind}"] = st
             if n != 3:
                 out[f"paper/{kind}"] = _paper_stats(rank, n, kind)
+            if n == 2:
+                out[f"warmup/{kind}"] = _check_warmup(rank, n, kind)
     return out
 
 

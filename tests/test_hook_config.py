@@ -40,6 +40,13 @@ from dist_helpers import ToyGPT  # noqa: E402
     (dict(seed=2 ** 64), "seed"),
     (dict(sketch_factor=0), "sketch_factor"),
     (dict(sketch_factor=float("nan")), "sketch_factor"),
+    (dict(dense_steps=-1), "dense_steps"),
+    (dict(dense_steps=2.0), "dense_steps"),
+    (dict(warmup_steps=True), "warmup_steps"),
+    (dict(theta=0.9, warmup_theta=0.95, warmup_steps=5), "warmup_theta"),
+    (dict(warmup_theta=1.0), "warmup_theta"),
+    (dict(warmup_theta=-0.1), "warmup_theta"),
+    (dict(mode="paper", warmup_steps=10), "warmup_steps"),
 ])
 def test_invalid_values_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}"):
@@ -55,6 +62,21 @@ def test_paper_theta_defaults_from_ratio():
     assert (c.ratio, c.theta) == (10.0, 0.9875)
     assert tagc.TAGCConfig(mode="exact").theta == 0.9875
     assert tagc.TAGCConfig(value_dtype="bf16").value_dtype == torch.bfloat16
+
+
+def test_warmup_schedule_is_dense_then_geometric_in_density():
+    c = tagc.TAGCConfig(mode="sparse", theta=0.999, dense_steps=3, warmup_steps=4,
+                        warmup_theta=0.75)
+    assert [c.theta_at(t) for t in range(3)] == [None, None, None]
+    dens = [1.0 - c.theta_at(t) for t in range(3, 3 + 4)]
+    assert dens[0] == pytest.approx(0.25)
+    for a, b, cc in zip(dens, dens[1:], dens[2:]):  # geometric: b^2 = a * c
+        assert b * b == pytest.approx(a * cc)
+    assert dens[1] < dens[0] and 1.0 - c.theta_at(7) == pytest.approx(0.001)
+    assert c.theta_at(10 ** 6) == 0.999
+    plain = tagc.TAGCConfig(mode="exact")
+    assert plain.theta_at(0) == plain.theta  # defaults: no warm-up at all
+    assert tagc.TAGCConfig(mode="paper", dense_steps=5).theta_at(5) == 0.9875
 
 
 def test_presets_load_and_unknown_keys_raise(tmp_path):
