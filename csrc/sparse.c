@@ -2,23 +2,17 @@
  * sparse.c - the `sparse` transport's wire format: k little-endian int32
  * offsets followed by k values, and the owner's scatter-add.
  */
+#include "tagc_checks.h"
 #include "tagc_internal.h"
 
 tagc_status tagc_sparse_pack(uint8_t *buf, int64_t buf_capacity,
                              const int32_t *idx, const void *val,
                              tagc_dtype val_dtype, int64_t k)
 {
-    /* Not tagc_checks.h: unlike the CUDA launcher, this also bounds k by
-     * INT64_MAX / 8 (RANGE); sharing would change one side's status codes. */
-    if (k > 0 && (buf == NULL || idx == NULL || val == NULL))
-        return TAGC_ERR_ARG;
-    if (!dtype_valid(val_dtype))
-        return TAGC_ERR_DTYPE;
-    if (k < 0 || k > INT64_MAX / 8)
-        return TAGC_ERR_RANGE;
+    tagc_status s = tagc_check_sparse_pack(buf, buf_capacity, idx, val, val_dtype, k);
+    if (s != TAGC_OK)
+        return s;
     size_t es = tagc_dtype_size(val_dtype);
-    if (buf_capacity < k * (int64_t)(4 + es))
-        return TAGC_ERR_CAPACITY;
     if (k == 0)
         return TAGC_OK;
     /* The codec only targets little-endian hosts (x86-64, aarch64), whose
@@ -32,17 +26,10 @@ tagc_status tagc_sparse_unpack(float *out, int64_t n,
                                const uint8_t *buf, int64_t buf_bytes,
                                int64_t k, tagc_dtype val_dtype)
 {
-    /* Not tagc_checks.h: unlike the CUDA launcher, this also bounds k by
-     * INT64_MAX / 8 (RANGE); sharing would change one side's status codes. */
-    if ((out == NULL && n > 0) || (buf == NULL && k > 0))
-        return TAGC_ERR_ARG;
-    if (!dtype_valid(val_dtype))
-        return TAGC_ERR_DTYPE;
-    if (n < 0 || n > TAGC_MAX_N || k < 0 || k > INT64_MAX / 8)
-        return TAGC_ERR_RANGE;
+    tagc_status s = tagc_check_sparse_unpack(out, n, buf, buf_bytes, k, val_dtype);
+    if (s != TAGC_OK)
+        return s;
     size_t es = tagc_dtype_size(val_dtype);
-    if (buf_bytes != k * (int64_t)(4 + es))
-        return TAGC_ERR_RANGE;
     /* buf comes off the network and need not be aligned: read with memcpy. */
     for (int64_t j = 0; j < k; j++) {
         int32_t off;

@@ -151,7 +151,8 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
 /*
  * tagc_sparse_pack - wire format of k (offset, value) pairs:
  *   k little-endian int32 offsets, then k values of val_dtype.  Writes
- *   k * (4 + tagc_dtype_size(val_dtype)) bytes.  Errors: ARG, CAPACITY, DTYPE.
+ *   k * (4 + tagc_dtype_size(val_dtype)) bytes.  Errors: ARG, DTYPE, RANGE
+ *   (k < 0 or k > INT64_MAX / 8), CAPACITY.
  */
 tagc_status tagc_sparse_pack(uint8_t *buf, int64_t buf_capacity,
                              const int32_t *idx, const void *val,

@@ -27,6 +27,11 @@ static inline int tagc_check_dtype_ok(int d)
     return d == TAGC_F32 || d == TAGC_BF16;
 }
 
+static inline int64_t tagc_check_dtype_size(int d)
+{
+    return d == TAGC_F32 ? 4 : 2;
+}
+
 static inline int tagc_check_bits_ok(int bits)
 {
     return bits == 1 || bits == 2 || bits == 4 || bits == 8;
@@ -162,6 +167,37 @@ static inline tagc_status tagc_check_peel_decode(const float *out, int64_t out_c
         return TAGC_ERR_RANGE;
     if (out_capacity < n)
         return TAGC_ERR_CAPACITY;
+    return TAGC_OK;
+}
+
+/* k <= INT64_MAX / 8 keeps k * (4 + value size) from overflowing. */
+static inline tagc_status tagc_check_sparse_pack(const uint8_t *buf, int64_t buf_capacity,
+                                                 const int32_t *idx, const void *val,
+                                                 int val_dtype, int64_t k)
+{
+    if (k > 0 && (buf == NULL || idx == NULL || val == NULL))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(val_dtype))
+        return TAGC_ERR_DTYPE;
+    if (k < 0 || k > INT64_MAX / 8)
+        return TAGC_ERR_RANGE;
+    if (buf_capacity < k * (int64_t)(4 + tagc_check_dtype_size(val_dtype)))
+        return TAGC_ERR_CAPACITY;
+    return TAGC_OK;
+}
+
+static inline tagc_status tagc_check_sparse_unpack(const float *out, int64_t n,
+                                                   const uint8_t *buf, int64_t buf_bytes,
+                                                   int64_t k, int val_dtype)
+{
+    if ((out == NULL && n > 0) || (buf == NULL && k > 0))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(val_dtype))
+        return TAGC_ERR_DTYPE;
+    if (n < 0 || n > TAGC_MAX_N || k < 0 || k > INT64_MAX / 8)
+        return TAGC_ERR_RANGE;
+    if (buf_bytes != k * (int64_t)(4 + tagc_check_dtype_size(val_dtype)))
+        return TAGC_ERR_RANGE;
     return TAGC_OK;
 }
 

@@ -90,7 +90,12 @@ int main(void)
                                  1, 8, d, pd, s), TAGC_ERR_ARG);
     EXPECT(tagc_cuda_sparse_pack(bm, 47, idx, d, TAGC_BF16, 8, s), TAGC_ERR_CAPACITY);
     EXPECT(tagc_cuda_sparse_pack(bm, 48, idx, d, (tagc_dtype)2, 8, s), TAGC_ERR_DTYPE);
+    /* k * 6 would overflow int64: refused before any size arithmetic, as in C */
+    EXPECT(tagc_cuda_sparse_pack(bm, INT64_MAX, idx, d, TAGC_BF16, INT64_MAX / 4, s),
+           TAGC_ERR_RANGE);
     size_t su = tagc_cuda_sparse_unpack_workspace_size();
+    EXPECT(tagc_cuda_sparse_unpack(tau, 100, bm, INT64_MAX, INT64_MAX / 4, TAGC_BF16,
+                                   NULL, d, su, s), TAGC_ERR_RANGE);
     EXPECT(tagc_cuda_sparse_unpack(tau, 100, bm, 47, 8, TAGC_BF16, NULL, d, su, s),
            TAGC_ERR_RANGE);
     EXPECT(tagc_cuda_sparse_unpack(tau, 100, bm, 48, 8, TAGC_BF16, NULL, NULL, 0, s),

@@ -4,6 +4,7 @@
  * of bf16 pairs (6 bytes each) need not be 4-byte aligned.
  */
 #include "tagc_cuda_common.cuh"
+#include "../csrc/tagc_checks.h"
 
 static __global__ void sparse_pack_kernel(uint8_t *buf, const int32_t *idx,
                                           const void *val, int es, int64_t k)
@@ -27,17 +28,10 @@ extern "C" tagc_status tagc_cuda_sparse_pack(uint8_t *buf, int64_t buf_capacity,
                                              tagc_dtype val_dtype, int64_t k,
                                              cudaStream_t stream)
 {
-    /* Not tagc_checks.h: tagc_sparse_(un)pack also bounds k by INT64_MAX / 8
-     * (RANGE) and this launcher never did; sharing would change its codes. */
-    if (k > 0 && (buf == NULL || idx == NULL || val == NULL))
-        return TAGC_ERR_ARG;
-    if (!tagc_dt_valid(val_dtype))
-        return TAGC_ERR_DTYPE;
-    if (k < 0)
-        return TAGC_ERR_RANGE;
+    tagc_status s = tagc_check_sparse_pack(buf, buf_capacity, idx, val, val_dtype, k);
+    if (s != TAGC_OK)
+        return s;
     int64_t es = tagc_dt_size(val_dtype);
-    if (buf_capacity < k * (4 + es))
-        return TAGC_ERR_CAPACITY;
     if (k == 0)
         return TAGC_OK;
     sparse_pack_kernel<<<tagc_grid(k, TAGC_THREADS), TAGC_THREADS, 0, stream>>>(

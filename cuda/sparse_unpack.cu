@@ -4,6 +4,7 @@
  * so corrupt input leaves out untouched as in the C op.
  */
 #include "tagc_cuda_common.cuh"
+#include "../csrc/tagc_checks.h"
 
 static __device__ __forceinline__ uint32_t sparse_ld_le(const uint8_t *p, int len)
 {
@@ -68,19 +69,12 @@ extern "C" tagc_status tagc_cuda_sparse_unpack(float *out, int64_t n,
                                                size_t workspace_bytes,
                                                cudaStream_t stream)
 {
-    /* Not tagc_checks.h: tagc_sparse_(un)pack also bounds k by INT64_MAX / 8
-     * (RANGE) and this launcher never did; sharing would change its codes. */
-    if ((out == NULL && n > 0) || (buf == NULL && k > 0))
-        return TAGC_ERR_ARG;
-    if (!tagc_dt_valid(val_dtype))
-        return TAGC_ERR_DTYPE;
-    if (n < 0 || n > TAGC_MAX_N || k < 0)
-        return TAGC_ERR_RANGE;
+    tagc_status s = tagc_check_sparse_unpack(out, n, buf, buf_bytes, k, val_dtype);
+    if (s != TAGC_OK)
+        return s;
     int64_t es = tagc_dt_size(val_dtype);
-    if (buf_bytes != k * (4 + es))
-        return TAGC_ERR_RANGE;
     tagc_carver c;
-    tagc_status s = tagc_ws_open(&c, workspace, workspace_bytes,
+    s = tagc_ws_open(&c, workspace, workspace_bytes,
                                  tagc_cuda_sparse_unpack_workspace_size());
     if (s != TAGC_OK || k == 0)
         return s;
