@@ -236,9 +236,17 @@ static view_t *view_take_opt(views_t *vs, PyObject *obj, const char *name,
     return &vs->none;
 }
 
-/* The one device of all tensor arguments.  Every entry point dispatches on
- * it: a CUDA build adds `#ifdef TAGC_WITH_CUDA` branches calling the
- * tagc_cuda_* launchers where the CPU kernel is called. */
+static int64_t kind_size(unsigned k)
+{
+    return k == K_I64 ? 8 : k == K_BF16 ? 2 : k == K_U8 ? 1 : 4;
+}
+
+/* The one device of all tensor arguments, which must not share memory.
+ * Every entry point dispatches on the device: a CUDA build adds
+ * `#ifdef TAGC_WITH_CUDA` branches calling the tagc_cuda_* launchers where
+ * the CPU kernel is called.  No op has an in-place form: each reads its
+ * inputs while writing its outputs, so overlapping arguments would give
+ * wrong results (never out-of-bounds access); they are refused here. */
 static int common_device(views_t *vs)
 {
     if (vs->n == 0)
@@ -251,6 +259,22 @@ static int common_device(views_t *vs)
                          "%s: arguments '%s' and '%s' are on different devices",
                          vs->fn, a->name, b->name);
             return -1;
+        }
+    }
+    for (int i = 0; i < vs->n; i++) {
+        const view_t *x = &vs->v[i];
+        uintptr_t x0 = (uintptr_t)x->data;
+        uintptr_t x1 = x0 + (uintptr_t)(x->numel * kind_size(x->kind));
+        for (int j = i + 1; j < vs->n && x1 > x0; j++) {
+            const view_t *y = &vs->v[j];
+            uintptr_t y0 = (uintptr_t)y->data;
+            uintptr_t y1 = y0 + (uintptr_t)(y->numel * kind_size(y->kind));
+            if (y1 > y0 && x0 < y1 && y0 < x1) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: arguments '%s' and '%s' overlap in memory; pass "
+                             "separate tensors", vs->fn, x->name, y->name);
+                return -1;
+            }
         }
     }
 #ifndef TAGC_WITH_CUDA

@@ -664,6 +664,39 @@ BAD = [
 ]
 
 
+def _overlapping() -> list:
+    """Argument pairs that share memory: one buffer, two views (byte-level too)."""
+    g = _f(16)
+    u = torch.zeros(32, dtype=torch.uint8)
+    return [
+        lambda: _tagc.sparsify(_i32(3), g[:3], _u8(2), None, g, 3),
+        lambda: _tagc.sparsify(_i32(3), _f(3), _u8(2), g, g, 3),
+        lambda: _tagc.sparsify(g[4:7].view(torch.int32), _f(3), _u8(2), None, g[:10], 3),
+        lambda: _tagc.bitmap_or(u[:4], u[2:10], 2),
+        lambda: _tagc.bitmap_or(u[:4], u[3:11], 2),   # one byte shared
+        lambda: _tagc.sparse_unpack(g[:4], g.view(torch.uint8)[8:24], 2, torch.float32),
+        lambda: _tagc.peel_decode(g[:10], g[6:15], _u8(2), 10, 3, 0),
+        lambda: _tagc.sketch_encode(g[:9], _i32(1), g[8:9], 10, 3, 0),
+        lambda: _tagc.lanes_unpack(u[:8], u[0:16], 64, 2),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_overlapping_arguments_raise(case):
+    fn = _overlapping()[case]
+    with pytest.raises(ValueError, match="overlap in memory"):
+        fn()
+
+
+def test_adjacent_views_of_one_buffer_are_fine():
+    buf = torch.zeros(24)
+    x = buf[:16]
+    x.copy_(torch.arange(16.0))
+    idx, val = buf[16:20].view(torch.int32), buf[20:24]
+    tau = _tagc.sparsify(idx, val, _u8(2), None, x, 4)
+    assert tau == 12.0 and sorted(idx.tolist()) == [12, 13, 14, 15]
+
+
 @pytest.mark.parametrize("case", range(len(BAD)))
 def test_bad_inputs_raise(case):
     fn, exc, text = BAD[case]
