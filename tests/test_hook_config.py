@@ -89,6 +89,11 @@ def test_presets_load_and_unknown_keys_raise(tmp_path):
             assert c.theta == tagc.PAPER_THETA[float(r)]
     for m in ("exact", "sparse", "dense"):
         assert tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{m}.yaml")).mode == m
+    for m in ("exact", "sparse"):
+        w = tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{m}-warmup.yaml"))
+        base = tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{m}.yaml"))
+        assert (w.mode, w.theta) == (base.mode, base.theta)
+        assert w.theta_at(0) is None and w.theta_at(w.dense_steps) == w.warmup_theta < w.theta
     bad = tmp_path / "bad.yaml"
     bad.write_text("mode: exact\ntheta: 0.9\nthetta: 0.8\n")
     with pytest.raises(ValueError, match="thetta"):
