@@ -29,11 +29,12 @@ logger = logging.getLogger("compare_quality")
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PRESETS = ("tagc-10x-1bit,tagc-10x-4bit,tagc-exact,tagc-sparse,"
-                   "tagc-10x-1bit-warmup,tagc-exact-warmup,tagc-sparse-warmup")
+                   "tagc-10x-1bit-warmup,tagc-exact-warmup,tagc-sparse-warmup,"
+                   "tagc-sparse-t90-warmup")
 # Goals (README): the paper reports a 3.6% loss increase for 10x 1-bit; ours must stay
 # within these relative increases of the baseline.
 GOALS = {"tagc-exact": 1.0, "tagc-sparse": 2.0,
-         "tagc-exact-warmup": 1.0, "tagc-sparse-warmup": 2.0}
+         "tagc-exact-warmup": 1.0, "tagc-sparse-warmup": 2.0, "tagc-sparse-t90-warmup": 2.0}
 PAPER_10X_1BIT_LOSS_PCT = 3.6
 
 

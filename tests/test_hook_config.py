@@ -89,6 +89,8 @@ def test_presets_load_and_unknown_keys_raise(tmp_path):
             assert c.theta == tagc.PAPER_THETA[float(r)]
     for m in ("exact", "sparse", "dense"):
         assert tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{m}.yaml")).mode == m
+    for path in glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml")):
+        tagc.TAGCConfig.from_yaml(path)  # every shipped preset is valid
     for m in ("exact", "sparse"):
         w = tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{m}-warmup.yaml"))
         base = tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{m}.yaml"))
