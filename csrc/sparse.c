@@ -29,7 +29,6 @@ tagc_status tagc_sparse_unpack(float *out, int64_t n,
     tagc_status s = tagc_check_sparse_unpack(out, n, buf, buf_bytes, k, val_dtype);
     if (s != TAGC_OK)
         return s;
-    size_t es = tagc_dtype_size(val_dtype);
     /* buf comes off the network and need not be aligned: read with memcpy. */
     for (int64_t j = 0; j < k; j++) {
         int32_t off;
