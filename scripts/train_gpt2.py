@@ -292,6 +292,7 @@ class TrainConfig:
     fsdp: int = 1                      # 1: FullyShardedDataParallel, 2: fully_shard
     sharding: str = "FULL_SHARD"       # FULL_SHARD | SHARD_GRAD_OP
     tagc: Optional[str] = None         # path to a configs/tagc-*.yaml preset; None = plain FSDP
+    tagc_set: str = ""                 # preset fields to override: "dense_steps=2000,theta=0.9"
     wrap: str = "auto"                 # auto | block | tagc (tagc: the hook's unit layout)
     device: str = "auto"               # auto | cpu | cuda
     dtype: str = "auto"                # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
@@ -332,6 +333,10 @@ class TrainConfig:
             raise ValueError("wrap=tagc needs --tagc (the preset decides the unit layout)")
         if self.tagc is not None and not Path(self.tagc).is_file():
             raise ValueError(f"--tagc {self.tagc}: no such file")
+        if self.tagc_set and self.tagc is None:
+            raise ValueError("--tagc_set needs --tagc (it overrides fields of the preset)")
+        parse_tagc_set(self.tagc_set)
+
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """The model architecture for a tokenizer of vocab_size ids (padded to 64)."""
@@ -340,6 +345,46 @@ class TrainConfig:
                          n_layer=self.n_layer or n_layer, n_head=self.n_head or n_head,
                          n_embd=self.n_embd or n_embd, dropout=self.dropout, bias=self.bias,
                          tie_weights=self.tie_weights)
+
+
+def parse_tagc_set(spec: str) -> Dict[str, Any]:
+    """Parse ``--tagc_set``: comma-separated ``field=value`` pairs, values read as YAML.
+
+    Args:
+        spec: e.g. ``"dense_steps=2000,warmup_steps=10000,theta=0.9"`` (may be empty).
+    Returns:
+        the overrides; TAGCConfig.from_dict checks the names and values.
+    Raises:
+        ValueError: a pair without ``=`` or a field given twice.
+    """
+    import yaml
+
+    out: Dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--tagc_set: expected field=value, got {part!r}")
+        if key in out:
+            raise ValueError(f"--tagc_set: {key} given twice")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def load_tagc_config(tagc: Any, cfg: "TrainConfig") -> Any:
+    """The TAGCConfig of ``--tagc`` with ``--tagc_set`` applied (unknown fields raise).
+
+    The warm-up lengths of the presets are sized for train-tiny; a longer run
+    scales them here, e.g. ``--tagc_set dense_steps=2000,warmup_steps=10000``.
+    """
+    import yaml
+
+    with open(cfg.tagc, "r", encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{cfg.tagc}: expected a mapping of TAGCConfig fields")
+    data.update(parse_tagc_set(cfg.tagc_set))
+    return tagc.TAGCConfig.from_dict(data)
 
 
 def _convert(name: str, tp: Any, raw: Any) -> Any:
@@ -772,7 +817,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     tagc_cfg = tagc_state = None
     if cfg.tagc is not None:
         tagc = import_tagc()
-        tagc_cfg = tagc.TAGCConfig.from_yaml(cfg.tagc)
+        tagc_cfg = load_tagc_config(tagc, cfg)
     model = wrap_model(model, cfg, tagc_cfg, device, param_dtype)
     if tagc_cfg is not None:
         tagc_state = tagc.register(model, tagc_cfg)
@@ -782,7 +827,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                 "world %d on %s (%s), %s", cfg.model, gcfg.n_layer, gcfg.n_head, gcfg.n_embd,
                 gcfg.block_size, n_params / 1e6, cfg.fsdp, cfg.sharding, world, device.type,
                 str(param_dtype).replace("torch.", ""),
-                f"TAGC {cfg.tagc}" if cfg.tagc else "no compression (plain FSDP)")
+                f"TAGC {cfg.tagc}" + (f" with {cfg.tagc_set}" if cfg.tagc_set else "")
+                if cfg.tagc else "no compression (plain FSDP)")
 
     iter_num = 0
     ckpt_path = out_dir / "ckpt"

@@ -80,6 +80,33 @@ def test_config_overrides_are_typed_and_unknown_keys_raise(tmp_path: Path) -> No
             train_gpt2.parse_config(bad)
 
 
+@needs_tagc
+def test_tagc_set_overrides_preset_fields() -> None:
+    import tagc_hook
+
+    preset = str(PRESETS / "tagc-exact-warmup.yaml")
+    cfg = train_gpt2.parse_config(["--tagc", preset,
+                                   "--tagc_set", "dense_steps=2000, warmup_steps=10000,theta=0.9"])
+    t = train_gpt2.load_tagc_config(tagc_hook, cfg)
+    base = tagc_hook.TAGCConfig.from_yaml(preset)
+    assert (t.dense_steps, t.warmup_steps, t.theta) == (2000, 10000, 0.9)
+    assert (t.mode, t.warmup_theta, t.sketch_factor) == (base.mode, base.warmup_theta,
+                                                         base.sketch_factor)
+    assert train_gpt2.load_tagc_config(tagc_hook, train_gpt2.parse_config(
+        ["--tagc", preset])) == base
+    with pytest.raises(ValueError, match="dense_stepz"):  # TAGCConfig: unknown field
+        train_gpt2.load_tagc_config(tagc_hook, train_gpt2.parse_config(
+            ["--tagc", preset, "--tagc_set", "dense_stepz=5"]))
+    with pytest.raises(ValueError, match="^dense_steps"):  # TAGCConfig: bad value
+        train_gpt2.load_tagc_config(tagc_hook, train_gpt2.parse_config(
+            ["--tagc", preset, "--tagc_set", "dense_steps=-1"]))
+    for bad in (["--tagc_set", "dense_steps=5"],                      # no --tagc
+                ["--tagc", preset, "--tagc_set", "dense_steps"],       # no '='
+                ["--tagc", preset, "--tagc_set", "theta=0.9,theta=0.8"]):
+        with pytest.raises(ValueError, match="tagc_set"):
+            train_gpt2.parse_config(bad)
+
+
 def test_lr_schedule_warmup_then_cosine() -> None:
     cfg = train_gpt2.parse_config(["--warmup_iters=10", "--max_iters=110",
                                    "--learning_rate=1.0", "--min_lr=0.1"])
