@@ -7,7 +7,9 @@ exchange; no patch to torch and no per-step call::
     cfg = tagc.TAGCConfig(mode="exact", theta=0.9875)
     state = tagc.register(model, cfg)   # FSDP1 root, or an FSDP2 model
     ...train as usual...
-    state.stats(); state.state_dict(); state.load_state_dict(sd)
+    state.stats()
+    dcp.save({"model": ..., "optim": ..., "tagc": state}, checkpoint_id=path)  # or
+    torch.save(state.state_dict(), f"tagc-rank{rank}.pt")
 
 Design: ``DESIGN.md`` sections 2 (one hook call), 4 (transports), 5 (hooking
 into FSDP), 6 (which units are compressed) and 7 (this API).  All codec work
@@ -48,6 +50,9 @@ Decisions documented here (they are visible in behaviour):
   reduce over two groups.
 * With one rank nothing is compressed: FSDP2 never calls the comm and FSDP1
   switches itself to NO_SHARD, whose reduction the hook leaves as the identity.
+* Warm-up (``dense_steps``, ``warmup_steps``): a unit's reduction number
+  ``step`` decides plain vs compressed and the sparsity; it is the same on
+  every rank (and checkpointed), so the ranks switch together.
 """
 
 from __future__ import annotations
