@@ -1005,7 +1005,10 @@ class TAGCState:
             # rank raises here, none waits in a collective.
             raise RuntimeError(f"TAGC: unit {u.name!r}: reduce-scatter input has "
                                f"{inp.numel()} elements, expected {u.flat_numel} (every "
-                               "parameter of a compressed unit must get a gradient each step)")
+                               "parameter of a compressed unit that requires grad at "
+                               "register() must get a gradient each step; FSDP2: "
+                               "set_reduce_scatter_unused_params(True) sends zeros for "
+                               "unused ones)")
         if not u.compressed:
             self._plain(u, inp, out)
             return
@@ -1452,9 +1455,11 @@ def _register_fsdp2(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
         total, sel = _unit_params(cfg, names, infos)
         factor = pg.gradient_divide_factor
         divisor = float(factor) if factor is not None else float(state.world_size)
-        # foreach_reduce pads every parameter's dim 0 to a multiple of N
+        # foreach_reduce pads every parameter's dim 0 to a multiple of N and
+        # reduces only parameters with a gradient: frozen ones never have one
         flat = state.world_size * sum(int(fp.padded_sharded_param_size.numel())
-                                      for fp in pg.fsdp_params)
+                                      for fp in pg.fsdp_params
+                                      if fp.sharded_param.requires_grad)
         unit = _Unit(state, _clean_name(name) or "<root>", index, int(total), flat, sel,
                      compressed=sel > 0 and 2 * sel >= total,
                      group=pg.mesh_info.shard_process_group, pre=1.0, post=divisor,

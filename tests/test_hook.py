@@ -201,6 +201,29 @@ def _check_warmup(rank: int, n: int, kind: str) -> Dict[str, Any]:
     return _check_conservation(rank, n, kind, cfg, steps=7)
 
 
+def _check_frozen(rank: int, n: int) -> None:
+    """FSDP2 leaves frozen parameters out of the reduce-scatter: a compressed unit
+    with a frozen bias still reduces, equal to plain FSDP (lossless theta=0)."""
+    cfg = _cfg("sparse", theta=0.0)
+    ref, mod = build_fsdp("fsdp2", None), build_fsdp("fsdp2", cfg)
+    for m in (ref, mod):
+        frozen = [p for name, p in m.named_parameters() if name.endswith("mlp.0.bias")]
+        assert frozen
+        for p in frozen:
+            p.requires_grad_(False)
+    state = tagc.register(mod, cfg)
+    for step in range(2):
+        for m in (ref, mod):
+            _backward(m, rank, step, "fsdp2")
+        for i, (a, b) in enumerate(zip(local_grads(mod), local_grads(ref))):
+            scale = float(b.abs().max()) if b.numel() else 0.0
+            assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-6 * max(1.0, scale)), \
+                (step, i, a.shape, b.shape)
+        ref.zero_grad()
+        mod.zero_grad()
+    assert state.stats()["compressed_total"]["compressed_calls"] > 0
+
+
 def _modes() -> List[str]:
     return ["dense"] + (["exact", "sparse"] if HAVE_CODEC else [])
 
@@ -230,6 +253,8 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
                 out[f"paper/{kind}"] = _paper_stats(rank, n, kind)
             if n == 2:
                 out[f"warmup/{kind}"] = _check_warmup(rank, n, kind)
+    if HAVE_CODEC and n == 2:
+        _check_frozen(rank, n)
     return out
 
 
