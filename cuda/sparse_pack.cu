@@ -31,7 +31,7 @@ extern "C" tagc_status tagc_cuda_sparse_pack(uint8_t *buf, int64_t buf_capacity,
     tagc_status s = tagc_check_sparse_pack(buf, buf_capacity, idx, val, val_dtype, k);
     if (s != TAGC_OK)
         return s;
-    int64_t es = tagc_dt_size(val_dtype);
+    int64_t es = tagc_check_dtype_size(val_dtype);
     if (k == 0)
         return TAGC_OK;
     sparse_pack_kernel<<<tagc_grid(k, TAGC_THREADS), TAGC_THREADS, 0, stream>>>(

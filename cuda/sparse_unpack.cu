@@ -72,7 +72,7 @@ extern "C" tagc_status tagc_cuda_sparse_unpack(float *out, int64_t n,
     tagc_status s = tagc_check_sparse_unpack(out, n, buf, buf_bytes, k, val_dtype);
     if (s != TAGC_OK)
         return s;
-    int64_t es = tagc_dt_size(val_dtype);
+    int64_t es = tagc_check_dtype_size(val_dtype);
     tagc_carver c;
     s = tagc_ws_open(&c, workspace, workspace_bytes,
                                  tagc_cuda_sparse_unpack_workspace_size());

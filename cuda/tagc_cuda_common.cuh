@@ -34,16 +34,6 @@
     } while (0)
 #define TAGC_CUDA_LAUNCHED() TAGC_CUDA_TRY(cudaGetLastError())
 
-static inline int tagc_dt_valid(int d)
-{
-    return d == TAGC_F32 || d == TAGC_BF16;
-}
-
-static inline int64_t tagc_dt_size(int d)
-{
-    return d == TAGC_F32 ? 4 : 2;
-}
-
 static __host__ __device__ __forceinline__ int64_t tagc_ceil_div(int64_t a,
                                                                  int64_t b)
 {
