@@ -377,14 +377,9 @@ def load_tagc_config(tagc: Any, cfg: "TrainConfig") -> Any:
     The warm-up lengths of the presets are sized for train-tiny; a longer run
     scales them here, e.g. ``--tagc_set dense_steps=2000,warmup_steps=10000``.
     """
-    import yaml
-
-    with open(cfg.tagc, "r", encoding="utf-8") as fh:
-        data = yaml.safe_load(fh) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{cfg.tagc}: expected a mapping of TAGCConfig fields")
-    data.update(parse_tagc_set(cfg.tagc_set))
-    return tagc.TAGCConfig.from_dict(data)
+    base = tagc.TAGCConfig.from_yaml(cfg.tagc)
+    overrides = parse_tagc_set(cfg.tagc_set)
+    return tagc.TAGCConfig.from_dict({**base.to_dict(), **overrides}) if overrides else base
 
 
 def _convert(name: str, tp: Any, raw: Any) -> Any:
