@@ -762,7 +762,7 @@ class TAGCState:
         for u in self.units:
             entry: Dict[str, Any] = {"index": u.index, "numel": u.numel,
                                      "flat_numel": u.flat_numel, "step": u.step}
-            if u.compressed and self.cfg.error_feedback and self.cfg.mode != "dense":
+            if self._keeps_residual(u):
                 entry["has_residual"] = u.residual is not None
                 row = (torch.zeros(u.flat_numel, dtype=self.cfg.residual_dtype)
                        if u.residual is None else u.residual.detach().to("cpu", copy=True))
@@ -830,6 +830,10 @@ class TAGCState:
                                              copy=True).contiguous()
 
     # ----------------------------------------------------------------- internals
+    def _keeps_residual(self, u: _Unit) -> bool:
+        """Whether ``u`` gets an error-feedback residual (checkpoints hold exactly these)."""
+        return u.compressed and self.cfg.error_feedback and self.cfg.mode != "dense"
+
     def _rows(self, group: Any, local: torch.Tensor) -> Any:
         """``local`` (this rank's row, CPU) as row ``rank`` of a DTensor over ``group``."""
         from torch.distributed.tensor import DTensor, Shard
@@ -1055,7 +1059,7 @@ class TAGCState:
         if mode == "dense":
             self._dense(u, inp, acc)
         else:
-            if self.cfg.error_feedback and u.residual is None:
+            if self._keeps_residual(u) and u.residual is None:
                 u.residual = torch.zeros(u.flat_numel, dtype=self.cfg.residual_dtype,
                                          device=inp.device)
             if mode == "exact":
