@@ -301,6 +301,17 @@ static int need_size(views_t *vs, const view_t *v, int64_t need, int exact,
     return 0;
 }
 
+/* Positions inside a shard are int32: at most TAGC_MAX_N elements. */
+static int need_max_n(views_t *vs, const view_t *v)
+{
+    if (v->numel > TAGC_MAX_N) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' has more than 2**31-1 elements",
+                     vs->fn, v->name);
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- scalar arguments -------------------------------------------------- */
 
 /* o as a Python int (new reference); bools and floats are refused. */
@@ -540,10 +551,7 @@ static PyObject *py_select_kth(PyObject *m, PyObject *args, PyObject *kw)
     int64_t k;
     CHECK(arg_range(fn, ok, "k", 0, x->numel, &k));
     CHECK(scalar_out_ok(&vs_, out, has_out));
-    if (x->numel > TAGC_MAX_N) {
-        PyErr_Format(PyExc_ValueError, "%s: argument 'x' has more than 2**31-1 elements", fn);
-        goto done;
-    }
+    CHECK(need_max_n(&vs_, x));
     int dev = common_device(&vs_);
     CHECK(dev);
     CHECK(cuda_needs(fn, dev, has_out, "out"));
@@ -582,10 +590,7 @@ static PyObject *py_sparsify(PyObject *m, PyObject *args, PyObject *kw)
     TAKE(grad, ograd, "grad", K_F32 | K_BF16);
     TAKE_OPT(out, has_out, oout, "out", K_F32);
     int64_t n = grad->numel, k;
-    if (n > TAGC_MAX_N) {
-        PyErr_Format(PyExc_ValueError, "%s: argument 'grad' has more than 2**31-1 elements", fn);
-        goto done;
-    }
+    CHECK(need_max_n(&vs_, grad));
     CHECK(arg_range(fn, ok, "k", 0, n, &k));
     CHECK(need_size(&vs_, idx, k, 0, "k"));
     CHECK(need_size(&vs_, val, k, 0, "k"));
@@ -897,10 +902,7 @@ static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
     tagc_dtype vd;
     CHECK(arg_value_dtype(fn, odt, &vd));
     CHECK(arg_range(fn, ok, "k", 0, INT64_MAX / 8, &k));
-    if (out->numel > TAGC_MAX_N) {
-        PyErr_Format(PyExc_ValueError, "%s: argument 'out' has more than 2**31-1 elements", fn);
-        goto done;
-    }
+    CHECK(need_max_n(&vs_, out));
     CHECK(need_size(&vs_, buf, k * (int64_t)(4 + tagc_dtype_size(vd)), 1,
                     "k * (4 + value size)"));
     int dev = common_device(&vs_);
@@ -917,6 +919,136 @@ static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
               ? (Py_INCREF(Py_None), Py_None)
               : raise_status(m, fn, st, st == TAGC_ERR_CORRUPT
                                             ? "buf holds an offset outside [0, out.numel()) "
+                                              "(out untouched)"
+                                            : NULL);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+/* format: "sign", "ternary", "int4" or "int8" (tagc_qformat). */
+static int arg_qformat(const char *fn, PyObject *o, tagc_qformat *out)
+{
+    static const struct { const char *name; tagc_qformat f; } names[] = {
+        {"sign", TAGC_Q_SIGN}, {"ternary", TAGC_Q_TERNARY},
+        {"int4", TAGC_Q_INT4}, {"int8", TAGC_Q_INT8}};
+    const char *c = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
+    if (c == NULL && PyErr_Occurred())
+        return -1;
+    for (size_t i = 0; c != NULL && i < sizeof names / sizeof names[0]; i++) {
+        if (!strcmp(c, names[i].name)) {
+            *out = names[i].f;
+            return 0;
+        }
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "%s: argument 'format' must be 'sign', 'ternary', 'int4' or 'int8', got %R",
+                 fn, o);
+    return -1;
+}
+
+/* The (format, block) pair every quant_* function takes. */
+static int arg_quant(const char *fn, PyObject *ofmt, PyObject *oblock, tagc_qformat *fmt,
+                     int64_t *block)
+{
+    if (arg_qformat(fn, ofmt, fmt) < 0)
+        return -1;
+    return arg_range(fn, oblock, "block", 1, TAGC_QBLOCK_MAX, block);
+}
+
+static PyObject *py_quant_bytes(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"n", "format", "block", NULL};
+    PyObject *on, *ofmt, *oblock;
+    const char *fn = "_tagc.quant_bytes";
+    int64_t n, block;
+    tagc_qformat fmt;
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwl, &on, &ofmt, &oblock) ||
+        arg_range(fn, on, "n", 0, TAGC_MAX_N, &n) < 0 ||
+        arg_quant(fn, ofmt, oblock, &fmt, &block) < 0)
+        return NULL;
+    return PyLong_FromLongLong(tagc_quant_bytes(n, fmt, block));
+}
+
+static PyObject *py_quant_encode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"buf", "residual", "grad", "format", "block", "stream", NULL};
+    PyObject *obuf, *ores, *ograd, *ofmt, *oblock, *ostream = NULL;
+    BEGIN("quant_encode");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$O", kwl, &obuf, &ores, &ograd, &ofmt,
+                                     &oblock, &ostream))
+        return NULL;
+    CHECK(arg_stream(fn, ostream, &stream));
+    tagc_qformat fmt;
+    int64_t block;
+    CHECK(arg_quant(fn, ofmt, oblock, &fmt, &block));
+    TAKE(buf, obuf, "buf", K_U8);
+    TAKE_OPT(res, has_res, ores, "residual", K_F32 | K_BF16);
+    TAKE(grad, ograd, "grad", K_F32 | K_BF16);
+    int64_t n = grad->numel;
+    CHECK(need_max_n(&vs_, grad));
+    if (has_res)
+        CHECK(need_size(&vs_, res, n, 1, "grad.numel()"));
+    CHECK(need_size(&vs_, buf, tagc_quant_bytes(n, fmt, block), 0,
+                    "quant_bytes(grad.numel(), format, block)"));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    if (dev == DEV_CUDA) { /* NaN/Inf: every scale NaN, residual untouched (tagc_cuda.h) */
+        RUN_CUDA(grad, tagc_cuda_quant_encode_workspace_size(),
+                 tagc_cuda_quant_encode(buf->data, buf->numel, has_res ? res->data : NULL,
+                                        codec_dtype(res->kind), grad->data,
+                                        codec_dtype(grad->kind), n, fmt, block, ws_, wsb_,
+                                        strm_));
+    } else {
+        RUN(tagc_quant_encode(buf->data, buf->numel, has_res ? res->data : NULL,
+                              codec_dtype(res->kind), grad->data, codec_dtype(grad->kind), n,
+                              fmt, block));
+    }
+    ret = st == TAGC_OK
+              ? none_result()
+              : raise_status(m, fn, st, st == TAGC_ERR_NONFINITE
+                                            ? "grad + residual holds NaN or Inf (residual "
+                                              "untouched)"
+                                            : NULL);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"out", "buf", "format", "block", "stream", "status_out", NULL};
+    PyObject *oout, *obuf, *ofmt, *oblock, *ostream = NULL, *ostatus = NULL;
+    BEGIN("quant_decode_add");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$OO", kwl, &oout, &obuf, &ofmt, &oblock,
+                                     &ostream, &ostatus))
+        return NULL;
+    CHECK(arg_stream(fn, ostream, &stream));
+    tagc_qformat fmt;
+    int64_t block;
+    CHECK(arg_quant(fn, ofmt, oblock, &fmt, &block));
+    TAKE(out, oout, "out", K_F32);
+    TAKE(buf, obuf, "buf", K_U8);
+    TAKE_OPT(status, has_status, ostatus, "status_out", K_I32);
+    CHECK(scalar_out_ok(&vs_, status, has_status));
+    CHECK(need_max_n(&vs_, out));
+    CHECK(need_size(&vs_, buf, tagc_quant_bytes(out->numel, fmt, block), 1,
+                    "quant_bytes(out.numel(), format, block)"));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    if (dev == DEV_CUDA) { /* invalid code: out untouched, CORRUPT in status_out */
+        RUN_CUDA(out, tagc_cuda_quant_decode_add_workspace_size(),
+                 tagc_cuda_quant_decode_add(out->data, out->numel, buf->data, buf->numel, fmt,
+                                            block, has_status ? status->data : NULL, ws_,
+                                            wsb_, strm_));
+    } else {
+        RUN(tagc_quant_decode_add(out->data, out->numel, buf->data, buf->numel, fmt, block));
+    }
+    ret = st == TAGC_OK
+              ? none_result()
+              : raise_status(m, fn, st, st == TAGC_ERR_CORRUPT
+                                            ? "buf holds a code outside the format "
                                               "(out untouched)"
                                             : NULL);
 done:
@@ -958,6 +1090,11 @@ static PyMethodDef methods[] = {
     KW(sparse_pack, "sparse_pack(buf, idx, val, *, stream=0): (offset, value) wire format."),
     KW(sparse_unpack, "sparse_unpack(out, buf, k, value_dtype, *, stream=0,"
                       " status_out=None): scatter-add."),
+    KW(quant_bytes, "quant_bytes(n, format, block) -> int: wire size of n quantized values."),
+    KW(quant_encode, "quant_encode(buf, residual, grad, format, block, *, stream=0):"
+                     " error feedback + block quantization of one shard."),
+    KW(quant_decode_add, "quant_decode_add(out, buf, format, block, *, stream=0,"
+                         " status_out=None): out += the decoded values."),
     {"cuda_available", py_cuda_available, METH_NOARGS,
      "cuda_available() -> bool: built with the CUDA kernels and a CUDA device is usable."},
     {NULL, NULL, 0, NULL}

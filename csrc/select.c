@@ -22,14 +22,6 @@
 #define LO_BINS 0x10000
 #define NONFINITE_BITS 0x7f800000u
 
-TAGC_AI float load_v(const void *g, int gd, const void *r, int rd, int64_t i)
-{
-    float v = ld_val(g, gd, i);
-    if (rd != DT_NONE)
-        v += ld_val(r, rd, i);
-    return v;
-}
-
 TAGC_AI uint32_t mag_bits(float v)
 {
     return f2u(v) & 0x7fffffffu;

@@ -168,6 +168,79 @@ tagc_status tagc_sparse_unpack(float *out, int64_t n,
                                const uint8_t *buf, int64_t buf_bytes,
                                int64_t k, tagc_dtype val_dtype);
 
+/*
+ * Block quantization (the `quant` transport, DESIGN.md section 4).  A vector
+ * of n values is cut into blocks of `block` consecutive values (the last one
+ * may be shorter); each block is sent as one record: its scale s (float32,
+ * little-endian, 4 bytes) followed by one integer code q per value, packed
+ * into bytes, values in order.  A value decodes to q * s (fp32 product).
+ * Records follow each other with no gap, so the size depends only on
+ * (n, format, block): tagc_quant_bytes().  Codes and scales per format:
+ */
+typedef enum {
+    /* q in {-1, +1}: 8 codes per byte, bit j of a byte = value j, 1 means +1;
+     * s = mean |v| over the block (the L1-optimal scale for signs). */
+    TAGC_Q_SIGN = 1,
+    /* q in {-1, 0, +1}: 5 codes per byte, the byte is sum_j (q_j + 1) * 3^j
+     * (always < 243; 1.6 bits per value); s = min(TAGC_TERNARY_LEVEL *
+     * mean |v|, max |v|), so q = round(v / s) sends the entries above 1.25
+     * mean |v|, and always the largest. */
+    TAGC_Q_TERNARY = 2,
+    /* q in -7..7: 2 codes per byte, nibble q + 7 (15 is invalid), value 2j in
+     * the low nibble; s = max |v| / 7. */
+    TAGC_Q_INT4 = 4,
+    /* q in -127..127: one int8 per value (-128 is invalid); s = max |v| / 127. */
+    TAGC_Q_INT8 = 8
+} tagc_qformat;
+
+/* Largest block accepted by the tagc_quant_* functions. */
+#define TAGC_QBLOCK_MAX ((int64_t)1 << 16)
+
+/*
+ * tagc_quant_bytes - exact size in bytes of tagc_quant_encode's output for
+ *   n values (the wire size of one shard; every rank computes it alone).
+ *   Returns 0 for n == 0 and -1 for an invalid argument (n outside
+ *   [0, TAGC_MAX_N], unknown format, block outside [1, TAGC_QBLOCK_MAX]).
+ */
+int64_t tagc_quant_bytes(int64_t n, tagc_qformat format, int64_t block);
+
+/*
+ * tagc_quant_encode - fused error feedback + block quantization, one shard.
+ *   v = grad + residual (residual may be NULL: no error feedback).  Writes
+ *     dst[0..tagc_quant_bytes(n, format, block))   the records (scales
+ *                  from the block statistics above, q = round-half-even of
+ *                  v / s clamped to the format's range, 0 where s == 0);
+ *     residual     (if not NULL, in place) v - q * s: exactly what the owner
+ *                  does not receive, rounding included, stays for the next step.
+ *   Per block, sums of |v| are taken in one fixed order (32 strided partial
+ *   sums in double, then a pairwise tree) shared with the CUDA kernel, so
+ *   both produce the same bytes.  Every format sends the largest |v| of a
+ *   block (at its level), so |v - q s| < |v| wherever q != 0.  Padding codes of a block's last byte
+ *   encode 0 (sign: bit 0).
+ *   Bounds: 0 <= n <= TAGC_MAX_N, 1 <= block <= TAGC_QBLOCK_MAX.
+ *   Errors: ARG, DTYPE, RANGE (n, block, format), CAPACITY (dst_capacity <
+ *   tagc_quant_bytes); NONFINITE when v has NaN/Inf, in which case the
+ *   residual is untouched and dst holds unspecified bytes.
+ */
+tagc_status tagc_quant_encode(uint8_t *dst, int64_t dst_capacity,
+                              void *residual, tagc_dtype residual_dtype,
+                              const void *grad, tagc_dtype grad_dtype,
+                              int64_t n, tagc_qformat format, int64_t block);
+
+/*
+ * tagc_quant_decode_add - owner side: out[i] += q_i * s for the n values of
+ *   src (tagc_quant_encode's output, received from another rank).  Every
+ *   code is checked first: a code outside the format (ternary byte >= 243,
+ *   int4 nibble 15, int8 -128) returns CORRUPT with out untouched.  A
+ *   non-finite scale is data, not corruption: it reaches out (that is how a
+ *   NaN gradient on CUDA reaches the owner).
+ *   Bounds: src_bytes == tagc_quant_bytes(n, format, block), else RANGE.
+ *   Errors: ARG, RANGE, CORRUPT.
+ */
+tagc_status tagc_quant_decode_add(float *out, int64_t n,
+                                  const uint8_t *src, int64_t src_bytes,
+                                  tagc_qformat format, int64_t block);
+
 #ifdef __cplusplus
 }
 #endif

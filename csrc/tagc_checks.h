@@ -201,4 +201,51 @@ static inline tagc_status tagc_check_sparse_unpack(const float *out, int64_t n,
     return TAGC_OK;
 }
 
+static inline int tagc_check_qformat_ok(int format)
+{
+    return format == TAGC_Q_SIGN || format == TAGC_Q_TERNARY || format == TAGC_Q_INT4 ||
+           format == TAGC_Q_INT8;
+}
+
+/* The one size rule of the quant wire format (tagc_quant_bytes). */
+static inline int64_t tagc_check_quant_bytes(int64_t n, int format, int64_t block)
+{
+    if (n < 0 || n > TAGC_MAX_N || !tagc_check_qformat_ok(format) || block < 1 ||
+        block > TAGC_QBLOCK_MAX)
+        return -1;
+    int64_t full = n / block, tail = n % block;
+    return full * tagc_q_record_bytes(block, format) +
+           (tail ? tagc_q_record_bytes(tail, format) : 0);
+}
+
+static inline tagc_status tagc_check_quant_encode(const uint8_t *dst, int64_t dst_capacity,
+                                                  const void *residual, int residual_dtype,
+                                                  const void *grad, int grad_dtype,
+                                                  int64_t n, int format, int64_t block)
+{
+    if (n > 0 && (dst == NULL || grad == NULL))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(grad_dtype) ||
+        (residual != NULL && !tagc_check_dtype_ok(residual_dtype)))
+        return TAGC_ERR_DTYPE;
+    int64_t need = tagc_check_quant_bytes(n, format, block);
+    if (need < 0)
+        return TAGC_ERR_RANGE;
+    if (dst_capacity < need)
+        return TAGC_ERR_CAPACITY;
+    return TAGC_OK;
+}
+
+static inline tagc_status tagc_check_quant_decode(const float *out, int64_t n,
+                                                  const uint8_t *src, int64_t src_bytes,
+                                                  int format, int64_t block)
+{
+    if (n > 0 && (out == NULL || src == NULL))
+        return TAGC_ERR_ARG;
+    int64_t need = tagc_check_quant_bytes(n, format, block);
+    if (need < 0 || src_bytes != need)
+        return TAGC_ERR_RANGE;
+    return TAGC_OK;
+}
+
 #endif /* TAGC_CHECKS_H */

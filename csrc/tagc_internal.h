@@ -38,6 +38,15 @@ TAGC_AI void st_val(void *p, int d, int64_t i, float v)
         ((uint16_t *)p)[i] = tagc_f32_to_bf16(v);
 }
 
+/* v = grad + residual of error feedback, in fp32 (rd == DT_NONE: no residual). */
+TAGC_AI float load_v(const void *g, int gd, const void *r, int rd, int64_t i)
+{
+    float v = ld_val(g, gd, i);
+    if (rd != DT_NONE)
+        v += ld_val(r, rd, i);
+    return v;
+}
+
 /* What a value becomes once stored in dtype d and read back. */
 TAGC_AI float round_to(int d, float v)
 {

@@ -9,6 +9,7 @@
 #ifndef TAGC_PORTABLE_H
 #define TAGC_PORTABLE_H
 
+#include <math.h>
 #include <stdint.h>
 
 #if defined(__CUDACC__)
@@ -125,6 +126,133 @@ TAGC_HD float tagc_median3(float a, float b, float c)
 {
     float lo = a < b ? a : b, hi = a < b ? b : a;
     return c < lo ? lo : (c > hi ? hi : c);
+}
+
+/* ---- block quantization (tagc.h's tagc_quant_*; values = tagc_qformat) ---- */
+
+/* Ternary level in units of the block's mean |v|, capped at max |v|.  With
+ * q = round(v / s) a value is sent when |v| > s/2 = 1.25 mean |v|: about a
+ * fifth to a third of the entries of a gradient block, the rest waits in the
+ * residual.  Levels from 1.5 to 2.5 rms gave the same loss in our ablation;
+ * 1.2 rms (the Lloyd-Max level of a Gaussian, densest) was worse: see
+ * docs/DESIGN.md.  The cap makes the largest |v| of every block go out (a
+ * block of equal magnitudes would otherwise never send anything), which
+ * keeps the compressor contractive: |v - q s| < |v| for every sent value. */
+#define TAGC_TERNARY_LEVEL 2.5
+
+/* Codes per byte: sign 8, ternary 5, int4 2, int8 1; 0 for an unknown format. */
+TAGC_HD int tagc_q_per_byte(int format)
+{
+    switch (format) {
+    case 1: return 8;
+    case 2: return 5;
+    case 4: return 2;
+    case 8: return 1;
+    }
+    return 0;
+}
+
+/* Largest |q| of a format (sign: 1). */
+TAGC_HD int tagc_q_max(int format)
+{
+    return format == 4 ? 7 : format == 8 ? 127 : 1;
+}
+
+/* Whether the format's scale needs the sum of |v| (sign, ternary); every
+ * format but sign needs max |v|. */
+TAGC_HD int tagc_q_uses_sum(int format)
+{
+    return format == 1 || format == 2;
+}
+
+/* Bytes of one record of len values: the scale, then the codes. */
+TAGC_HD int64_t tagc_q_record_bytes(int64_t len, int format)
+{
+    int per = tagc_q_per_byte(format);
+    return 4 + (len + per - 1) / per;
+}
+
+/* Scale of a block of len > 0 values from its sum of |v| (double, fixed
+ * order) and its max |v|.  Clamped to FLT_MAX so a finite block always has
+ * a finite scale. */
+TAGC_HD float tagc_q_scale(int format, double sum_abs, float max_abs, int64_t len)
+{
+    double s;
+    if (format == 1) {
+        s = sum_abs / (double)len;
+    } else if (format == 2) {
+        s = TAGC_TERNARY_LEVEL * sum_abs / (double)len;
+        s = s < (double)max_abs ? s : (double)max_abs;
+    } else {
+        s = (double)max_abs / (double)tagc_q_max(format);
+    }
+    return s > 3.4028234663852886e38 ? 3.4028234663852886e38f : (float)s;
+}
+
+/* Code of v under scale s: sign of v for `sign` (v >= 0 gives +1), else
+ * round-half-even of v / s clamped to +-tagc_q_max; 0 when s == 0.  The
+ * caller passes finite v and s. */
+TAGC_HD int tagc_q_code(int format, float v, float s)
+{
+    if (format == 1)
+        return v >= 0.0f ? 1 : -1;
+    if (!(s > 0.0f))
+        return 0;
+#if defined(__CUDA_ARCH__)
+    float y = rintf(__fdiv_rn(v, s));
+#else
+    float y = rintf(v / s);
+#endif
+    float lim = (float)tagc_q_max(format);
+    y = y > lim ? lim : (y < -lim ? -lim : y);
+    return (int)y;
+}
+
+/* Digit of code q in its byte, and the weight of position j (0-based) in the
+ * byte: sign bit, base-3 ternary digit, int4 nibble, int8 two's complement. */
+TAGC_HD unsigned tagc_q_digit(int format, int q)
+{
+    switch (format) {
+    case 1: return q > 0 ? 1u : 0u;
+    case 2: return (unsigned)(q + 1);
+    case 4: return (unsigned)(q + 7);
+    }
+    return (unsigned)(uint8_t)(int8_t)q;
+}
+
+TAGC_HD unsigned tagc_q_weight(int format, int j)
+{
+    switch (format) {
+    case 1: return 1u << j;
+    case 2: return j == 0 ? 1u : j == 1 ? 3u : j == 2 ? 9u : j == 3 ? 27u : 81u;
+    case 4: return 1u << (4 * j);
+    }
+    return 1u;
+}
+
+/* Digit that pads a byte's unused positions (the code of 0; sign has none). */
+TAGC_HD unsigned tagc_q_pad_digit(int format)
+{
+    return format == 2 ? 1u : format == 4 ? 7u : 0u;
+}
+
+/* Code at position j of a byte; *bad |= 1 when it is not a valid code. */
+TAGC_HD int tagc_q_decode(int format, unsigned byte, int j, int *bad)
+{
+    switch (format) {
+    case 1:
+        return ((byte >> j) & 1u) ? 1 : -1;
+    case 2:
+        *bad |= byte >= 243u;
+        return (int)((byte / tagc_q_weight(2, j)) % 3u) - 1;
+    case 4: {
+        unsigned nib = (byte >> (4 * j)) & 15u;
+        *bad |= nib == 15u;
+        return (int)nib - 7;
+    }
+    }
+    *bad |= byte == 0x80u;
+    return (int)(int8_t)(uint8_t)byte;
 }
 
 #endif /* TAGC_PORTABLE_H */

@@ -180,6 +180,36 @@ tagc_status tagc_cuda_sparse_unpack(float *out, int64_t n,
                                     void *workspace, size_t workspace_bytes,
                                     cudaStream_t stream);
 
+/*
+ * tagc_cuda_quant_encode - as tagc_quant_encode, the same bytes and the same
+ *   residual bit for bit (one warp per block; the block sums run in the C
+ *   op's order).  NaN/Inf in v (the C op's NONFINITE): every record gets a
+ *   NaN scale and zero codes and the residual is left untouched, so the NaN
+ *   reaches the owner's decoded shard, where AMP's GradScaler sees it.
+ *   Two kernels (scales, then codes and residual) and a flag in the workspace.
+ */
+size_t tagc_cuda_quant_encode_workspace_size(void);
+tagc_status tagc_cuda_quant_encode(uint8_t *dst, int64_t dst_capacity,
+                                   void *residual, tagc_dtype residual_dtype,
+                                   const void *grad, tagc_dtype grad_dtype,
+                                   int64_t n, tagc_qformat format, int64_t block,
+                                   void *workspace, size_t workspace_bytes,
+                                   cudaStream_t stream);
+
+/*
+ * tagc_cuda_quant_decode_add - as tagc_quant_decode_add: a first kernel
+ *   checks every code; if one is invalid (the C op's CORRUPT) out is left
+ *   untouched and TAGC_ERR_CORRUPT is stored in *dev_status (if not NULL),
+ *   otherwise a second kernel adds q * s to out (no atomics: each value once).
+ */
+size_t tagc_cuda_quant_decode_add_workspace_size(void);
+tagc_status tagc_cuda_quant_decode_add(float *out, int64_t n,
+                                       const uint8_t *src, int64_t src_bytes,
+                                       tagc_qformat format, int64_t block,
+                                       int32_t *dev_status,
+                                       void *workspace, size_t workspace_bytes,
+                                       cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -56,7 +56,12 @@ SIGS = {
     "tagc_cuda_sparse_pack": (INT, [VP, I64, VP, VP, INT, I64, VP]),
     "tagc_cuda_sparse_unpack_workspace_size": (SZ, []),
     "tagc_cuda_sparse_unpack": (INT, [VP, I64, VP, I64, I64, INT, VP, VP, SZ, VP]),
+    "tagc_cuda_quant_encode_workspace_size": (SZ, []),
+    "tagc_cuda_quant_encode": (INT, [VP, I64, VP, INT, VP, INT, I64, INT, I64, VP, SZ, VP]),
+    "tagc_cuda_quant_decode_add_workspace_size": (SZ, []),
+    "tagc_cuda_quant_decode_add": (INT, [VP, I64, VP, I64, INT, I64, VP, VP, SZ, VP]),
 }
+QFORMAT = {"sign": 1, "ternary": 2, "int4": 4, "int8": 8}
 
 
 @pytest.fixture(scope="module")
@@ -379,3 +384,90 @@ def test_sparse_unpack_corrupt(lib: C.CDLL) -> None:
                                        w.numel(), None) == 0
     assert int(status) == ERR_CORRUPT
     assert not out.any()
+
+
+def quant_encode(lib: C.CDLL, grad: torch.Tensor, res: Optional[torch.Tensor], fmt: str,
+                 block: int) -> torch.Tensor:
+    """The emulated encoder's bytes, written one byte into a larger buffer
+    (records start at any byte)."""
+    nb = _tagc.quant_bytes(grad.numel(), fmt, block)
+    buf = torch.full((nb + 2,), 0xEE, dtype=torch.uint8)
+    w = ws(lib.tagc_cuda_quant_encode_workspace_size())
+    assert lib.tagc_cuda_quant_encode(P(buf[1:]), nb, P(res), DT.get(getattr(res, "dtype", None), 0),
+                                      P(grad), DT[grad.dtype], grad.numel(), QFORMAT[fmt], block,
+                                      P(w), w.numel(), None) == 0
+    assert buf[0] == 0xEE and buf[-1] == 0xEE
+    return buf[1:-1].clone()
+
+
+@pytest.mark.parametrize("fmt", list(QFORMAT))
+@pytest.mark.parametrize("n,block", [(1, 256), (300, 64), (1000, 256), (777, 1), (2100, 1000)])
+@pytest.mark.parametrize("gd,rd", [(torch.float32, None), (torch.float32, torch.float32),
+                                   (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_quant_encode_decode(lib: C.CDLL, fmt: str, n: int, block: int, gd: torch.dtype,
+                             rd: Optional[torch.dtype]) -> None:
+    """The kernels write the C op's bytes and residual bit for bit (the block
+    sums run in the same order), and decode to the same values."""
+    grad = gradient(n, gd, False, seed=n)
+    res = None if rd is None else (gradient(n, torch.float32, False, seed=n + 1) * 0.2).to(rd)
+    c_res = None if res is None else res.clone()
+    c_buf = torch.empty(_tagc.quant_bytes(n, fmt, block), dtype=torch.uint8)
+    _tagc.quant_encode(c_buf, c_res, grad, fmt, block)
+    e_res = None if res is None else res.clone()
+    e_buf = quant_encode(lib, grad, e_res, fmt, block)
+    assert torch.equal(e_buf, c_buf)
+    if res is not None:
+        assert same_bits(e_res, c_res)
+    base = gradient(n, torch.float32, False, seed=n + 2)
+    c_out = base.clone()
+    _tagc.quant_decode_add(c_out, c_buf, fmt, block)
+    e_out = base.clone()
+    w = ws(lib.tagc_cuda_quant_decode_add_workspace_size())
+    assert lib.tagc_cuda_quant_decode_add(P(e_out), n, P(e_buf), e_buf.numel(), QFORMAT[fmt],
+                                          block, None, P(w), w.numel(), None) == 0
+    assert same_bits(e_out, c_out)
+
+
+@pytest.mark.parametrize("fmt", list(QFORMAT))
+def test_quant_nonfinite_poisons_every_record(lib: C.CDLL, fmt: str) -> None:
+    """NaN in one block: every scale NaN, residual untouched, every decoded
+    value NaN (the C op raises NonFiniteError instead)."""
+    grad = gradient(600, torch.float32, False, seed=3)
+    grad[5] = float("nan")
+    res = gradient(600, torch.float32, False, seed=4)
+    r0 = res.clone()
+    buf = quant_encode(lib, grad, res, fmt, 256)
+    assert torch.equal(res, r0)
+    out = torch.zeros(600)
+    w = ws(lib.tagc_cuda_quant_decode_add_workspace_size())
+    assert lib.tagc_cuda_quant_decode_add(P(out), 600, P(buf), buf.numel(), QFORMAT[fmt], 256,
+                                          None, P(w), w.numel(), None) == 0
+    assert torch.isnan(out).all()
+
+
+def test_quant_decode_corrupt_leaves_out_untouched(lib: C.CDLL) -> None:
+    buf = torch.empty(_tagc.quant_bytes(500, "ternary", 256), dtype=torch.uint8)
+    _tagc.quant_encode(buf, None, gradient(500, torch.float32, False, seed=1), "ternary", 256)
+    buf[70] = 250  # a code byte of the second record, not a base-3 byte
+    out = torch.zeros(500)
+    status = torch.zeros(1, dtype=torch.int32)
+    w = ws(lib.tagc_cuda_quant_decode_add_workspace_size())
+    assert lib.tagc_cuda_quant_decode_add(P(out), 500, P(buf), buf.numel(), 2, 256, P(status),
+                                          P(w), w.numel(), None) == 0
+    assert int(status) == ERR_CORRUPT
+    assert not out.any()
+
+
+def test_quant_argument_errors_match_c(lib: C.CDLL) -> None:
+    """Synchronous errors: the shared checks (tagc_checks.h) give the C op's status."""
+    g = torch.zeros(10)
+    buf = torch.zeros(20, dtype=torch.uint8)
+    w = ws(lib.tagc_cuda_quant_encode_workspace_size())
+    assert lib.tagc_cuda_quant_encode(P(buf), 8, None, 0, P(g), F32, 10, 4, 256, P(w),
+                                      w.numel(), None) == 3  # CAPACITY
+    assert lib.tagc_cuda_quant_encode(P(buf), 20, None, 0, P(g), F32, 10, 3, 256, P(w),
+                                      w.numel(), None) == ERR_RANGE  # format
+    assert lib.tagc_cuda_quant_encode(P(buf), 20, None, 0, P(g), F32, 10, 4, 0, P(w),
+                                      w.numel(), None) == ERR_RANGE  # block
+    assert lib.tagc_cuda_quant_decode_add(P(g), 10, P(buf), 10, 4, 256, None, P(w), w.numel(),
+                                          None) == ERR_RANGE  # size

@@ -266,6 +266,50 @@ static inline unsigned __shfl_sync(unsigned mask, unsigned v, int src)
     return (unsigned)tagc_emu_exchange(v, (unsigned)src % 32);
 }
 
+/* Shuffles of float/double values move their bit patterns. */
+static inline double __shfl_down_sync(unsigned mask, double v, unsigned d)
+{
+    (void)mask;
+    unsigned lane = threadIdx.x % 32;
+    uint64_t u, r;
+    memcpy(&u, &v, sizeof u);
+    r = tagc_emu_exchange(u, lane + d < 32 ? lane + d : lane);
+    memcpy(&v, &r, sizeof v);
+    return v;
+}
+
+static inline double __shfl_sync(unsigned mask, double v, int src)
+{
+    (void)mask;
+    uint64_t u, r;
+    memcpy(&u, &v, sizeof u);
+    r = tagc_emu_exchange(u, (unsigned)src % 32);
+    memcpy(&v, &r, sizeof v);
+    return v;
+}
+
+static inline float __shfl_down_sync(unsigned mask, float v, unsigned d)
+{
+    return (float)__shfl_down_sync(mask, (double)v, d);
+}
+
+static inline float __shfl_sync(unsigned mask, float v, int src)
+{
+    return (float)__shfl_sync(mask, (double)v, src);
+}
+
+static inline int __all_sync(unsigned mask, int pred)
+{
+    return __ballot_sync(mask, pred) == 0xffffffffu;
+}
+
+static inline void __syncwarp(void) { tagc_emu_warp_sync(); }
+
+/* Round-to-nearest float arithmetic: what the host computes anyway. */
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+
 static inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
 static inline unsigned __float_as_uint(float f)

@@ -1,0 +1,170 @@
+/*
+ * quant.c - block quantization with error feedback (tagc.h, tagc_quant_*),
+ * the codec of the `quant` transport.  The per-value arithmetic (scale, code,
+ * digit, validity) is tagc_portable.h's, shared with cuda/quant.cu, and the
+ * per-block sum of |v| is taken in the order the CUDA kernel's warp takes it,
+ * so both write the same bytes.
+ */
+#include <float.h>
+#include <math.h>
+
+#include "tagc_checks.h"
+#include "tagc_internal.h"
+
+int64_t tagc_quant_bytes(int64_t n, tagc_qformat format, int64_t block)
+{
+    return tagc_check_quant_bytes(n, (int)format, block);
+}
+
+/* Scale of the block [o, o + len) of v; returns 0 when v holds NaN/Inf there.
+ * The sum of |v| runs in 32 strided partial sums (double), then a pairwise
+ * tree: what a warp does with one lane per partial sum and shuffles. */
+TAGC_AI int block_scale(float *scale, const void *g, int gd, const void *r, int rd,
+                        int64_t o, int64_t len, int format)
+{
+    double lane[32] = {0};
+    float m = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < len; i++) {
+        float a = fabsf(load_v(g, gd, r, rd, o + i));
+        finite &= a <= FLT_MAX; /* false for NaN too */
+        m = a > m ? a : m;
+        if (tagc_q_uses_sum(format))
+            lane[i & 31] += (double)a;
+    }
+    if (!finite)
+        return 0;
+    for (int off = 16; off > 0; off >>= 1)
+        for (int j = 0; j < off; j++)
+            lane[j] += lane[j + off];
+    *scale = tagc_q_scale(format, lane[0], m, len);
+    return 1;
+}
+
+/* Codes of the block [o, o + len) under scale s into `codes`, and the
+ * residual v - q * s (what the owner does not get) back in place. */
+TAGC_AI void block_encode(uint8_t *codes, float s, const void *g, int gd, void *r,
+                          int rd, int64_t o, int64_t len, int format)
+{
+    int per = tagc_q_per_byte(format);
+    int64_t nbytes = (len + per - 1) / per;
+    for (int64_t b = 0; b < nbytes; b++) {
+        unsigned byte = 0;
+        for (int j = 0; j < per; j++) {
+            int64_t i = b * per + j;
+            unsigned digit = tagc_q_pad_digit(format);
+            if (i < len) {
+                float v = load_v(g, gd, r, rd, o + i);
+                int q = tagc_q_code(format, v, s);
+                if (rd != DT_NONE)
+                    st_val(r, rd, o + i, v - (float)q * s);
+                digit = tagc_q_digit(format, q);
+            }
+            byte += digit * tagc_q_weight(format, j);
+        }
+        codes[b] = (uint8_t)byte;
+    }
+}
+
+/* One switch per block: each case inlines the loops above for a constant
+ * format, so the per-value division by the codes per byte is a constant. */
+#define BY_FORMAT(format, call)          \
+    switch (format) {                    \
+    case TAGC_Q_SIGN: { enum { F = TAGC_Q_SIGN }; call; } break;       \
+    case TAGC_Q_TERNARY: { enum { F = TAGC_Q_TERNARY }; call; } break; \
+    case TAGC_Q_INT4: { enum { F = TAGC_Q_INT4 }; call; } break;       \
+    default: { enum { F = TAGC_Q_INT8 }; call; } break;                \
+    }
+
+/* Both passes for one (grad, residual) dtype pair; returns 0 on NaN/Inf. */
+TAGC_AI int encode_pass(uint8_t *dst, const void *g, int gd, void *r, int rd,
+                        int64_t n, int format, int64_t block)
+{
+    int64_t rec = tagc_q_record_bytes(block, format);
+    /* Pass 1 finds every scale before the residual changes, so NaN/Inf
+     * anywhere leaves it untouched. */
+    for (int64_t o = 0, b = 0; o < n; o += block, b++) {
+        int64_t len = n - o < block ? n - o : block;
+        float s = 0.0f;
+        int ok = 0;
+        BY_FORMAT(format, ok = block_scale(&s, g, gd, r, rd, o, len, F));
+        if (!ok)
+            return 0;
+        memcpy(dst + b * rec, &s, 4); /* little-endian hosts: the wire layout */
+    }
+    for (int64_t o = 0, b = 0; o < n; o += block, b++) {
+        int64_t len = n - o < block ? n - o : block;
+        float s;
+        memcpy(&s, dst + b * rec, 4);
+        BY_FORMAT(format, block_encode(dst + b * rec + 4, s, g, gd, r, rd, o, len, F));
+    }
+    return 1;
+}
+
+static int encode_dispatch(uint8_t *dst, const void *g, int gd, void *r, int rd,
+                           int64_t n, int format, int64_t block)
+{
+#define EP(G, R) if (gd == (G) && rd == (R)) return encode_pass(dst, g, G, r, R, n, format, block)
+    EP(TAGC_F32, DT_NONE); EP(TAGC_F32, TAGC_F32); EP(TAGC_F32, TAGC_BF16);
+    EP(TAGC_BF16, DT_NONE); EP(TAGC_BF16, TAGC_F32); EP(TAGC_BF16, TAGC_BF16);
+#undef EP
+    return 0; /* unreachable: the dtypes were checked */
+}
+
+tagc_status tagc_quant_encode(uint8_t *dst, int64_t dst_capacity,
+                              void *residual, tagc_dtype residual_dtype,
+                              const void *grad, tagc_dtype grad_dtype,
+                              int64_t n, tagc_qformat format, int64_t block)
+{
+    tagc_status st = tagc_check_quant_encode(dst, dst_capacity, residual,
+                                             (int)residual_dtype, grad, (int)grad_dtype,
+                                             n, (int)format, block);
+    if (st != TAGC_OK || n == 0)
+        return st;
+    int rd = residual != NULL ? (int)residual_dtype : DT_NONE;
+    if (!encode_dispatch(dst, grad, (int)grad_dtype, residual, rd, n, (int)format, block))
+        return TAGC_ERR_NONFINITE;
+    return TAGC_OK;
+}
+
+/* Whether the len codes of one record are valid (reads only). */
+TAGC_AI int record_valid(const uint8_t *codes, int64_t len, int format)
+{
+    int per = tagc_q_per_byte(format), bad = 0;
+    for (int64_t i = 0; i < len; i++)
+        (void)tagc_q_decode(format, codes[i / per], (int)(i % per), &bad);
+    return !bad;
+}
+
+/* out[0..len) += the record's values. */
+TAGC_AI void record_add(float *out, const uint8_t *rec, int64_t len, int format)
+{
+    int per = tagc_q_per_byte(format), bad = 0;
+    float s;
+    memcpy(&s, rec, 4); /* src comes off the network: no alignment assumed */
+    for (int64_t i = 0; i < len; i++)
+        out[i] += (float)tagc_q_decode(format, rec[4 + i / per], (int)(i % per), &bad) * s;
+}
+
+tagc_status tagc_quant_decode_add(float *out, int64_t n,
+                                  const uint8_t *src, int64_t src_bytes,
+                                  tagc_qformat format, int64_t block)
+{
+    tagc_status st = tagc_check_quant_decode(out, n, src, src_bytes, (int)format, block);
+    if (st != TAGC_OK || n == 0)
+        return st;
+    int fmt = (int)format;
+    int64_t rec = tagc_q_record_bytes(block, fmt);
+    for (int64_t o = 0, b = 0; o < n; o += block, b++) {
+        int64_t len = n - o < block ? n - o : block;
+        int ok = 0;
+        BY_FORMAT(fmt, ok = record_valid(src + b * rec + 4, len, F));
+        if (!ok)
+            return TAGC_ERR_CORRUPT; /* checked in full before out is written */
+    }
+    for (int64_t o = 0, b = 0; o < n; o += block, b++) {
+        int64_t len = n - o < block ? n - o : block;
+        BY_FORMAT(fmt, record_add(out + o, src + b * rec, len, F));
+    }
+    return TAGC_OK;
+}
