@@ -87,10 +87,14 @@ __all__ = [
     "shard_model",
     "select_parameter",
     "MODES",
+    "QUANT_FORMATS",
     "PAPER_THETA",
 ]
 
-MODES = ("paper", "exact", "sparse", "dense")
+MODES = ("paper", "exact", "sparse", "quant", "dense")
+QUANT_FORMATS = ("sign", "ternary", "int4", "int8")
+# Bits on the wire per value of each quant format (scales excluded).
+QUANT_BITS = {"sign": 1.0, "ternary": 1.6, "int4": 4.0, "int8": 8.0}
 # The paper's compression presets: ratio -> sparsity (Table/Section 4 of the paper).
 PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
 _FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
@@ -139,12 +143,16 @@ class TAGCConfig:
             bitmap all-to-all with a true OR at the owner, sketch sized from
             the union bound, lossless (a recovery exchange resolves entries
             peeling leaves). ``"sparse"``: exactly ``k`` (offset, value) pairs
-            per shard in one all-to-all. ``"dense"``: no compression, values
+            per shard in one all-to-all. ``"quant"``: every entry of a shard,
+            each on a few bits (``quant_format``) with one fp32 scale per
+            ``quant_block`` entries, with error feedback of the rounding; the
+            owner's own shard stays exact.  ``"dense"``: no compression, values
             all-to-all to their owner (the honest gloo baseline).
         theta: sparsity in ``[0, 1)``: fraction of each shard's entries not
             sent; ``k = ceil((1 - theta) * S)`` kept per shard per rank.
             Default: from ``ratio`` in paper mode (2x->0.80, 4x->0.90,
-            10x->0.9875), else 0.9875.  Ignored by ``dense``.
+            10x->0.9875), 0 in quant mode (which sends every entry and
+            refuses any other value), else 0.9875.  Ignored by ``dense``.
         ratio: paper mode only: sketch size is ``ceil(S / ratio)`` buckets.
             Default in paper mode: from ``theta`` when it is a paper preset,
             else 10.  Must be None in other modes.
@@ -183,6 +191,19 @@ class TAGCConfig:
             ``theta`` (a denser start would overflow it).
         warmup_theta: sparsity at the start of the warm-up, in ``[0, theta]``
             when ``warmup_steps > 0`` (unused otherwise).
+        quant_format: quant mode's code per value (``csrc/tagc.h``):
+            ``"int8"`` (255 levels of max|v|/127, 8 bits), ``"int4"`` (15
+            levels of max|v|/7, 4 bits), ``"ternary"`` ({-s, 0, +s} with
+            ``s = min(2.5 mean|v|, max|v|)``, 1.6 bits) or ``"sign"``
+            (+-mean|v|, 1 bit).  Why it works where top-k struggles: every
+            coordinate reaches the optimizer every step, so AdamW's
+            per-coordinate moments see a stream like plain training, not
+            bursts every 1/density steps (docs/DESIGN.md, quality).  Cost
+            per rank and step: ``(N-1)/N * (bits + 32/quant_block)`` bits per
+            parameter of the compressed units (N=2, int4: 2.06; ternary:
+            0.86); memory: one residual per unit as every mode.
+        quant_block: entries per fp32 scale in quant mode, 1..65536 (256:
+            0.125 bits per entry of scale).
     """
 
     mode: str = "exact"
@@ -199,6 +220,8 @@ class TAGCConfig:
     dense_steps: int = 0
     warmup_steps: int = 0
     warmup_theta: float = 0.75
+    quant_format: str = "int4"
+    quant_block: int = 256
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -231,6 +254,11 @@ class TAGCConfig:
             if self.ratio is not None:
                 raise ValueError(f"ratio: only used by mode='paper' (mode={self.mode!r}); "
                                  "set theta instead")
+            if self.mode == "quant":
+                if self.theta not in (None, 0, 0.0):
+                    raise ValueError(f"theta: mode='quant' sends every entry (theta 0); "
+                                     f"got {self.theta!r}")
+                self.theta = 0.0
             if self.theta is None:
                 self.theta = 0.9875
         self.theta = float(self.theta)
@@ -274,6 +302,15 @@ class TAGCConfig:
             raise ValueError("warmup_steps: not available in mode='paper' (its sketch has a "
                              "fixed S/ratio buckets sized for theta); use dense_steps, or "
                              "mode 'exact'/'sparse'")
+        if self.warmup_steps and self.mode == "quant":
+            raise ValueError("warmup_steps: mode='quant' has no sparsity to ramp; use "
+                             "dense_steps")
+        if self.quant_format not in QUANT_FORMATS:
+            raise ValueError(f"quant_format: must be one of {QUANT_FORMATS}, "
+                             f"got {self.quant_format!r}")
+        b = self.quant_block
+        if isinstance(b, bool) or not isinstance(b, int) or not (1 <= b <= 65536):
+            raise ValueError(f"quant_block: must be an int in [1, 65536], got {b!r}")
 
     def theta_at(self, step: int) -> Optional[float]:
         """Sparsity of a unit's reduction number ``step`` (0-based) under the warm-up.
@@ -1066,6 +1103,8 @@ class TAGCState:
                 self._exact(u, inp, acc)
             elif mode == "sparse":
                 self._sparse(u, inp, acc)
+            elif mode == "quant":
+                self._quant(u, inp, acc)
             elif mode == "paper":
                 self._paper(u, inp, acc)
             else:  # pragma: no cover - config validation forbids it
@@ -1142,6 +1181,43 @@ class TAGCState:
         self._a2a(u, recv, send)
         torch.sum(recv.float(), dim=0, out=acc)
 
+    @staticmethod
+    def _ring(n: int, rank: int) -> List[int]:
+        """Owners in ring order from ``rank + 1``: at each step the ranks target
+        different owners; the own shard comes last and stays local."""
+        return [(rank + 1 + i) % n for i in range(n)]
+
+    def _post_recvs(self, u: _Unit, recv: torch.Tensor) -> List[Any]:
+        """Receives of row ``r`` of ``recv`` from every other rank ``r`` (CPU;
+        on CUDA each receive is batched with a send in :meth:`_post_send`)."""
+        if recv.is_cuda:
+            return []
+        return [self._p2p(u, False, recv[r], r) for r in range(self.world_size)
+                if r != self.rank]
+
+    def _post_send(self, u: _Unit, works: List[Any], buf: torch.Tensor,
+                   recv: torch.Tensor, r: int) -> None:
+        """Send row ``r`` of ``buf`` (shard r's message) to its owner ``r``.
+
+        Every message size is known up front (fixed per shard), so the
+        receives are posted first (:meth:`_post_recvs`) and shard ``r`` goes
+        out while shard ``r+1`` is encoded.
+        """
+        if not buf.is_cuda:
+            works.append(self._p2p(u, True, buf[r], r))
+            return
+        # NCCL: a lone recv ahead of a lone send deadlocks between two ranks,
+        # so each send is batched with the ring-symmetric receive (at ring
+        # step i this rank sends to rank+1+i and hears from rank-1-i).
+        src = (2 * self.rank - r) % self.world_size
+        nb = buf[r].numel()
+        u.record("isend", nb, nb)
+        u.record("irecv", nb, 0)
+        c10d = dist.distributed_c10d
+        works.extend(dist.batch_isend_irecv([
+            dist.P2POp(c10d.isend, buf[r], group=u.group, group_peer=r),
+            dist.P2POp(c10d.irecv, recv[src], group=u.group, group_peer=src)]))
+
     def _sparse(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
         n, s, rank = self.world_size, acc.numel(), self.rank
         k = self._k(u, s)
@@ -1149,35 +1225,16 @@ class TAGCState:
         buf = torch.empty(n, k * esize, dtype=torch.uint8, device=inp.device)
         recv = torch.empty_like(buf)
         kw = _stream_kw(inp)
-        cuda = inp.is_cuda
         # Exactly k pairs per shard, so every receive size is known up front.
-        works: List[Any] = [] if cuda else \
-            [self._p2p(u, False, recv[r], r) for r in range(n) if r != rank]
+        works = self._post_recvs(u, recv)
 
         def send(r: int, idx: torch.Tensor, val: torch.Tensor, bm: torch.Tensor) -> None:
-            # Shard r goes to its owner while shard r+1 is selected.
             _tagc.sparse_pack(buf[r], idx[r], val[r], **kw)
-            if r == rank:
-                return
-            if not cuda:
-                works.append(self._p2p(u, True, buf[r], r))
-                return
-            # NCCL: a lone recv ahead of a lone send deadlocks between two ranks,
-            # so each send is batched with the ring-symmetric receive (at ring
-            # step i this rank sends to rank+1+i and hears from rank-1-i).
-            src = (2 * rank - r) % n
-            nb = buf[r].numel()
-            u.record("isend", nb, nb)
-            u.record("irecv", nb, 0)
-            c10d = dist.distributed_c10d
-            works.extend(dist.batch_isend_irecv([
-                dist.P2POp(c10d.isend, buf[r], group=u.group, group_peer=r),
-                dist.P2POp(c10d.irecv, recv[src], group=u.group, group_peer=src)]))
+            if r != rank:
+                self._post_send(u, works, buf, recv, r)
 
-        # Ring order from rank+1: at each step the ranks target different owners;
-        # the own shard comes last and stays local.
-        ring = [(rank + 1 + i) % n for i in range(n)]
-        self._sparsify_all(u, inp, s, k, with_bitmap=False, per_shard=send, order=ring)
+        self._sparsify_all(u, inp, s, k, with_bitmap=False, per_shard=send,
+                           order=self._ring(n, rank))
         for w in works:
             w.wait()  # on CUDA with the codec stream current: a stream wait
         acc.zero_()
@@ -1185,6 +1242,31 @@ class TAGCState:
             _tagc.sparse_unpack(acc, buf[r] if r == rank else recv[r], k,
                                 self.cfg.value_dtype, **kw)
         u.counters["shard_slots"] += s
+
+    def _quant(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
+        """Every other owner's shard on ``quant_format`` codes with error
+        feedback; the own shard is added exact (it never leaves the rank)."""
+        n, s, rank = self.world_size, acc.numel(), self.rank
+        fmt, block = self.cfg.quant_format, self.cfg.quant_block
+        buf = torch.empty(n, _tagc.quant_bytes(s, fmt, block), dtype=torch.uint8,
+                          device=inp.device)
+        recv = torch.empty_like(buf)
+        kw = _stream_kw(inp)
+        works = self._post_recvs(u, recv)
+        for r in self._ring(n, rank)[:-1]:
+            res = u.residual[r * s:(r + 1) * s] if u.residual is not None else None
+            _tagc.quant_encode(buf[r], res, inp[r * s:(r + 1) * s], fmt, block, **kw)
+            self._post_send(u, works, buf, recv, r)
+        for w in works:
+            w.wait()
+        acc.zero_()
+        for r in range(n):  # rank order: the same sum on every run
+            if r == rank:
+                acc.add_(inp[r * s:(r + 1) * s])
+            else:
+                _tagc.quant_decode_add(acc, recv[r], fmt, block, **kw)
+        u.add("union_size", s)
+        u.add("shard_slots", s)
 
     def _exact(self, u: _Unit, inp: torch.Tensor, acc: torch.Tensor) -> None:
         n, s, rank = self.world_size, acc.numel(), self.rank

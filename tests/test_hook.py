@@ -224,6 +224,48 @@ def _check_frozen(rank: int, n: int) -> None:
     assert state.stats()["compressed_total"]["compressed_calls"] > 0
 
 
+def _check_quant(rank: int, n: int, kind: str, fmt: str) -> Dict[str, Any]:
+    """quant mode's first call of every compressed unit (no residual yet) against
+    the independent reference of tests/test_quant.py: the owner's output is
+    (own shard exact + every other rank's shard quantized, in rank order) /
+    divisor, bit for bit; the isend bytes are exactly (N-1) messages of
+    quant_bytes(shard) per call."""
+    from test_quant import bytes_ref, encode_ref
+
+    cfg = _cfg("quant", quant_format=fmt, quant_block=16)
+    mod = build_fsdp(kind, cfg)
+    state = tagc.register(mod, cfg)
+    seen: Dict[str, Any] = {}
+    orig = state._run
+
+    def run(u: Any, inp: torch.Tensor, out: torch.Tensor) -> None:
+        x = inp.detach().reshape(-1).clone()
+        orig(u, inp, out)
+        seen.setdefault(u.name, (x, out.detach().clone(), u.pre * u.post))
+
+    state._run = run  # type: ignore[method-assign]
+    _backward(mod, rank, 0, kind)
+    msgs = 0
+    for u in state.units:
+        if not u.compressed:
+            continue
+        x, out, div = seen[u.name]
+        s = out.numel()
+        every = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(every, x)
+        acc = torch.zeros(s)
+        for r in range(n):
+            mine = every[r][rank * s:(rank + 1) * s]
+            acc += mine if r == rank else torch.from_numpy(encode_ref(mine.numpy(), fmt, 16)[1])
+        want = acc / div if div != 1 else acc
+        assert torch.equal(out, want), (kind, fmt, u.name, float((out - want).abs().max()))
+        msgs += (n - 1) * bytes_ref(s, fmt, 16)
+    st = state.stats()["compressed_total"]
+    assert st["collectives"]["isend"]["bytes"] == msgs, (st["collectives"], msgs)
+    assert st["density"] == 1.0 and st["compressed_calls"] == st["calls"]
+    return st
+
+
 def _modes() -> List[str]:
     return ["dense"] + (["exact", "sparse"] if HAVE_CODEC else [])
 
@@ -253,6 +295,11 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
                 out[f"paper/{kind}"] = _paper_stats(rank, n, kind)
             if n == 2:
                 out[f"warmup/{kind}"] = _check_warmup(rank, n, kind)
+            for fmt in ("ternary", "int4") if n != 3 else ("int8",):
+                out[f"quant/{kind}/{fmt}"] = _check_quant(rank, n, kind, fmt)
+            # quant: error feedback of the rounding conserves mass, with accumulation
+            out[f"ef/{kind}/quant"] = _check_conservation(
+                rank, n, kind, _cfg("quant", quant_format="sign"), steps=10, accum=2)
     if HAVE_CODEC and n == 2:
         _check_frozen(rank, n)
     return out

@@ -37,10 +37,9 @@ def _residuals(state: tagc.TAGCState) -> Dict[str, torch.Tensor]:
     return {u.name: u.residual.clone() for u in state.units if u.residual is not None}
 
 
-def _nonfinite(rank: int, n: int, kind: str) -> Dict[str, Any]:
+def _nonfinite(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig) -> Dict[str, Any]:
     """NaN on one rank only: every rank falls back in every compressed unit,
     residuals untouched, the NaN reaches every owner's gradient."""
-    cfg = _cfg("exact", theta=0.9)
     model = build_fsdp(kind, cfg)
     state = tagc.register(model, cfg)
     model(toy_batch(rank, 0)).backward()
@@ -164,12 +163,16 @@ def _misuse(rank: int, n: int) -> List[str]:
 
 # "sparse-warmup": saved at step 3, in the middle of its warm-up ramp (1 dense
 # step, sparsity 0.5 -> 0.9 over steps 1..4), so the schedule must resume too.
-RESUME_MODES = ("exact", "sparse", "sparse-warmup")
+RESUME_MODES = ("exact", "sparse", "sparse-warmup", "quant")
 
 
-def _resume_cfg(mode: str, theta: float = 0.9) -> tagc.TAGCConfig:
+def _resume_cfg(mode: str, other: bool = False) -> tagc.TAGCConfig:
+    """The config of a resume case; ``other``: one that must be refused on load."""
+    theta = 0.8 if other else 0.9
     if mode == "sparse-warmup":
         return _cfg("sparse", theta=theta, dense_steps=1, warmup_steps=4, warmup_theta=0.5)
+    if mode == "quant":
+        return _cfg("quant", quant_format="int4" if other else "ternary")
     return _cfg(mode, theta=theta)
 
 
@@ -241,7 +244,7 @@ def _resume_load(rank: int, n: int, tmp: str) -> None:
                 same = all(torch.equal(a, b) for a, b in zip(_params(model), straight))
                 assert same == (how is not None), (kind, mode, how, same)
             # another config: DCP reads the checkpoint, load_state_dict refuses it on every rank
-            cfg = _resume_cfg(mode, theta=0.8)
+            cfg = _resume_cfg(mode, other=True)
             other_state = tagc.register(build_fsdp(kind, cfg), cfg)
             with pytest.raises(ValueError, match="config differs"):
                 dcp.load({"tagc": other_state},
@@ -262,7 +265,8 @@ def _suite(rank: int, n: int, tmp: str) -> Dict[str, Any]:
     logging.getLogger("tagc_hook").setLevel(logging.ERROR)
     out: Dict[str, Any] = {}
     for kind in KINDS:
-        out[f"nonfinite/{kind}"] = _nonfinite(rank, n, kind)
+        out[f"nonfinite/{kind}"] = _nonfinite(rank, n, kind, _cfg("exact", theta=0.9))
+        out[f"nonfinite/{kind}/quant"] = _nonfinite(rank, n, kind, _cfg("quant"))
         out[f"scaler/{kind}"] = _grad_scaler(rank, n, kind)
         out[f"agree/{kind}"] = _agreement(rank, n, kind)
     out["misuse"] = _misuse(rank, n)
@@ -273,7 +277,7 @@ def _suite(rank: int, n: int, tmp: str) -> Dict[str, Any]:
 def test_reliability_suite_and_resume_in_new_processes() -> None:
     """Non-finite, scaler, agreement, misuse; then checkpoint resume: 6 steps ==
     3 steps + torch.save per rank (first processes), load + 3 steps in new
-    processes (FSDP1/FSDP2, exact/sparse/sparse mid warm-up)."""
+    processes (FSDP1/FSDP2, exact/sparse/sparse mid warm-up/quant)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = run_dist(_suite, 2, tmp, timeout=400)
         run_dist(_resume_load, 2, tmp, timeout=300)
