@@ -185,6 +185,11 @@ TAGC_HD float tagc_q_scale(int format, double sum_abs, float max_abs, int64_t le
         s = s < (double)max_abs ? s : (double)max_abs;
     } else {
         s = (double)max_abs / (double)tagc_q_max(format);
+        float f = (float)s;
+        /* the top code times the scale must stay finite: q * s <= FLT_MAX */
+        if ((double)f * tagc_q_max(format) > 3.4028234663852886e38)
+            f = nextafterf(f, 0.0f);
+        return f;
     }
     return s > 3.4028234663852886e38 ? 3.4028234663852886e38f : (float)s;
 }

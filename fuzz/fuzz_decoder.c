@@ -6,6 +6,7 @@
  * told, so ASan flags any read or write past it.  The first input byte picks
  * the operation; the next bytes are its parameters; the rest is the payload.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,16 +171,68 @@ static void fuzz_sparsify(input_t *in)
     free(bm);
 }
 
+static const tagc_qformat QFORMATS[4] = {TAGC_Q_SIGN, TAGC_Q_TERNARY, TAGC_Q_INT4,
+                                          TAGC_Q_INT8};
+
+/* A received quant message (any bytes): decoded or refused as CORRUPT with out
+ * untouched; then encoding hostile values: OK (sent + residual == v) or
+ * NONFINITE with the residual untouched. */
+static void fuzz_quant(input_t *in)
+{
+    uint32_t a = take_u32(in), b = take_u32(in);
+    tagc_qformat fmt = QFORMATS[a & 3];
+    int64_t n = (a >> 2) % 3000, block = 1 + (int64_t)(b % 700);
+    int64_t bytes = tagc_quant_bytes(n, fmt, block);
+    REQUIRE(bytes >= 0);
+    uint8_t *msg = take_buf(in, (size_t)bytes);
+    float *out = calloc((size_t)(n ? n : 1), 4);
+    REQUIRE(out != NULL);
+    tagc_status st = tagc_quant_decode_add(out, n, msg, bytes, fmt, block);
+    REQUIRE(st == TAGC_OK || st == TAGC_ERR_CORRUPT);
+    if (st == TAGC_ERR_CORRUPT)
+        for (int64_t i = 0; i < n; i++)
+            REQUIRE(out[i] == 0.0f);
+    REQUIRE(tagc_quant_decode_add(out, n, msg, bytes + 1, fmt, block) == TAGC_ERR_RANGE);
+
+    tagc_dtype gd = (b >> 16) & 1 ? TAGC_BF16 : TAGC_F32;
+    uint8_t *grad = take_buf(in, (size_t)n * tagc_dtype_size(gd));
+    float *res = (float *)take_buf(in, (size_t)n * 4);
+    float *res0 = malloc((size_t)(n ? n : 1) * 4);
+    uint8_t *enc = malloc((size_t)(bytes ? bytes : 1));
+    REQUIRE(res0 != NULL && enc != NULL);
+    memcpy(res0, res, (size_t)n * 4);
+    st = tagc_quant_encode(enc, bytes, res, TAGC_F32, grad, gd, n, fmt, block);
+    REQUIRE(st == TAGC_OK || st == TAGC_ERR_NONFINITE);
+    if (st == TAGC_ERR_NONFINITE) {
+        REQUIRE(memcmp(res, res0, (size_t)n * 4) == 0);
+    } else {
+        memset(out, 0, (size_t)(n ? n : 1) * 4);
+        REQUIRE(tagc_quant_decode_add(out, n, enc, bytes, fmt, block) == TAGC_OK);
+        for (int64_t i = 0; i < n; i++) /* every sent value and residual finite */
+            REQUIRE(isfinite(out[i]) && isfinite(res[i]));
+    }
+    if (n > 0)
+        REQUIRE(tagc_quant_encode(enc, bytes - 1, res, TAGC_F32, grad, gd, n, fmt, block) ==
+                TAGC_ERR_CAPACITY);
+    free(msg);
+    free(out);
+    free(grad);
+    free(res);
+    free(res0);
+    free(enc);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
     input_t in = {data + 1, size - 1};
-    switch (data[0] % 5) {
+    switch (data[0] % 6) {
     case 0: fuzz_peel(&in); break;
     case 1: fuzz_lanes(&in); break;
     case 2: fuzz_sparse(&in); break;
     case 3: fuzz_encode(&in); break;
+    case 4: fuzz_quant(&in); break;
     default: fuzz_sparsify(&in); break;
     }
     return 0;

@@ -234,6 +234,58 @@ static void test_sparse(void)
     CHECK(tagc_sparse_unpack(out, 5, buf, 23, 3, TAGC_F32) == TAGC_ERR_RANGE);
 }
 
+/* Hand-checked bytes of each format, and the error cases. */
+static void test_quant(void)
+{
+    const float v[6] = {1.0f, -2.0f, 0.5f, 0.0f, 4.0f, -4.0f};
+    float res[6] = {0}, out[6] = {0};
+    uint8_t buf[16];
+    /* int8, one block of 6: s = 4/127; max |v| goes out exactly */
+    CHECK(tagc_quant_bytes(6, TAGC_Q_INT8, 6) == 10);
+    CHECK(tagc_quant_encode(buf, 10, res, TAGC_F32, v, TAGC_F32, 6, TAGC_Q_INT8, 6) == TAGC_OK);
+    CHECK((int8_t)buf[4 + 4] == 127 && (int8_t)buf[4 + 5] == -127 && buf[4 + 3] == 0);
+    CHECK(tagc_quant_decode_add(out, 6, buf, 10, TAGC_Q_INT8, 6) == TAGC_OK);
+    CHECK(out[4] == 4.0f && out[5] == -4.0f && res[4] == 0.0f);
+    for (int i = 0; i < 6; i++)
+        CHECK(fabsf(out[i] + res[i] - v[i]) <= 1e-6f);
+    /* sign, blocks of 4: s = mean |v| = 0.875, then 4; bits LSB first */
+    CHECK(tagc_quant_bytes(6, TAGC_Q_SIGN, 4) == 10);
+    CHECK(tagc_quant_encode(buf, 10, NULL, TAGC_F32, v, TAGC_F32, 6, TAGC_Q_SIGN, 4) == TAGC_OK);
+    float s0, s1;
+    memcpy(&s0, buf, 4);
+    memcpy(&s1, buf + 5, 4);
+    CHECK(s0 == 0.875f && s1 == 4.0f && buf[4] == 0x0d && buf[9] == 0x01);
+    /* ternary, one block: s = min(2.5 * 11.5 / 6, 4) = 4; |v| > 2 goes out
+     * (-2 / 4 = -0.5 rounds half to even: 0) */
+    CHECK(tagc_quant_encode(buf, 16, NULL, TAGC_F32, v, TAGC_F32, 6, TAGC_Q_TERNARY, 6) ==
+          TAGC_OK);
+    /* digits q+1 = 1,1,1,1,2 -> 1 + 3 + 9 + 27 + 162 = 202; then 0 and four
+     * pad digits 1 -> 3 + 9 + 27 + 81 = 120 */
+    CHECK(buf[4] == 202 && buf[5] == 120);
+    buf[5] = 243;
+    memset(out, 0, sizeof out);
+    CHECK(tagc_quant_decode_add(out, 6, buf, 6, TAGC_Q_TERNARY, 6) == TAGC_ERR_CORRUPT);
+    CHECK(out[0] == 0.0f);
+    /* errors */
+    const float bad[2] = {1.0f, NAN};
+    float r2[2] = {0.5f, 0.5f};
+    CHECK(tagc_quant_encode(buf, 16, r2, TAGC_F32, bad, TAGC_F32, 2, TAGC_Q_INT4, 8) ==
+          TAGC_ERR_NONFINITE);
+    CHECK(r2[0] == 0.5f && r2[1] == 0.5f);
+    CHECK(tagc_quant_encode(buf, 4, NULL, TAGC_F32, v, TAGC_F32, 6, TAGC_Q_INT4, 8) ==
+          TAGC_ERR_CAPACITY);
+    CHECK(tagc_quant_encode(buf, 16, NULL, TAGC_F32, v, TAGC_F32, 6, (tagc_qformat)3, 8) ==
+          TAGC_ERR_RANGE);
+    CHECK(tagc_quant_encode(buf, 16, NULL, TAGC_F32, v, TAGC_F32, 6, TAGC_Q_INT4, 0) ==
+          TAGC_ERR_RANGE);
+    CHECK(tagc_quant_encode(NULL, 16, NULL, TAGC_F32, v, TAGC_F32, 6, TAGC_Q_INT4, 8) ==
+          TAGC_ERR_ARG);
+    CHECK(tagc_quant_encode(buf, 16, NULL, TAGC_F32, v, (tagc_dtype)5, 6, TAGC_Q_INT4, 8) ==
+          TAGC_ERR_DTYPE);
+    CHECK(tagc_quant_bytes(-1, TAGC_Q_INT4, 8) == -1 && tagc_quant_bytes(0, TAGC_Q_INT4, 8) == 0);
+    CHECK(tagc_quant_decode_add(out, 6, buf, 9, TAGC_Q_TERNARY, 6) == TAGC_ERR_RANGE);
+}
+
 static void test_misc(void)
 {
     uint8_t src[6] = {1, 2, 4, 8, 16, 32}, dst[3] = {0};
@@ -254,6 +306,7 @@ int main(void)
     test_roundtrip();
     test_peel_tiny();
     test_sparse();
+    test_quant();
     test_misc();
     if (failures) {
         fprintf(stderr, "test_kernels: %d failure(s)\n", failures);

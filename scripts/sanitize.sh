@@ -19,7 +19,7 @@ FUZZ_SECONDS="${FUZZ_SECONDS:-40}"
 mkdir -p "$OUT"
 
 KERNELS=("$ROOT"/csrc/select.c "$ROOT"/csrc/lanes.c "$ROOT"/csrc/sketch.c
-         "$ROOT"/csrc/sparse.c "$ROOT"/csrc/status.c)
+         "$ROOT"/csrc/sparse.c "$ROOT"/csrc/quant.c "$ROOT"/csrc/status.c)
 SAN=(-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer)
 CFLAGS=(-std=c11 -O1 -g -Wall -Wextra -Werror -I"$ROOT/csrc")
 export ASAN_OPTIONS="abort_on_error=1:detect_leaks=1:strict_string_checks=1"

@@ -266,6 +266,36 @@ def _check_quant(rank: int, n: int, kind: str, fmt: str) -> Dict[str, Any]:
     return st
 
 
+def _check_ef21(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig,
+                steps: int = 6) -> Dict[str, Any]:
+    """EF21: each rank's residual holds -h (its estimate of its own gradient,
+    shard by shard) and every owner's estimate is the sum over ranks of their
+    h for its shard, so the ranks and the owner never drift apart."""
+    mod = build_fsdp(kind, cfg)
+    state = tagc.register(mod, cfg)
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+    for step in range(steps):
+        _backward(mod, rank, step, kind)
+        opt.step()
+        opt.zero_grad()
+    checked = 0
+    for u in state.units:
+        if not u.compressed:
+            assert u.estimate is None
+            continue
+        s = u.flat_numel // n
+        total = (-u.residual).double()
+        dist.all_reduce(total)
+        mine = total[rank * s:(rank + 1) * s]
+        scale = float(mine.abs().max())
+        assert scale > 0 and u.estimate is not None
+        err = float((u.estimate.double() - mine).abs().max())
+        assert err <= 1e-5 * scale, (kind, cfg.mode, u.name, err, scale)
+        checked += 1
+    assert checked
+    return state.stats()["compressed_total"]
+
+
 def _modes() -> List[str]:
     return ["dense"] + (["exact", "sparse"] if HAVE_CODEC else [])
 
@@ -297,6 +327,9 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
                 out[f"warmup/{kind}"] = _check_warmup(rank, n, kind)
             for fmt in ("ternary", "int4") if n != 3 else ("int8",):
                 out[f"quant/{kind}/{fmt}"] = _check_quant(rank, n, kind, fmt)
+            for cfg in (_cfg("quant", quant_format="ternary", ef21=True),
+                        _cfg("sparse", theta=0.9, ef21=True)):
+                out[f"ef21/{kind}/{cfg.mode}"] = _check_ef21(rank, n, kind, cfg)
             # quant: error feedback of the rounding conserves mass, with accumulation
             out[f"ef/{kind}/quant"] = _check_conservation(
                 rank, n, kind, _cfg("quant", quant_format="sign"), steps=10, accum=2)

@@ -47,6 +47,16 @@ from dist_helpers import ToyGPT  # noqa: E402
     (dict(warmup_theta=1.0), "warmup_theta"),
     (dict(warmup_theta=-0.1), "warmup_theta"),
     (dict(mode="paper", warmup_steps=10), "warmup_steps"),
+    (dict(mode="quant", theta=0.9), "theta"),
+    (dict(mode="quant", warmup_steps=10), "warmup_steps"),
+    (dict(quant_format="int3"), "quant_format"),
+    (dict(quant_block=0), "quant_block"),
+    (dict(quant_block=65537), "quant_block"),
+    (dict(quant_block=256.0), "quant_block"),
+    (dict(ef21=1), "ef21"),
+    (dict(mode="dense", ef21=True), "ef21"),
+    (dict(ef21=True, error_feedback=False), "ef21"),
+    (dict(ef21=True, residual_dtype=torch.bfloat16), "ef21"),
 ])
 def test_invalid_values_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}"):
@@ -62,6 +72,26 @@ def test_paper_theta_defaults_from_ratio():
     assert (c.ratio, c.theta) == (10.0, 0.9875)
     assert tagc.TAGCConfig(mode="exact").theta == 0.9875
     assert tagc.TAGCConfig(value_dtype="bf16").value_dtype == torch.bfloat16
+
+
+def test_quant_mode_sends_every_entry():
+    c = tagc.TAGCConfig(mode="quant")
+    assert (c.theta, c.quant_format, c.quant_block, c.ef21) == (0.0, "int4", 256, False)
+    assert tagc.TAGCConfig(mode="quant", theta=0).theta == 0.0
+    assert c.theta_at(0) == 0.0
+    assert tagc.TAGCConfig(mode="quant", dense_steps=3).theta_at(2) is None
+
+
+def test_recommended_presets():
+    """tagc-balanced / tagc-lean: quant mode on the default selection, no warm-up
+    to size, and bits/param per rank at N=2 within their budgets (2.6 and 1.0:
+    (N-1)/N * (bits per value + 32 / quant_block))."""
+    for name, budget in (("tagc-balanced", 2.6), ("tagc-lean", 1.0)):
+        c = tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"{name}.yaml"))
+        assert c.mode == "quant" and c.layers == "non_attention" and c.error_feedback
+        assert c.dense_steps == 0 and c.warmup_steps == 0
+        per_value = tagc.QUANT_BITS[c.quant_format] + 32 / c.quant_block
+        assert 0.5 * per_value <= budget, (name, per_value)
 
 
 def test_warmup_schedule_is_dense_then_geometric_in_density():

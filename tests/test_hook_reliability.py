@@ -34,7 +34,11 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def _residuals(state: tagc.TAGCState) -> Dict[str, torch.Tensor]:
-    return {u.name: u.residual.clone() for u in state.units if u.residual is not None}
+    """Every feedback state: residuals, and EF21's estimates under "<unit>/estimate"."""
+    out = {u.name: u.residual.clone() for u in state.units if u.residual is not None}
+    out.update({f"{u.name}/estimate": u.estimate.clone() for u in state.units
+                if u.estimate is not None})
+    return out
 
 
 def _nonfinite(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig) -> Dict[str, Any]:
@@ -163,7 +167,7 @@ def _misuse(rank: int, n: int) -> List[str]:
 
 # "sparse-warmup": saved at step 3, in the middle of its warm-up ramp (1 dense
 # step, sparsity 0.5 -> 0.9 over steps 1..4), so the schedule must resume too.
-RESUME_MODES = ("exact", "sparse", "sparse-warmup", "quant")
+RESUME_MODES = ("exact", "sparse", "sparse-warmup", "quant", "quant-ef21")
 
 
 def _resume_cfg(mode: str, other: bool = False) -> tagc.TAGCConfig:
@@ -171,8 +175,9 @@ def _resume_cfg(mode: str, other: bool = False) -> tagc.TAGCConfig:
     theta = 0.8 if other else 0.9
     if mode == "sparse-warmup":
         return _cfg("sparse", theta=theta, dense_steps=1, warmup_steps=4, warmup_theta=0.5)
-    if mode == "quant":
-        return _cfg("quant", quant_format="int4" if other else "ternary")
+    if mode.startswith("quant"):
+        return _cfg("quant", quant_format="int4" if other else "ternary",
+                    ef21=mode.endswith("ef21"))
     return _cfg(mode, theta=theta)
 
 
@@ -266,7 +271,7 @@ def _suite(rank: int, n: int, tmp: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for kind in KINDS:
         out[f"nonfinite/{kind}"] = _nonfinite(rank, n, kind, _cfg("exact", theta=0.9))
-        out[f"nonfinite/{kind}/quant"] = _nonfinite(rank, n, kind, _cfg("quant"))
+        out[f"nonfinite/{kind}/quant"] = _nonfinite(rank, n, kind, _cfg("quant", ef21=True))
         out[f"scaler/{kind}"] = _grad_scaler(rank, n, kind)
         out[f"agree/{kind}"] = _agreement(rank, n, kind)
     out["misuse"] = _misuse(rank, n)
