@@ -8,6 +8,14 @@ to the baseline, gradient bits per parameter on the wire, step time) and
     python scripts/compare_quality.py                       # tiny model, 300 steps
     python scripts/compare_quality.py --presets tagc-exact,tagc-sparse -- --max_iters=50
 
+Grid mode (the ablation): every method of ``--methods`` at every sparsity of ``--thetas``
+(methods without a sparsity, such as the quant formats, run once), each at every run
+length of ``--steps``, against a baseline of the same length; writes ``<out_dir>/grid.md``
+(loss, change vs baseline and bits/param on the compressed units per length) and
+``<out_dir>/grid_curves.png`` (the gap to the baseline along each run):
+
+    python scripts/compare_quality.py --grid --methods sparse,quant-int4 --thetas 0.9875,0.9
+
 Arguments after ``--`` are passed to every training run (``--key=value`` overrides).
 """
 from __future__ import annotations
@@ -36,6 +44,22 @@ DEFAULT_PRESETS = ("tagc-10x-1bit,tagc-10x-4bit,tagc-exact,tagc-sparse,"
 GOALS = {"tagc-exact": 1.0, "tagc-sparse": 2.0,
          "tagc-exact-warmup": 1.0, "tagc-sparse-warmup": 2.0, "tagc-sparse-t90-warmup": 2.0}
 PAPER_10X_1BIT_LOSS_PCT = 3.6
+# Grid methods: TAGCConfig fields on top of the default selection.  Those whose mode is
+# exact/sparse take the grid's thetas; the others run once.
+METHODS: Dict[str, Dict[str, Any]] = {
+    "exact": {"mode": "exact"},
+    "sparse": {"mode": "sparse"},
+    "sparse-ef21": {"mode": "sparse", "ef21": True},
+    "quant-int8": {"mode": "quant", "quant_format": "int8"},
+    "quant-int4": {"mode": "quant", "quant_format": "int4"},
+    "quant-ternary": {"mode": "quant", "quant_format": "ternary"},
+    "quant-sign": {"mode": "quant", "quant_format": "sign"},
+    "quant-int4-ef21": {"mode": "quant", "quant_format": "int4", "ef21": True},
+    "quant-ternary-ef21": {"mode": "quant", "quant_format": "ternary", "ef21": True},
+    "quant-sign-ef21": {"mode": "quant", "quant_format": "sign", "ef21": True},
+}
+DEFAULT_GRID = ("sparse,sparse-ef21,quant-int8,quant-int4,quant-ternary,quant-sign,"
+                "quant-int4-ef21,quant-ternary-ef21,quant-sign-ef21")
 
 
 def run_one(name: str, preset: Optional[Path], args: argparse.Namespace,
@@ -55,6 +79,12 @@ def run_one(name: str, preset: Optional[Path], args: argparse.Namespace,
         RuntimeError: the training run failed (its log tail is in the message).
     """
     out = Path(args.out_dir) / name
+    return _train(name, out, preset, args, extra)
+
+
+def _train(name: str, out: Path, preset: Optional[Path], args: argparse.Namespace,
+           extra: Sequence[str]) -> Dict[str, Any]:
+    """run_one's work for an explicit output folder (grid cells nest theirs)."""
     summary_path = out / "summary.json"
     if args.reuse and summary_path.exists():
         logger.info("%s: reusing %s", name, summary_path)
@@ -88,11 +118,7 @@ def write_table(results: Dict[str, Dict[str, Any]], path: Path, command: str) ->
     """Markdown table of the runs against the baseline; returns the text it wrote."""
     base = results["baseline"]["final_val_loss"]
     b0 = results["baseline"]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    commit = _commit()
     lines = [
         f"Command: `{command}` (commit {commit}, {time.strftime('%Y-%m-%d %H:%M %Z')})",
         "",
@@ -155,6 +181,132 @@ def plot_curves(results: Dict[str, Dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def grid_cells(methods: Sequence[str], thetas: Sequence[float]) -> List[Tuple[str, Optional[float]]]:
+    """(method, theta or None) of every grid run, in table order.
+
+    Args:
+        methods: names of METHODS, or preset names/paths (run as they are).
+        thetas: sparsities for the exact/sparse methods.
+    Returns:
+        the cells.
+    Raises:
+        SystemExit: an unknown method.
+    """
+    cells: List[Tuple[str, Optional[float]]] = []
+    for m in methods:
+        fields = METHODS.get(m)
+        if fields is None:
+            _preset_path(m)  # raises for an unknown name
+            cells.append((m, None))
+        elif fields["mode"] in ("exact", "sparse"):
+            cells.extend((m, t) for t in thetas)
+        else:
+            cells.append((m, None))
+    return cells
+
+
+def _preset_path(name: str) -> Path:
+    path = Path(name) if name.endswith((".yaml", ".yml")) else REPO / "configs" / f"{name}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"no preset {path} (and not a grid method: {sorted(METHODS)})")
+    return path.resolve()
+
+
+def _cell_config(out: Path, method: str, theta: Optional[float]) -> Path:
+    """The YAML preset of one grid cell (written under out/configs/)."""
+    import yaml
+
+    if method not in METHODS:
+        return _preset_path(method)
+    fields = {"layers": "non_attention", "min_numel": 65536, **METHODS[method]}
+    if theta is not None:
+        fields["theta"] = theta
+    path = out / "configs" / f"{_cell_name(method, theta)}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(fields, sort_keys=False))
+    return path
+
+
+def _cell_name(method: str, theta: Optional[float]) -> str:
+    return method if theta is None else f"{method}@{theta:g}"
+
+
+def run_grid(args: argparse.Namespace, extra: Sequence[str]) -> Dict[int, Dict[str, Any]]:
+    """Train the baseline and every cell at every length; returns {steps: {cell: summary}}."""
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    thetas = [float(t) for t in args.thetas.split(",") if t.strip()]
+    cells = grid_cells(methods, thetas)
+    out = Path(args.out_dir)
+    res: Dict[int, Dict[str, Any]] = {}
+    for steps in (int(x) for x in args.steps.split(",")):
+        more = [*extra, f"--max_iters={steps}"]
+        runs = res[steps] = {}
+        runs["baseline"] = _train("baseline", out / str(steps) / "baseline", None, args, more)
+        for method, theta in cells:
+            name = _cell_name(method, theta)
+            runs[name] = _train(name, out / str(steps) / name,
+                                _cell_config(out, method, theta), args, more)
+    return res
+
+
+def write_grid(res: Dict[int, Dict[str, Any]], path: Path, command: str) -> str:
+    """Markdown table: a row per cell, per run length its loss, change and bits/param."""
+    lengths = sorted(res)
+    names = list(res[lengths[0]])
+    head = "| run | " + " | ".join(f"{n} steps: val loss | vs baseline | bits/param (compressed)"
+                                    for n in lengths) + " |"
+    lines = [f"Command: `{command}` (commit {_commit()}, {time.strftime('%Y-%m-%d %H:%M %Z')})",
+             "", head, "|---|" + "---|---|---|" * len(lengths)]
+    for name in names:
+        cols = []
+        for n in lengths:
+            s, base = res[n][name], res[n]["baseline"]["final_val_loss"]
+            bits = s.get("compressed_bits_per_param")
+            bits_s = "16.00" if name == "baseline" else \
+                "-" if bits is None or (isinstance(bits, float) and math.isnan(bits)) else f"{bits:.2f}"
+            cols.append(f"{s['final_val_loss']:.4f} | {100 * (s['final_val_loss'] / base - 1):+.2f}% "
+                        f"| {bits_s}")
+        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def plot_grid(res: Dict[int, Dict[str, Any]], path: Path) -> None:
+    """PNG: per run length, each cell's validation loss relative to the baseline's."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lengths = sorted(res)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6.5 * len(lengths), 4.8), dpi=110,
+                             squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    for ax, n in zip(axes[0], lengths):
+        base = dict(res[n]["baseline"]["val_curve"])
+        for i, (name, s) in enumerate(x for x in res[n].items() if x[0] != "baseline"):
+            pts = [(it, 100 * (loss / base[it] - 1)) for it, loss in s["val_curve"] if it in base]
+            if pts:
+                ax.plot(*zip(*pts), label=name, color=cmap(i % 20), lw=1.4)
+        ax.axhline(0, color="black", lw=1.5)
+        ax.set_title(f"{n} steps: validation loss vs plain FSDP")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("% above plain FSDP")
+        ax.set_ylim(-2, 12)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     """Run the comparison; returns {run name: summary}."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -172,23 +324,37 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     p.add_argument("--out_dir", default="out/compare")
     p.add_argument("--reuse", action="store_true",
                    help="reuse runs whose summary.json already exists in out_dir")
+    p.add_argument("--grid", action="store_true",
+                   help="ablation grid: --methods x --thetas at every --steps (ignores --presets)")
+    p.add_argument("--methods", default=DEFAULT_GRID,
+                   help=f"grid methods, comma-separated: {', '.join(METHODS)} or preset names")
+    p.add_argument("--thetas", default="0.9875,0.9,0.75",
+                   help="grid sparsities for the exact/sparse methods")
+    p.add_argument("--steps", default="300,1000", help="grid run lengths (max_iters)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    command = "python scripts/compare_quality.py " + " ".join(
+        shlex.quote(a) for a in (argv + (["--", *extra] if extra else [])))
+    if args.grid:
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        res = run_grid(args, extra)
+        text = write_grid(res, out / "grid.md", command.strip())
+        plot_grid(res, out / "grid_curves.png")
+        print(text)
+        print(f"wrote {out / 'grid.md'} and {out / 'grid_curves.png'}")
+        return {str(n): r for n, r in res.items()}
     names = [n.strip() for n in args.presets.split(",") if n.strip()]
     presets: List[Tuple[str, Optional[Path]]] = [("baseline", None)]
     for n in names:
-        path = Path(n) if n.endswith((".yaml", ".yml")) else REPO / "configs" / f"{n}.yaml"
-        if not path.is_file():
-            raise SystemExit(f"no preset {path}")
-        presets.append((path.stem, path.resolve()))
+        path = _preset_path(n)
+        presets.append((path.stem, path))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Dict[str, Any]] = {}
     for name, preset in presets:
         results[name] = run_one(name, preset, args, extra)
         results[name]["_config"] = str(out / name / "config.json")
-    command = "python scripts/compare_quality.py " + " ".join(
-        shlex.quote(a) for a in (argv + (["--", *extra] if extra else [])))
     text = write_table(results, out / "quality.md", command.strip())
     plot_curves(results, out / "val_curves.png")
     print(text)
