@@ -49,6 +49,8 @@ CONFIGS: dict[str, str | None] = {
     "10x-4bit": "tagc-10x-4bit.yaml",
     "exact": "tagc-exact.yaml",
     "sparse": "tagc-sparse.yaml",
+    "balanced": "tagc-balanced.yaml",
+    "lean": "tagc-lean.yaml",
 }
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 
@@ -351,14 +353,22 @@ def _worker(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- driver
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port that is free in the root namespace (namespaces have their own ports)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _netem(net: list[str], *cmd: str, timeout: float = 60, check: bool = True) -> str:
+def netem(net: list[str], *cmd: str, timeout: float = 60, check: bool = True) -> str:
+    """Run ``scripts/netem.sh NET... CMD...``; its stdout (stderr logged as a warning).
+
+    Args:
+        net: the network options (prefix, hosts, rate, delay).
+        *cmd: the netem.sh command and its arguments.
+        timeout: seconds.
+        check: raise RuntimeError when it fails.
+    """
     r = subprocess.run(["bash", str(NETEM), *net, *cmd], capture_output=True, text=True,
                        timeout=timeout)
     if check and r.returncode != 0:
@@ -373,7 +383,7 @@ def _launch(net: list[str], args: argparse.Namespace, configs: list[str], repeat
     """Run the worker on every emulated host; return rank 0's result dict."""
     if result.exists():
         result.unlink()
-    cmd = ["bash", str(NETEM), *net, "torchrun", "--port", str(_free_port()), "--timeout",
+    cmd = ["bash", str(NETEM), *net, "torchrun", "--port", str(free_port()), "--timeout",
            str(int(timeout)), "--", str(Path(__file__).resolve()), "--worker",
            "--result", str(result), "--fsdp", str(args.fsdp), "--shape", json.dumps(asdict(args.shape_obj)),
            "--config-dir", str(Path(args.config_dir).resolve()),
@@ -422,21 +432,21 @@ def _driver(args: argparse.Namespace) -> int:
                                                                                   time.gmtime())}
     report["loadavg_start"], report["cpus"] = os.getloadavg(), os.cpu_count()
     try:
-        _netem(net, "up")
-        report["link_shaped"] = _netem(net, "measure", str(args.measure_mb), timeout=600).strip()
+        netem(net, "up")
+        report["link_shaped"] = netem(net, "measure", str(args.measure_mb), timeout=600).strip()
         logger.info("%s", report["link_shaped"])
         report["shaped"] = _launch(net, args, args.configs, args.repeats, args.steps,
                                    out / "raw_shaped.json", args.timeout, args.profile)
         if not args.no_unshaped:
-            _netem(net, "rate", "none")
-            report["link_unshaped"] = _netem([*net[:4], "--rate", "none", *net[6:]], "measure",
+            netem(net, "rate", "none")
+            report["link_unshaped"] = netem([*net[:4], "--rate", "none", *net[6:]], "measure",
                                              str(args.measure_mb), timeout=600).strip()
             # quick: only plain FSDP (its communication share); full: every configuration
             uconf = [c for c in args.configs if c == "fsdp"] if args.quick else args.configs
             report["unshaped"] = _launch(net, args, uconf or args.configs, args.unshaped_repeats, args.steps,
                                          out / "raw_unshaped.json", args.timeout)
     finally:
-        _netem(net, "down", check=False)
+        netem(net, "down", check=False)
     report["codec_table"] = _codec_table(args.timeout, args.quick) if not args.no_codec else "(skipped)\n"
     report["wall_s"] = time.perf_counter() - t_wall
     report["loadavg_end"] = os.getloadavg()

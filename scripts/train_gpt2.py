@@ -685,8 +685,10 @@ class _TqdmHandler(logging.Handler):
 class MetricsLog:
     """CSV (always) and TensorBoard (if installed) metrics, written by rank 0 only."""
 
+    # elapsed_s: wall time since the loop started (evaluations included); train_s: the
+    # training steps' time alone (what a time-to-loss comparison should add up)
     FIELDS = ["kind", "iter", "loss", "lr", "step_ms", "tokens_per_s", "bytes_sent",
-              "bytes_uncompressed", "unpeeled", "elapsed_s"]
+              "bytes_uncompressed", "unpeeled", "elapsed_s", "train_s"]
 
     def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool, resume: bool) -> None:
         self.enabled = enabled
@@ -852,7 +854,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             val_loss = estimate_val_loss(model, data, cfg, device)
             logger.info("iter %d: val loss %.4f", iter_num, val_loss)
             metrics.write(kind="val", iter=iter_num, loss=val_loss,
-                          elapsed_s=time.perf_counter() - t_start)
+                          elapsed_s=time.perf_counter() - t_start, train_s=sum(step_times))
             bar.set_postfix(val=f"{val_loss:.3f}")
         if cfg.ckpt_interval and iter_num % cfg.ckpt_interval == 0 and iter_num > 0 \
                 and iter_num < cfg.max_iters:
@@ -908,7 +910,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             metrics.write(kind="train", iter=iter_num, loss=train_loss, lr=lr,
                           step_ms=dt * 1000, tokens_per_s=tokens_per_iter / dt,
                           bytes_sent=sent, bytes_uncompressed=uncompressed,
-                          unpeeled=unpeeled, elapsed_s=time.perf_counter() - t_start)
+                          unpeeled=unpeeled, elapsed_s=time.perf_counter() - t_start,
+                          train_s=sum(step_times))
             bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}")
     bar.close()
 

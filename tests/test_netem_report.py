@@ -81,3 +81,29 @@ def test_model_shape_validates():
         bench_step.ModelShape(n_embd=100, n_head=3)
     with pytest.raises(ValueError):
         bench_step.ModelShape(batch=0)
+
+
+bench_time = importlib.import_module("bench_time_to_loss")
+
+
+def test_time_to_loss_interpolates_between_evaluations() -> None:
+    curve = [(0.0, 5.0), (10.0, 3.0), (20.0, 2.0), (30.0, 1.5)]
+    assert bench_time.time_to(curve, 2.5) == pytest.approx(15.0)
+    assert bench_time.time_to(curve, 2.0) == pytest.approx(20.0)
+    assert bench_time.time_to(curve, 1.0) is None
+    assert bench_time.time_to(curve, 9.0) == 0.0
+
+
+def test_time_to_loss_report(tmp_path: Path) -> None:
+    res = {"steps": 4, "loadavg": (1.0, 1.0, 1.0), "loadavg_end": (1.5, 1.0, 1.0),
+           "link": "192 Mbit/s", "baseline": {"curve": [(0.0, 5.0), (40.0, 2.0)]},
+           "presets": {"p": {"curve": [(0.0, 5.0), (10.0, 3.0), (20.0, 1.9)],
+                             "equal_time_steps": 8,
+                             "equal_time_curve": [(0.0, 5.0), (39.0, 1.8)]}}}
+    text = bench_time.report(res, tmp_path / "t.md", "cmd")
+    row = [ln for ln in text.splitlines() if ln.startswith("| p |")][0]
+    # reaches 2.0 at 10 + 10 * (3.0 - 2.0) / (3.0 - 1.9) s; 40 s / that = the speed-up
+    t = 10 + 10 * 1.0 / 1.1
+    assert f"{t:.1f} s | {40 / t:.2f}x" in row and "| 8 (39.0 s) | 1.8000 | -10.00% |" in row
+    bench_time.plot(res, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
