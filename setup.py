@@ -125,7 +125,7 @@ def tagc_extension() -> Extension:
         "_tagc",
         sources=codec_sources(),
         include_dirs=["csrc"],
-        extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra"],
+        extra_compile_args=["-std=c11", "-O3", "-fno-trapping-math", "-Wall", "-Wextra"],
     )
     mode = cuda_mode()
     nvcc = None if mode == "off" else find_nvcc()

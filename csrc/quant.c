@@ -18,16 +18,27 @@ int64_t tagc_quant_bytes(int64_t n, tagc_qformat format, int64_t block)
 
 /* Scale of the block [o, o + len) of v; returns 0 when v holds NaN/Inf there.
  * The sum of |v| runs in 32 strided partial sums (double), then a pairwise
- * tree: what a warp does with one lane per partial sum and shuffles. */
+ * tree: what a warp does with one lane per partial sum and shuffles.  (The
+ * inner loop over 32 lanes vectorizes.) */
 TAGC_AI int block_scale(float *scale, const void *g, int gd, const void *r, int rd,
                         int64_t o, int64_t len, int format)
 {
     double lane[32] = {0};
     float m = 0.0f;
     int finite = 1;
-    for (int64_t i = 0; i < len; i++) {
+    int64_t i = 0;
+    for (; i + 32 <= len; i += 32) {
+        for (int j = 0; j < 32; j++) {
+            float a = fabsf(load_v(g, gd, r, rd, o + i + j));
+            finite &= a <= FLT_MAX; /* false for NaN too */
+            m = a > m ? a : m;
+            if (tagc_q_uses_sum(format))
+                lane[j] += (double)a;
+        }
+    }
+    for (; i < len; i++) {
         float a = fabsf(load_v(g, gd, r, rd, o + i));
-        finite &= a <= FLT_MAX; /* false for NaN too */
+        finite &= a <= FLT_MAX;
         m = a > m ? a : m;
         if (tagc_q_uses_sum(format))
             lane[i & 31] += (double)a;
@@ -41,28 +52,44 @@ TAGC_AI int block_scale(float *scale, const void *g, int gd, const void *r, int 
     return 1;
 }
 
+/* Values per chunk of block_encode: a multiple of every format's codes per
+ * byte (8, 5, 2, 1), so each chunk's codes start on a byte boundary. */
+#define CHUNK 320
+
 /* Codes of the block [o, o + len) under scale s into `codes`, and the
- * residual v - q * s (what the owner does not get) back in place. */
+ * residual v - q * s (what the owner does not get) back in place.  Per chunk,
+ * one elementwise loop (codes and residual; it vectorizes) then the packing. */
 TAGC_AI void block_encode(uint8_t *codes, float s, const void *g, int gd, void *r,
                           int rd, int64_t o, int64_t len, int format)
 {
-    int per = tagc_q_per_byte(format);
-    int64_t nbytes = (len + per - 1) / per;
-    for (int64_t b = 0; b < nbytes; b++) {
-        unsigned byte = 0;
-        for (int j = 0; j < per; j++) {
-            int64_t i = b * per + j;
-            unsigned digit = tagc_q_pad_digit(format);
-            if (i < len) {
-                float v = load_v(g, gd, r, rd, o + i);
-                int q = tagc_q_code(format, v, s);
-                if (rd != DT_NONE)
-                    st_val(r, rd, o + i, v - (float)q * s);
-                digit = tagc_q_digit(format, q);
-            }
-            byte += digit * tagc_q_weight(format, j);
+    const int per = tagc_q_per_byte(format);
+    const float inv = tagc_q_inv(s);
+    int8_t q[CHUNK];
+    for (int64_t c = 0; c < len; c += CHUNK) {
+        int n = len - c < CHUNK ? (int)(len - c) : CHUNK;
+        for (int i = 0; i < n; i++) {
+            float v = load_v(g, gd, r, rd, o + c + i);
+            int qi = tagc_q_code(format, v, inv);
+            q[i] = (int8_t)qi;
+            if (rd != DT_NONE)
+                st_val(r, rd, o + c + i, v - (float)qi * s);
         }
-        codes[b] = (uint8_t)byte;
+        uint8_t *out = codes + c / per;
+        int full = n / per, b = 0;
+        for (; b < full; b++) {
+            unsigned byte = 0;
+            for (int j = 0; j < per; j++)
+                byte += tagc_q_digit(format, q[b * per + j]) * tagc_q_weight(format, j);
+            out[b] = (uint8_t)byte;
+        }
+        if (b * per < n) {
+            unsigned byte = 0;
+            for (int j = 0; j < per; j++)
+                byte += (b * per + j < n ? tagc_q_digit(format, q[b * per + j])
+                                         : tagc_q_pad_digit(format)) *
+                        tagc_q_weight(format, j);
+            out[b] = (uint8_t)byte;
+        }
     }
 }
 
@@ -127,23 +154,35 @@ tagc_status tagc_quant_encode(uint8_t *dst, int64_t dst_capacity,
     return TAGC_OK;
 }
 
-/* Whether the len codes of one record are valid (reads only). */
+/* Whether the len codes of one record are valid (reads only).  Byte by byte
+ * with the position in the byte a constant once the loop unrolls. */
 TAGC_AI int record_valid(const uint8_t *codes, int64_t len, int format)
 {
-    int per = tagc_q_per_byte(format), bad = 0;
-    for (int64_t i = 0; i < len; i++)
-        (void)tagc_q_decode(format, codes[i / per], (int)(i % per), &bad);
+    const int per = tagc_q_per_byte(format);
+    int bad = 0;
+    int64_t full = len / per, b = 0;
+    for (; b < full; b++)
+        for (int j = 0; j < per; j++)
+            (void)tagc_q_decode(format, codes[b], j, &bad);
+    for (int j = 0; b * per + j < len; j++)
+        (void)tagc_q_decode(format, codes[b], j, &bad);
     return !bad;
 }
 
 /* out[0..len) += the record's values. */
 TAGC_AI void record_add(float *out, const uint8_t *rec, int64_t len, int format)
 {
-    int per = tagc_q_per_byte(format), bad = 0;
+    const int per = tagc_q_per_byte(format);
+    const uint8_t *codes = rec + 4;
+    int ignored = 0;
     float s;
     memcpy(&s, rec, 4); /* src comes off the network: no alignment assumed */
-    for (int64_t i = 0; i < len; i++)
-        out[i] += (float)tagc_q_decode(format, rec[4 + i / per], (int)(i % per), &bad) * s;
+    int64_t full = len / per, b = 0;
+    for (; b < full; b++)
+        for (int j = 0; j < per; j++)
+            out[b * per + j] += (float)tagc_q_decode(format, codes[b], j, &ignored) * s;
+    for (int j = 0; b * per + j < len; j++)
+        out[b * per + j] += (float)tagc_q_decode(format, codes[b], j, &ignored) * s;
 }
 
 tagc_status tagc_quant_decode_add(float *out, int64_t n,

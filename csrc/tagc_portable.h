@@ -174,10 +174,12 @@ TAGC_HD int64_t tagc_q_record_bytes(int64_t len, int format)
 
 /* Scale of a block of len > 0 values from its sum of |v| (double, fixed
  * order) and its max |v|.  Clamped to FLT_MAX so a finite block always has
- * a finite scale. */
+ * a finite scale; a scale below FLT_MIN counts as 0 (nothing of the block is
+ * sent, it stays in the residual), so that 1/s is always finite. */
 TAGC_HD float tagc_q_scale(int format, double sum_abs, float max_abs, int64_t len)
 {
     double s;
+    float f;
     if (format == 1) {
         s = sum_abs / (double)len;
     } else if (format == 2) {
@@ -185,32 +187,51 @@ TAGC_HD float tagc_q_scale(int format, double sum_abs, float max_abs, int64_t le
         s = s < (double)max_abs ? s : (double)max_abs;
     } else {
         s = (double)max_abs / (double)tagc_q_max(format);
-        float f = (float)s;
-        /* the top code times the scale must stay finite: q * s <= FLT_MAX */
-        if ((double)f * tagc_q_max(format) > 3.4028234663852886e38)
-            f = nextafterf(f, 0.0f);
-        return f;
     }
-    return s > 3.4028234663852886e38 ? 3.4028234663852886e38f : (float)s;
+    f = s > 3.4028234663852886e38 ? 3.4028234663852886e38f : (float)s;
+    /* the top code times the scale must stay finite: q * s <= FLT_MAX */
+    if ((double)f * tagc_q_max(format) > 3.4028234663852886e38)
+        f = nextafterf(f, 0.0f);
+    return f < 1.17549435e-38f ? 0.0f : f;
 }
 
-/* Code of v under scale s: sign of v for `sign` (v >= 0 gives +1), else
- * round-half-even of v / s clamped to +-tagc_q_max; 0 when s == 0.  The
- * caller passes finite v and s. */
-TAGC_HD int tagc_q_code(int format, float v, float s)
+/* The reciprocal tagc_q_code multiplies by (0 for s == 0). */
+TAGC_HD float tagc_q_inv(float s)
+{
+#if defined(__CUDA_ARCH__)
+    return s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
+#else
+    return s > 0.0f ? 1.0f / s : 0.0f;
+#endif
+}
+
+/* Code of v: the sign of v for `sign` (v >= 0 gives +1), else v * inv
+ * rounded half to even and clamped to +-tagc_q_max (inv = tagc_q_inv(s); 0
+ * when s == 0).  The rounding adds and subtracts 1.5 * 2^23, exact and
+ * half-even in float for |y| < 2^22, which the clamp to +-(max + 1)
+ * guarantees: no libm call, the same bits on the CPU and the GPU (the _rn
+ * intrinsics keep nvcc from fusing).  The caller passes finite v. */
+TAGC_HD int tagc_q_code(int format, float v, float inv)
 {
     if (format == 1)
         return v >= 0.0f ? 1 : -1;
-    if (!(s > 0.0f))
-        return 0;
+    const float lim = (float)tagc_q_max(format), magic = 12582912.0f;
 #if defined(__CUDA_ARCH__)
-    float y = rintf(__fdiv_rn(v, s));
+    float y = __fmul_rn(v, inv);
 #else
-    float y = rintf(v / s);
+    float y = v * inv;
 #endif
-    float lim = (float)tagc_q_max(format);
-    y = y > lim ? lim : (y < -lim ? -lim : y);
-    return (int)y;
+    /* clamps written as (a < b ? a : b): the form SIMD min/max compute */
+    y = y < lim + 1.0f ? y : lim + 1.0f;
+    y = y > -lim - 1.0f ? y : -lim - 1.0f;
+#if defined(__CUDA_ARCH__)
+    float r = __fsub_rn(__fadd_rn(y, magic), magic);
+#else
+    float r = (y + magic) - magic;
+#endif
+    r = r < lim ? r : lim;
+    r = r > -lim ? r : -lim;
+    return (int)r;
 }
 
 /* Digit of code q in its byte, and the weight of position j (0-based) in the

@@ -100,6 +100,25 @@ int main(void)
            TAGC_ERR_RANGE);
     EXPECT(tagc_cuda_sparse_unpack(tau, 100, bm, 48, 8, TAGC_BF16, NULL, NULL, 0, s),
            TAGC_ERR_ARG);
+    size_t sq = tagc_cuda_quant_encode_workspace_size();
+    EXPECT(sq >= 4 && tagc_cuda_quant_decode_add_workspace_size() >= 4, 1);
+    /* 100 int4 values in blocks of 64: 2 records, 4 + 32 and 4 + 18 bytes */
+    EXPECT(tagc_cuda_quant_encode(bm, 57, NULL, TAGC_F32, d, TAGC_F32, 100, TAGC_Q_INT4, 64,
+                                  d, sq, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_quant_encode(bm, 58, NULL, TAGC_F32, d, TAGC_F32, 100,
+                                  (tagc_qformat)3, 64, d, sq, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_quant_encode(bm, 58, NULL, TAGC_F32, d, TAGC_F32, 100, TAGC_Q_INT4, 0,
+                                  d, sq, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_quant_encode(bm, 58, d, (tagc_dtype)4, d, TAGC_F32, 100, TAGC_Q_INT4, 64,
+                                  d, sq, s), TAGC_ERR_DTYPE);
+    EXPECT(tagc_cuda_quant_encode(NULL, 58, NULL, TAGC_F32, d, TAGC_F32, 100, TAGC_Q_INT4, 64,
+                                  d, sq, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_quant_encode(bm, 58, NULL, TAGC_F32, d, TAGC_F32, 100, TAGC_Q_INT4, 64,
+                                  ws_small, 0, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_quant_decode_add(tau, 100, bm, 57, TAGC_Q_INT4, 64, NULL, d, sq, s),
+           TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_quant_decode_add(tau, 100, bm, 58, TAGC_Q_INT4, 64, NULL, NULL, 0, s),
+           TAGC_ERR_ARG);
 
     /* No usable GPU: a valid call must fail cleanly in its first CUDA call. */
     int devices = 0;
@@ -116,6 +135,8 @@ int main(void)
         EXPECT(tagc_cuda_lanes_pack(bm, 100, bm, 100, 8, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_peel_decode(tau, 100, idx, 4, cnt, d, TAGC_F32, bm, 100, 10,
                                      1, 1, 8, d, pd, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_quant_encode(bm, 58, NULL, TAGC_F32, d, TAGC_F32, 100, TAGC_Q_INT4,
+                                      64, d, sq, s), TAGC_ERR_CUDA);
     } else {
         printf("host_check: %d CUDA device(s) present, no-GPU checks skipped\n",
                devices);

@@ -7,6 +7,8 @@ Measures, per shard size S and sparsity theta (k = ceil((1-theta)*S)):
   - sketch encode: ``_tagc.sketch_encode`` of the k kept entries (entries/s);
   - peel decode: ``_tagc.peel_decode`` of the sum of N ranks' sketches sized as
     DESIGN section 4 `exact` (entries/s of the union);
+  - quant encode/decode (int4, ternary; no theta: every entry): ``_tagc.quant_encode``
+    with error feedback and ``_tagc.quant_decode_add`` (GB/s of gradient);
 and prints a markdown table with each op's ratio to memcpy, both per item
 (entries/s over fp32 elements copied per second) and per shard (time to copy
 the shard over the op's time).  The codec is single-threaded; torch is set
@@ -110,6 +112,37 @@ def bench_case(S: int, theta: float, ranks: int, reps: int) -> List[Dict]:
     return rows
 
 
+def bench_quant(S: int, reps: int) -> List[Dict]:
+    """quant mode's encode (fused error feedback) and decode, per format, one shard.
+
+    Args:
+        S: shard length (fp32 elements).
+        reps: timed repetitions per op.
+    Returns:
+        one row dict per op (ratios against a memcpy timed here too).
+    """
+    gen = torch.Generator().manual_seed(S)
+    grad = torch.randn(S, generator=gen)
+    residual = torch.randn(S, generator=gen) * 0.01
+    dst = torch.empty_like(grad)
+    out = torch.zeros(S)
+    t_copy = timed(lambda: dst.copy_(grad), reps)
+    copy_gbs = S * 4 / t_copy / 1e9
+    rows = []
+    for fmt in ("int4", "ternary"):
+        buf = torch.empty(_tagc.quant_bytes(S, fmt, 256), dtype=torch.uint8)
+        for name, fn in ((f"quant encode {fmt}",
+                          lambda: _tagc.quant_encode(buf, residual, grad, fmt, 256)),
+                         (f"quant decode {fmt}",
+                          lambda: _tagc.quant_decode_add(out, buf, fmt, 256))):
+            sec = timed(fn, reps)
+            gbs = S * 4 / sec / 1e9
+            rows.append(dict(op=name, items=S, sec=sec, rate=gbs, unit="GB/s",
+                             per_item=gbs / copy_gbs, per_shard=t_copy / sec,
+                             S=S, theta="-", k=S))
+    return rows
+
+
 def main() -> None:
     """Parses arguments, runs the cases, prints the markdown table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -134,6 +167,7 @@ def main() -> None:
         for theta in thetas:
             logger.info("S=2^%d theta=%s ...", S.bit_length() - 1, theta)
             rows += bench_case(S, theta, args.ranks, reps)
+        rows += bench_quant(S, reps)
     print("| S | theta | k | op | median ms | throughput | ratio to memcpy (per item) "
           "| ratio (per shard) |")
     print("|---|---|---|---|---|---|---|---|")

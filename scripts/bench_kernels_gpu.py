@@ -135,6 +135,10 @@ def main(argv: List[str]) -> int:
     pairs = torch.empty(k * 8, dtype=torch.uint8, device=dev)
     _tagc.sparse_pack(pairs, idx, val, stream=s)
     acc = torch.zeros(n, device=dev)
+    qbufs = {fmt: torch.empty(_tagc.quant_bytes(n, fmt, 256), dtype=torch.uint8, device=dev)
+             for fmt in ("int4", "ternary")}
+    for fmt, qb in qbufs.items():
+        _tagc.quant_encode(qb, res, grad, fmt, 256, stream=s)
 
     f4 = 4
     ops: Dict[str, tuple] = {
@@ -159,6 +163,13 @@ def main(argv: List[str]) -> int:
         "sparse_unpack": (lambda: _tagc.sparse_unpack(acc, pairs, k, torch.float32, stream=s),
                           16 * k),
     }
+    for fmt, qb in qbufs.items():  # quant mode: every entry, fused error feedback
+        ops[f"quant_encode {fmt}"] = (
+            lambda qb=qb, fmt=fmt: _tagc.quant_encode(qb, res, grad, fmt, 256, stream=s),
+            3 * n * f4 + qb.numel())
+        ops[f"quant_decode_add {fmt}"] = (
+            lambda qb=qb, fmt=fmt: _tagc.quant_decode_add(acc, qb, fmt, 256, stream=s),
+            2 * n * f4 + qb.numel())
     name = torch.cuda.get_device_name(dev)
     logger.info("device: %s; n=%d k=%d (theta=%g) union=%d t=%d ranks=%d iters=%d",
                 name, n, k, args.theta, u, t, N, args.iters)

@@ -352,3 +352,64 @@ def test_work_is_ordered_on_the_given_stream() -> None:
         copy = taus.clone()
     torch.cuda.synchronize()
     assert torch.equal(host(copy), torch.full((8,), want))
+
+
+QFORMATS = ("sign", "ternary", "int4", "int8")
+
+
+@pytest.mark.parametrize("fmt", QFORMATS)
+@pytest.mark.parametrize("n,block", [(1, 256), (1001, 256), (100_003, 256), (2_000_003, 1024)])
+@pytest.mark.parametrize("gd,rd", [(torch.float32, torch.float32), (torch.bfloat16, None),
+                                   (torch.float32, torch.bfloat16)])
+def test_quant_encode_decode(fmt: str, n: int, block: int, gd: torch.dtype,
+                             rd: Optional[torch.dtype]) -> None:
+    """Bytes and residual bit for bit (the block sums run in the C op's order),
+    records at an odd byte offset; decoding adds the same values."""
+    grad = gradient(n, gd, False, seed=n)
+    res = None if rd is None else (gradient(n, torch.float32, False, seed=n + 1) * 0.3).to(rd)
+    nb = _tagc.quant_bytes(n, fmt, block)
+    c_res = None if res is None else res.clone()
+    c_buf = torch.empty(nb, dtype=torch.uint8)
+    _tagc.quant_encode(c_buf, c_res, grad, fmt, block)
+    d_res = dev(res)
+    d_buf = dev(torch.full((nb + 1,), 0xEE, dtype=torch.uint8))
+    with side_stream() as s:
+        _tagc.quant_encode(d_buf[1:], d_res, dev(grad), fmt, block, stream=s)
+    assert torch.equal(host(d_buf)[1:], c_buf) and int(host(d_buf)[0]) == 0xEE
+    if res is not None:
+        assert same_bits(host(d_res), c_res)
+    base = gradient(n, torch.float32, False, seed=n + 2)
+    c_out = base.clone()
+    _tagc.quant_decode_add(c_out, c_buf, fmt, block)
+    d_out = dev(base)
+    with side_stream() as s:
+        _tagc.quant_decode_add(d_out, d_buf[1:], fmt, block, stream=s)
+    assert same_bits(host(d_out), c_out)
+
+
+@cuda_only
+@pytest.mark.parametrize("fmt", QFORMATS)
+def test_quant_nonfinite_poisons_and_keeps_residual(fmt: str) -> None:
+    grad = gradient(5000, torch.float32, False, seed=3)
+    grad[4321] = float("nan")
+    res = dev(gradient(5000, torch.float32, False, seed=4))
+    r0 = host(res).clone()
+    buf = torch.empty(_tagc.quant_bytes(5000, fmt, 256), dtype=torch.uint8, device=DEV)
+    out = torch.zeros(5000, device=DEV)
+    with side_stream() as s:
+        _tagc.quant_encode(buf, res, dev(grad), fmt, 256, stream=s)
+        _tagc.quant_decode_add(out, buf, fmt, 256, stream=s)
+    assert torch.equal(host(res), r0) and torch.isnan(host(out)).all()
+
+
+@cuda_only
+def test_quant_decode_corrupt_leaves_out_untouched() -> None:
+    buf = torch.empty(_tagc.quant_bytes(500, "int8", 256), dtype=torch.uint8)
+    _tagc.quant_encode(buf, None, gradient(500, torch.float32, False, seed=1), "int8", 256)
+    buf[300] = 0x80
+    out = torch.zeros(500, device=DEV)
+    status = torch.zeros(1, dtype=torch.int32, device=DEV)
+    with side_stream() as s:
+        _tagc.quant_decode_add(out, dev(buf), "int8", 256, stream=s, status_out=status)
+    assert int(host(status)) == TAGC_ERR_CORRUPT
+    assert not host(out).any()

@@ -47,24 +47,31 @@ def block_sum_abs(x: np.ndarray) -> float:
     return float(lanes[0])
 
 
+FLT_MIN = float(np.finfo(np.float32).tiny)
+
+
 def scale_ref(x: np.ndarray, fmt: str) -> np.float32:
-    """The block's scale, rounded to float32 once and clamped to FLT_MAX."""
+    """The block's scale: rounded to float32 once, clamped to FLT_MAX, nudged
+    down when max code * scale would overflow, and 0 below FLT_MIN."""
     if fmt == "sign":
         s = block_sum_abs(x) / x.size
     elif fmt == "ternary":  # capped at max |x|: the largest value always goes out
         s = min(TERNARY_LEVEL * block_sum_abs(x) / x.size, float(np.abs(x).max()))
     else:
         s = float(np.abs(x).max()) / QMAX[fmt]
-    return np.float32(min(s, FLT_MAX))
+    f = np.float32(min(s, FLT_MAX))
+    if float(f) * QMAX[fmt] > FLT_MAX:
+        f = np.nextafter(f, np.float32(0))
+    return np.float32(0) if f < FLT_MIN else f
 
 
 def codes_ref(x: np.ndarray, s: np.float32, fmt: str) -> np.ndarray:
-    """Integer codes of one block (round half to even in float32)."""
+    """Integer codes of one block: x times the float32 reciprocal of s, rounded
+    half to even, clamped (0 where s == 0)."""
     if fmt == "sign":
         return np.where(x >= 0, 1, -1).astype(np.int64)
-    if s == 0:
-        return np.zeros(x.size, dtype=np.int64)
-    y = np.rint((x / s).astype(np.float32))
+    inv = np.float32(1) / s if s > 0 else np.float32(0)
+    y = np.rint((x * inv).astype(np.float32))
     return np.clip(y, -QMAX[fmt], QMAX[fmt]).astype(np.int64)
 
 
@@ -204,8 +211,9 @@ def test_huge_shard_int4() -> None:
     pad = np.zeros(nb * 256, dtype=np.float32)
     pad[:n] = g
     blocks = pad.reshape(nb, 256)
-    s = (np.abs(blocks).max(axis=1) / np.float32(7)).astype(np.float32)
-    q = np.clip(np.rint(blocks / s[:, None]), -7, 7)
+    s = (np.abs(blocks).max(axis=1).astype(np.float64) / 7).astype(np.float32)
+    inv = (np.float32(1) / s).astype(np.float32)
+    q = np.clip(np.rint((blocks * inv[:, None]).astype(np.float32)), -7, 7)
     deq = (q.astype(np.float32) * s[:, None]).reshape(-1)[:n]
     assert torch.equal(res, torch.from_numpy(g - deq))
     scales = np.frombuffer(bytes(buf[:(nb - 1) * 132].numpy()), dtype=np.uint8)
