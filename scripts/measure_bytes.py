@@ -32,6 +32,8 @@ MODES = [
     ("paper 10x 4-bit", dict(mode="paper", ratio=10, index_bits=4)),
     ("exact", dict(mode="exact")),
     ("sparse", dict(mode="sparse")),
+    ("quant int4", dict(mode="quant", quant_format="int4")),
+    ("quant ternary", dict(mode="quant", quant_format="ternary")),
     ("dense", dict(mode="dense")),
 ]
 
@@ -47,7 +49,7 @@ def _worker(rank: int, n: int, theta: float, width: int, steps: int) -> List[Dic
 
     rows = []
     for label, kw in MODES:
-        if kw["mode"] != "paper" and kw["mode"] != "dense":
+        if kw["mode"] in ("exact", "sparse"):
             kw = dict(kw, theta=theta)
         cfg = tagc.TAGCConfig(layers="all", min_numel=4096, **kw)
         torch.manual_seed(0)
@@ -76,7 +78,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
-    print(f"# compressed units only; theta={args.theta} (paper modes: theta from ratio); "
+    print(f"# compressed units only; theta={args.theta} for exact/sparse (paper modes: theta "
+          "from ratio; quant: every entry, blocks of 256 with one fp32 scale); "
           f"Linear {args.width}x{4 * args.width} and back, FSDP1, gloo, {args.steps} steps")
     print(f"{'N':>2} {'mode':<16} {'sent/rank (MB)':>14} {'plain FSDP (MB)':>15} "
           f"{'ratio':>8} {'1/ratio':>8} {'unpeeled':>8} {'coll.drop':>9}")

@@ -267,15 +267,16 @@ def _check_quant(rank: int, n: int, kind: str, fmt: str) -> Dict[str, Any]:
 
 
 def _check_ef21(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig,
-                steps: int = 6) -> Dict[str, Any]:
+                steps: int = 6, accum: int = 2) -> Dict[str, Any]:
     """EF21: each rank's residual holds -h (its estimate of its own gradient,
     shard by shard) and every owner's estimate is the sum over ranks of their
-    h for its shard, so the ranks and the owner never drift apart."""
+    h for its shard, so the ranks and the owner never drift apart (through
+    gradient accumulation: one exchange per optimizer step)."""
     mod = build_fsdp(kind, cfg)
     state = tagc.register(mod, cfg)
     opt = torch.optim.SGD(mod.parameters(), lr=0.05)
     for step in range(steps):
-        _backward(mod, rank, step, kind)
+        _backward(mod, rank, step, kind, accum)
         opt.step()
         opt.zero_grad()
     checked = 0
@@ -293,7 +294,9 @@ def _check_ef21(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig,
         assert err <= 1e-5 * scale, (kind, cfg.mode, u.name, err, scale)
         checked += 1
     assert checked
-    return state.stats()["compressed_total"]
+    st = state.stats()["compressed_total"]
+    assert st["calls"] == steps * checked, st  # accumulation: one call per step
+    return st
 
 
 def _modes() -> List[str]:
