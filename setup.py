@@ -169,6 +169,7 @@ setup(
     ext_modules=[tagc_extension()],
     cmdclass={"build_ext": BuildExt},
     py_modules=["tagc_hook"],
+    packages=["tagc"],
     # torch itself is not listed: `pip install torch==2.13.0` first (README);
     # a bare "torch" requirement would make pip fetch a multi-GB CUDA build.
     install_requires=["PyYAML", "tqdm", "numpy"],

@@ -594,7 +594,7 @@ static PyObject *py_sparsify(PyObject *m, PyObject *args, PyObject *kw)
     CHECK(arg_range(fn, ok, "k", 0, n, &k));
     CHECK(need_size(&vs_, idx, k, 0, "k"));
     CHECK(need_size(&vs_, val, k, 0, "k"));
-    CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(grad.numel() / 8)"));
+    CHECK(need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(grad.numel())"));
     if (has_res)
         CHECK(need_size(&vs_, res, n, 1, "grad.numel()"));
     CHECK(scalar_out_ok(&vs_, out, has_out));
@@ -657,8 +657,8 @@ static PyObject *lanes_common(PyObject *m, PyObject *args, PyObject *kw, int unp
     CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
     CHECK(arg_i64(fn, obits, "bits", &bits));
     CHECK(check_bits(fn, bits));
-    CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(n / 8)"));
-    CHECK(need_size(&vs_, lanes, tagc_lane_bytes(n, (int)bits), 0, "ceil(n * bits / 8)"));
+    CHECK(need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(n)"));
+    CHECK(need_size(&vs_, lanes, tagc_lanes_bytes(n, (int)bits), 0, "lanes_bytes(n, bits)"));
     int dev = common_device(&vs_);
     CHECK(dev);
     if (dev == DEV_CUDA && unpack) {
@@ -736,7 +736,7 @@ static PyObject *py_popcount(PyObject *m, PyObject *args, PyObject *kw)
     TAKE_OPT(out, has_out, oout, "out", K_I64);
     int64_t n, count = 0;
     CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
-    CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(n / 8)"));
+    CHECK(need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(n)"));
     CHECK(scalar_out_ok(&vs_, out, has_out));
     int dev = common_device(&vs_);
     CHECK(dev);
@@ -779,7 +779,7 @@ static PyObject *py_sketch_encode(PyObject *m, PyObject *args, PyObject *kw)
     CHECK(arg_range(fn, ot, "t", 1, T_MAX, &t));
     CHECK(arg_u64(fn, oseed, "seed", &seed));
     CHECK(need_size(&vs_, val, idx->numel, 1, "idx.numel()"));
-    CHECK(need_size(&vs_, sk, 3 * t, 0, "3 * t"));
+    CHECK(need_size(&vs_, sk, tagc_sketch_buckets(t), 0, "sketch_buckets(t)"));
     int dev = common_device(&vs_);
     CHECK(dev);
     if (dev == DEV_CUDA) { /* an idx outside [0, n): skipped, RANGE in status_out */
@@ -827,8 +827,8 @@ static PyObject *py_peel_decode(PyObject *m, PyObject *args, PyObject *kw)
     if (oest != NULL && (estimate = PyObject_IsTrue(oest)) < 0)
         goto done;
     CHECK(need_size(&vs_, out, n, 0, "n"));
-    CHECK(need_size(&vs_, sk, 3 * t, 0, "3 * t"));
-    CHECK(need_size(&vs_, bitmap, (n + 7) / 8, 0, "ceil(n / 8)"));
+    CHECK(need_size(&vs_, sk, tagc_sketch_buckets(t), 0, "sketch_buckets(t)"));
+    CHECK(need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(n)"));
     CHECK(scalar_out_ok(&vs_, cnt, has_cnt));
     int dev = common_device(&vs_);
     CHECK(dev);
@@ -869,8 +869,7 @@ static PyObject *py_sparse_pack(PyObject *m, PyObject *args, PyObject *kw)
     int64_t k = idx->numel;
     tagc_dtype vd = codec_dtype(val->kind);
     CHECK(need_size(&vs_, val, k, 1, "idx.numel()"));
-    CHECK(need_size(&vs_, buf, k * (int64_t)(4 + tagc_dtype_size(vd)), 0,
-                    "k * (4 + value size)"));
+    CHECK(need_size(&vs_, buf, tagc_sparse_bytes(k, vd), 0, "sparse_bytes(k, value_dtype)"));
     int dev = common_device(&vs_);
     CHECK(dev);
     if (dev == DEV_CUDA) {
@@ -903,8 +902,7 @@ static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
     CHECK(arg_value_dtype(fn, odt, &vd));
     CHECK(arg_range(fn, ok, "k", 0, INT64_MAX / 8, &k));
     CHECK(need_max_n(&vs_, out));
-    CHECK(need_size(&vs_, buf, k * (int64_t)(4 + tagc_dtype_size(vd)), 1,
-                    "k * (4 + value size)"));
+    CHECK(need_size(&vs_, buf, tagc_sparse_bytes(k, vd), 1, "sparse_bytes(k, value_dtype)"));
     int dev = common_device(&vs_);
     CHECK(dev);
     if (dev == DEV_CUDA) { /* bad offset: out untouched, CORRUPT in status_out */
@@ -956,6 +954,7 @@ static int arg_quant(const char *fn, PyObject *ofmt, PyObject *oblock, tagc_qfor
     return arg_range(fn, oblock, "block", 1, TAGC_QBLOCK_MAX, block);
 }
 
+/* The size functions: arguments range-checked, then tagc.h's rule. */
 static PyObject *py_quant_bytes(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"n", "format", "block", NULL};
@@ -969,6 +968,58 @@ static PyObject *py_quant_bytes(PyObject *m, PyObject *args, PyObject *kw)
         arg_quant(fn, ofmt, oblock, &fmt, &block) < 0)
         return NULL;
     return PyLong_FromLongLong(tagc_quant_bytes(n, fmt, block));
+}
+
+static PyObject *py_bitmap_bytes(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"n", NULL};
+    PyObject *on;
+    int64_t n;
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O", kwl, &on) ||
+        arg_range("_tagc.bitmap_bytes", on, "n", 0, TAGC_MAX_N, &n) < 0)
+        return NULL;
+    return PyLong_FromLongLong(tagc_bitmap_bytes(n));
+}
+
+static PyObject *py_lanes_bytes(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"n", "bits", NULL};
+    PyObject *on, *obits;
+    const char *fn = "_tagc.lanes_bytes";
+    int64_t n, bits;
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwl, &on, &obits) ||
+        arg_range(fn, on, "n", 0, TAGC_MAX_N, &n) < 0 || arg_i64(fn, obits, "bits", &bits) < 0 ||
+        check_bits(fn, bits) < 0)
+        return NULL;
+    return PyLong_FromLongLong(tagc_lanes_bytes(n, (int)bits));
+}
+
+static PyObject *py_sketch_buckets(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"t", NULL};
+    PyObject *ot;
+    int64_t t;
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O", kwl, &ot) ||
+        arg_range("_tagc.sketch_buckets", ot, "t", 1, T_MAX, &t) < 0)
+        return NULL;
+    return PyLong_FromLongLong(tagc_sketch_buckets(t));
+}
+
+static PyObject *py_sparse_bytes(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"k", "value_dtype", NULL};
+    PyObject *ok, *odt;
+    const char *fn = "_tagc.sparse_bytes";
+    int64_t k;
+    tagc_dtype vd;
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwl, &ok, &odt) ||
+        arg_range(fn, ok, "k", 0, INT64_MAX / 8, &k) < 0 || arg_value_dtype(fn, odt, &vd) < 0)
+        return NULL;
+    return PyLong_FromLongLong(tagc_sparse_bytes(k, vd));
 }
 
 static PyObject *py_quant_encode(PyObject *m, PyObject *args, PyObject *kw)
@@ -1074,29 +1125,51 @@ static PyObject *py_cuda_available(PyObject *m, PyObject *unused)
 #define KW(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, \
                        METH_VARARGS | METH_KEYWORDS, doc}
 
+/* Docstrings open with a text signature ("name(...)\n--\n\n"), which
+ * inspect.signature() reads; the contract is docs/module-api.md. */
+#define SIG(name, args, doc) #name "(" args ")\n--\n\n" doc
+
 static PyMethodDef methods[] = {
-    KW(seed_derive, "seed_derive(seed, unit, step) -> int: per-call sketch seed."),
-    KW(select_kth, "select_kth(x, k, *, out=None, stream=0) -> float: k-th largest |x|."),
-    KW(sparsify, "sparsify(idx, val, bitmap, residual, grad, k, *, out=None, stream=0)"
-                 " -> float: fused error feedback + exact top-k; returns the threshold."),
-    KW(lanes_pack, "lanes_pack(lanes, bitmap, n, bits, *, stream=0): bitmap -> lanes."),
-    KW(lanes_unpack, "lanes_unpack(bitmap, lanes, n, bits, *, stream=0): lanes -> bitmap."),
-    KW(bitmap_or, "bitmap_or(dst, src, count, *, stream=0): OR of count bitmaps."),
-    KW(popcount, "popcount(bitmap, n, *, out=None, stream=0) -> int: set bits among n."),
-    KW(sketch_encode, "sketch_encode(sketch, idx, val, n, t, seed, *, stream=0,"
-                      " status_out=None): count sketch of 3t buckets."),
-    KW(peel_decode, "peel_decode(out, sketch, bitmap, n, t, seed, *, unpeeled=None,"
-                    " estimate=True, count_out=None, stream=0) -> int: unpeeled count."),
-    KW(sparse_pack, "sparse_pack(buf, idx, val, *, stream=0): (offset, value) wire format."),
-    KW(sparse_unpack, "sparse_unpack(out, buf, k, value_dtype, *, stream=0,"
-                      " status_out=None): scatter-add."),
-    KW(quant_bytes, "quant_bytes(n, format, block) -> int: wire size of n quantized values."),
-    KW(quant_encode, "quant_encode(buf, residual, grad, format, block, *, stream=0):"
-                     " error feedback + block quantization of one shard."),
-    KW(quant_decode_add, "quant_decode_add(out, buf, format, block, *, stream=0,"
-                         " status_out=None): out += the decoded values."),
+    KW(seed_derive, SIG(seed_derive, "seed, unit, step",
+                        "Per-call sketch seed (uint64) from (config seed, unit, step).")),
+    KW(bitmap_bytes, SIG(bitmap_bytes, "n", "Bytes of an n-position bitmap: ceil(n / 8).")),
+    KW(lanes_bytes, SIG(lanes_bytes, "n, bits", "Bytes of n lanes of `bits` bits.")),
+    KW(sketch_buckets, SIG(sketch_buckets, "t", "Buckets of a sketch of t per table: 3t.")),
+    KW(sparse_bytes, SIG(sparse_bytes, "k, value_dtype",
+                         "Bytes of k (offset, value) pairs: k * (4 + value size).")),
+    KW(quant_bytes, SIG(quant_bytes, "n, format, block",
+                        "Wire size of n block-quantized values.")),
+    KW(select_kth, SIG(select_kth, "x, k, *, out=None, stream=0",
+                       "k-th largest |x|; returns it (or writes out=).")),
+    KW(sparsify, SIG(sparsify, "idx, val, bitmap, residual, grad, k, *, out=None, stream=0",
+                     "Fused error feedback + exact top-k + bitmap; returns the threshold.")),
+    KW(lanes_pack, SIG(lanes_pack, "lanes, bitmap, n, bits, *, stream=0",
+                       "Bitmap -> lanes of `bits` bits.")),
+    KW(lanes_unpack, SIG(lanes_unpack, "bitmap, lanes, n, bits, *, stream=0",
+                         "Lanes (SUM-reduced, carries and all) -> bitmap.")),
+    KW(bitmap_or, SIG(bitmap_or, "dst, src, count, *, stream=0", "OR of count bitmaps.")),
+    KW(popcount, SIG(popcount, "bitmap, n, *, out=None, stream=0",
+                     "Set bits among the first n.")),
+    KW(sketch_encode, SIG(sketch_encode,
+                          "sketch, idx, val, n, t, seed, *, stream=0, status_out=None",
+                          "Count sketch of 3t buckets of k (position, value) pairs.")),
+    KW(peel_decode, SIG(peel_decode,
+                        "out, sketch, bitmap, n, t, seed, *, unpeeled=None, estimate=True, "
+                        "count_out=None, stream=0",
+                        "Peel the union's values from a summed sketch; returns the count "
+                        "left unpeeled.")),
+    KW(sparse_pack, SIG(sparse_pack, "buf, idx, val, *, stream=0",
+                        "(offset, value) pairs wire format.")),
+    KW(sparse_unpack, SIG(sparse_unpack, "out, buf, k, value_dtype, *, stream=0, "
+                          "status_out=None", "Scatter-add k received pairs into out.")),
+    KW(quant_encode, SIG(quant_encode, "buf, residual, grad, format, block, *, stream=0",
+                         "Error feedback + block quantization of one shard.")),
+    KW(quant_decode_add, SIG(quant_decode_add,
+                             "out, buf, format, block, *, stream=0, status_out=None",
+                             "out += the decoded values of one quantized shard.")),
     {"cuda_available", py_cuda_available, METH_NOARGS,
-     "cuda_available() -> bool: built with the CUDA kernels and a CUDA device is usable."},
+     SIG(cuda_available, "",
+         "Whether the CUDA kernels are built in and a CUDA device is usable.")},
     {NULL, NULL, 0, NULL}
 };
 

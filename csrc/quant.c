@@ -11,11 +11,6 @@
 #include "tagc_checks.h"
 #include "tagc_internal.h"
 
-int64_t tagc_quant_bytes(int64_t n, tagc_qformat format, int64_t block)
-{
-    return tagc_check_quant_bytes(n, (int)format, block);
-}
-
 /* Scale of the block [o, o + len) of v; returns 0 when v holds NaN/Inf there.
  * The sum of |v| runs in 32 strided partial sums (double), then a pairwise
  * tree: what a warp does with one lane per partial sum and shuffles.  (The

@@ -50,6 +50,25 @@ const char *tagc_status_str(tagc_status s);
 size_t tagc_dtype_size(tagc_dtype d);
 
 /*
+ * Buffer sizes, for callers sizing what the functions below write or read
+ * (as ZSTD_compressBound): exact sizes, the same rules the functions check.
+ * Each returns -1 for an argument outside its bounds.
+ *   tagc_bitmap_bytes(n)        bytes of an n-position bitmap: ceil(n/8);
+ *                               0 <= n <= TAGC_MAX_N
+ *   tagc_lanes_bytes(n, bits)   bytes of n lanes of `bits` bits: ceil(n*bits/8);
+ *                               bits in {1, 2, 4, 8}
+ *   tagc_sketch_buckets(t)      buckets of a sketch of t per table: TAGC_TABLES*t;
+ *                               1 <= t < 2^32
+ *   tagc_sparse_bytes(k, d)     bytes of k (offset, value) pairs: k*(4 + size of d);
+ *                               0 <= k <= INT64_MAX/8, d a tagc_dtype
+ *   tagc_quant_bytes(n, f, b)   see the block quantization section below
+ */
+int64_t tagc_bitmap_bytes(int64_t n);
+int64_t tagc_lanes_bytes(int64_t n, int bits);
+int64_t tagc_sketch_buckets(int64_t t);
+int64_t tagc_sparse_bytes(int64_t k, tagc_dtype value_dtype);
+
+/*
  * tagc_select_kth - exact k-th largest magnitude of x[0..n).
  *   Writes *tau = the k-th largest |x_i| (k = 1: the maximum); x is not modified.
  *   Bounds: 0 <= n <= TAGC_MAX_N, 1 <= k <= n.  k == 0 writes +INFINITY.
@@ -84,7 +103,7 @@ tagc_status tagc_sparsify(int32_t *idx, int64_t idx_capacity,
 /*
  * tagc_lanes_pack - bitmap -> lanes of `bits` bits per position (1, 2, 4, 8),
  *   layout of tagc_portable.h; a kept position's lane holds 1, others 0.
- *   Writes tagc_lane_bytes(n, bits) bytes.  Errors: ARG, RANGE (bits, n), CAPACITY.
+ *   Writes tagc_lanes_bytes(n, bits) bytes.  Errors: ARG, RANGE (bits, n), CAPACITY.
  */
 tagc_status tagc_lanes_pack(uint8_t *lanes, int64_t lanes_capacity,
                             const uint8_t *bitmap, int64_t n, int bits);
@@ -92,7 +111,7 @@ tagc_status tagc_lanes_pack(uint8_t *lanes, int64_t lanes_capacity,
 /*
  * tagc_lanes_unpack - lanes (possibly SUM-reduced, carries and all) -> bitmap:
  *   bit p set iff lane p is non-zero.  Writes ceil(n/8) bytes (tail bits 0).
- *   Reads exactly tagc_lane_bytes(n, bits) bytes of lanes (lanes_bytes must be
+ *   Reads exactly tagc_lanes_bytes(n, bits) bytes of lanes (lanes_bytes must be
  *   at least that).  Errors: ARG, RANGE, CAPACITY.
  */
 tagc_status tagc_lanes_unpack(uint8_t *bitmap, int64_t bitmap_capacity,
@@ -151,7 +170,7 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
 /*
  * tagc_sparse_pack - wire format of k (offset, value) pairs:
  *   k little-endian int32 offsets, then k values of val_dtype.  Writes
- *   k * (4 + tagc_dtype_size(val_dtype)) bytes.  Errors: ARG, DTYPE, RANGE
+ *   tagc_sparse_bytes(k, val_dtype) bytes.  Errors: ARG, DTYPE, RANGE
  *   (k < 0 or k > INT64_MAX / 8), CAPACITY.
  */
 tagc_status tagc_sparse_pack(uint8_t *buf, int64_t buf_capacity,
@@ -162,7 +181,7 @@ tagc_status tagc_sparse_pack(uint8_t *buf, int64_t buf_capacity,
  * tagc_sparse_unpack - scatter-add k received pairs into out[0..n):
  *   out[offset_j] += value_j.  All offsets are checked first: an offset
  *   outside [0, n) returns CORRUPT with out untouched.  buf_bytes must equal
- *   k * (4 + tagc_dtype_size(val_dtype)).  Errors: ARG, RANGE, CORRUPT, DTYPE.
+ *   tagc_sparse_bytes(k, val_dtype).  Errors: ARG, RANGE, CORRUPT, DTYPE.
  */
 tagc_status tagc_sparse_unpack(float *out, int64_t n,
                                const uint8_t *buf, int64_t buf_bytes,

@@ -37,6 +37,32 @@ static inline int tagc_check_bits_ok(int bits)
     return bits == 1 || bits == 2 || bits == 4 || bits == 8;
 }
 
+/* ---- the size rules of every buffer (exported by csrc/sizes.c: tagc.h) ----
+ * Each returns -1 for arguments outside the op's bounds. */
+
+static inline int64_t tagc_check_bitmap_bytes(int64_t n)
+{
+    return n < 0 || n > TAGC_MAX_N ? -1 : (n + 7) >> 3;
+}
+
+static inline int64_t tagc_check_lanes_bytes(int64_t n, int bits)
+{
+    return n < 0 || n > TAGC_MAX_N || !tagc_check_bits_ok(bits) ? -1 : tagc_lane_bytes(n, bits);
+}
+
+static inline int64_t tagc_check_sketch_buckets(int64_t t)
+{
+    return t < 1 || t >= TAGC_T_LIMIT ? -1 : TAGC_TABLES * t;
+}
+
+/* k <= INT64_MAX / 8 keeps k * (4 + value size) from overflowing. */
+static inline int64_t tagc_check_sparse_bytes(int64_t k, int val_dtype)
+{
+    if (k < 0 || k > INT64_MAX / 8 || !tagc_check_dtype_ok(val_dtype))
+        return -1;
+    return k * (4 + tagc_check_dtype_size(val_dtype));
+}
+
 static inline tagc_status tagc_check_lanes_pack(const uint8_t *lanes,
                                                 int64_t lanes_capacity,
                                                 const uint8_t *bitmap, int64_t n,
@@ -48,7 +74,7 @@ static inline tagc_status tagc_check_lanes_pack(const uint8_t *lanes,
         return TAGC_ERR_RANGE;
     if (n > 0 && (lanes == NULL || bitmap == NULL))
         return TAGC_ERR_ARG;
-    if (lanes_capacity < tagc_lane_bytes(n, bits))
+    if (lanes_capacity < tagc_check_lanes_bytes(n, bits))
         return TAGC_ERR_CAPACITY;
     return TAGC_OK;
 }
@@ -65,7 +91,8 @@ static inline tagc_status tagc_check_lanes_unpack(const uint8_t *bitmap,
         return TAGC_ERR_RANGE;
     if (n > 0 && (lanes == NULL || bitmap == NULL))
         return TAGC_ERR_ARG;
-    if (lanes_bytes < tagc_lane_bytes(n, bits) || bitmap_capacity < ((n + 7) >> 3))
+    if (lanes_bytes < tagc_check_lanes_bytes(n, bits) ||
+        bitmap_capacity < tagc_check_bitmap_bytes(n))
         return TAGC_ERR_CAPACITY;
     return TAGC_OK;
 }
@@ -123,7 +150,7 @@ static inline tagc_status tagc_check_sparsify(const int32_t *idx, int64_t idx_ca
         return TAGC_ERR_DTYPE;
     if (n < 0 || n > TAGC_MAX_N || k < 0 || k > n)
         return TAGC_ERR_RANGE;
-    if (idx_capacity < k || val_capacity < k || bitmap_capacity < ((n + 7) >> 3))
+    if (idx_capacity < k || val_capacity < k || bitmap_capacity < tagc_check_bitmap_bytes(n))
         return TAGC_ERR_CAPACITY;
     return TAGC_OK;
 }
@@ -141,7 +168,7 @@ static inline tagc_status tagc_check_sketch_encode(const void *sketch, int sketc
         return TAGC_ERR_DTYPE;
     if (t < 1 || t >= TAGC_T_LIMIT || n < 0 || n > TAGC_MAX_N || k < 0)
         return TAGC_ERR_RANGE;
-    if (sketch_capacity < TAGC_TABLES * t)
+    if (sketch_capacity < tagc_check_sketch_buckets(t))
         return TAGC_ERR_CAPACITY;
     return TAGC_OK;
 }
@@ -170,7 +197,6 @@ static inline tagc_status tagc_check_peel_decode(const float *out, int64_t out_c
     return TAGC_OK;
 }
 
-/* k <= INT64_MAX / 8 keeps k * (4 + value size) from overflowing. */
 static inline tagc_status tagc_check_sparse_pack(const uint8_t *buf, int64_t buf_capacity,
                                                  const int32_t *idx, const void *val,
                                                  int val_dtype, int64_t k)
@@ -181,7 +207,7 @@ static inline tagc_status tagc_check_sparse_pack(const uint8_t *buf, int64_t buf
         return TAGC_ERR_DTYPE;
     if (k < 0 || k > INT64_MAX / 8)
         return TAGC_ERR_RANGE;
-    if (buf_capacity < k * (int64_t)(4 + tagc_check_dtype_size(val_dtype)))
+    if (buf_capacity < tagc_check_sparse_bytes(k, val_dtype))
         return TAGC_ERR_CAPACITY;
     return TAGC_OK;
 }
@@ -196,7 +222,7 @@ static inline tagc_status tagc_check_sparse_unpack(const float *out, int64_t n,
         return TAGC_ERR_DTYPE;
     if (n < 0 || n > TAGC_MAX_N || k < 0 || k > INT64_MAX / 8)
         return TAGC_ERR_RANGE;
-    if (buf_bytes != k * (int64_t)(4 + tagc_check_dtype_size(val_dtype)))
+    if (buf_bytes != tagc_check_sparse_bytes(k, val_dtype))
         return TAGC_ERR_RANGE;
     return TAGC_OK;
 }

@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_helpers import build_fsdp, local_grads, run_dist, toy_batch  # noqa: E402
 
 import tagc_hook as tagc  # noqa: E402
+from tagc import transports  # noqa: E402
 
-HAVE_CODEC = tagc._tagc is not None
+HAVE_CODEC = transports._tagc is not None
 KINDS = ("fsdp1", "fsdp2")
 MIN_NUMEL = 64
 
@@ -49,20 +50,30 @@ def _backward(model: torch.nn.Module, rank: int, step: int, kind: str, accum: in
             model(x).backward()
 
 
+def _wrap_reduce(state: tagc.TAGCState, fn: Any) -> None:
+    """Route every unit's reduction through ``fn(unit, orig, inp, out)``."""
+    for u in state.units:
+        orig = u.reduce
+
+        def run(inp: torch.Tensor, out: torch.Tensor, u: Any = u, orig: Any = orig) -> None:
+            fn(u, orig, inp, out)
+
+        u.reduce = run  # type: ignore[method-assign]
+
+
 def _tap(state: tagc.TAGCState) -> Dict[str, List[torch.Tensor]]:
     """Record, per unit, the sum over calls of raw inputs and of un-averaged outputs."""
     rec: Dict[str, List[torch.Tensor]] = {}
-    orig = state._run
 
-    def run(u: Any, inp: torch.Tensor, out: torch.Tensor) -> None:
+    def run(u: Any, orig: Any, inp: torch.Tensor, out: torch.Tensor) -> None:
         x = inp.detach().reshape(-1).double().clone()
-        orig(u, inp, out)
+        orig(inp, out)
         y = out.detach().double() * (u.pre * u.post)
         r = rec.setdefault(u.name, [torch.zeros_like(x), torch.zeros_like(y)])
         r[0] += x
         r[1] += y
 
-    state._run = run  # type: ignore[method-assign]
+    _wrap_reduce(state, run)
     return rec
 
 
@@ -236,14 +247,13 @@ def _check_quant(rank: int, n: int, kind: str, fmt: str) -> Dict[str, Any]:
     mod = build_fsdp(kind, cfg)
     state = tagc.register(mod, cfg)
     seen: Dict[str, Any] = {}
-    orig = state._run
 
-    def run(u: Any, inp: torch.Tensor, out: torch.Tensor) -> None:
+    def run(u: Any, orig: Any, inp: torch.Tensor, out: torch.Tensor) -> None:
         x = inp.detach().reshape(-1).clone()
-        orig(u, inp, out)
+        orig(inp, out)
         seen.setdefault(u.name, (x, out.detach().clone(), u.pre * u.post))
 
-    state._run = run  # type: ignore[method-assign]
+    _wrap_reduce(state, run)
     _backward(mod, rank, 0, kind)
     msgs = 0
     for u in state.units:

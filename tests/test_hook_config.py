@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import tagc_hook as tagc  # noqa: E402
 from dist_helpers import ToyGPT  # noqa: E402
+from tagc.selection import modules_to_wrap  # noqa: E402
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -168,7 +169,7 @@ def test_wrap_policy_separates_units_and_keeps_tied_weights_in_root():
     cfg = tagc.TAGCConfig(min_numel=64)
     m = ToyGPT()
     m.lm_head.weight = m.wte.weight   # tied, as in GPT-2
-    wrapped = {n for n, mod in m.named_modules() if mod in tagc._modules_to_wrap(m, cfg)}
+    wrapped = {n for n, mod in m.named_modules() if mod in modules_to_wrap(m, cfg)}
     assert "wte" not in wrapped and "lm_head" not in wrapped
     assert {"h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.mlp.0", "h.0.mlp.2"} <= wrapped
     pol = tagc.fsdp1_auto_wrap_policy(m, cfg)

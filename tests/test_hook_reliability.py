@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_helpers import ToyGPT, build_fsdp, run_dist, toy_batch  # noqa: E402
 
 import tagc_hook as tagc  # noqa: E402
+from tagc import fsdp1, transports  # noqa: E402
 
-pytestmark = pytest.mark.skipif(tagc._tagc is None, reason="_tagc codec not built")
+pytestmark = pytest.mark.skipif(transports._tagc is None, reason="_tagc codec not built")
 KINDS = ("fsdp1", "fsdp2")
 
 
@@ -156,12 +157,12 @@ def _misuse(rank: int, n: int) -> List[str]:
         msgs.append("HYBRID_SHARD refused")
     unit = next(u for u in state.units if u.compressed)
     with pytest.raises(TypeError, match="non-floating"):
-        tagc._fsdp1_hook(unit, torch.zeros(2 * n, dtype=torch.int64),
+        fsdp1.hook(unit, torch.zeros(2 * n, dtype=torch.int64),
                          torch.zeros(2, dtype=torch.int64))
     # a buffer shorter than the unit (a parameter without gradient) would shift the
     # residual's positions: refused on every rank before any collective
     with pytest.raises(RuntimeError, match="must get a gradient"):
-        tagc._fsdp1_hook(unit, torch.zeros(2 * n), torch.zeros(2))
+        fsdp1.hook(unit, torch.zeros(2 * n), torch.zeros(2))
     return msgs
 
 

@@ -1,0 +1,126 @@
+"""The collectives of one reduction: every tensor handed to ``torch.distributed``
+passes here, so ``stats()`` counts exactly what was sent (and what an ideal network
+would carry: all-to-all minus the own chunk, ring all-reduce 2(N-1)/N, reduce unless
+the destination, reduce-scatter (N-1)/N, isend all of it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .device import Exec
+from .stats import UnitStats
+
+
+class Comm:
+    """Collectives of one call over the unit's process group.
+
+    Args:
+        group: the unit's process group (None: the default group).
+        rank: this rank in ``group``.
+        world: ranks in ``group`` (N).
+        stats: the unit's counters.
+        dev: the call's device side (CPU: synchronous; CUDA: async, stream waits).
+    """
+
+    def __init__(self, group: Any, rank: int, world: int, stats: UnitStats, dev: Exec) -> None:
+        self.group, self.rank, self.world, self.stats, self.dev = group, rank, world, stats, dev
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
+                   in_splits: Optional[List[int]] = None,
+                   out_splits: Optional[List[int]] = None,
+                   async_op: bool = False, control: bool = False) -> Any:
+        """``dist.all_to_all_single`` (rows of ``inp`` to their owners)."""
+        rows = inp.shape[0] if inp.dim() > 0 else 0
+        if in_splits is None:
+            own = inp.numel() // self.world if self.world else 0
+        else:
+            per_row = inp.numel() // max(rows, 1) if inp.dim() > 0 else 0
+            own = in_splits[self.rank] * per_row
+        wire = (inp.numel() - own) * inp.element_size()
+        self.stats.record("all_to_all_single", inp.numel() * inp.element_size(), wire, control)
+        return self.dev.issue(async_op, dist.all_to_all_single, out, inp,
+                              output_split_sizes=out_splits, input_split_sizes=in_splits,
+                              group=self.group)
+
+    def all_reduce(self, t: torch.Tensor, async_op: bool = False,
+                   control: bool = False) -> Any:
+        """SUM all-reduce of ``t`` in place."""
+        nb = t.numel() * t.element_size()
+        self.stats.record("all_reduce", nb, 2.0 * (self.world - 1) / self.world * nb, control)
+        return self.dev.issue(async_op, dist.all_reduce, t, op=dist.ReduceOp.SUM,
+                              group=self.group)
+
+    def reduce(self, t: torch.Tensor, dst_group_rank: int, async_op: bool = False) -> Any:
+        """SUM reduce of ``t`` to group rank ``dst_group_rank``."""
+        nb = t.numel() * t.element_size()
+        self.stats.record("reduce", nb, 0 if dst_group_rank == self.rank else nb)
+        dst = dist.get_global_rank(self.group, dst_group_rank) if self.group is not None \
+            else dst_group_rank
+        return self.dev.issue(async_op, dist.reduce, t, dst=dst, op=dist.ReduceOp.SUM,
+                              group=self.group)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """The plain SUM reduce-scatter (what FSDP's default path does)."""
+        nb = inp.numel() * inp.element_size()
+        wire = (self.world - 1) / self.world * nb
+        if hasattr(dist, "reduce_scatter_single"):  # reduce_scatter_tensor is deprecated
+            self.stats.record("reduce_scatter_single", nb, wire)
+            self.dev.issue(False, dist.reduce_scatter_single, out, inp,
+                           op=dist.ReduceOp.SUM, group=self.group)
+        else:  # pragma: no cover - older torch
+            self.stats.record("reduce_scatter_tensor", nb, wire)
+            self.dev.issue(False, dist.reduce_scatter_tensor, out, inp,
+                           op=dist.ReduceOp.SUM, group=self.group)
+
+    # -- point to point: a message per owner, its size known up front
+    def ring(self) -> List[int]:
+        """Owners in ring order from ``rank + 1``: at each step the ranks target
+        different owners; the own shard comes last and stays local."""
+        return [(self.rank + 1 + i) % self.world for i in range(self.world)]
+
+    def post_recvs(self, recv: torch.Tensor) -> List[Any]:
+        """Receives of row ``r`` of ``recv`` from every other rank ``r`` (CPU;
+        on CUDA each receive is batched with a send in :meth:`post_send`)."""
+        if self.dev.cuda:
+            return []
+        out = []
+        for r in range(self.world):
+            if r != self.rank:
+                nb = recv[r].numel() * recv[r].element_size()
+                self.stats.record("irecv", nb, 0)
+                out.append(dist.irecv(recv[r], group=self.group, group_src=r))
+        return out
+
+    def post_send(self, works: List[Any], buf: torch.Tensor, recv: torch.Tensor,
+                  r: int) -> None:
+        """Send row ``r`` of ``buf`` (shard r's message) to its owner ``r``.
+
+        Every message size is known up front, so the receives are posted first
+        (:meth:`post_recvs`) and shard ``r`` goes out while shard ``r+1`` is
+        encoded.
+        """
+        nb = buf[r].numel() * buf[r].element_size()
+        if not self.dev.cuda:
+            self.stats.record("isend", nb, nb)
+            works.append(dist.isend(buf[r], group=self.group, group_dst=r))
+            return
+        # NCCL: a lone recv ahead of a lone send deadlocks between two ranks,
+        # so each send is batched with the ring-symmetric receive (at ring
+        # step i this rank sends to rank+1+i and hears from rank-1-i).
+        src = (2 * self.rank - r) % self.world
+        self.stats.record("isend", nb, nb)
+        self.stats.record("irecv", nb, 0)
+        c10d = dist.distributed_c10d
+        works.extend(dist.batch_isend_irecv([
+            dist.P2POp(c10d.isend, buf[r], group=self.group, group_peer=r),
+            dist.P2POp(c10d.irecv, recv[src], group=self.group, group_peer=src)]))
+
+    @staticmethod
+    def wait(works: List[Any]) -> None:
+        """Wait for posted work (on CUDA with the codec stream current: a stream wait)."""
+        for w in works:
+            w.wait()

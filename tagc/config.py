@@ -1,0 +1,327 @@
+"""TAGCConfig: every knob of TAGC, documented and validated (the tuning guide).
+
+Which preset to start from (``configs/``): ``tagc-balanced`` (mode ``quant``, int4
+codes, EF21: about 8x fewer gradient bytes than FSDP's reduce-scatter for the same
+model) or ``tagc-lean`` (ternary codes, EF21: about 18x fewer).  The top-k modes
+(``exact``, ``sparse``, ``paper``) send far fewer bytes at the paper's sparsity but
+train AdamW models measurably worse; docs/DESIGN.md section 8 has the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Union
+
+import torch
+import torch.nn as nn
+
+MODES = ("paper", "exact", "sparse", "quant", "dense")
+QUANT_FORMATS = ("sign", "ternary", "int4", "int8")
+# Bits on the wire per value of each quant format (scales excluded).
+QUANT_BITS = {"sign": 1.0, "ternary": 1.6, "int4": 4.0, "int8": 8.0}
+# The paper's compression presets: ratio -> sparsity (Table/Section 4 of the paper).
+PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
+_FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
+                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+LayerPolicy = Union[str, Callable[[str, nn.Module, str, nn.Parameter], bool]]
+
+
+def _check_int(name: str, v: Any, lo: int, hi: Optional[int] = None) -> None:
+    """v must be an int (not a bool) in [lo, hi]."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        want = f">= {lo}" if hi is None else \
+            ("in [0, 2^64)" if hi == 2 ** 64 - 1 else f"in [{lo}, {hi}]")
+        raise ValueError(f"{name}: must be an int {want}, got {v!r}")
+
+
+def _check_bool(name: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ValueError(f"{name}: must be a bool, got {v!r}")
+
+
+def _parse_dtype(value: Any, field_name: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value in (torch.float32, torch.bfloat16):
+            return value
+    elif isinstance(value, str):
+        key = value.lower().replace("torch.", "")
+        if key in _FLOAT_DTYPES:
+            return _FLOAT_DTYPES[key]
+    raise ValueError(f"{field_name}: must be torch.float32 or torch.bfloat16 "
+                     f"(or 'float32'/'bf16'), got {value!r}")
+
+
+# --------------------------------------------------------------------------- config
+
+@dataclass
+class TAGCConfig:
+    """Every knob of TAGC, validated on construction.
+
+    Args:
+        mode: transport (DESIGN.md section 4). ``"paper"``: the paper's
+            Algorithm 1, index all-reduce SUM on ``index_bits`` lanes plus a
+            fixed ``S/ratio`` sketch per shard reduced to its owner (1-bit
+            lanes lose entries to carries; reported in stats). ``"exact"``:
+            bitmap all-to-all with a true OR at the owner, sketch sized from
+            the union bound, lossless (a recovery exchange resolves entries
+            peeling leaves). ``"sparse"``: exactly ``k`` (offset, value) pairs
+            per shard in one all-to-all. ``"quant"``: every entry of a shard,
+            each on a few bits (``quant_format``) with one fp32 scale per
+            ``quant_block`` entries, with error feedback of the rounding; the
+            owner's own shard stays exact.  ``"dense"``: no compression, values
+            all-to-all to their owner (the honest gloo baseline).
+        theta: sparsity in ``[0, 1)``: fraction of each shard's entries not
+            sent; ``k = ceil((1 - theta) * S)`` kept per shard per rank.
+            Default: from ``ratio`` in paper mode (2x->0.80, 4x->0.90,
+            10x->0.9875), 0 in quant mode (which sends every entry and
+            refuses any other value), else 0.9875.  Ignored by ``dense``.
+        ratio: paper mode only: sketch size is ``ceil(S / ratio)`` buckets.
+            Default in paper mode: from ``theta`` when it is a paper preset,
+            else 10.  Must be None in other modes.
+        index_bits: paper mode lane width, 1, 2, 4 or 8 bits per position
+            (the paper uses 1 and 4).
+        value_dtype: dtype of sketch buckets and sparse values on the wire,
+            ``torch.float32`` or ``torch.bfloat16``.
+        layers: which parameters are compressed: ``"non_attention"``
+            (``nn.Linear``/``nn.Embedding`` weights that are not attention
+            QKV projections, see :func:`select_parameter`), ``"all"`` (every
+            parameter with >= ``min_numel`` elements), or a callable
+            ``(module_name, module, param_name, param) -> bool``.
+        min_numel: smallest parameter compressed by the built-in policies.
+        error_feedback: keep per-rank, per-unit residuals of what was not sent
+            and add them back next step.
+        seed: base of the sketch hash seeds, ``_tagc.seed_derive(seed, unit, step)``.
+        residual_dtype: residual storage, ``torch.float32`` (default) or
+            ``torch.bfloat16`` (halves the memory, rounds the feedback).
+        sketch_factor: exact mode: buckets per possible union entry,
+            ``m = ceil(sketch_factor * min(S, N*k))``; 3-hash peeling needs
+            about 1.23.  Values below that force peeling failures (used by
+            the tests of the recovery exchange).
+        dense_steps: the first ``dense_steps`` reductions of every compressed
+            unit go through the plain reduce-scatter (no residual yet), as
+            PowerSGD's ``start_powerSGD_iter``: early gradients are large and
+            change fast, and error feedback cannot make up for what is
+            dropped while the loss falls steeply.  A reduction is one call
+            of the hook per unit, i.e. one optimizer step with gradient
+            accumulation (``no_sync``).  0: compress from the first step.
+        warmup_steps: after the dense steps, ``exact`` and ``sparse`` ramp the
+            sparsity from ``warmup_theta`` to ``theta`` over this many
+            reductions, the density falling geometrically as in DGC's
+            warm-up (Lin et al. 2018: 75%, 93.75%, ... sparsity); the wire
+            bytes follow the density.  0: ``theta`` from the start.  Not in
+            ``paper`` mode, whose sketch is a fixed ``S/ratio`` sized for
+            ``theta`` (a denser start would overflow it).
+        warmup_theta: sparsity at the start of the warm-up, in ``[0, theta]``
+            when ``warmup_steps > 0`` (unused otherwise).
+        quant_format: quant mode's code per value (``csrc/tagc.h``):
+            ``"int8"`` (255 levels of max|v|/127, 8 bits), ``"int4"`` (15
+            levels of max|v|/7, 4 bits), ``"ternary"`` ({-s, 0, +s} with
+            ``s = min(2.5 mean|v|, max|v|)``, 1.6 bits) or ``"sign"``
+            (+-mean|v|, 1 bit).  Why it works where top-k struggles: every
+            coordinate reaches the optimizer every step, so AdamW's
+            per-coordinate moments see a stream like plain training, not
+            bursts every 1/density steps (docs/DESIGN.md, quality).  Cost
+            per rank and step: ``(N-1)/N * (bits + 32/quant_block)`` bits per
+            parameter of the compressed units (N=2, int4: 2.06; ternary:
+            0.86); memory: one residual per unit as every mode.
+        quant_block: entries per fp32 scale in quant mode, 1..65536 (256:
+            0.125 bits per entry of scale).
+        ef21: EF21 feedback (Richtarik et al. 2021) instead of the residual:
+            each rank keeps ``h``, its running estimate of its own gradient,
+            and sends the compressed *change* ``C(g - h)`` (then ``h += C(g -
+            h)``); each owner keeps the sum of every rank's ``h`` for its
+            shard (a dense estimate, ``est += what arrived``) and hands that
+            to the optimizer every step.  Why: residual feedback delivers
+            what it held back late, all at once, so the optimizer sees a
+            delayed and bursty gradient; EF21's estimate follows the current
+            gradient and is never owed anything.  In the ablation it turned
+            the coarse ternary code from +0.6%/+1.2% to +0.2%/+0.2% loss at
+            300/1000 steps (docs/DESIGN.md).  Cost: the same bytes; memory:
+            the residual buffer holds ``-h`` (as before, one unit per rank)
+            plus one fp32 estimate of the owner's shard (1/N of the unit).
+            Needs ``error_feedback`` and float32 residuals (a rounded ``h``
+            would drift from the owner's sum); not in ``dense`` mode.
+    """
+
+    mode: str = "exact"
+    theta: Optional[float] = None
+    ratio: Optional[float] = None
+    index_bits: int = 1
+    value_dtype: Any = torch.float32
+    layers: LayerPolicy = "non_attention"
+    min_numel: int = 2 ** 16
+    error_feedback: bool = True
+    seed: int = 0
+    residual_dtype: Any = torch.float32
+    sketch_factor: float = 1.3
+    dense_steps: int = 0
+    warmup_steps: int = 0
+    warmup_theta: float = 0.75
+    quant_format: str = "int4"
+    quant_block: int = 256
+    ef21: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
+        for name in ("theta", "ratio", "sketch_factor"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"{name}: must be a number, got {v!r}")
+        self._resolve_sparsity()
+        if isinstance(self.index_bits, bool) or self.index_bits not in (1, 2, 4, 8):
+            raise ValueError(f"index_bits: must be 1, 2, 4 or 8, got {self.index_bits!r}")
+        self.value_dtype = _parse_dtype(self.value_dtype, "value_dtype")
+        self.residual_dtype = _parse_dtype(self.residual_dtype, "residual_dtype")
+        if not callable(self.layers) and self.layers not in ("non_attention", "all"):
+            raise ValueError(f"layers: must be 'non_attention', 'all' or a callable, "
+                             f"got {self.layers!r}")
+        _check_int("min_numel", self.min_numel, 0)
+        _check_bool("error_feedback", self.error_feedback)
+        _check_int("seed", self.seed, 0, 2 ** 64 - 1)
+        if not math.isfinite(self.sketch_factor) or self.sketch_factor <= 0:
+            raise ValueError(f"sketch_factor: must be a finite number > 0, "
+                             f"got {self.sketch_factor!r}")
+        self.sketch_factor = float(self.sketch_factor)
+        self._check_warmup()
+        if self.quant_format not in QUANT_FORMATS:
+            raise ValueError(f"quant_format: must be one of {QUANT_FORMATS}, "
+                             f"got {self.quant_format!r}")
+        _check_int("quant_block", self.quant_block, 1, 65536)
+        _check_bool("ef21", self.ef21)
+        if self.ef21 and (self.mode == "dense" or not self.error_feedback
+                          or self.residual_dtype != torch.float32):
+            raise ValueError("ef21: needs a compressing mode, error_feedback=True and "
+                             "residual_dtype float32 (the ranks' estimates must add up to "
+                             "the owner's exactly)")
+
+    def _resolve_sparsity(self) -> None:
+        """theta and ratio: paper mode derives one from the other (its presets),
+        quant sends everything (theta 0), the other modes default to 0.9875."""
+        if self.mode == "paper":
+            if self.ratio is None:
+                if self.theta is None:
+                    self.ratio = 10.0
+                else:
+                    inv = {th: r for r, th in PAPER_THETA.items()}
+                    if float(self.theta) not in inv:
+                        raise ValueError(
+                            f"ratio: required in paper mode when theta={self.theta} is not "
+                            f"one of the paper's presets {sorted(inv)}")
+                    self.ratio = inv[float(self.theta)]
+            if not math.isfinite(self.ratio) or self.ratio < 1.0:
+                raise ValueError(f"ratio: must be a finite number >= 1, got {self.ratio!r}")
+            self.ratio = float(self.ratio)
+            if self.theta is None:
+                if self.ratio not in PAPER_THETA:
+                    raise ValueError(
+                        f"theta: no paper default for ratio={self.ratio}; give theta "
+                        f"(paper presets: {PAPER_THETA})")
+                self.theta = PAPER_THETA[self.ratio]
+        else:
+            if self.ratio is not None:
+                raise ValueError(f"ratio: only used by mode='paper' (mode={self.mode!r}); "
+                                 "set theta instead")
+            if self.mode == "quant":
+                if self.theta not in (None, 0, 0.0):
+                    raise ValueError(f"theta: mode='quant' sends every entry (theta 0); "
+                                     f"got {self.theta!r}")
+                self.theta = 0.0
+            if self.theta is None:
+                self.theta = 0.9875
+        self.theta = float(self.theta)
+        if not (0.0 <= self.theta < 1.0):
+            raise ValueError(f"theta: must be in [0, 1), got {self.theta!r}")
+
+    def _check_warmup(self) -> None:
+        for name in ("dense_steps", "warmup_steps"):
+            _check_int(name, getattr(self, name), 0)
+        if self.warmup_steps and self.mode == "quant":
+            raise ValueError("warmup_steps: mode='quant' has no sparsity to ramp; use "
+                             "dense_steps")
+        w = self.warmup_theta
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 <= w < 1.0):
+            raise ValueError(f"warmup_theta: must be a number in [0, 1), got {w!r}")
+        if self.warmup_steps and w > self.theta:
+            raise ValueError(f"warmup_theta: the warm-up must start at most as sparse as "
+                             f"theta={self.theta}, got {w!r}")
+        self.warmup_theta = float(w)
+        if self.warmup_steps and self.mode == "paper":
+            raise ValueError("warmup_steps: not available in mode='paper' (its sketch has a "
+                             "fixed S/ratio buckets sized for theta); use dense_steps, or "
+                             "mode 'exact'/'sparse'")
+
+    def theta_at(self, step: int) -> Optional[float]:
+        """Sparsity of a unit's reduction number ``step`` (0-based) under the warm-up.
+
+        Args:
+            step: how many reductions of the unit came before (dense ones included).
+        Returns:
+            None while ``step < dense_steps`` (plain reduce-scatter), else the
+            sparsity: ``warmup_theta`` rising to ``theta`` with density
+            ``(1-warmup_theta) * ((1-theta)/(1-warmup_theta)) ** (j/warmup_steps)``
+            at warm-up step ``j``, then ``theta``.
+        """
+        if step < self.dense_steps:
+            return None
+        j = step - self.dense_steps
+        if j >= self.warmup_steps:
+            return self.theta
+        d0, d1 = 1.0 - self.warmup_theta, 1.0 - self.theta
+        return 1.0 - d0 * (d1 / d0) ** (j / self.warmup_steps)
+
+    # -- (de)serialisation
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data view (dtypes as names, a callable policy as its qualified name).
+
+        Returns:
+            dict accepted by :meth:`from_dict` (except for callable ``layers``).
+        """
+        d = dataclasses.asdict(self)
+        d["value_dtype"] = str(self.value_dtype).replace("torch.", "")
+        d["residual_dtype"] = str(self.residual_dtype).replace("torch.", "")
+        if callable(self.layers):
+            d["layers"] = "callable:" + getattr(self.layers, "__qualname__",
+                                                type(self.layers).__name__)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "TAGCConfig":
+        """Build a config from a mapping; unknown keys raise.
+
+        Args:
+            d: mapping of field names to values.
+        Returns:
+            the validated config.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"config: expected a mapping, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "TAGCConfig":
+        """Load a YAML preset (e.g. ``configs/tagc-10x-1bit.yaml``); unknown keys raise.
+
+        Args:
+            path: YAML file holding a mapping of field names to values.
+        Returns:
+            the validated config.
+        """
+        import yaml
+
+        with open(path, "r", encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+        return cls.from_dict(data)
+
+    def fingerprint(self) -> str:
+        """Stable digest of the config, compared across ranks at register()."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()

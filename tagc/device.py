@@ -1,0 +1,126 @@
+"""Where one reduction runs: the CPU/CUDA decision, made once per call (:class:`Exec`).
+
+On the CPU everything is synchronous and scalar results are Python numbers.  On CUDA
+the codec runs on a side stream per device (:class:`CodecStreams`), scalar results stay
+in 1-element device tensors, collectives are issued async and waited on by the codec
+stream, and data-dependent decisions never reach the host (:func:`gate`,
+:func:`poison_nonfinite`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Union
+
+import torch
+
+
+def gate(value: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """``value`` where ``ok``, else 0, without reading ``ok`` on the host.
+
+    Args:
+        value: any tensor.
+        ok: bool tensor broadcastable to ``value`` (1 element: the call's
+            "every rank's gradient is finite" flag).
+    Returns:
+        a new tensor; ``torch.where`` selects, so NaN/Inf in ``value`` do not
+        leak through a False ``ok`` (a product ``value * ok`` would give NaN).
+    """
+    return torch.where(ok, value, torch.zeros_like(value))
+
+
+def poison_nonfinite(grad2d: torch.Tensor, bad: torch.Tensor) -> None:
+    """If ``bad``, write NaN into element 0 of every shard (row) of ``grad2d``, in place.
+
+    The sync-free form of the non-finite fallback (CUDA): when any rank's
+    gradient holds NaN/Inf, every rank poisons every shard, so every encoder
+    sees NaN and, by its CUDA contract (cuda/tagc_cuda.h), leaves the
+    residual untouched and sends NaN that reaches every owner's decoded
+    shard, where GradScaler finds it.  When ``bad`` is False the rows are
+    rewritten with their own values (no change).
+
+    Args:
+        grad2d: ``(N, S)`` view of the unit gradient: FSDP's scratch buffer,
+            which FSDP drops after the reduce-scatter (FSDP1's default path
+            pre-divides it in place too).
+        bad: 1-element bool tensor on the same device.
+    """
+    col = grad2d[:, 0]
+    col.copy_(torch.where(bad, torch.full_like(col, float("nan")), col))
+
+
+class Exec:
+    """The device side of one call, decided once from its input tensor.
+
+    Attributes:
+        cuda: the call's tensors are CUDA tensors.
+        kw: keyword arguments every ``_tagc`` call takes here (the codec
+            stream on CUDA; the reducer makes that stream current first).
+        ok: CUDA only: the call's "every rank finite" device flag once agreed
+            (gates device counters and feedback updates); None on the CPU.
+    """
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.cuda = t.is_cuda
+        self.kw: Dict[str, int] = (
+            {"stream": torch.cuda.current_stream(t.device).cuda_stream} if self.cuda else {})
+        self.ok: Optional[torch.Tensor] = None
+
+    def count(self, fn: Callable[..., Any], *args: Any, out_kw: str = "out",
+              **kw: Any) -> Union[int, torch.Tensor]:
+        """Call a ``_tagc`` function that returns a count.
+
+        Returns:
+            on the CPU the count as an int; on CUDA a 1-element int64 device
+            tensor (reading it would be a host sync; it feeds UnitStats.add).
+        """
+        if self.cuda:
+            o = torch.empty(1, dtype=torch.int64, device=args[0].device)
+            fn(*args, **{out_kw: o}, **kw, **self.kw)
+            return o
+        return int(fn(*args, **kw, **self.kw))
+
+    def issue(self, async_op: bool, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """Issue one torch.distributed collective.
+
+        On the CPU exactly ``fn(..., async_op=async_op)``.  On CUDA always
+        async: a caller that wants the result now gets ``work.wait()`` called
+        here, with the codec stream current, which for NCCL makes that stream
+        wait for the collective (a stream wait, not a host wait).
+
+        Returns:
+            the work object if ``async_op``, else None.
+        """
+        if not self.cuda:
+            return fn(*args, async_op=async_op, **kw)
+        work = fn(*args, async_op=True, **kw)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def keep(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """``new`` unless this call's gradients were not finite on some rank
+        (CUDA; a CPU call with non-finite values never gets this far)."""
+        return new if self.ok is None else torch.where(self.ok, new, old)
+
+
+class CodecStreams:
+    """One codec stream per CUDA device, shared by the reducers of a model."""
+
+    def __init__(self) -> None:
+        self._streams: Dict[int, Any] = {}
+
+    def get(self, device: torch.device) -> "torch.cuda.Stream":
+        """The codec stream of ``device`` (created on first use)."""
+        key = torch.device(device).index
+        if key is None:
+            key = torch.cuda.current_device()
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device=key)
+        return stream
+
+    def join(self) -> None:
+        """Order the caller's current stream after all codec work (before host reads)."""
+        for key, stream in self._streams.items():
+            torch.cuda.current_stream(key).wait_stream(stream)

@@ -1,0 +1,114 @@
+"""FSDP2 glue: every use of ``fully_shard`` internals is here.
+
+``FSDPModule.set_custom_reduce_scatter(comm)`` takes one comm object per module, i.e.
+per unit (the identity error feedback needs).  FSDP2 calls it synchronously on its
+reduce-scatter stream with ``(output, input, group, op)``; ``input.view(N, -1)`` row r
+goes to rank r and holds chunk r of every parameter (dim 0 padded with zeros).  TAGC
+asks for the plain SUM (``set_force_sum_reduction_for_comms``) and a divide factor of
+1, and averages itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .config import TAGCConfig
+from .device import CodecStreams
+from .reducer import UnitReducer
+from .selection import clean_name, module_names, unit_selection
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _RSBase
+except ImportError:  # pragma: no cover - older torch without custom comms
+    _RSBase = object  # type: ignore[assignment,misc]
+
+
+class ReduceScatterComm(_RSBase):  # type: ignore[misc,valid-type]
+    """FSDP2 custom reduce-scatter: one object per FSDPModule, i.e. per unit."""
+
+    def __init__(self, reducer: UnitReducer) -> None:
+        self.reducer = reducer
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: Any, op: Any = None, async_op: bool = False) -> None:
+        if op is not None and op != dist.ReduceOp.SUM:
+            raise RuntimeError(f"TAGC: FSDP2 asked for reduce op {op}; register() forces "
+                               "SUM (set_force_sum_reduction_for_comms) and owns the averaging")
+        self.reducer.group = group
+        self.reducer.reduce(input_tensor, output_tensor)
+        return None
+
+
+def _param_groups(model: nn.Module) -> List[Tuple[str, nn.Module, Any]]:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    mods = []
+    for name, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        groups = list(getattr(m._get_fsdp_state(), "_fsdp_param_groups", []))
+        if not groups:
+            continue
+        if len(groups) > 1:
+            raise ValueError(f"register: FSDP2 module {name!r} has several parameter groups "
+                             "(per-parameter meshes); TAGC needs one per module")
+        pg = groups[0]
+        if isinstance(pg.mesh_info, HSDPMeshInfo):
+            raise ValueError("register: HSDP (2-D mesh, replicate + shard) is not supported; "
+                             "use a 1-D mesh")
+        if isinstance(pg._reduce_scatter_comm, ReduceScatterComm):
+            raise RuntimeError(f"register: TAGC is already registered on {name or '<root>'!r}")
+        mods.append((name, m, pg))
+    if not mods:
+        raise TypeError("register: the model has no fully_shard-ed module with parameters")
+    return mods
+
+
+def reducers(model: nn.Module, cfg: TAGCConfig, streams: CodecStreams
+             ) -> Tuple[List[UnitReducer], List[nn.Module], Any]:
+    """One reducer per FSDP2 module with parameters, the module, and the shard group.
+
+    Raises:
+        ValueError: HSDP meshes or several parameter groups per module.
+        RuntimeError: already registered.
+        TypeError: nothing is sharded.
+    """
+    mods = _param_groups(model)
+    names = module_names(model)
+    group = mods[0][2].mesh_info.shard_process_group
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    out: List[UnitReducer] = []
+    for index, (name, m, pg) in enumerate(mods):
+        infos = [(fp._module_info.module, fp._module_info.param_name,
+                  getattr(fp._module_info.module, fp._module_info.param_name),
+                  int(fp._orig_size.numel())) for fp in pg.fsdp_params]
+        total, sel = unit_selection(cfg, names, infos)
+        factor = pg.gradient_divide_factor
+        divisor = float(factor) if factor is not None else float(world)
+        # foreach_reduce pads every parameter's dim 0 to a multiple of N and
+        # reduces only parameters with a gradient: frozen ones never have one
+        flat = world * sum(int(fp.padded_sharded_param_size.numel())
+                           for fp in pg.fsdp_params if fp.sharded_param.requires_grad)
+        out.append(UnitReducer(cfg, clean_name(name) or "<root>", index, int(total), flat, sel,
+                               sel > 0 and 2 * sel >= total, pg.mesh_info.shard_process_group,
+                               rank, world, 1.0, divisor, pg.device, streams))
+    return out, [m for _, m, _ in mods], group
+
+
+def install(model: nn.Module, reducers_: List[UnitReducer], mods: List[nn.Module]) -> None:
+    """Give each module its comm; the comm receives the plain SUM and averages itself."""
+    for m, r in zip(mods, reducers_):
+        m.set_custom_reduce_scatter(ReduceScatterComm(r))
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)

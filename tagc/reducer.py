@@ -1,0 +1,266 @@
+"""The object FSDP holds for one unit: :class:`UnitReducer`.
+
+It owns everything one unit needs across steps (identity, process group, step counter,
+feedback state, counters) and does one reduction per call (:meth:`UnitReducer.reduce`):
+checks, the warm-up's plain steps, the ranks' agreement on non-finite gradients, the
+transport of ``TRANSPORTS[mode]``, EF21's estimate, and the division FSDP's default
+path would have done.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import transports
+from .comm import Comm
+from .config import TAGCConfig
+from .device import CodecStreams, Exec, poison_nonfinite
+from .stats import UnitStats
+
+logger = logging.getLogger("tagc_hook")
+
+
+class UnitReducer:
+    """One FSDP unit's reduce-scatter, compressed or plain.
+
+    Args:
+        cfg: the config (the same on every rank).
+        name: the unit's FQN (``<root>`` for the root).
+        index: position in the FQN order of the model's units: identical on
+            every rank (same model code), which is what the hash seeds need;
+            call order is not (FSDP may reduce units in another order).
+        numel: elements of the unit's parameters.
+        flat_numel: elements of the reduce-scatter input (parameters padded to
+            N shards): the feedback state's length, known before the first
+            backward so that a checkpoint template can be built then.
+        selected_numel: elements of parameters ``cfg.layers`` selects.
+        compressed: whether the unit is compressed (selected >= half).
+        group: the process group of the reduce-scatter.
+        rank, world: this rank and the group size.
+        pre, post: the default path's pre/post divide factors.
+        device: where the gradient is reduced (the feedback state's home).
+        streams: the codec streams shared by the model's reducers (CUDA).
+    """
+
+    def __init__(self, cfg: TAGCConfig, name: str, index: int, numel: int, flat_numel: int,
+                 selected_numel: int, compressed: bool, group: Any, rank: int, world: int,
+                 pre: float, post: float, device: torch.device,
+                 streams: CodecStreams) -> None:
+        self.cfg, self.name, self.index = cfg, name, index
+        self.numel, self.flat_numel, self.selected_numel = numel, flat_numel, selected_numel
+        self.compressed, self.group, self.rank, self.world = compressed, group, rank, world
+        self.pre, self.post, self.device, self.streams = pre, post, device, streams
+        self.step = 0
+        self.residual: Optional[torch.Tensor] = None
+        # EF21 only: the owner's running sum of every rank's estimate of this
+        # rank's shard (fp32, one shard long).
+        self.estimate: Optional[torch.Tensor] = None
+        self.stats = UnitStats()
+        self.warned_unpeeled = False
+
+    # ----------------------------------------------------------------- feedback state
+    @property
+    def keeps_feedback(self) -> bool:
+        """Whether this unit keeps error-feedback state (checkpoints hold exactly these)."""
+        return self.compressed and self.cfg.error_feedback and self.cfg.mode != "dense"
+
+    def feedback_buffers(self) -> List[Tuple[str, int, torch.dtype]]:
+        """(attribute, length, dtype) of each feedback state: the residual, and
+        with ``ef21`` the owner's estimate of its shard."""
+        if not self.keeps_feedback:
+            return []
+        out = [("residual", self.flat_numel, self.cfg.residual_dtype)]
+        if self.cfg.ef21:
+            out.append(("estimate", self.flat_numel // self.world, torch.float32))
+        return out
+
+    # ----------------------------------------------------------------- one reduction
+    def reduce(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` = what the default reduce-scatter of ``inp`` would produce.
+
+        Called by FSDP2 on its reduce-scatter stream and by FSDP1 on its
+        post-backward stream (R below).  On CUDA the work runs on the codec
+        stream S of the device and the host only enqueues::
+
+          R  (FSDP reduce-scatter): copy-in(g) ─ev0┐                                      ┌wait(S)─ FSDP post-reduce
+          S  (TAGC codec):              wait(ev0) ─ encode shards ─ lanes/sketch ─┐ ... bitmap_or/popcount/peel/decode(out) ─┘
+          NCCL (ProcessGroupNCCL):                             after S ─ a2a/isend ─ ... ─ work.wait() on S
+          AG (FSDP all-gather prefetch of the next unit): runs concurrently with all of the above
+          Host: only enqueues; no synchronize / .item()
+
+        ``R.wait_stream(S)`` happens before returning because FSDP records its
+        reduce-scatter event on R right after the comm returns.  ``inp`` and
+        ``out`` belong to FSDP's streams, so they are ``record_stream``-ed on
+        S; everything else (feedback state, buffers, device counters) is
+        allocated while S is current.  Data-dependent decisions never reach
+        the host on CUDA: see :func:`~tagc.device.poison_nonfinite` and the
+        exact transport (no recovery exchange on CUDA).
+
+        Args:
+            inp: the unit's flat gradient, N shards of ``out.numel()``.
+            out: this rank's shard of the reduced gradient (written).
+        """
+        if not inp.is_cuda:
+            self._reduce(inp, out)
+            return
+        r_stream = torch.cuda.current_stream(inp.device)
+        s_stream = self.streams.get(inp.device)
+        s_stream.wait_stream(r_stream)
+        inp.record_stream(s_stream)
+        out.record_stream(s_stream)
+        try:
+            with torch.cuda.stream(s_stream):
+                self._reduce(inp, out)
+        finally:
+            r_stream.wait_stream(s_stream)
+
+    def _reduce(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        inp = self._check(inp, out)
+        n = self.world
+        dev = Exec(inp)  # the CPU/CUDA decision of this call
+        comm = Comm(self.group, self.rank, n, self.stats, dev)
+        self.stats.add("calls", 1)
+        self.stats.add("default_wire_bytes", (n - 1) / n * inp.numel() * inp.element_size())
+        if out.numel() == 0:
+            return
+        if not self.compressed:
+            self._plain(comm, inp, out)
+            return
+        if self.cfg.theta_at(self.step) is None:
+            # Warm-up's dense steps: self.step is the same on every rank, so all
+            # take this path together.  Non-finite values need no agreement
+            # here: the plain path passes them on and no feedback state exists yet.
+            self.stats.add("dense_step_calls", 1)
+            self._plain(comm, inp, out)
+            self.step += 1
+            return
+        if self.cfg.mode != "dense":
+            transports.require_codec()
+        if not self._agree_finite(comm, inp):
+            self._plain(comm, inp, out)
+            return
+        acc = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
+        if self.keeps_feedback and self.residual is None:
+            self.residual = torch.zeros(self.flat_numel, dtype=self.cfg.residual_dtype,
+                                        device=inp.device)
+        call = transports.Call(self.cfg, self.index, self.step,
+                               self.residual if self.cfg.mode != "dense" else None,
+                               comm, dev, self.stats, self._warn_unpeeled)
+        transports.TRANSPORTS[self.cfg.mode](call, inp, acc)
+        if self.cfg.ef21 and self.cfg.mode != "dense":
+            self._ef21_update(dev, inp, acc)
+        self.step += 1
+        divisor = self.pre * self.post
+        if divisor != 1:
+            acc.div_(divisor)
+        out.copy_(acc)
+
+    def _check(self, inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Refuse what cannot be reduced; the flat contiguous input."""
+        if not inp.is_floating_point() or not out.is_floating_point():
+            raise TypeError(f"TAGC: unit {self.name!r} has a non-floating gradient "
+                            f"({inp.dtype}); only floating gradients can be reduced")
+        if inp.numel() != self.world * out.numel():
+            raise RuntimeError(f"TAGC: unit {self.name!r}: input of {inp.numel()} elements "
+                               f"does not split into {self.world} shards of {out.numel()}")
+        if self.compressed and out.numel() and inp.numel() != self.flat_numel:
+            # The feedback state is indexed by position in this buffer; a buffer
+            # of another length (FSDP2 leaves out parameters without a gradient)
+            # would mix up parameters.  Sizes agree across ranks, so every rank
+            # raises here, none waits in a collective.
+            raise RuntimeError(f"TAGC: unit {self.name!r}: reduce-scatter input has "
+                               f"{inp.numel()} elements, expected {self.flat_numel} (every "
+                               "parameter of a compressed unit that requires grad at "
+                               "register() must get a gradient each step; FSDP2: "
+                               "set_reduce_scatter_unused_params(True) sends zeros for "
+                               "unused ones)")
+        inp = inp.reshape(-1)
+        return inp if inp.is_contiguous() else inp.contiguous()
+
+    def _agree_finite(self, comm: Comm, inp: torch.Tensor) -> bool:
+        """Whether to compress: the ranks agree (one 4-byte all-reduce) before any
+        feedback state is touched.  False: a rank's gradient is not finite and
+        every rank takes the plain path (CPU).  On CUDA the flag stays on the
+        device: a non-finite call still compresses, with every shard poisoned
+        so that no state changes and the NaN reaches every owner's output
+        (dense sums values, so NaN/Inf reach the owners without poisoning);
+        it counts in ``nonfinite_fallbacks`` only and advances ``step``
+        (identically on every rank, so the seeds still agree)."""
+        dev = comm.dev
+        if dev.cuda:
+            flag = (~torch.isfinite(inp).all()).to(torch.int32).reshape(1)
+            comm.all_reduce(flag, control=True)
+            bad = flag > 0
+            self.stats.add("nonfinite_fallbacks", bad)
+            dev.ok = ~bad
+            self.stats.add("compressed_calls", dev.ok)
+            if self.cfg.mode != "dense":
+                poison_nonfinite(inp.view(self.world, -1), bad)
+            return True
+        flag = torch.zeros(1, dtype=torch.int32, device=inp.device)
+        if not bool(torch.isfinite(inp).all()):
+            flag.fill_(1)
+        comm.all_reduce(flag, control=True)
+        if int(flag.item()) != 0:
+            self.stats.add("nonfinite_fallbacks", 1)
+            return False
+        self.stats.add("compressed_calls", 1)
+        return True
+
+    def _plain(self, comm: Comm, inp: torch.Tensor, out: torch.Tensor) -> None:
+        # Exactly the default path's arithmetic: pre-divide, SUM reduce-scatter,
+        # post-divide (gloo's AVG has been unreliable, so SUM is used always).
+        self.stats.add("plain_calls", 1)
+        if self.pre != 1:
+            inp = inp / self.pre
+        if self.world == 1:
+            out.copy_(inp)
+        else:
+            comm.reduce_scatter(out, inp)
+        if self.post != 1:
+            out.div_(self.post)
+
+    def _ef21_update(self, dev: Exec, inp: torch.Tensor, acc: torch.Tensor) -> None:
+        """EF21 after a transport: ``acc`` holds what every rank sent for this
+        rank's shard, the residual ``v - sent`` with ``v = g - h``.
+
+        ``h' = h + sent = g - (v - sent)``, stored negated: residual -= g.
+        The owner's estimate takes what arrived and becomes the output.  On
+        CUDA both updates are gated by the call's "all finite" flag (a
+        poisoned call leaves both states as they were and passes the NaN on).
+        """
+        if self.estimate is None:
+            self.estimate = torch.zeros(acc.numel(), dtype=torch.float32, device=acc.device)
+        if dev.ok is None:
+            self.residual.sub_(inp)
+            self.estimate.add_(acc)
+            acc.copy_(self.estimate)
+            return
+        self.residual.sub_(torch.where(dev.ok, inp, torch.zeros_like(inp)))
+        new = self.estimate + acc
+        self.estimate.copy_(dev.keep(new, self.estimate))
+        acc.copy_(dev.keep(new, acc))
+
+    def _warn_unpeeled(self, cnt: int, usize: int, what: str) -> None:
+        if not self.warned_unpeeled:
+            self.warned_unpeeled = True
+            logger.warning("TAGC unit %r: %d of %d union entries left unpeeled at step %d; "
+                           "%s (logged once per unit)", self.name, cnt, usize, self.step, what)
+
+    # ----------------------------------------------------------------- stats
+    def stats_dict(self) -> Dict[str, Any]:
+        """This unit's identity and counters (see ``TAGCState.stats``)."""
+        d: Dict[str, Any] = {"index": self.index, "numel": self.numel,
+                             "selected_numel": self.selected_numel,
+                             "compressed": self.compressed, "step": self.step}
+        d.update(self.stats.as_dict())
+        if self.stats.device.get("unpeeled") is not None and d["unpeeled"] \
+                and not self.warned_unpeeled:
+            self.warned_unpeeled = True
+            logger.warning("TAGC unit %r: %d union entries left unpeeled so far on CUDA; "
+                           "they got the median estimate (logged once per unit)",
+                           self.name, d["unpeeled"])
+        return d

@@ -1,0 +1,169 @@
+"""Which parameters TAGC compresses, and the FSDP unit layout that makes that exact.
+
+A unit (FSDP1 FlatParameter, FSDP2 ``fully_shard`` module) is compressed as a whole or
+not at all: FSDP hands the hook one flat buffer per unit.  So the selection is made per
+parameter (:func:`select_parameter`) and the wrapping helpers give every selected module,
+and every big unselected ``nn.Linear``/``nn.Embedding`` (the attention QKV projection),
+its own unit (docs/DESIGN.md section 6).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from .config import TAGCConfig
+
+# Module names that always denote a fused or split attention QKV projection.
+_QKV_ALWAYS = {"c_attn", "qkv", "qkv_proj", "query_key_value", "wqkv", "in_proj", "to_qkv"}
+# Names that denote Q/K/V only below an attention module ("q" alone is too generic).
+_QKV_IN_ATTN = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
+                "q", "k", "v", "to_q", "to_k", "to_v", "q_lin", "k_lin", "v_lin"}
+# Wrapper components FSDP1 / checkpointing / torch.compile insert into module names.
+_WRAPPER_NAMES = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+
+
+def clean_name(name: str) -> str:
+    return ".".join(p for p in name.split(".") if p and p not in _WRAPPER_NAMES)
+
+
+def _is_qkv_name(module_name: str) -> bool:
+    parts = [p.lower() for p in clean_name(module_name).split(".") if p]
+    if not parts:
+        return False
+    last = parts[-1]
+    if last in _QKV_ALWAYS:
+        return True
+    in_attn = any("attn" in p or "attention" in p for p in parts[:-1])
+    return in_attn and last in _QKV_IN_ATTN
+
+
+def select_parameter(cfg: TAGCConfig, module_name: str, module: nn.Module,
+                     param_name: str, param: torch.Tensor) -> bool:
+    """Whether ``cfg.layers`` selects one parameter for compression.
+
+    ``"non_attention"``: the ``weight`` of an ``nn.Linear`` or ``nn.Embedding``
+    with at least ``min_numel`` elements, unless the module is an attention
+    QKV projection: its last name component is one of ``c_attn, qkv,
+    qkv_proj, query_key_value, wqkv, in_proj, to_qkv``, or one of ``q_proj,
+    k_proj, v_proj, query, key, value, wq, wk, wv, q, k, v, to_q/k/v,
+    q/k/v_lin`` below a module whose name contains ``attn``/``attention``.
+    The attention output projection (``c_proj``, ``o_proj``, ``out_proj``)
+    is compressed, as in the paper.  ``"all"``: every parameter with at least
+    ``min_numel`` elements.  A callable decides alone.
+
+    Args:
+        cfg: the config.
+        module_name: FQN of the module owning the parameter (wrapper names ignored).
+        module: that module.
+        param_name: the parameter's name inside the module.
+        param: the parameter.
+    Returns:
+        True if the parameter is compressed.
+    """
+    if callable(cfg.layers):
+        return bool(cfg.layers(clean_name(module_name), module, param_name, param))
+    if param.numel() < cfg.min_numel or not param.is_floating_point():
+        return False
+    if cfg.layers == "all":
+        return True
+    if param_name != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
+        return False
+    return not _is_qkv_name(module_name)
+
+
+def _tied_param_ids(model: nn.Module) -> set:
+    seen: Dict[int, int] = {}
+    for _, mod in model.named_modules(remove_duplicate=False):
+        for _, p in mod.named_parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, c in seen.items() if c > 1}
+
+
+def modules_to_wrap(model: nn.Module, cfg: TAGCConfig) -> List[nn.Module]:
+    """Modules that get their own FSDP unit: owners of selected parameters and big
+    unselected Linear/Embedding layers (so they do not dilute another unit)."""
+    tied = _tied_param_ids(model)
+    out = []
+    for name, mod in model.named_modules():
+        if mod is model:
+            continue
+        direct = list(mod.named_parameters(recurse=False))
+        if not direct or any(id(p) in tied for _, p in direct):
+            continue  # tied weights must stay in a common ancestor's unit (the root)
+        selected = any(select_parameter(cfg, name, mod, pn, p) for pn, p in direct)
+        big_layer = isinstance(mod, (nn.Linear, nn.Embedding)) and \
+            sum(p.numel() for _, p in direct) >= max(cfg.min_numel, 1)
+        if selected or big_layer:
+            out.append(mod)
+    return out
+
+
+def fsdp1_auto_wrap_policy(model: nn.Module, cfg: TAGCConfig) -> Callable[..., bool]:
+    """FSDP1 ``auto_wrap_policy`` putting selected parameters in their own units.
+
+    Every module owning a selected parameter, and every other ``nn.Linear``/
+    ``nn.Embedding`` with at least ``min_numel`` parameters, becomes one unit;
+    everything else (norms, position embeddings, tied weights) stays in the root.
+
+    Args:
+        model: the unwrapped model (the policy is computed from it).
+        cfg: the config whose ``layers``/``min_numel`` decide the selection.
+    Returns:
+        a callable ``(module, recurse, nonwrapped_numel) -> bool`` for
+        ``FullyShardedDataParallel(model, auto_wrap_policy=...)``.
+    """
+    wrap_ids = {id(m) for m in modules_to_wrap(model, cfg)}
+
+    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        if recurse:
+            return True
+        return id(module) in wrap_ids
+
+    return policy
+
+
+def shard_model(model: nn.Module, cfg: TAGCConfig, **fully_shard_kwargs: Any) -> nn.Module:
+    """FSDP2: ``fully_shard`` each module of :func:`fsdp1_auto_wrap_policy`'s set, then the root.
+
+    Args:
+        model: the unsharded model.
+        cfg: the config deciding the selection.
+        **fully_shard_kwargs: passed to every ``fully_shard`` call (mesh, mp_policy, ...).
+    Returns:
+        the model (sharded in place; it is an ``FSDPModule`` afterwards).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mods = modules_to_wrap(model, cfg)
+    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    for mod in sorted(mods, key=lambda m: -order[id(m)]):  # children before parents
+        fully_shard(mod, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
+    return model
+
+
+def module_names(model: nn.Module) -> Dict[int, str]:
+    """id(module) -> its FQN without wrapper components."""
+    return {id(m): clean_name(n) for n, m in model.named_modules()}
+
+
+def unit_selection(cfg: TAGCConfig, names: Dict[int, str],
+                   infos: List[Tuple[nn.Module, str, torch.Tensor, int]]) -> Tuple[int, int]:
+    """Elements of a unit's parameters, and how many of them ``cfg`` selects.
+
+    Args:
+        cfg: the config.
+        names: :func:`module_names` of the model.
+        infos: (owning module, parameter name, parameter, numel) per parameter.
+    Returns:
+        (total, selected).  The unit is compressed when selected >= total / 2.
+    """
+    total = sel = 0
+    for mod, pname, p, numel in infos:
+        total += numel
+        if select_parameter(cfg, names.get(id(mod), ""), mod, pname, p):
+            sel += numel
+    return total, sel

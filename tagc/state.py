@@ -1,0 +1,204 @@
+"""The public face: :func:`register` and the :class:`TAGCState` it returns."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Dict, List
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import checkpoint, fsdp1, fsdp2, stats, transports
+from .config import TAGCConfig
+from .device import CodecStreams
+from .reducer import UnitReducer
+
+logger = logging.getLogger("tagc_hook")
+
+
+class TAGCState:
+    """What :func:`register` returns: stats, checkpoints and the loss-scale hook.
+
+    Not constructed directly.  ``units`` lists the per-unit reducers (FQN order).
+    """
+
+    def __init__(self, cfg: TAGCConfig, kind: str, units: List[UnitReducer], rank: int,
+                 world_size: int, streams: CodecStreams) -> None:
+        self.cfg, self.kind, self.units = cfg, kind, units
+        self.rank, self.world_size = rank, world_size
+        self._streams = streams
+        self._meshes = checkpoint.RowMeshes()
+
+    def stats(self) -> Dict[str, Any]:
+        """Statistics of this rank since registration (or :meth:`reset_stats`).
+
+        Returns:
+            ``{"units": {name: {...}}, "total": {...}, "compressed_total": {...}}``.
+            Per entry: ``calls``, ``compressed_calls``, ``plain_calls`` (plain
+            reduce-scatter), ``dense_step_calls`` (those of them in the
+            warm-up's ``dense_steps``), ``nonfinite_fallbacks``, ``collectives``
+            (per torch.distributed function: calls and bytes of the tensors
+            handed to it, i.e. the send buffer), ``bytes_handed`` (their sum),
+            ``wire_bytes`` (bytes this rank sends on an ideal network: all-to-all
+            minus its own chunk, isend all of it (``irecv`` entries list the
+            receive buffers and add nothing to the byte totals), ring
+            all-reduce ``2(N-1)/N``, reduce: all unless it is the destination,
+            reduce-scatter ``(N-1)/N``), ``default_wire_bytes`` (what FSDP's
+            ideal ring reduce-scatter would send for the same calls: ``(N-1)/N
+            * padded numel * element size``), ``wire_ratio``, ``control_bytes``
+            (non-finite agreement, unpeeled counts), ``unpeeled`` (entries
+            peeling left; estimated in paper mode, recovered exactly in exact
+            mode), ``recovered``, ``density`` (mean union size / shard size at
+            the owner; 1 in quant mode), ``collision_dropped`` and
+            ``collision_dropped_l1`` (paper lanes: kept entries that the SUM
+            carries erased from the union, counted by their senders, and the
+            L1 mass lost with them).  On CUDA the data-dependent counters are
+            accumulated on the device and read here (the only host syncs); a
+            non-finite call counts in ``nonfinite_fallbacks`` only, and exact
+            mode's ``unpeeled`` entries are estimated, not recovered
+            (``recovered`` stays 0).
+        """
+        self._streams.join()
+        units = {u.name: u.stats_dict() for u in self.units}
+        return {"units": units,
+                "total": stats.total(list(units.values())),
+                "compressed_total": stats.total([s for s in units.values() if s["compressed"]])}
+
+    def reset_stats(self) -> None:
+        """Zero every counter (feedback state and step counters are kept)."""
+        for u in self.units:
+            u.stats.reset()
+
+    def scale_residuals(self, factor: float) -> None:
+        """Multiply every residual (and EF21 estimate) by ``factor``.
+
+        Feedback state holds gradient in the loss scale of the step that
+        produced it; with dynamic loss scaling call this after
+        ``scaler.update()`` with ``new_scale / old_scale`` so it stays in the
+        new scale.
+
+        Args:
+            factor: finite positive multiplier.
+        """
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"scale_residuals: factor must be finite and > 0, got {factor!r}")
+        self._streams.join()
+        for u in self.units:
+            for name, _, _ in u.feedback_buffers():
+                t = getattr(u, name)
+                if t is not None and factor != 1.0:
+                    t.mul_(factor)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's TAGC state: feedback state per unit, step counters, seeds, config.
+
+        Works both ways PyTorch checkpoints are written:
+
+        * ``torch.save(state.state_dict(), f"tagc-rank{r}.pt")`` per rank, and
+          ``state.load_state_dict(torch.load(...))`` on the same rank later;
+        * ``torch.distributed.checkpoint``: ``dcp.save({"tagc": state}, ...)``
+          and ``dcp.load({"tagc": state}, ...)`` (``TAGCState`` is a DCP
+          ``Stateful``), beside the model and optimizer.
+
+        Feedback state is a row-sharded ``DTensor`` per unit (``tagc/checkpoint.py``
+        says why).
+
+        Returns:
+            a dict of plain data and DTensors over CPU copies (``to_local()``
+            gives this rank's ``(1, length)`` row).
+        """
+        self._streams.join()
+        return checkpoint.state_dict(self.units, self.cfg, self.kind, self.world_size,
+                                     self.rank, self._meshes)
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output of the same rank of the same setup.
+
+        Args:
+            sd: the dict, from ``torch.load`` of this rank's file or filled in
+                by ``torch.distributed.checkpoint``.
+        Raises:
+            ValueError: format, config, world size, rank, unit layout or a
+                state's size differ; nothing is changed then.
+        """
+        rows = checkpoint.validate(sd, self.units, self.cfg, self.world_size, self.rank)
+        self._streams.join()  # the old state may still be in use on a codec stream
+        checkpoint.restore(sd, self.units, rows)
+
+
+def _check_agreement(cfg: TAGCConfig, units: List[UnitReducer], world: int,
+                     group: Any) -> None:
+    """Every rank must hold the same config and unit layout; raise on all ranks if not."""
+    mine = {"config": cfg.to_dict(), "world_size": world,
+            "units": [(u.name, u.numel, u.flat_numel, u.compressed) for u in units]}
+    gathered: List[Any] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    bad = [r for r, g in enumerate(gathered) if g != gathered[0]]
+    if bad:
+        diff = []
+        for r in bad:
+            g = gathered[r]
+            keys = [k for k in g["config"] if g["config"].get(k) != gathered[0]["config"].get(k)]
+            diff.append(f"rank {r}: config fields {keys}"
+                        + ("" if g["units"] == gathered[0]["units"] else ", unit layout"))
+        raise ValueError("register: TAGC config or FSDP unit layout differs between ranks "
+                         f"(compared with rank 0): {'; '.join(diff)}")
+
+
+def _log_units(state: TAGCState) -> None:
+    for u in state.units:
+        if u.compressed and u.selected_numel < u.numel:
+            logger.info("TAGC unit %r: %d of %d elements selected; the whole unit is "
+                        "compressed (use fsdp1_auto_wrap_policy/shard_model to separate)",
+                        u.name, u.selected_numel, u.numel)
+    logger.info("TAGC registered (%s, mode=%s): %d units, %d compressed", state.kind,
+                state.cfg.mode, len(state.units), sum(u.compressed for u in state.units))
+
+
+def register(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
+    """Make an FSDP model's gradient reduce-scatter use TAGC.
+
+    Args:
+        model: an FSDP1 root (``FullyShardedDataParallel``) or an FSDP2 model
+            (``fully_shard``-ed root or containing ``fully_shard``-ed modules).
+            Register before the first backward, once.
+        cfg: the config; must be identical on every rank (checked).
+    Returns:
+        the :class:`TAGCState` (stats, checkpoints).
+    Raises:
+        TypeError: not an FSDP model, or ``cfg`` not a TAGCConfig.
+        ValueError: unsupported sharding strategy, configs differ between ranks.
+        RuntimeError: registered twice.
+    """
+    if not isinstance(cfg, TAGCConfig):
+        raise TypeError(f"register: cfg must be a TAGCConfig, got {type(cfg).__name__}")
+    if cfg.mode != "dense":
+        transports.require_codec()
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("register: torch.distributed is not initialized")
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):
+        kind, glue = "fsdp1", fsdp1
+    else:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover
+            FSDPModule = ()  # type: ignore[assignment]
+        if FSDPModule and any(isinstance(m, FSDPModule) for m in model.modules()):
+            kind, glue = "fsdp2", fsdp2
+        elif any(isinstance(m, FSDP) for m in model.modules()):
+            raise TypeError("register: pass the root FullyShardedDataParallel module")
+        else:
+            raise TypeError(f"register: {type(model).__name__} is not an FSDP model (wrap it "
+                            "with FullyShardedDataParallel or torch.distributed.fsdp."
+                            "fully_shard first)")
+    streams = CodecStreams()
+    units, mods, group = glue.reducers(model, cfg, streams)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check_agreement(cfg, units, world, group)
+    glue.install(model, units, mods)
+    state = TAGCState(cfg, kind, units, rank, world, streams)
+    _log_units(state)
+    return state

@@ -1,0 +1,107 @@
+"""Per-unit counters: what each reduction sent, chose and recovered (``TAGCState.stats()``).
+
+One API for every counter, :meth:`UnitStats.add`: a host number, or (CUDA) a 1-element
+device tensor that stays on the device until :meth:`UnitStats.as_dict` reads it, so the
+hot path never waits for the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+from .device import gate
+
+COUNTERS = ("calls", "compressed_calls", "plain_calls", "dense_step_calls",
+            "nonfinite_fallbacks",
+            "bytes_handed", "wire_bytes", "default_wire_bytes", "control_bytes",
+            "unpeeled", "recovered", "union_size", "shard_slots",
+            "collision_dropped", "collision_dropped_l1")
+
+
+class UnitStats:
+    """The counters of one unit since registration or :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero everything."""
+        self.counters: Dict[str, float] = {c: 0 for c in COUNTERS}
+        self.device: Dict[str, torch.Tensor] = {}
+        self.collectives: Dict[str, Dict[str, int]] = {}
+
+    def add(self, name: str, value: Union[int, float, torch.Tensor],
+            ok: Optional[torch.Tensor] = None) -> None:
+        """Add to a counter.
+
+        Args:
+            name: one of :data:`COUNTERS`.
+            value: a host number, or a 1-element device tensor (accumulated on
+                the device).
+            ok: CUDA: the call's "every rank's gradient is finite" flag; a
+                device value counts only where it is true.
+        """
+        if isinstance(value, torch.Tensor):
+            v = value.reshape(-1)[:1].to(torch.float64, copy=True)
+            if ok is not None:
+                v = gate(v, ok)
+            acc = self.device.get(name)
+            self.device[name] = v if acc is None else acc.add_(v)
+        else:
+            self.counters[name] += value
+
+    def record(self, op: str, handed: int, wire: float, control: bool = False) -> None:
+        """One tensor handed to ``torch.distributed``.
+
+        Args:
+            op: the torch.distributed function.
+            handed: bytes of the tensor handed to it.
+            wire: bytes this rank sends for it on an ideal network.
+            control: a control message (non-finite agreement, counts).
+        """
+        c = self.collectives.setdefault(op, {"calls": 0, "bytes": 0})
+        c["calls"] += 1
+        c["bytes"] += int(handed)
+        if op == "irecv":  # a receive buffer: listed, but nothing this rank sends
+            return
+        self.counters["bytes_handed"] += int(handed)
+        self.counters["wire_bytes"] += wire
+        if control:
+            self.counters["control_bytes"] += int(handed)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Every counter (device values read here: the only host syncs), the
+        collectives, and the derived ``density`` and ``wire_ratio``."""
+        d: Dict[str, Any] = dict(self.counters)
+        for name, t in self.device.items():
+            v = float(t.item())
+            d[name] += int(v) if name != "collision_dropped_l1" else v
+        d["collectives"] = {k: dict(v) for k, v in self.collectives.items()}
+        _derive(d)
+        return d
+
+
+def _derive(d: Dict[str, Any]) -> None:
+    slots = d["shard_slots"]
+    d["density"] = d["union_size"] / slots if slots else 0.0
+    dw = d["default_wire_bytes"]
+    d["wire_ratio"] = d["wire_bytes"] / dw if dw else 0.0
+
+
+def total(entries: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Sum of several units' :meth:`UnitStats.as_dict` (plus ``units``: how many)."""
+    tot: Dict[str, Any] = {c: 0 for c in COUNTERS}
+    coll: Dict[str, Dict[str, int]] = {}
+    for e in entries:
+        for c in COUNTERS:
+            tot[c] += e[c]
+        for op, v in e["collectives"].items():
+            cc = coll.setdefault(op, {"calls": 0, "bytes": 0})
+            cc["calls"] += v["calls"]
+            cc["bytes"] += v["bytes"]
+    tot["collectives"] = coll
+    tot["units"] = len(entries)
+    _derive(tot)
+    return tot

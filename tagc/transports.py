@@ -1,0 +1,318 @@
+"""Transports: how one compressed reduction crosses the network (docs/DESIGN.md section 4).
+
+Every transport has the same signature, ``transport(call, inp, acc)``: ``inp`` is the
+unit's flat gradient (N shards of S), ``acc`` (S, fp32) receives what every rank sent
+for this rank's shard, summed (the caller divides).  They sit in :data:`TRANSPORTS`,
+keyed by mode.  All codec work is ``_tagc``'s; a transport moves buffers and counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .comm import Comm
+from .config import TAGCConfig
+from .device import Exec, gate
+from .stats import UnitStats
+
+try:  # the codec; `dense` mode and config handling work without it
+    import _tagc
+except ImportError as _exc:  # pragma: no cover - exercised only without a build
+    _tagc = None
+    TAGC_IMPORT_ERROR: Optional[BaseException] = _exc
+else:
+    TAGC_IMPORT_ERROR = None
+
+
+def require_codec() -> None:
+    """Raise a clear ImportError when the ``_tagc`` extension is not built."""
+    if _tagc is None:
+        raise ImportError(
+            "the TAGC codec module `_tagc` is not built; run `pip install -e .` in the "
+            f"repository (import failed with: {TAGC_IMPORT_ERROR})")
+
+
+@dataclass
+class Call:
+    """One compressed reduction of one unit, as a transport sees it.
+
+    Attributes:
+        cfg: the config.
+        index: the unit's position among the model's units (hash seeds).
+        step: the unit's reduction number (warm-up schedule, hash seeds).
+        residual: this rank's feedback buffer for the whole unit (None: no
+            error feedback); shard r is ``residual[r*S:(r+1)*S]``.
+        comm: the collectives (and the counters they feed).
+        dev: the device side (stream keywords, device counts, the finite flag).
+        stats: the unit's counters.
+        warn_unpeeled: logs (once per unit) that peeling left entries (count,
+            union size, what happened to them).
+    """
+
+    cfg: TAGCConfig
+    index: int
+    step: int
+    residual: Optional[torch.Tensor]
+    comm: Comm
+    dev: Exec
+    stats: UnitStats
+    warn_unpeeled: Callable[[int, int, str], None]
+
+    @property
+    def world(self) -> int:
+        return self.comm.world
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def k(self, s: int) -> int:
+        """Entries kept per shard of ``s`` at this step (warm-up schedule)."""
+        theta = self.cfg.theta_at(self.step)
+        assert theta is not None  # dense steps never reach the codecs
+        # round() guards against (1 - 0.9875) * 800 == 10.000000000000009
+        k = math.ceil(round((1.0 - theta) * s, 9))
+        return min(max(k, 1), s)
+
+    def seed(self) -> int:
+        """Sketch hash seed of this call: the same on every rank, new every step."""
+        return _tagc.seed_derive(self.cfg.seed, self.index, self.step)
+
+    def res(self, r: int, s: int) -> Optional[torch.Tensor]:
+        """This rank's feedback for shard ``r`` (None without error feedback)."""
+        return None if self.residual is None else self.residual[r * s:(r + 1) * s]
+
+    def add(self, name: str, value: Union[int, float, torch.Tensor]) -> None:
+        """Count (device values only where every rank's gradient was finite)."""
+        self.stats.add(name, value, self.dev.ok)
+
+    def unpeeled(self, cnt: Union[int, torch.Tensor], usize: Union[int, torch.Tensor],
+                 what: str) -> None:
+        """Entries peeling left: counted; on the CPU also logged (CUDA: stats() warns)."""
+        self.add("unpeeled", cnt)
+        if not isinstance(cnt, torch.Tensor) and cnt:
+            self.warn_unpeeled(cnt, int(usize), what)
+
+
+def sparsify_all(call: Call, inp: torch.Tensor, s: int, k: int, with_bitmap: bool = True,
+                 per_shard: Optional[Callable[..., None]] = None,
+                 order: Optional[Sequence[int]] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k of every shard with error feedback: (idx, val, bitmaps) of shape (N, ...).
+
+    ``per_shard(r, idx, val, bm)`` runs right after shard r is selected, so its
+    exchange starts before shard r+1 is (shards are independent: disjoint
+    residual slices; the order only decides which exchange starts first).
+    """
+    n, dev = call.world, inp.device
+    idx = torch.empty(n, k, dtype=torch.int32, device=dev)
+    val = torch.empty(n, k, dtype=call.cfg.value_dtype, device=dev)
+    bm = torch.empty(n if with_bitmap else 1, _tagc.bitmap_bytes(s), dtype=torch.uint8,
+                     device=dev)
+    kw = dict(call.dev.kw)
+    # on CUDA the threshold goes to a device scalar (no host sync)
+    tau = torch.empty(n, dtype=torch.float32, device=dev) if call.dev.cuda else None
+    for r in (range(n) if order is None else order):
+        if tau is not None:
+            kw["out"] = tau[r:r + 1]
+        _tagc.sparsify(idx[r], val[r], bm[r if with_bitmap else 0], call.res(r, s),
+                       inp[r * s:(r + 1) * s], k, **kw)
+        if per_shard is not None:
+            per_shard(r, idx, val, bm)
+    return idx, val, bm
+
+
+def dense(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
+    """No compression: each shard to its owner by one all-to-all (the honest
+    gloo baseline: gloo's reduce-scatter is an all-reduce underneath)."""
+    send = inp.view(call.world, -1)
+    recv = torch.empty_like(send)
+    call.comm.all_to_all(recv, send)
+    torch.sum(recv.float(), dim=0, out=acc)
+
+
+def sparse(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
+    """Exactly k (offset, value) pairs per shard to its owner, shard by shard."""
+    n, s, rank, kw = call.world, acc.numel(), call.rank, call.dev.kw
+    k = call.k(s)
+    buf = torch.empty(n, _tagc.sparse_bytes(k, call.cfg.value_dtype), dtype=torch.uint8,
+                      device=inp.device)
+    recv = torch.empty_like(buf)
+    works = call.comm.post_recvs(recv)  # exactly k pairs: every size known up front
+
+    def send(r: int, idx: torch.Tensor, val: torch.Tensor, bm: torch.Tensor) -> None:
+        _tagc.sparse_pack(buf[r], idx[r], val[r], **kw)
+        if r != rank:
+            call.comm.post_send(works, buf, recv, r)
+
+    sparsify_all(call, inp, s, k, with_bitmap=False, per_shard=send, order=call.comm.ring())
+    call.comm.wait(works)
+    acc.zero_()
+    for r in range(n):  # rank order, as the all-to-all version summed
+        _tagc.sparse_unpack(acc, buf[r] if r == rank else recv[r], k,
+                            call.cfg.value_dtype, **kw)
+    call.add("shard_slots", s)
+
+
+def quant(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
+    """Every other owner's shard on ``quant_format`` codes with error feedback;
+    the own shard is added exact (it never leaves the rank)."""
+    n, s, rank, kw = call.world, acc.numel(), call.rank, call.dev.kw
+    fmt, block = call.cfg.quant_format, call.cfg.quant_block
+    buf = torch.empty(n, _tagc.quant_bytes(s, fmt, block), dtype=torch.uint8,
+                      device=inp.device)
+    recv = torch.empty_like(buf)
+    works = call.comm.post_recvs(recv)
+    for r in call.comm.ring()[:-1]:
+        _tagc.quant_encode(buf[r], call.res(r, s), inp[r * s:(r + 1) * s], fmt, block, **kw)
+        call.comm.post_send(works, buf, recv, r)
+    call.comm.wait(works)
+    acc.zero_()
+    for r in range(n):  # rank order: the same sum on every run
+        if r != rank:
+            _tagc.quant_decode_add(acc, recv[r], fmt, block, **kw)
+            continue
+        acc.add_(inp[r * s:(r + 1) * s])
+        if call.cfg.ef21:
+            # The own shard is "sent" uncompressed: it contributes v = g - h
+            # in full and leaves nothing behind (so h becomes g).
+            own = call.res(r, s)
+            acc.add_(own)
+            own.copy_(call.dev.keep(torch.zeros_like(own), own))
+    call.add("union_size", s)
+    call.add("shard_slots", s)
+
+
+def exact(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
+    """Bitmap all-to-all (a true OR at the owner), a sketch sized from the union
+    bound, and (CPU) a recovery exchange for what peeling leaves: lossless."""
+    n, s, kw = call.world, acc.numel(), call.dev.kw
+    k = call.k(s)
+    idx, val, bm = sparsify_all(call, inp, s, k)
+    recv_bm = torch.empty_like(bm)
+    work = call.comm.all_to_all(recv_bm, bm, async_op=True)
+    # While the bitmaps travel, encode every shard's sketch.
+    m = math.ceil(call.cfg.sketch_factor * min(s, n * k))
+    t = max(1, math.ceil(m / 3))
+    seed = call.seed()
+    sk = torch.empty(n, _tagc.sketch_buckets(t), dtype=call.cfg.value_dtype, device=inp.device)
+    for r in range(n):
+        _tagc.sketch_encode(sk[r], idx[r], val[r], s, t, seed, **kw)
+    recv_sk = torch.empty_like(sk)
+    work_sk = call.comm.all_to_all(recv_sk, sk, async_op=True)
+    work.wait()
+    union = torch.empty(bm.shape[1], dtype=torch.uint8, device=inp.device)
+    _tagc.bitmap_or(union, recv_bm.view(-1), n, **kw)
+    usize = call.dev.count(_tagc.popcount, union, s)
+    work_sk.wait()
+    total = recv_sk.float().sum(dim=0) if n > 1 else recv_sk[0].float()
+    call.add("union_size", usize)
+    call.add("shard_slots", s)
+    if call.dev.cuda:
+        # No recovery exchange on CUDA: its sizes depend on the unpeeled
+        # counts, which only the host could turn into splits.  Entries
+        # peeling leaves (rare at sketch_factor >= 1.23) get the median
+        # estimate of their buckets and are counted in `unpeeled`
+        # (`recovered` stays 0): CUDA exact mode is lossless only when
+        # `unpeeled` is 0.
+        cnt_dev = call.dev.count(_tagc.peel_decode, acc, total, union, s, t, seed,
+                                 estimate=True, out_kw="count_out")
+        call.add("unpeeled", cnt_dev)
+        return
+    unpeeled = torch.empty(max(usize, 1), dtype=torch.int32, device=inp.device)
+    cnt = call.dev.count(_tagc.peel_decode, acc, total, union, s, t, seed, unpeeled=unpeeled,
+                         estimate=False, out_kw="count_out")
+    _recover(call, idx, val, k, unpeeled[:cnt], usize, acc)
+
+
+def _recover(call: Call, idx: torch.Tensor, val: torch.Tensor, k: int, mine: torch.Tensor,
+             usize: int, acc: torch.Tensor) -> None:
+    """exact mode's second exchange: every owner names the positions peeling
+    left, every rank answers with its kept value there; the owner sums."""
+    n, rank, dev = call.world, call.rank, acc.device
+    cnt = mine.numel()
+    # Agree on who needs recovery (an N-element all-reduce of counts).
+    counts = torch.zeros(n, dtype=torch.int64, device=dev)
+    counts[rank] = cnt
+    call.comm.all_reduce(counts, control=True)
+    c = [int(x) for x in counts.tolist()]
+    if sum(c) == 0:
+        return
+    call.add("recovered", cnt)
+    call.unpeeled(cnt, usize, "recovered by a second exchange")
+    # Owner names its unpeeled positions to every rank ...
+    send_pos = mine.repeat(n) if cnt else torch.empty(0, dtype=torch.int32, device=dev)
+    recv_pos = torch.empty(sum(c), dtype=torch.int32, device=dev)
+    call.comm.all_to_all(recv_pos, send_pos, in_splits=[cnt] * n, out_splits=c)
+    # ... each rank answers with its kept value there (0 if not kept) ...
+    answers = torch.zeros(sum(c), dtype=call.cfg.value_dtype, device=dev)
+    off = 0
+    for r in range(n):
+        if c[r]:
+            pos = recv_pos[off:off + c[r]].long()
+            kept = idx[r].long()
+            j = torch.searchsorted(kept, pos).clamp_(max=k - 1)
+            hit = kept[j] == pos
+            answers[off:off + c[r]] = torch.where(hit, val[r][j], torch.zeros_like(val[r][j]))
+        off += c[r]
+    got = torch.empty(n * cnt, dtype=call.cfg.value_dtype, device=dev)
+    call.comm.all_to_all(got, answers, in_splits=c, out_splits=[cnt] * n)
+    # ... and the owner sums the answers: exact values, nothing lost.
+    if cnt:
+        acc[mine.long()] = got.view(n, cnt).float().sum(dim=0)
+
+
+def paper(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
+    """The paper's Algorithm 1: index all-reduce SUM on ``index_bits`` lanes
+    (carries and all), a fixed ``S/ratio`` sketch reduced to each owner."""
+    n, s, rank, kw = call.world, acc.numel(), call.rank, call.dev.kw
+    k = call.k(s)
+    bits = call.cfg.index_bits
+    lanes = torch.empty(n, _tagc.lanes_bytes(s, bits), dtype=torch.uint8, device=inp.device)
+    t = max(1, math.ceil(math.ceil(s / call.cfg.ratio) / 3))
+    seed = call.seed()
+    sk = torch.empty(n, _tagc.sketch_buckets(t), dtype=call.cfg.value_dtype, device=inp.device)
+    works: List[Any] = []
+
+    def exchange(r: int, idx: torch.Tensor, val: torch.Tensor, bm: torch.Tensor) -> None:
+        # Algorithm 1 per shard: SUM all-reduce of the lanes (carries included;
+        # elementwise, so per-shard calls equal one call over the unit), then
+        # the fixed-size sketch reduced to the owner.  Both run while shard
+        # r+1 is selected and encoded.
+        _tagc.lanes_pack(lanes[r], bm[r], s, bits, **kw)
+        works.append(call.comm.all_reduce(lanes[r], async_op=True))
+        _tagc.sketch_encode(sk[r], idx[r], val[r], s, t, seed, **kw)
+        works.append(call.comm.reduce(sk[r], r, async_op=True))
+
+    idx, val, bm = sparsify_all(call, inp, s, k, per_shard=exchange)
+    call.comm.wait(works)
+    union = torch.empty(bm.shape[1], dtype=torch.uint8, device=inp.device)
+    _tagc.lanes_unpack(union, lanes[rank], s, bits, **kw)
+    usize = call.dev.count(_tagc.popcount, union, s)
+    cnt = call.dev.count(_tagc.peel_decode, acc, sk[rank], union, s, t, seed, estimate=True,
+                         out_kw="count_out")
+    call.add("union_size", usize)
+    call.add("shard_slots", s)
+    call.unpeeled(cnt, usize, "paper mode estimates them")
+    # Collision loss: every rank sees all reduced lanes, so each counts its own
+    # kept entries that the carries erased from the union (the paper's loss).
+    ub = torch.empty_like(bm)
+    for r in range(n):
+        _tagc.lanes_unpack(ub[r], lanes[r], s, bits, **kw)
+    pos = idx.long()
+    bit = (ub.gather(1, pos >> 3).long() >> (pos & 7)) & 1
+    lost = bit == 0
+    if call.dev.cuda:  # boolean indexing would sync; where() keeps it on the device
+        call.add("collision_dropped", lost.sum())
+        call.add("collision_dropped_l1", gate(val.float().abs(), lost).sum())
+        return
+    call.add("collision_dropped", int(lost.sum()))
+    call.add("collision_dropped_l1", float(val.float().abs()[lost].sum()))
+
+
+TRANSPORTS: Dict[str, Callable[[Call, torch.Tensor, torch.Tensor], None]] = {
+    "dense": dense, "sparse": sparse, "quant": quant, "exact": exact, "paper": paper}
