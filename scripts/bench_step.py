@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -32,7 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -223,7 +222,7 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
     """
     import torch
     import tagc_hook as tagc
-    from train_gpt2 import GPT, GPTConfig
+    from gpt2_model import GPT, GPTConfig
 
     torch.manual_seed(0)
     gcfg = GPTConfig(n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,

@@ -25,7 +25,6 @@ import csv
 import json
 import logging
 import math
-import os
 import shlex
 import subprocess
 import sys

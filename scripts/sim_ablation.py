@@ -36,11 +36,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,7 +49,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import gpt2_data  # noqa: E402
 import tagc_hook as tagc  # noqa: E402
-from train_gpt2 import GPT, GPTConfig, configure_optimizer, decayed_parameter_names  # noqa: E402
+from gpt2_model import GPT, GPTConfig  # noqa: E402
+from train_gpt2 import configure_optimizer, decayed_parameter_names  # noqa: E402
 
 FORMAT_BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.0, "int4": 4.0}
 

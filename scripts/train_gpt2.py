@@ -23,9 +23,11 @@ functions of the iteration number).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -42,169 +44,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt2_data beside this file
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tagc_hook at repo root
 import gpt2_data  # noqa: E402
+from gpt2_model import GPT, MODEL_SIZES, Block, GPTConfig  # noqa: E402
 
 logger = logging.getLogger("train_gpt2")
 
-# =============================================================================== model
-
-
-@dataclass
-class GPTConfig:
-    """GPT-2 architecture.
-
-    Attributes:
-        block_size: context length.
-        vocab_size: embedding rows (pad the tokenizer's vocabulary to a multiple of 64).
-        n_layer, n_head, n_embd: depth, heads, width.
-        dropout: dropout probability (0 keeps runs deterministic).
-        bias: biases in Linear and LayerNorm layers, as GPT-2.
-        tie_weights: share the token embedding with the LM head, as GPT-2 (124M). The
-            paper's ~162M model matches GPT-2 small with an untied head.
-    """
-
-    block_size: int = 1024
-    vocab_size: int = 50304
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True
-    tie_weights: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"GPTConfig.{name} must be positive")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError("dropout must be in [0, 1)")
-
-
-# name -> (n_layer, n_head, n_embd); 'tiny' trains in minutes on 2 CPU cores and still has
-# non-attention Linear layers of >= 2**16 weights, which TAGC's default policy compresses.
-MODEL_SIZES: Dict[str, Tuple[int, int, int]] = {
-    "tiny": (2, 4, 256),
-    "mini": (4, 4, 384),
-    "gpt2": (12, 12, 768),          # 124M
-    "gpt2-medium": (24, 16, 1024),  # 350M
-}
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention; QKV projection (c_attn) is its own Linear."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.dropout = cfg.dropout
-        self.resid_dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-                   for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
-
-
-class MLP(nn.Module):
-    """GPT-2 feed-forward block: c_fc (4x up), GELU, c_proj (down)."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.gelu = nn.GELU(approximate="tanh")
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    """GPT-2 language model (nanoGPT layout: transformer.{wte,wpe,h,ln_f}, lm_head)."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-        ))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_weights:
-            self.lm_head.weight = self.transformer.wte.weight
-        self.apply(self._init_weights)
-        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def num_params(self) -> int:
-        """Number of distinct parameters (a tied weight counts once)."""
-        return sum(p.numel() for p in self.parameters())
-
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Logits for every position, and the mean cross-entropy if targets are given.
-
-        Args:
-            idx: (B, T) int64 token ids, T <= block_size.
-            targets: (B, T) int64 next-token ids, or None.
-
-        Returns:
-            (logits (B, T, vocab), loss or None).
-        """
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-        return logits, loss
+# =============================================================================== optimizer
 
 
 def decayed_parameter_names(model: nn.Module) -> set:
@@ -247,56 +95,62 @@ def configure_optimizer(model: nn.Module, decayed: set, weight_decay: float, lr:
 # =============================================================================== config
 
 
+def _opt(default: Any, help: str) -> Any:
+    """A TrainConfig field with its --help text."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainConfig:
     """Every knob of a run. Defaults: the tiny model on the built-in corpus, ~1-2 min on 2 cores."""
 
     # I/O
-    out_dir: str = "out/gpt2"
-    init_from: str = "scratch"         # scratch | resume
-    eval_interval: int = 50
-    eval_iters: int = 8
-    log_interval: int = 10
-    ckpt_interval: int = 0             # 0: only at the end
-    save_checkpoint: bool = True       # save at the end of the run
-    progress: bool = True              # tqdm bar on rank 0
-    tensorboard: bool = True
+    out_dir: str = _opt("out/gpt2", "run folder: metrics.csv, summary.json, ckpt/, tb/")
+    init_from: str = _opt("scratch", "scratch | resume (from out_dir/ckpt)")
+    eval_interval: int = _opt(50, "steps between validation estimates")
+    eval_iters: int = _opt(8, "batches per rank in a validation estimate")
+    log_interval: int = _opt(10, "steps between log lines and metrics rows")
+    ckpt_interval: int = _opt(0, "steps between checkpoints; 0: only at the end")
+    save_checkpoint: bool = _opt(True, "save a checkpoint at the end of the run")
+    progress: bool = _opt(True, "tqdm progress bar on rank 0")
+    tensorboard: bool = _opt(True, "TensorBoard logs in out_dir/tb (if installed)")
     # data
-    data: str = "stdlib"               # stdlib | openwebtext | /path/to/text/folder
-    tokenizer: str = "auto"            # auto | gpt2 | byte
-    cache_dir: str = "data_cache"
-    val_percent: float = 5.0
+    data: str = _opt("stdlib", "stdlib (built-in, offline) | openwebtext | a folder of text files")
+    tokenizer: str = _opt("auto", "auto (GPT-2 BPE if tiktoken's files are cached, else "
+                                  "bytes) | gpt2 | byte")
+    cache_dir: str = _opt("data_cache", "token cache folder")
+    val_percent: float = _opt(5.0, "share of the documents kept for validation")
     # model
-    model: str = "tiny"                # a MODEL_SIZES key
-    n_layer: int = 0                   # 0: take from `model`
-    n_head: int = 0
-    n_embd: int = 0
-    block_size: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    tie_weights: bool = True
+    model: str = _opt("tiny", f"model size: {' | '.join(MODEL_SIZES)}")
+    n_layer: int = _opt(0, "transformer blocks; 0: from --model")
+    n_head: int = _opt(0, "attention heads; 0: from --model")
+    n_embd: int = _opt(0, "model width; 0: from --model")
+    block_size: int = _opt(128, "context length (tokens)")
+    dropout: float = _opt(0.0, "dropout probability (0 keeps runs deterministic)")
+    bias: bool = _opt(True, "biases in Linear and LayerNorm layers")
+    tie_weights: bool = _opt(True, "share the token embedding with the LM head")
     # optimisation
-    batch_size: int = 8                # sequences per rank per micro step
-    grad_accum: int = 1                # micro steps per optimizer step
-    max_iters: int = 150
-    learning_rate: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_iters: int = 20
-    lr_decay_iters: int = 0            # 0: max_iters
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0             # 0: off
-    seed: int = 1337
+    batch_size: int = _opt(8, "sequences per rank per micro step")
+    grad_accum: int = _opt(1, "micro steps per optimizer step")
+    max_iters: int = _opt(150, "optimizer steps")
+    learning_rate: float = _opt(1e-3, "peak learning rate (AdamW)")
+    min_lr: float = _opt(1e-4, "learning rate at the end of the cosine decay")
+    warmup_iters: int = _opt(20, "linear learning-rate warm-up steps")
+    lr_decay_iters: int = _opt(0, "steps of the cosine decay; 0: max_iters")
+    weight_decay: float = _opt(0.1, "AdamW weight decay of matrices and embeddings")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.95, "AdamW beta2")
+    grad_clip: float = _opt(1.0, "gradient-norm clip; 0: off")
+    seed: int = _opt(1337, "seed of the model init and the batches")
     # distributed
-    fsdp: int = 1                      # 1: FullyShardedDataParallel, 2: fully_shard
-    sharding: str = "FULL_SHARD"       # FULL_SHARD | SHARD_GRAD_OP
-    tagc: Optional[str] = None         # path to a configs/tagc-*.yaml preset; None = plain FSDP
-    tagc_set: str = ""                 # preset fields to override: "dense_steps=2000,theta=0.9"
-    wrap: str = "auto"                 # auto | block | tagc (tagc: the hook's unit layout)
-    device: str = "auto"               # auto | cpu | cuda
-    dtype: str = "auto"                # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
-    threads: int = 0                   # CPU threads per rank; 0: cores / local ranks
+    fsdp: int = _opt(1, "1: FullyShardedDataParallel, 2: fully_shard")
+    sharding: str = _opt("FULL_SHARD", "FULL_SHARD | SHARD_GRAD_OP")
+    tagc: Optional[str] = _opt(None, "a TAGC preset (configs/tagc-*.yaml); none: plain FSDP")
+    tagc_set: str = _opt("", "preset fields to override, e.g. dense_steps=2000,theta=0.9")
+    wrap: str = _opt("auto", "unit layout: auto | block | tagc (tagc: the hook's layout)")
+    device: str = _opt("auto", "auto | cpu | cuda")
+    dtype: str = _opt("auto", "auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16")
+    threads: int = _opt(0, "CPU threads per rank; 0: cores / local ranks")
 
     def validate(self) -> None:
         """Raise ValueError on any inconsistent setting."""
@@ -416,64 +270,95 @@ def _convert(name: str, tp: Any, raw: Any) -> Any:
     raise TypeError(f"unsupported field type {tp} for {name}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ValueError instead of exiting (--help still exits 0)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ValueError(message)
+
+
+def _option_type(name: str, tp: Any) -> Any:
+    """The argparse ``type`` of a field: _convert, its errors in argparse's words."""
+    def convert(raw: str) -> Any:
+        try:
+            return _convert(name, tp, raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(tp, "__name__", str(tp))
+    return convert
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, one option per TrainConfig field (type, default and help
+    from the dataclass), plus YAML files (positional or ``--config``)."""
+    hints = typing.get_type_hints(TrainConfig)
+    p = _Parser(prog="train_gpt2.py", description=__doc__.split("\n\n")[0],
+                epilog="Settings: the defaults, then YAML files in order, then the options "
+                       "given. Booleans take true/false/1/0/yes/no or stand alone (true).",
+                argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    p.add_argument("yaml", nargs="*", help="YAML files of settings (configs/train-*.yaml)")
+    p.add_argument("--config", action="append", dest="yaml_opt", metavar="PATH",
+                   help="a YAML file of settings (same as a positional one)")
+    for f in dataclasses.fields(TrainConfig):
+        tp, flags = hints[f.name], [f"--{f.name}"]
+        if "_" in f.name:
+            flags.append(f"--{f.name.replace('_', '-')}")
+        tname = "str or none" if typing.get_origin(tp) is typing.Union else tp.__name__
+        kw: Dict[str, Any] = {"dest": f.name, "metavar": f.name.upper(),
+                              "type": _option_type(f.name, tp),
+                              "help": f"{f.metadata['help']} ({tname}; default: {f.default})"}
+        if tp is bool:
+            kw.update(nargs="?", const=True)
+        p.add_argument(*flags, **kw)
+    return p
+
+
 def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
-    """Build the TrainConfig from defaults, an optional YAML file and overrides.
+    """Build the TrainConfig from defaults, YAML files and command-line options.
 
     Args:
         argv: arguments without the program name (default sys.argv[1:]). Accepted forms:
-            ``file.yaml``, ``--config=file.yaml``, ``--key=value``, ``--key value``, and a
+            ``file.yaml``, ``--config file.yaml``, ``--key=value``, ``--key value``, and a
             bare ``--flag`` for booleans.
 
     Returns:
         The validated config.
 
     Raises:
-        ValueError: unknown key, bad value, or inconsistent settings.
+        ValueError: unknown key (with the nearest known one), bad value, or inconsistent
+            settings.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    for arg in unknown:
+        key = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else arg
+        near = difflib.get_close_matches(key, names, n=1)
+        raise ValueError(f"unknown config key {arg!r}"
+                         + (f"; did you mean --{near[0]}?" if near else "")
+                         + " (train_gpt2.py --help lists them)")
+    given = vars(args)
+    yaml_files = list(given.pop("yaml", [])) + list(given.pop("yaml_opt", None) or [])
     hints = typing.get_type_hints(TrainConfig)
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    yaml_files: List[str] = []
-    overrides: List[Tuple[str, Any]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        i += 1
-        if not arg.startswith("--"):
-            if arg.endswith((".yaml", ".yml")):
-                yaml_files.append(arg)
-                continue
-            raise ValueError(f"unexpected argument {arg!r} (use --key=value)")
-        key, eq, value = arg[2:].partition("=")
-        key = key.replace("-", "_")
-        if not eq:
-            if key != "config" and key in names and hints[key] is bool and \
-                    (i >= len(argv) or argv[i].startswith("--")):
-                value = "true"
-            elif i < len(argv):
-                value = argv[i]
-                i += 1
-            else:
-                raise ValueError(f"--{key} needs a value")
-        if key == "config":
-            yaml_files.append(value)
-        elif key not in names:
-            raise ValueError(f"unknown config key --{key}; known: {sorted(names)}")
-        else:
-            overrides.append((key, value))
     values: Dict[str, Any] = {}
     for path in yaml_files:
+        if not path.endswith((".yaml", ".yml")):
+            raise ValueError(f"unexpected argument {path!r} (settings files end in .yaml; "
+                             "options are --key=value)")
         import yaml
         with open(path) as f:
             loaded = yaml.safe_load(f) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of config keys")
         for key, value in loaded.items():
-            if key not in names:
-                raise ValueError(f"{path}: unknown config key {key!r}")
+            if key not in hints:
+                near = difflib.get_close_matches(str(key), names, n=1)
+                raise ValueError(f"{path}: unknown config key {key!r}"
+                                 + (f"; did you mean {near[0]}?" if near else ""))
             values[key] = _convert(key, hints[key], value)
-    for key, value in overrides:
-        values[key] = _convert(key, hints[key], value)
+    values.update(given)  # already converted by the options' types
     cfg = TrainConfig(**values)
     cfg.validate()
     return cfg
@@ -561,31 +446,62 @@ def grad_sync(model: nn.Module, fsdp: int, sync: bool) -> contextlib.AbstractCon
     return contextlib.nullcontext()
 
 
-def plain_fsdp_bytes(n_params: int, world: int) -> int:
-    """Bytes per rank a plain fp32 reduce-scatter moves for one synced step.
+class GradBytes:
+    """Gradient bytes this rank sent since the run (or the resumed part) started.
 
-    Ideal ring reduce-scatter volume, (N-1)/N of the full gradient (padding ignored); the
-    baseline's counterpart of tagc_hook's "bytes the default reduce-scatter would send".
+    With TAGC: the hook's own counters (``state.stats()``): ``wire_bytes`` (what this
+    rank sent on an ideal network), ``default_wire_bytes`` (what FSDP's ideal ring
+    reduce-scatter would have sent for the same calls), unpeeled/recovered entries, and
+    the compressed units' wire bits per gradient element.  Plain FSDP: the ideal ring
+    reduce-scatter volume, (N-1)/N of the fp32 gradient per synced step (padding
+    ignored), sent and "uncompressed" alike.
+
+    Args:
+        state: the TAGCState, or None for plain FSDP.
+        n_params: the model's parameters.
+        world: ranks.
     """
-    return int(n_params * 4 * (world - 1) / world)
 
+    def __init__(self, state: Any, n_params: int, world: int) -> None:
+        self.state = state
+        self.plain_per_step = int(n_params * 4 * (world - 1) / world)
+        self.steps = 0
+        self.start = self._totals() if state is not None else None
+        self.sent = self.uncompressed = self.unpeeled = self.recovered = 0.0
+        self.comp_bits = float("nan")  # wire bits per gradient element, compressed units
 
-def wire_totals(state: Any) -> Dict[str, float]:
-    """Cumulative per-rank counters from tagc_hook's state.stats().
+    def _totals(self) -> Dict[str, float]:
+        st = self.state.stats()
+        total, comp = st["total"], st["compressed_total"]
+        elems = sum(u["numel"] * u["calls"] for u in st["units"].values() if u["compressed"])
+        return {"sent": float(total["wire_bytes"]),
+                "uncompressed": float(total["default_wire_bytes"]),
+                "unpeeled": float(total["unpeeled"]), "recovered": float(total["recovered"]),
+                "comp_sent": float(comp["wire_bytes"]), "comp_elems": float(elems)}
 
-    Returns:
-        sent: bytes this rank sent on an ideal network (``wire_bytes``); uncompressed: what
-        FSDP's ideal ring reduce-scatter would have sent for the same calls
-        (``default_wire_bytes``); unpeeled/recovered entries; and, for the compressed
-        units only, their wire bytes and gradient elements reduced (for bits/param).
-    """
-    st = state.stats()
-    total, comp = st["total"], st["compressed_total"]
-    comp_elems = sum(u["numel"] * u["calls"] for u in st["units"].values() if u["compressed"])
-    return {"sent": float(total["wire_bytes"]),
-            "uncompressed": float(total["default_wire_bytes"]),
-            "unpeeled": float(total["unpeeled"]), "recovered": float(total["recovered"]),
-            "comp_sent": float(comp["wire_bytes"]), "comp_elems": float(comp_elems)}
+    def step(self) -> None:
+        """Account one more optimizer step."""
+        self.steps += 1
+        if self.state is None:
+            self.sent = self.uncompressed = float(self.plain_per_step * self.steps)
+            return
+        now, s0 = self._totals(), self.start
+        self.sent = now["sent"] - s0["sent"]
+        self.uncompressed = now["uncompressed"] - s0["uncompressed"]
+        self.unpeeled = now["unpeeled"] - s0["unpeeled"]
+        self.recovered = now["recovered"] - s0["recovered"]
+        elems = now["comp_elems"] - s0["comp_elems"]
+        if elems:
+            self.comp_bits = 8 * (now["comp_sent"] - s0["comp_sent"]) / elems
+
+    @property
+    def saved_pct(self) -> float:
+        return 100.0 * (1 - self.sent / self.uncompressed) if self.uncompressed else 0.0
+
+    def line(self) -> str:
+        """``sent X of Y uncompressed (Z% saved)`` for the log."""
+        return (f"sent {_fmt_bytes(self.sent)} of {_fmt_bytes(self.uncompressed)} "
+                f"uncompressed ({self.saved_pct:.1f}% saved)")
 
 
 # =============================================================================== checkpoint
@@ -763,7 +679,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             The process group is taken from the torchrun environment unless the caller
             already initialised one (tests do), in which case it is left open.
     """
-    cfg = parse_config(argv)
+    try:
+        cfg = parse_config(argv)
+    except ValueError as exc:
+        if argv is not None:
+            raise
+        build_parser().exit(2, f"train_gpt2.py: error: {exc}\n")
     # Linear layers wrapped on their own (TAGC's unit layout) return views of their matmul;
     # FSDP2 warns in case the caller modifies them in place, which this model never does.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
@@ -838,10 +759,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
     # ---------------------------------------------------------------- training loop
     tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
-    plain_bytes_per_step = plain_fsdp_bytes(n_params, world)
-    wire0 = wire_totals(tagc_state) if tagc_state is not None else None
-    sent = uncompressed = unpeeled = recovered = 0.0
-    comp_bits = float("nan")  # wire bits per gradient element of the compressed units
+    grad_bytes = GradBytes(tagc_state, n_params, world)
     step_times: List[float] = []
     val_loss = float("nan")
     from tqdm import tqdm
@@ -888,29 +806,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         iter_num += 1
         bar.update(1)
 
-        if tagc_state is not None:
-            now = wire_totals(tagc_state)
-            sent, uncompressed = now["sent"] - wire0["sent"], \
-                now["uncompressed"] - wire0["uncompressed"]
-            unpeeled = now["unpeeled"] - wire0["unpeeled"]
-            recovered = now["recovered"] - wire0["recovered"]
-            elems = now["comp_elems"] - wire0["comp_elems"]
-            if elems:
-                comp_bits = 8 * (now["comp_sent"] - wire0["comp_sent"]) / elems
-        else:
-            sent = uncompressed = plain_bytes_per_step * len(step_times)
+        grad_bytes.step()
         if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
-            saved = 100.0 * (1 - sent / uncompressed) if uncompressed else 0.0
+            gb = grad_bytes
             logger.info("iter %d: loss %.4f, lr %.2e, %.0f ms/step, %.0f tok/s, grad bytes/rank "
-                        "sent %s of %s uncompressed (%.1f%% saved)%s", iter_num, train_loss,
-                        lr, dt * 1000, tokens_per_iter / dt, _fmt_bytes(sent),
-                        _fmt_bytes(uncompressed), saved,
-                        f", unpeeled {int(unpeeled)} (recovered {int(recovered)})"
-                        if unpeeled else "")
+                        "%s%s", iter_num, train_loss, lr, dt * 1000, tokens_per_iter / dt,
+                        gb.line(), f", unpeeled {int(gb.unpeeled)} (recovered "
+                        f"{int(gb.recovered)})" if gb.unpeeled else "")
             metrics.write(kind="train", iter=iter_num, loss=train_loss, lr=lr,
                           step_ms=dt * 1000, tokens_per_s=tokens_per_iter / dt,
-                          bytes_sent=sent, bytes_uncompressed=uncompressed,
-                          unpeeled=unpeeled, elapsed_s=time.perf_counter() - t_start,
+                          bytes_sent=gb.sent, bytes_uncompressed=gb.uncompressed,
+                          unpeeled=gb.unpeeled, elapsed_s=time.perf_counter() - t_start,
                           train_s=sum(step_times))
             bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}")
     bar.close()
@@ -921,21 +827,21 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     # first steps include warm-up allocations; report the steady state when there is one
     steady = step_times[min(5, len(step_times) // 2):] if step_times else []
     steps = len(step_times)
+    gb = grad_bytes
     summary = {
         "iters": iter_num, "steps_this_run": steps, "final_val_loss": val_loss,
         "mean_step_ms": 1000 * sum(steady) / len(steady) if steady else float("nan"),
-        "bytes_sent": sent, "bytes_uncompressed": uncompressed,
-        "saved_pct": 100.0 * (1 - sent / uncompressed) if uncompressed else 0.0,
-        "bits_per_param": 8 * sent / (steps * n_params) if steps else float("nan"),
-        "compressed_bits_per_param": comp_bits, "unpeeled": unpeeled,
-        "recovered": recovered, "n_params": n_params, "world_size": world,
+        "bytes_sent": gb.sent, "bytes_uncompressed": gb.uncompressed,
+        "saved_pct": gb.saved_pct,
+        "bits_per_param": 8 * gb.sent / (steps * n_params) if steps else float("nan"),
+        "compressed_bits_per_param": gb.comp_bits, "unpeeled": gb.unpeeled,
+        "recovered": gb.recovered, "n_params": n_params, "world_size": world,
         "tokenizer": tok.name, "tagc": cfg.tagc, "fsdp": cfg.fsdp, "sharding": cfg.sharding,
     }
-    logger.info("final: iter %d, val loss %.4f, %.0f ms/step, grad bytes/rank sent %s of %s "
-                "uncompressed (%.1f%% saved; %.2f bits/param/step, %s on compressed units)",
-                iter_num, val_loss, summary["mean_step_ms"], _fmt_bytes(sent),
-                _fmt_bytes(uncompressed), summary["saved_pct"], summary["bits_per_param"],
-                "none" if math.isnan(comp_bits) else f"{comp_bits:.2f}")
+    logger.info("final: iter %d, val loss %.4f, %.0f ms/step, grad bytes/rank %s; "
+                "%.2f bits/param/step, %s on compressed units)", iter_num, val_loss,
+                summary["mean_step_ms"], gb.line()[:-1], summary["bits_per_param"],
+                "none" if math.isnan(gb.comp_bits) else f"{gb.comp_bits:.2f}")
     if master:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     metrics.close()

@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpt2_data  # noqa: E402
+import gpt2_model  # noqa: E402
 import train_gpt2  # noqa: E402
 from dist_helpers import run_dist  # noqa: E402
 
@@ -120,7 +121,7 @@ def test_lr_schedule_warmup_then_cosine() -> None:
 
 def test_model_layout_and_sizes() -> None:
     """Names the hook's non_attention policy relies on; GPT-2 small has 124M parameters."""
-    m = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=320, n_layer=1,
+    m = gpt2_model.GPT(gpt2_model.GPTConfig(block_size=16, vocab_size=320, n_layer=1,
                                             n_head=2, n_embd=32))
     names = {n for n, _ in m.named_modules()}
     assert {"transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
@@ -129,7 +130,7 @@ def test_model_layout_and_sizes() -> None:
     logits, loss = m(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))
     assert logits.shape == (2, 16, 320) and loss.ndim == 0
     with torch.device("meta"):
-        assert train_gpt2.GPT(train_gpt2.GPTConfig()).num_params() == 124_475_904
+        assert gpt2_model.GPT(gpt2_model.GPTConfig()).num_params() == 124_475_904
 
 
 # --------------------------------------------------------------------------- data
