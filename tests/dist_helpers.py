@@ -16,7 +16,7 @@ import os
 import queue
 import tempfile
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,33 @@ def run_dist(fn: Callable[..., Any], world_size: int, *args: Any,
     if errors:
         raise AssertionError("\n".join(errors))
     return results
+
+
+# --------------------------------------------------------------------------- named cases
+
+def run_cases(rank: int, world_size: int, cases: List[Tuple[str, Callable[..., Any]]],
+              *args: Any) -> Dict[str, Tuple[str, Any]]:
+    """Run named cases in one spawn, each isolated: ``{name: ("ok", result)}`` or
+    ``{name: ("fail", traceback)}``.  Cases run in the same order on every rank; a case
+    that fails on one rank only can leave the others waiting in a collective until the
+    group's timeout, after which they fail too, so the first failure names the culprit."""
+    out: Dict[str, Tuple[str, Any]] = {}
+    for name, fn in cases:
+        try:
+            out[name] = ("ok", fn(rank, world_size, *args))
+        except Exception:  # reported per case; the spawn goes on with the next one
+            out[name] = ("fail", traceback.format_exc())
+    return out
+
+
+def case_result(results: List[Dict[str, Tuple[str, Any]]], name: str) -> List[Any]:
+    """Every rank's result of one case from :func:`run_cases`; fails naming the case
+    (with each failing rank's traceback) if it failed anywhere."""
+    bad = [f"--- rank {r} ---\n{res[name][1]}" for r, res in enumerate(results)
+           if res[name][0] != "ok"]
+    if bad:
+        raise AssertionError(f"case {name} failed:\n" + "\n".join(bad))
+    return [res[name][1] for res in results]
 
 
 # --------------------------------------------------------------------------- toy model

@@ -27,9 +27,9 @@ from typing import Optional
 import pytest
 import torch
 
-_tagc = pytest.importorskip("_tagc")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_helpers import SPARSIFY_DTYPES, bitmap_of, kept, two_rank_sketch  # noqa: E402
+_tagc = pytest.importorskip("_tagc", reason="the _tagc codec is not built (pip install -e .)")
+pytestmark = [pytest.mark.codec, pytest.mark.slow]
+from cuda_helpers import SPARSIFY_DTYPES, bitmap_of, kept, two_rank_sketch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32, BF16 = 0, 1

@@ -21,8 +21,6 @@ from __future__ import annotations
 import copy
 import datetime
 import math
-import os
-import sys
 from typing import Dict, Iterator, List
 
 import pytest
@@ -32,10 +30,9 @@ import torch.nn as nn
 
 _tagc = pytest.importorskip("_tagc")
 tagc = pytest.importorskip("tagc_hook")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_helpers import DEV, needs_cuda  # noqa: E402
+from cuda_helpers import DEV, needs_cuda
 
-pytestmark = needs_cuda(_tagc)
+pytestmark = [needs_cuda(_tagc), pytest.mark.cuda, pytest.mark.codec]
 
 THETA = 0.9
 IN, HID, OUT, BATCH = 48, 160, 40, 16

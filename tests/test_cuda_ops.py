@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 from typing import Iterator, Optional
 
 import pytest
 import torch
 
 _tagc = pytest.importorskip("_tagc")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_helpers import (DEV, SPARSIFY_DTYPES, bitmap_of, kept, needs_cuda,  # noqa: E402
+from cuda_helpers import (DEV, SPARSIFY_DTYPES, bitmap_of, kept, needs_cuda,
                           two_rank_sketch)
 
 TAGC_ERR_RANGE = 2
 TAGC_ERR_CORRUPT = 6
 
-pytestmark = needs_cuda(_tagc)
+pytestmark = [needs_cuda(_tagc), pytest.mark.cuda, pytest.mark.codec]
 
 
 # CUDA-only semantics (device NaN/status words instead of exceptions, out=

@@ -8,24 +8,16 @@ the worker's traceback.
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dist_helpers import build_fsdp, case_result, local_grads, run_dist, run_cases, toy_batch
 
-from dist_helpers import build_fsdp, local_grads, run_dist, toy_batch  # noqa: E402
-
-import tagc_hook as tagc  # noqa: E402
-from tagc import transports  # noqa: E402
-
-HAVE_CODEC = transports._tagc is not None
+import tagc_hook as tagc
 KINDS = ("fsdp1", "fsdp2")
 MIN_NUMEL = 64
 
@@ -309,46 +301,65 @@ def _check_ef21(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig,
     return st
 
 
-def _modes() -> List[str]:
-    return ["dense"] + (["exact", "sparse"] if HAVE_CODEC else [])
+def _equal_default(rank: int, n: int, kind: str) -> Dict[str, Any]:
+    """dense, and exact/sparse at theta=0, through accumulation (no_sync /
+    set_requires_gradient_sync(False)) and, except at N=3 (there for padding),
+    with bf16 reduction (fp32 inside), equal to plain FSDP."""
+    cfgs = [_cfg("dense"), _cfg("exact", theta=0.0), _cfg("sparse", theta=0.0)]
+    out = _check_equal_default(rank, n, kind, cfgs)
+    if n != 3:
+        _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:],
+                             reduce_dtype=torch.bfloat16, tol=2e-2)
+    return out
+
+
+def _recovery(rank: int, n: int, kind: str) -> Dict[str, Any]:
+    """Undersized sketch: peeling fails, the recovery exchange keeps mass."""
+    st = _check_conservation(rank, n, kind, _cfg("exact", theta=0.5, sketch_factor=0.5),
+                             steps=3)
+    assert st["unpeeled"] > 0 and st["recovered"] == st["unpeeled"], st
+    return st
+
+
+def _quant_formats(rank: int, n: int, kind: str) -> Dict[str, Any]:
+    return {fmt: _check_quant(rank, n, kind, fmt)
+            for fmt in (("ternary", "int4") if n != 3 else ("int8",))}
+
+
+# (name, function(rank, n, kind), the world sizes it runs at[, the kinds]); a case runs
+# for FSDP1 and FSDP2 unless it names one.  With one rank nothing is exchanged, so only
+# the equality runs.
+CASES: List[Tuple[Any, ...]] = [
+    ("equal_default", _equal_default, (1, 2, 3, 4)),
+    # 20 steps at theta=0.9875; sparse also accumulates 2 micro-batches per step
+    ("ef_exact", lambda r, n, k: _check_conservation(r, n, k, _cfg("exact", theta=0.9875),
+                                                     steps=20), (2, 3, 4)),
+    ("ef_sparse", lambda r, n, k: _check_conservation(r, n, k, _cfg("sparse", theta=0.9875),
+                                                      steps=20, accum=2), (2, 3, 4)),
+    ("recovery", _recovery, (2, 3, 4)),
+    ("paper", lambda r, n, k: _paper_stats(r, n, k), (2, 4)),
+    ("warmup", lambda r, n, k: _check_warmup(r, n, k), (2,)),
+    ("quant_reference", _quant_formats, (2, 3, 4)),
+    ("ef21_quant", lambda r, n, k: _check_ef21(
+        r, n, k, _cfg("quant", quant_format="ternary", ef21=True)), (2, 3, 4)),
+    ("ef21_sparse", lambda r, n, k: _check_ef21(
+        r, n, k, _cfg("sparse", theta=0.9, ef21=True)), (2, 3, 4)),
+    # quant: error feedback of the rounding conserves mass, with accumulation
+    ("ef_quant", lambda r, n, k: _check_conservation(
+        r, n, k, _cfg("quant", quant_format="sign"), steps=10, accum=2), (2, 3, 4)),
+    ("frozen", lambda r, n, k: _check_frozen(r, n), (2,), ("fsdp2",)),
+]
+
+
+def _kinds(case: Tuple[Any, ...]) -> Tuple[str, ...]:
+    return case[3] if len(case) > 3 else KINDS
 
 
 def _suite(rank: int, n: int) -> Dict[str, Any]:
     warnings.filterwarnings("ignore")
-    out: Dict[str, Any] = {}
-    for kind in KINDS:
-        # dense, and exact/sparse at theta=0, through accumulation (no_sync /
-        # set_requires_gradient_sync(False)) and with bf16 reduction (fp32 inside)
-        cfgs = [_cfg(m) if m == "dense" else _cfg(m, theta=0.0) for m in _modes()]
-        out[f"bytes/{kind}"] = _check_equal_default(rank, n, kind, cfgs)
-        if n != 3:  # N=3 is here for padding; bf16 and paper run at N=1, 2, 4
-            _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:],
-                                 reduce_dtype=torch.bfloat16, tol=2e-2)
-        if HAVE_CODEC and n > 1:  # one rank: no exchange, nothing compressed
-            # 20 steps at theta=0.9875; sparse also accumulates 2 micro-batches per step
-            for mode, accum in (("exact", 1), ("sparse", 2)):
-                out[f"ef/{kind}/{mode}"] = _check_conservation(
-                    rank, n, kind, _cfg(mode, theta=0.9875), steps=20, accum=accum)
-            # undersized sketch: peeling fails, the recovery exchange keeps mass
-            st = _check_conservation(rank, n, kind, _cfg("exact", theta=0.5,
-                                                         sketch_factor=0.5), steps=3)
-            assert st["unpeeled"] > 0 and st["recovered"] == st["unpeeled"], st
-            out[f"recovery/{kind}"] = st
-            if n != 3:
-                out[f"paper/{kind}"] = _paper_stats(rank, n, kind)
-            if n == 2:
-                out[f"warmup/{kind}"] = _check_warmup(rank, n, kind)
-            for fmt in ("ternary", "int4") if n != 3 else ("int8",):
-                out[f"quant/{kind}/{fmt}"] = _check_quant(rank, n, kind, fmt)
-            for cfg in (_cfg("quant", quant_format="ternary", ef21=True),
-                        _cfg("sparse", theta=0.9, ef21=True)):
-                out[f"ef21/{kind}/{cfg.mode}"] = _check_ef21(rank, n, kind, cfg)
-            # quant: error feedback of the rounding conserves mass, with accumulation
-            out[f"ef/{kind}/quant"] = _check_conservation(
-                rank, n, kind, _cfg("quant", quant_format="sign"), steps=10, accum=2)
-    if HAVE_CODEC and n == 2:
-        _check_frozen(rank, n)
-    return out
+    cases = [(f"{c[0]}/{kind}", lambda r, w, fn=c[1], kind=kind: fn(r, w, kind))
+             for c in CASES if n in c[2] for kind in _kinds(c)]
+    return run_cases(rank, n, cases)
 
 
 def _paper_stats(rank: int, n: int, kind: str) -> Dict[str, Any]:
@@ -368,12 +379,36 @@ def _paper_stats(rank: int, n: int, kind: str) -> Dict[str, Any]:
     return res
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_hook_suite(n: int) -> None:
-    out = run_dist(_suite, n, timeout=400)
-    r0 = out[0]
-    for key, st in r0.items():
-        if key.startswith("paper/") and n >= 2:
-            # with theta=0.8 the ranks' kept sets overlap; 1-bit SUM lanes carry
-            # and the loss is reported, not hidden
-            assert st[1]["collision_dropped"] > 0, (key, st)
+_SUITES: Dict[int, List[Any]] = {}
+
+
+def _results(n: int) -> List[Any]:
+    """Every case at world size n, one spawn per n (spawning dominates the cost)."""
+    if n not in _SUITES:
+        _SUITES[n] = run_dist(_suite, n, timeout=600)
+    return _SUITES[n]
+
+
+def _params() -> List[Any]:
+    out = []
+    for c in CASES:
+        name, sizes = c[0], c[2]
+        for n in (1, 2, 3, 4):
+            for kind in _kinds(c):
+                marks = [pytest.mark.dist, pytest.mark.codec]
+                if n != 2:
+                    marks.append(pytest.mark.slow)
+                if n in sizes:
+                    out.append(pytest.param(n, f"{name}/{kind}", marks=marks,
+                                            id=f"N{n}-{name}-{kind}"))
+    return out
+
+
+@pytest.mark.parametrize("n,case", _params())
+def test_hook(n: int, case: str) -> None:
+    """One case of the multi-rank suite (all cases of a world size share a spawn)."""
+    st = case_result(_results(n), case)
+    if case.startswith("paper/"):
+        # with theta=0.8 the ranks' kept sets overlap; 1-bit SUM lanes carry
+        # and the loss is reported, not hidden
+        assert st[0][1]["collision_dropped"] > 0, st[0]

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import tagc_hook as tagc  # noqa: E402
-from dist_helpers import ToyGPT  # noqa: E402
-from tagc.selection import modules_to_wrap  # noqa: E402
+import tagc_hook as tagc
+from dist_helpers import ToyGPT
+from tagc.selection import modules_to_wrap
 
 
 @pytest.mark.parametrize("kw, field", [

@@ -5,7 +5,6 @@ checkpoint resume.  One spawn (N=2) runs every case.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import warnings
 from typing import Any, Dict, List
@@ -14,15 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dist_helpers import ToyGPT, build_fsdp, run_dist, toy_batch  # noqa: E402
+from dist_helpers import ToyGPT, build_fsdp, case_result, run_cases, run_dist, toy_batch
 
-import tagc_hook as tagc  # noqa: E402
-from tagc import fsdp1, transports  # noqa: E402
+import tagc_hook as tagc
+from tagc import fsdp1
 
-pytestmark = pytest.mark.skipif(transports._tagc is None, reason="_tagc codec not built")
+pytestmark = pytest.mark.codec
 KINDS = ("fsdp1", "fsdp2")
 
 
@@ -204,7 +201,6 @@ def _resume_save(rank: int, n: int, tmp: str) -> None:
     TAGC state saved both ways: torch.save per rank and torch.distributed.checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    warnings.filterwarnings("ignore")
     for kind in KINDS:
         for mode in RESUME_MODES:
             model, state, opt = _resume_setup(rank, kind, mode)
@@ -264,29 +260,54 @@ def _resume_load(rank: int, n: int, tmp: str) -> None:
                     state.load_state_dict(other["tagc"])
 
 
-def _suite(rank: int, n: int, tmp: str) -> Dict[str, Any]:
+def _quiet() -> None:
     warnings.filterwarnings("ignore")
     import logging
 
     logging.getLogger("tagc_hook").setLevel(logging.ERROR)
-    out: Dict[str, Any] = {}
-    for kind in KINDS:
-        out[f"nonfinite/{kind}"] = _nonfinite(rank, n, kind, _cfg("exact", theta=0.9))
-        out[f"nonfinite/{kind}/quant"] = _nonfinite(rank, n, kind, _cfg("quant", ef21=True))
-        out[f"scaler/{kind}"] = _grad_scaler(rank, n, kind)
-        out[f"agree/{kind}"] = _agreement(rank, n, kind)
-    out["misuse"] = _misuse(rank, n)
-    _resume_save(rank, n, tmp)  # first half of the resume test (shares this spawn)
-    return out
 
 
-def test_reliability_suite_and_resume_in_new_processes() -> None:
-    """Non-finite, scaler, agreement, misuse; then checkpoint resume: 6 steps ==
-    3 steps + torch.save per rank (first processes), load + 3 steps in new
-    processes (FSDP1/FSDP2, exact/sparse/sparse mid warm-up/quant)."""
+CASES = [(f"{name}/{kind}", fn) for kind in KINDS for name, fn in (
+    ("nonfinite_exact", lambda r, n, k=kind: _nonfinite(r, n, k, _cfg("exact", theta=0.9))),
+    ("nonfinite_quant_ef21", lambda r, n, k=kind: _nonfinite(r, n, k, _cfg("quant", ef21=True))),
+    ("grad_scaler", lambda r, n, k=kind: _grad_scaler(r, n, k)),
+    ("agreement", lambda r, n, k=kind: _agreement(r, n, k)),
+)] + [("misuse", _misuse)]
+
+
+def _suite(rank: int, n: int) -> Dict[str, Any]:
+    _quiet()
+    return run_cases(rank, n, CASES)
+
+
+_RESULTS: List[Any] = []
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", [name for name, _ in CASES])
+def test_reliability(case: str) -> None:
+    """Non-finite gradients, GradScaler, rank agreement and misuse at N=2 (one spawn)."""
+    if not _RESULTS:
+        _RESULTS.extend(run_dist(_suite, 2, timeout=400))
+    out = case_result(_RESULTS, case)
+    if case.startswith("agreement"):
+        # both ranks raised the agreement error (no hang, no one-sided failure)
+        assert all("differs between ranks" in o for o in out)
+    if case.startswith("nonfinite"):
+        assert out[0] == out[1]
+
+
+def _resume_first(rank: int, n: int, tmp: str) -> None:
+    _quiet()
+    _resume_save(rank, n, tmp)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_resume_in_new_processes() -> None:
+    """Checkpoint resume: 6 steps == 3 steps + save (first processes), load + 3 steps
+    in new processes, both checkpoint paths (FSDP1/FSDP2, exact/sparse/sparse mid
+    warm-up/quant/quant+EF21)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_dist(_suite, 2, tmp, timeout=400)
+        run_dist(_resume_first, 2, tmp, timeout=400)
         run_dist(_resume_load, 2, tmp, timeout=300)
-    # both ranks raised the agreement error (no hang, no one-sided failure)
-    assert all("differs between ranks" in o["agree/fsdp1"] for o in out)
-    assert out[0]["nonfinite/fsdp1"] == out[1]["nonfinite/fsdp1"]

@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import _tagc
+_tagc = pytest.importorskip("_tagc", reason="the _tagc codec is not built (pip install -e .)")
+pytestmark = pytest.mark.codec
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -179,3 +180,34 @@ def test_scalar_checks(v):
     else:
         with pytest.raises(TypeError, match="'seed'"):
             _tagc.seed_derive(v, 0, 0)
+
+
+def test_every_function_has_a_text_signature() -> None:
+    """inspect.signature works on every function of _tagc (the "--" docstrings)."""
+    import inspect
+
+    funcs = [getattr(_tagc, n) for n in dir(_tagc)
+             if not n.startswith("_") and callable(getattr(_tagc, n))
+             and not isinstance(getattr(_tagc, n), type)]
+    assert len(funcs) >= 19
+    for fn in funcs:
+        params = inspect.signature(fn).parameters  # raises ValueError without one
+        assert fn.__doc__ and not fn.__doc__.startswith(fn.__name__ + "(")
+        if "stream" in params:
+            assert params["stream"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_size_rules_match_the_layouts() -> None:
+    """The exported size rules, against the layouts they describe."""
+    for n in (0, 1, 7, 8, 9, 1001):
+        assert _tagc.bitmap_bytes(n) == (n + 7) // 8
+        for bits in (1, 2, 4, 8):
+            assert _tagc.lanes_bytes(n, bits) == (n * bits + 7) // 8
+    assert _tagc.sketch_buckets(7) == 3 * 7 == 3 * _tagc.TABLES * 7 // 3
+    assert _tagc.sparse_bytes(5, torch.float32) == 40
+    assert _tagc.sparse_bytes(5, torch.bfloat16) == 30
+    for bad in (lambda: _tagc.bitmap_bytes(-1), lambda: _tagc.lanes_bytes(8, 3),
+                lambda: _tagc.sketch_buckets(0), lambda: _tagc.sparse_bytes(-1, torch.float32),
+                lambda: _tagc.sparse_bytes(1, torch.float16)):
+        with pytest.raises((ValueError, TypeError)):
+            bad()

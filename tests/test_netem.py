@@ -116,9 +116,16 @@ def test_refuses_without_iproute2():
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv not installed")
 def test_refuses_without_root():
-    r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
-                        "bash", str(NETEM), "--prefix", PREFIX, "up"],
-                       capture_output=True, text=True, timeout=20)
+    # The unprivileged user gets its own readable copy of the script: the checkout
+    # itself may sit in a directory only root can enter (a 0700 home).
+    with tempfile.TemporaryDirectory() as d:
+        os.chmod(d, 0o755)
+        script = os.path.join(d, "netem.sh")
+        shutil.copyfile(NETEM, script)
+        os.chmod(script, 0o755)
+        r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                            "bash", script, "--prefix", PREFIX, "up"],
+                           capture_output=True, text=True, timeout=20, cwd=d)
     assert r.returncode != 0
     assert "needs root" in r.stderr
     assert _our_namespaces() == []

@@ -3,12 +3,10 @@ speed-ups, target verdicts, stats deltas and the chart, on hand-made results."""
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 bench_report = importlib.import_module("bench_report")
 bench_step = importlib.import_module("bench_step")
 

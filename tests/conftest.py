@@ -1,0 +1,40 @@
+"""Shared test setup: import paths, markers, and visible skips for missing pieces.
+
+Markers (registered in setup.cfg):
+  slow   multi-process suites beyond N=2, process restarts, builds; the fast tier is
+         ``pytest -m "not slow"``
+  dist   spawns several gloo processes on 127.0.0.1
+  codec  needs the ``_tagc`` C extension: skipped, with the reason, without a build
+  cuda   needs a CUDA GPU and a CUDA build of ``_tagc`` (tests/cuda_helpers.py)
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+for _p in (ROOT / "tests", ROOT / "scripts", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+
+def codec_missing() -> Optional[str]:
+    """Why the ``_tagc`` codec cannot be imported, or None when it can."""
+    try:
+        import _tagc  # noqa: F401
+    except ImportError as exc:
+        return f"the _tagc codec is not built (pip install -e .): {exc}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    why = codec_missing()
+    if why is None:
+        return
+    skip = pytest.mark.skip(reason=why)
+    for item in items:
+        if item.get_closest_marker("codec") is not None:
+            item.add_marker(skip)
