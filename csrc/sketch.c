@@ -1,6 +1,6 @@
 /*
  * sketch.c - count-sketch encode over the kept entries and the owner's peel
- * decode (DESIGN.md section 3).  Hash, bucket, sign and the peeling rule come
+ * decode (docs/DESIGN.md section 3).  Hash, bucket, sign and the peeling rule come
  * from tagc_portable.h so the CUDA kernels compute the same sketch.
  */
 #include <stdlib.h>

@@ -1,5 +1,5 @@
 /*
- * tagc.h - the TAGC gradient codec (CPU).  DESIGN.md section 3.
+ * tagc.h - the TAGC gradient codec (CPU).  docs/DESIGN.md section 3.
  *
  * One shard of a unit's flat gradient is n values; a rank keeps exactly k of
  * them (the k largest magnitudes, ties broken by lower position), sends their
@@ -188,7 +188,7 @@ tagc_status tagc_sparse_unpack(float *out, int64_t n,
                                int64_t k, tagc_dtype val_dtype);
 
 /*
- * Block quantization (the `quant` transport, DESIGN.md section 4).  A vector
+ * Block quantization (the `quant` transport, docs/DESIGN.md section 3).  A vector
  * of n values is cut into blocks of `block` consecutive values (the last one
  * may be shorter); each block is sent as one record: its scale s (float32,
  * little-endian, 4 bytes) followed by one integer code q per value, packed

@@ -6,7 +6,7 @@ Measures, per shard size S and sparsity theta (k = ceil((1-theta)*S)):
   - select+sparsify: ``_tagc.sparsify`` with error feedback (GB/s of gradient);
   - sketch encode: ``_tagc.sketch_encode`` of the k kept entries (entries/s);
   - peel decode: ``_tagc.peel_decode`` of the sum of N ranks' sketches sized as
-    DESIGN section 4 `exact` (entries/s of the union);
+    docs/DESIGN.md section 4 `exact` (entries/s of the union);
   - quant encode/decode (int4, ternary; no theta: every entry): ``_tagc.quant_encode``
     with error feedback and ``_tagc.quant_decode_add`` (GB/s of gradient);
 and prints a markdown table with each op's ratio to memcpy, both per item

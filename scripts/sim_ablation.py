@@ -1,6 +1,6 @@
 """Compressors and AdamW in one process: N simulated ranks, the tiny GPT-2, no FSDP.
 
-The research probe behind docs/DESIGN.md "Quality": it isolates what a gradient
+The research probe behind docs/DESIGN.md section 8 (quality): it isolates what a gradient
 compressor does to AdamW training, in a couple of minutes per 300 steps, and measures
 the mechanism against plain (dense) training of the same seed and data:
 

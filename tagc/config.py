@@ -63,7 +63,7 @@ class TAGCConfig:
     """Every knob of TAGC, validated on construction.
 
     Args:
-        mode: transport (DESIGN.md section 4). ``"paper"``: the paper's
+        mode: transport (docs/DESIGN.md section 4). ``"paper"``: the paper's
             Algorithm 1, index all-reduce SUM on ``index_bits`` lanes plus a
             fixed ``S/ratio`` sketch per shard reduced to its owner (1-bit
             lanes lose entries to carries; reported in stats). ``"exact"``:
@@ -125,7 +125,7 @@ class TAGCConfig:
             (+-mean|v|, 1 bit).  Why it works where top-k struggles: every
             coordinate reaches the optimizer every step, so AdamW's
             per-coordinate moments see a stream like plain training, not
-            bursts every 1/density steps (docs/DESIGN.md, quality).  Cost
+            bursts every 1/density steps (docs/DESIGN.md section 8).  Cost
             per rank and step: ``(N-1)/N * (bits + 32/quant_block)`` bits per
             parameter of the compressed units (N=2, int4: 2.06; ternary:
             0.86); memory: one residual per unit as every mode.

@@ -1,6 +1,6 @@
 """Tests of the `_tagc` codec against plain torch/numpy references.
 
-Independent re-implementations of DESIGN.md section 3 and csrc/tagc_portable.h:
+Independent re-implementations of docs/DESIGN.md section 3 and csrc/tagc_portable.h:
 selection by a stable sort, the splitmix64 sketch hash in numpy uint64
 arithmetic, lane layout by bit arrays.  Nothing here calls `_tagc`.
 """

@@ -195,7 +195,7 @@ def test_comm_nonfinite_keeps_residual_and_reaches_output(group: None, mode: str
 @pytest.mark.skipif(DEV != "cuda", reason="host-sync detection is CUDA-only")
 @pytest.mark.parametrize("mode", ["exact", "sparse", "paper"])
 def test_comm_enqueues_no_host_sync(group: None, mode: str) -> None:
-    # DESIGN.md section 4 / issue 6 item 3: the codec and the exchange are
+    # docs/DESIGN.md section 2 / issue 6 item 3: the codec and the exchange are
     # stream-ordered; a .item() or synchronize in the hook would stall the CPU
     # once per unit and serialise it with FSDP's all-gather prefetch.
     theta = 0.9875 if mode == "paper" else THETA
