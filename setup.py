@@ -173,5 +173,7 @@ setup(
     # torch itself is not listed: `pip install torch==2.13.0` first (README);
     # a bare "torch" requirement would make pip fetch a multi-GB CUDA build.
     install_requires=["PyYAML", "tqdm", "numpy"],
-    extras_require={"test": ["pytest", "hypothesis", "matplotlib", "tensorboard"]},
+    # transformers/accelerate: the Hugging Face tests and scripts/finetune_hf.py
+    extras_require={"test": ["pytest", "hypothesis", "matplotlib", "tensorboard",
+                             "transformers", "accelerate"]},
 )

@@ -315,7 +315,10 @@ def prepare(source: Source, tok: Tokenizer, cache_dir: Path) -> dict:
     cache_dir.mkdir(parents=True, exist_ok=True)
     paths = cache_paths(cache_dir, source, tok)
     if paths["meta"].exists():
-        return json.loads(paths["meta"].read_text())
+        meta = json.loads(paths["meta"].read_text())
+        # the token files sit beside the meta file, wherever the run starts from
+        meta.update(train=str(paths["train"]), val=str(paths["val"]))
+        return meta
     logger.info("tokenizing %s with the %s tokenizer into %s", source.name, tok.name, cache_dir)
     chunks = {"train": [], "val": []}
     eot = np.array([tok.eot], dtype=tok.dtype)
@@ -340,7 +343,7 @@ def prepare(source: Source, tok: Tokenizer, cache_dir: Path) -> dict:
     return meta
 
 
-def prepare_distributed(data: str, tokenizer: str, cache_dir: Path,
+def prepare_distributed(data: str, tokenizer: "str | Tokenizer", cache_dir: Path,
                         val_percent: float) -> Tuple[dict, Tokenizer]:
     """Local rank 0 of each node prepares the cache while the other ranks wait.
 
@@ -350,7 +353,7 @@ def prepare_distributed(data: str, tokenizer: str, cache_dir: Path,
 
     Args:
         data: --data value.
-        tokenizer: "auto", "gpt2" or "byte".
+        tokenizer: "auto", "gpt2" or "byte", or a Tokenizer (e.g. a checkpoint's own).
         cache_dir: token cache folder.
         val_percent: validation share.
 
@@ -361,7 +364,7 @@ def prepare_distributed(data: str, tokenizer: str, cache_dir: Path,
     dist_on = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if dist_on else 0
     preparer = int(os.environ.get("LOCAL_RANK", rank)) == 0
-    tok = get_tokenizer(tokenizer)
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else get_tokenizer(tokenizer)
     meta: Optional[dict] = None
     err: Optional[BaseException] = None
     if preparer:

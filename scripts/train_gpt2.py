@@ -39,7 +39,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,8 +101,9 @@ def _opt(default: Any, help: str) -> Any:
 
 
 @dataclass
-class TrainConfig:
-    """Every knob of a run. Defaults: the tiny model on the built-in corpus, ~1-2 min on 2 cores."""
+class RunConfig:
+    """The knobs of any run (data, optimisation, distribution, logging); the model's
+    own knobs live in a subclass (TrainConfig here, FinetuneConfig in finetune_hf.py)."""
 
     # I/O
     out_dir: str = _opt("out/gpt2", "run folder: metrics.csv, summary.json, ckpt/, tb/")
@@ -120,15 +121,7 @@ class TrainConfig:
                                   "bytes) | gpt2 | byte")
     cache_dir: str = _opt("data_cache", "token cache folder")
     val_percent: float = _opt(5.0, "share of the documents kept for validation")
-    # model
-    model: str = _opt("tiny", f"model size: {' | '.join(MODEL_SIZES)}")
-    n_layer: int = _opt(0, "transformer blocks; 0: from --model")
-    n_head: int = _opt(0, "attention heads; 0: from --model")
-    n_embd: int = _opt(0, "model width; 0: from --model")
     block_size: int = _opt(128, "context length (tokens)")
-    dropout: float = _opt(0.0, "dropout probability (0 keeps runs deterministic)")
-    bias: bool = _opt(True, "biases in Linear and LayerNorm layers")
-    tie_weights: bool = _opt(True, "share the token embedding with the LM head")
     # optimisation
     batch_size: int = _opt(8, "sequences per rank per micro step")
     grad_accum: int = _opt(1, "micro steps per optimizer step")
@@ -160,7 +153,6 @@ class TrainConfig:
                                  f"got {getattr(self, name)!r}")
         one_of("init_from", ("scratch", "resume"))
         one_of("tokenizer", ("auto", "gpt2", "byte"))
-        one_of("model", tuple(MODEL_SIZES))
         one_of("fsdp", (1, 2))
         one_of("sharding", ("FULL_SHARD", "SHARD_GRAD_OP"))
         one_of("wrap", ("auto", "block", "tagc"))
@@ -170,8 +162,7 @@ class TrainConfig:
                      "batch_size", "grad_accum", "max_iters"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("ckpt_interval", "n_layer", "n_head", "n_embd", "warmup_iters",
-                     "lr_decay_iters", "threads", "seed"):
+        for name in ("ckpt_interval", "warmup_iters", "lr_decay_iters", "threads", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
@@ -191,6 +182,27 @@ class TrainConfig:
             raise ValueError("--tagc_set needs --tagc (it overrides fields of the preset)")
         parse_tagc_set(self.tagc_set)
 
+
+@dataclass
+class TrainConfig(RunConfig):
+    """Every knob of a GPT-2 run. Defaults: the tiny model on the built-in corpus,
+    ~1-2 min on 2 cores."""
+
+    model: str = _opt("tiny", f"model size: {' | '.join(MODEL_SIZES)}")
+    n_layer: int = _opt(0, "transformer blocks; 0: from --model")
+    n_head: int = _opt(0, "attention heads; 0: from --model")
+    n_embd: int = _opt(0, "model width; 0: from --model")
+    dropout: float = _opt(0.0, "dropout probability (0 keeps runs deterministic)")
+    bias: bool = _opt(True, "biases in Linear and LayerNorm layers")
+    tie_weights: bool = _opt(True, "share the token embedding with the LM head")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.model not in MODEL_SIZES:
+            raise ValueError(f"model must be one of {list(MODEL_SIZES)}, got {self.model!r}")
+        for name in ("n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """The model architecture for a tokenizer of vocab_size ids (padded to 64)."""
@@ -225,7 +237,7 @@ def parse_tagc_set(spec: str) -> Dict[str, Any]:
     return out
 
 
-def load_tagc_config(tagc: Any, cfg: "TrainConfig") -> Any:
+def load_tagc_config(tagc: Any, cfg: "RunConfig") -> Any:
     """The TAGCConfig of ``--tagc`` with ``--tagc_set`` applied (unknown fields raise).
 
     The warm-up lengths of the presets are sized for train-tiny; a longer run
@@ -289,18 +301,25 @@ def _option_type(name: str, tp: Any) -> Any:
     return convert
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, one option per TrainConfig field (type, default and help
-    from the dataclass), plus YAML files (positional or ``--config``)."""
-    hints = typing.get_type_hints(TrainConfig)
-    p = _Parser(prog="train_gpt2.py", description=__doc__.split("\n\n")[0],
+def build_parser(cls: type = None, prog: str = "train_gpt2.py",
+                 description: str = "") -> argparse.ArgumentParser:
+    """The command line of a config dataclass: one option per field (type, default and
+    help from the dataclass), plus YAML files (positional or ``--config``).
+
+    Args:
+        cls: the config dataclass (default TrainConfig).
+        prog, description: for --help.
+    """
+    cls = cls or TrainConfig
+    hints = typing.get_type_hints(cls)
+    p = _Parser(prog=prog, description=description or __doc__.split("\n\n")[0],
                 epilog="Settings: the defaults, then YAML files in order, then the options "
                        "given. Booleans take true/false/1/0/yes/no or stand alone (true).",
                 argument_default=argparse.SUPPRESS, allow_abbrev=False)
     p.add_argument("yaml", nargs="*", help="YAML files of settings (configs/train-*.yaml)")
     p.add_argument("--config", action="append", dest="yaml_opt", metavar="PATH",
                    help="a YAML file of settings (same as a positional one)")
-    for f in dataclasses.fields(TrainConfig):
+    for f in dataclasses.fields(cls):
         tp, flags = hints[f.name], [f"--{f.name}"]
         if "_" in f.name:
             flags.append(f"--{f.name.replace('_', '-')}")
@@ -314,13 +333,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
-    """Build the TrainConfig from defaults, YAML files and command-line options.
+def parse_config(argv: Optional[Sequence[str]] = None, cls: type = None,
+                 prog: str = "train_gpt2.py", description: str = "") -> Any:
+    """Build a config (default TrainConfig) from defaults, YAML files and options.
 
     Args:
         argv: arguments without the program name (default sys.argv[1:]). Accepted forms:
             ``file.yaml``, ``--config file.yaml``, ``--key=value``, ``--key value``, and a
             bare ``--flag`` for booleans.
+        cls: the config dataclass.
+        prog, description: the script's name in messages, its --help text.
 
     Returns:
         The validated config.
@@ -329,19 +351,20 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
         ValueError: unknown key (with the nearest known one), bad value, or inconsistent
             settings.
     """
+    cls = cls or TrainConfig
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(cls, prog, description)
     args, unknown = parser.parse_known_args(argv)
-    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    names = [f.name for f in dataclasses.fields(cls)]
     for arg in unknown:
         key = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else arg
         near = difflib.get_close_matches(key, names, n=1)
         raise ValueError(f"unknown config key {arg!r}"
                          + (f"; did you mean --{near[0]}?" if near else "")
-                         + " (train_gpt2.py --help lists them)")
+                         + f" ({prog} --help lists them)")
     given = vars(args)
     yaml_files = list(given.pop("yaml", [])) + list(given.pop("yaml_opt", None) or [])
-    hints = typing.get_type_hints(TrainConfig)
+    hints = typing.get_type_hints(cls)
     values: Dict[str, Any] = {}
     for path in yaml_files:
         if not path.endswith((".yaml", ".yml")):
@@ -359,12 +382,27 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
                                  + (f"; did you mean {near[0]}?" if near else ""))
             values[key] = _convert(key, hints[key], value)
     values.update(given)  # already converted by the options' types
-    cfg = TrainConfig(**values)
+    cfg = cls(**values)
     cfg.validate()
     return cfg
 
 
-def get_lr(it: int, cfg: TrainConfig) -> float:
+def require_launcher(script: str) -> None:
+    """Exit with how to start ``script`` when no launcher set up the process group.
+
+    torch's own error ("environment variable RANK expected") does not say that the
+    script is meant to run under torchrun, one process per device.
+    """
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]
+    if missing:
+        raise SystemExit(
+            f"{script}: start it with torchrun, one process per device, e.g.\n"
+            f"    torchrun --standalone --nproc_per_node 2 {script} [options]\n"
+            f"(not set: {', '.join(missing)}; {script} --help lists the options)")
+
+
+def get_lr(it: int, cfg: RunConfig) -> float:
     """Linear warmup then cosine decay to min_lr (nanoGPT's schedule)."""
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
     if it < cfg.warmup_iters:
@@ -389,20 +427,22 @@ def import_tagc() -> Any:
     return tagc_hook
 
 
-def wrap_model(model: GPT, cfg: TrainConfig, tagc_cfg: Any, device: torch.device,
-               param_dtype: torch.dtype) -> nn.Module:
+def wrap_model(model: nn.Module, cfg: RunConfig, tagc_cfg: Any, device: torch.device,
+               param_dtype: torch.dtype, blocks: Sequence[type]) -> nn.Module:
     """Shard the model with FSDP1 or FSDP2.
 
-    Unit layout: ``block`` puts each transformer Block in its own unit (embeddings, final
-    LayerNorm and the tied head stay in the root unit). ``tagc`` asks tagc_hook for its
-    layout, which separates the parameters the preset compresses from the others.
+    Unit layout: ``block`` puts each transformer block (a module of a class in
+    ``blocks``) in its own unit (embeddings, final norm and a tied head stay in the root
+    unit). ``tagc`` asks tagc_hook for its layout, which separates the parameters the
+    preset compresses from the others.
 
     Args:
-        model: the GPT on `device`.
+        model: the model on `device`.
         cfg: run config.
         tagc_cfg: a tagc_hook.TAGCConfig or None.
         device: this rank's device.
         param_dtype: compute dtype (bf16 on GPU by default); gradients are reduced in fp32.
+        blocks: the transformer block classes (for the ``block`` layout).
 
     Returns:
         The FSDP1 root module, or the model itself with fully_shard applied (FSDP2).
@@ -418,7 +458,7 @@ def wrap_model(model: GPT, cfg: TrainConfig, tagc_cfg: Any, device: torch.device
             mp = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                 buffer_dtype=param_dtype)
         policy = (tagc.fsdp1_auto_wrap_policy(model, tagc_cfg) if tagc is not None
-                  else ModuleWrapPolicy({Block}))
+                  else ModuleWrapPolicy(set(blocks)))
         return FSDP(model, auto_wrap_policy=policy, mixed_precision=mp,
                     sharding_strategy=ShardingStrategy[cfg.sharding],
                     device_id=device,  # torch.device("cpu") is how FSDP1 runs on gloo
@@ -432,7 +472,7 @@ def wrap_model(model: GPT, cfg: TrainConfig, tagc_cfg: Any, device: torch.device
                                                reduce_dtype=torch.float32)
     if tagc is not None:
         return tagc.shard_model(model, tagc_cfg, **kw)
-    for block in model.transformer.h:
+    for block in [m for m in model.modules() if isinstance(m, tuple(blocks))]:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
@@ -518,7 +558,7 @@ def _quiet_checkpoint_warnings() -> typing.Iterator[None]:
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    tagc_state: Any, iter_num: int, cfg: TrainConfig) -> None:
+                    tagc_state: Any, iter_num: int, cfg: RunConfig) -> None:
     """Write a checkpoint atomically (all ranks call this).
 
     Model, optimizer and TAGC state go through torch.distributed.checkpoint (each rank
@@ -554,7 +594,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    tagc_state: Any, cfg: TrainConfig) -> int:
+                    tagc_state: Any, cfg: RunConfig) -> int:
     """Restore what save_checkpoint wrote; returns the iteration to continue from.
 
     Raises:
@@ -656,46 +696,65 @@ def _fmt_bytes(n: float) -> str:
 
 
 @torch.no_grad()
-def estimate_val_loss(model: nn.Module, data: gpt2_data.TokenData, cfg: TrainConfig,
-                      device: torch.device) -> float:
+def estimate_val_loss(model: nn.Module, data: gpt2_data.TokenData, cfg: RunConfig,
+                      device: torch.device, loss_fn: Callable[..., torch.Tensor]) -> float:
     """Mean validation loss over eval_iters fixed batches per rank, averaged over ranks."""
     model.eval()
     total = torch.zeros(1, dtype=torch.float64, device=device)
     rank = dist.get_rank()
     for k in range(cfg.eval_iters):
         x, y = data.get_batch("val", cfg.batch_size, cfg.block_size, (cfg.seed, 1, k, rank))
-        _, loss = model(x.to(device), y.to(device))
-        total += loss.double()
+        total += loss_fn(model, x.to(device), y.to(device)).double()
     dist.all_reduce(total)  # SUM: gloo's AVG is not trusted
     model.train()
     return total.item() / (cfg.eval_iters * dist.get_world_size())
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    """Run one training job; returns the summary dict (also written to out_dir/summary.json).
+@dataclass
+class Env:
+    """Where this rank runs (set up once by :func:`setup`)."""
 
-    Args:
-        argv: command-line arguments without the program name (default sys.argv[1:]).
-            The process group is taken from the torchrun environment unless the caller
-            already initialised one (tests do), in which case it is left open.
+    rank: int
+    world: int
+    master: bool
+    device: torch.device
+    param_dtype: torch.dtype
+    own_pg: bool
+
+
+@dataclass
+class ModelSpec:
+    """What the training core needs of a model family.
+
+    Attributes:
+        module: the unwrapped model on this rank's device, the same weights on every rank.
+        n_params: its number of distinct parameters.
+        decayed: names of the parameters that get weight decay.
+        blocks: the transformer block classes (the ``block`` unit layout).
+        loss: ``loss(model, x, y)``: mean next-token cross-entropy of a batch.
+        describe: one line for the log.
     """
-    try:
-        cfg = parse_config(argv)
-    except ValueError as exc:
-        if argv is not None:
-            raise
-        build_parser().exit(2, f"train_gpt2.py: error: {exc}\n")
+
+    module: nn.Module
+    n_params: int
+    decayed: set
+    blocks: Sequence[type]
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    describe: str
+
+
+def setup(cfg: RunConfig, script: str) -> Env:
+    """Process group (from torchrun's environment unless one exists), device, dtype, logging."""
     # Linear layers wrapped on their own (TAGC's unit layout) return views of their matmul;
-    # FSDP2 warns in case the caller modifies them in place, which this model never does.
+    # FSDP2 warns in case the caller modifies them in place, which these models never do.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
-    # ---------------------------------------------------------------- distributed setup
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     own_pg = not dist.is_initialized()
     if own_pg:
+        require_launcher(script)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    master = rank == 0
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -713,63 +772,115 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
-    logger.setLevel(logging.INFO if master else logging.WARNING)
-    out_dir = Path(cfg.out_dir)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
+    return Env(rank, world, rank == 0, device, param_dtype, own_pg)
 
-    # ---------------------------------------------------------------- data
-    meta, tok = gpt2_data.prepare_distributed(cfg.data, cfg.tokenizer, Path(cfg.cache_dir),
-                                              cfg.val_percent)
-    data = gpt2_data.TokenData(meta)
+
+def load_data(cfg: RunConfig, tokenizer: Any = None) -> Tuple[gpt2_data.TokenData, Any]:
+    """The token data of ``--data`` (prepared by local rank 0), and its tokenizer.
+
+    Args:
+        cfg: run config.
+        tokenizer: a gpt2_data.Tokenizer to use instead of ``cfg.tokenizer``.
+    """
+    meta, tok = gpt2_data.prepare_distributed(cfg.data, tokenizer or cfg.tokenizer,
+                                              Path(cfg.cache_dir), cfg.val_percent)
     logger.info("data: %s, tokenizer: %s (vocab %d)%s, tokens train %d / val %d",
                 meta["source"], tok.name, tok.vocab_size,
                 " - GPT-2 BPE files not in tiktoken's cache, byte-level fallback"
-                if tok.name == "byte" and cfg.tokenizer == "auto" else "",
+                if tok.name == "byte" and cfg.tokenizer == "auto" and tokenizer is None else "",
                 meta["tokens"]["train"], meta["tokens"]["val"])
+    return gpt2_data.TokenData(meta), tok
 
-    # ---------------------------------------------------------------- model, FSDP, TAGC
-    gcfg = cfg.gpt_config(tok.vocab_size)
-    model = GPT(gcfg).to(device)
-    n_params = model.num_params()
-    decayed = decayed_parameter_names(model)
+
+def gpt_spec(cfg: TrainConfig, env: Env, vocab_size: int) -> ModelSpec:
+    """This script's GPT-2 (scripts/gpt2_model.py)."""
+    gcfg = cfg.gpt_config(vocab_size)
+    model = GPT(gcfg).to(env.device)
+
+    def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return m(x, y)[1]
+
+    return ModelSpec(model, model.num_params(), decayed_parameter_names(model), [Block], loss,
+                     f"model {cfg.model}: {gcfg.n_layer} layers, {gcfg.n_head} heads, "
+                     f"{gcfg.n_embd} wide, block {gcfg.block_size}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Run one training job; returns the summary dict (also written to out_dir/summary.json).
+
+    Args:
+        argv: command-line arguments without the program name (default sys.argv[1:]).
+            The process group is taken from the torchrun environment unless the caller
+            already initialised one (tests do), in which case it is left open.
+    """
+    try:
+        cfg = parse_config(argv)
+    except ValueError as exc:
+        if argv is not None:
+            raise
+        build_parser().exit(2, f"train_gpt2.py: error: {exc}\n")
+    env = setup(cfg, "scripts/train_gpt2.py")
+    data, tok = load_data(cfg)
+    return run(cfg, env, gpt_spec(cfg, env, tok.vocab_size), data, tok)
+
+
+def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: gpt2_data.TokenData,
+        tok: Any) -> Dict[str, Any]:
+    """Shard, register TAGC, train, evaluate, checkpoint; returns the summary."""
     tagc_cfg = tagc_state = None
     if cfg.tagc is not None:
         tagc = import_tagc()
         tagc_cfg = load_tagc_config(tagc, cfg)
-    model = wrap_model(model, cfg, tagc_cfg, device, param_dtype)
+    model = wrap_model(spec.module, cfg, tagc_cfg, env.device, env.param_dtype, spec.blocks)
     if tagc_cfg is not None:
         tagc_state = tagc.register(model, tagc_cfg)
-    optimizer = configure_optimizer(model, decayed, cfg.weight_decay, cfg.learning_rate,
+    optimizer = configure_optimizer(model, spec.decayed, cfg.weight_decay, cfg.learning_rate,
                                     (cfg.beta1, cfg.beta2))
-    logger.info("model %s: %d layers, %d heads, %d wide, block %d, %.2fM params; FSDP%d %s, "
-                "world %d on %s (%s), %s", cfg.model, gcfg.n_layer, gcfg.n_head, gcfg.n_embd,
-                gcfg.block_size, n_params / 1e6, cfg.fsdp, cfg.sharding, world, device.type,
-                str(param_dtype).replace("torch.", ""),
+    logger.info("%s, %.2fM params; FSDP%d %s, world %d on %s (%s), %s", spec.describe,
+                spec.n_params / 1e6, cfg.fsdp, cfg.sharding, env.world, env.device.type,
+                str(env.param_dtype).replace("torch.", ""),
                 f"TAGC {cfg.tagc}" + (f" with {cfg.tagc_set}" if cfg.tagc_set else "")
                 if cfg.tagc else "no compression (plain FSDP)")
-
+    out_dir = Path(cfg.out_dir)
     iter_num = 0
     ckpt_path = out_dir / "ckpt"
     if cfg.init_from == "resume":
         iter_num = load_checkpoint(ckpt_path, model, optimizer, tagc_state, cfg)
         logger.info("resumed from %s at iter %d", ckpt_path, iter_num)
-    metrics = MetricsLog(out_dir, master, cfg.tensorboard, cfg.init_from == "resume")
-    if master:
+    metrics = MetricsLog(out_dir, env.master, cfg.tensorboard, cfg.init_from == "resume")
+    if env.master:
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    summary = train_loop(cfg, env, spec, model, optimizer, tagc_state, data, metrics,
+                         iter_num, ckpt_path)
+    summary.update(n_params=spec.n_params, world_size=env.world, tokenizer=tok.name,
+                   tagc=cfg.tagc, fsdp=cfg.fsdp, sharding=cfg.sharding)
+    if env.master:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    metrics.close()
+    if env.own_pg:
+        dist.destroy_process_group()
+    return summary
 
-    # ---------------------------------------------------------------- training loop
+
+def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
+               optimizer: torch.optim.Optimizer, tagc_state: Any, data: gpt2_data.TokenData,
+               metrics: "MetricsLog", iter_num: int, ckpt_path: Path) -> Dict[str, Any]:
+    """The steps from ``iter_num`` to ``max_iters``; returns the run's numbers."""
+    device, world = env.device, env.world
     tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
-    grad_bytes = GradBytes(tagc_state, n_params, world)
+    grad_bytes = GradBytes(tagc_state, spec.n_params, world)
     step_times: List[float] = []
     val_loss = float("nan")
     from tqdm import tqdm
-    bar = tqdm(total=cfg.max_iters, initial=iter_num, disable=not (master and cfg.progress),
+    bar = tqdm(total=cfg.max_iters, initial=iter_num, disable=not (env.master and cfg.progress),
                dynamic_ncols=True, desc="train", file=sys.stderr)
     t_start = time.perf_counter()
     model.train()
     while True:
         if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-            val_loss = estimate_val_loss(model, data, cfg, device)
+            val_loss = estimate_val_loss(model, data, cfg, device, spec.loss)
             logger.info("iter %d: val loss %.4f", iter_num, val_loss)
             metrics.write(kind="val", iter=iter_num, loss=val_loss,
                           elapsed_s=time.perf_counter() - t_start, train_s=sum(step_times))
@@ -787,10 +898,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         loss_sum = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
             x, y = data.get_batch("train", cfg.batch_size, cfg.block_size,
-                                  (cfg.seed, 0, iter_num, micro, rank))
+                                  (cfg.seed, 0, iter_num, micro, env.rank))
             # FSDP's mixed-precision policy casts parameters; no autocast needed
             with grad_sync(model, cfg.fsdp, micro == cfg.grad_accum - 1):
-                _, loss = model(x.to(device), y.to(device))
+                loss = spec.loss(model, x.to(device), y.to(device))
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
         if cfg.grad_clip > 0:
@@ -821,7 +932,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}")
     bar.close()
 
-    # ---------------------------------------------------------------- wrap up
     if cfg.save_checkpoint:
         save_checkpoint(ckpt_path, model, optimizer, tagc_state, iter_num, cfg)
     # first steps include warm-up allocations; report the steady state when there is one
@@ -833,20 +943,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "mean_step_ms": 1000 * sum(steady) / len(steady) if steady else float("nan"),
         "bytes_sent": gb.sent, "bytes_uncompressed": gb.uncompressed,
         "saved_pct": gb.saved_pct,
-        "bits_per_param": 8 * gb.sent / (steps * n_params) if steps else float("nan"),
+        "bits_per_param": 8 * gb.sent / (steps * spec.n_params) if steps else float("nan"),
         "compressed_bits_per_param": gb.comp_bits, "unpeeled": gb.unpeeled,
-        "recovered": gb.recovered, "n_params": n_params, "world_size": world,
-        "tokenizer": tok.name, "tagc": cfg.tagc, "fsdp": cfg.fsdp, "sharding": cfg.sharding,
+        "recovered": gb.recovered,
     }
     logger.info("final: iter %d, val loss %.4f, %.0f ms/step, grad bytes/rank %s; "
                 "%.2f bits/param/step, %s on compressed units)", iter_num, val_loss,
                 summary["mean_step_ms"], gb.line()[:-1], summary["bits_per_param"],
                 "none" if math.isnan(gb.comp_bits) else f"{gb.comp_bits:.2f}")
-    if master:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    metrics.close()
-    if own_pg:
-        dist.destroy_process_group()
     return summary
 
 

@@ -29,6 +29,18 @@ def clean_name(name: str) -> str:
     return ".".join(p for p in name.split(".") if p and p not in _WRAPPER_NAMES)
 
 
+def is_linear_like(module: nn.Module) -> bool:
+    """``nn.Linear``, ``nn.Embedding``, or a linear layer of another name: Hugging
+    Face GPT-2's ``Conv1D`` (``nf`` outputs and a ``weight``), recognised by duck
+    typing so that transformers is never imported here (by class name along the
+    MRO: FSDP2 subclasses it as ``FSDPConv1D``; not by the weight's shape, which
+    FSDP1 flattens)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        return True
+    return any(c.__name__ == "Conv1D" for c in type(module).__mro__) and \
+        hasattr(module, "nf") and isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
 def _is_qkv_name(module_name: str) -> bool:
     parts = [p.lower() for p in clean_name(module_name).split(".") if p]
     if not parts:
@@ -44,15 +56,19 @@ def select_parameter(cfg: TAGCConfig, module_name: str, module: nn.Module,
                      param_name: str, param: torch.Tensor) -> bool:
     """Whether ``cfg.layers`` selects one parameter for compression.
 
-    ``"non_attention"``: the ``weight`` of an ``nn.Linear`` or ``nn.Embedding``
-    with at least ``min_numel`` elements, unless the module is an attention
-    QKV projection: its last name component is one of ``c_attn, qkv,
-    qkv_proj, query_key_value, wqkv, in_proj, to_qkv``, or one of ``q_proj,
-    k_proj, v_proj, query, key, value, wq, wk, wv, q, k, v, to_q/k/v,
-    q/k/v_lin`` below a module whose name contains ``attn``/``attention``.
-    The attention output projection (``c_proj``, ``o_proj``, ``out_proj``)
-    is compressed, as in the paper.  ``"all"``: every parameter with at least
-    ``min_numel`` elements.  A callable decides alone.
+    ``"non_attention"``: the ``weight`` of an ``nn.Linear``, ``nn.Embedding``
+    or Hugging Face ``Conv1D`` (GPT-2) with at least ``min_numel`` elements,
+    unless the module is an attention input projection: its last name
+    component is one of ``c_attn, qkv, qkv_proj, query_key_value, wqkv,
+    in_proj, to_qkv`` (GPT-2's fused QKV, GPT-NeoX/Falcon, MPT/Phi), or one of
+    ``q_proj, k_proj, v_proj, query, key, value, wq, wk, wv, q, k, v,
+    to_q/k/v, q/k/v_lin`` below a module whose name contains
+    ``attn``/``attention`` (Llama/Mistral/Qwen, BERT).  The attention output
+    projection (``c_proj``, ``o_proj``, ``out_proj``, ``dense``) and the MLP
+    (``c_fc``, ``gate_proj``/``up_proj``/``down_proj``, ...) are compressed,
+    as in the paper, and so is a token embedding tied to the LM head.
+    ``"all"``: every parameter with at least ``min_numel`` elements.  A
+    callable decides alone.
 
     Args:
         cfg: the config.
@@ -69,7 +85,7 @@ def select_parameter(cfg: TAGCConfig, module_name: str, module: nn.Module,
         return False
     if cfg.layers == "all":
         return True
-    if param_name != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
+    if param_name != "weight" or not is_linear_like(module):
         return False
     return not _is_qkv_name(module_name)
 
@@ -83,8 +99,15 @@ def _tied_param_ids(model: nn.Module) -> set:
 
 
 def modules_to_wrap(model: nn.Module, cfg: TAGCConfig) -> List[nn.Module]:
-    """Modules that get their own FSDP unit: owners of selected parameters and big
-    unselected Linear/Embedding layers (so they do not dilute another unit)."""
+    """Modules that get their own FSDP unit: owners of selected parameters, big
+    unselected linear layers (so they do not dilute another unit), and every
+    attention input projection whatever its size (never inside a compressed unit).
+
+    Tied weights (the GPT-2 token embedding and LM head) stay in a common
+    ancestor's unit, the root: FSDP needs a shared parameter in one unit.  Since
+    everything else big leaves the root, the root is then the tied weight's own
+    unit, compressed when the weight is selected.
+    """
     tied = _tied_param_ids(model)
     out = []
     for name, mod in model.named_modules():
@@ -92,11 +115,11 @@ def modules_to_wrap(model: nn.Module, cfg: TAGCConfig) -> List[nn.Module]:
             continue
         direct = list(mod.named_parameters(recurse=False))
         if not direct or any(id(p) in tied for _, p in direct):
-            continue  # tied weights must stay in a common ancestor's unit (the root)
+            continue
         selected = any(select_parameter(cfg, name, mod, pn, p) for pn, p in direct)
-        big_layer = isinstance(mod, (nn.Linear, nn.Embedding)) and \
-            sum(p.numel() for _, p in direct) >= max(cfg.min_numel, 1)
-        if selected or big_layer:
+        linear = is_linear_like(mod)
+        big_layer = linear and sum(p.numel() for _, p in direct) >= max(cfg.min_numel, 1)
+        if selected or big_layer or (linear and _is_qkv_name(name)):
             out.append(mod)
     return out
 

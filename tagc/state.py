@@ -30,9 +30,20 @@ class TAGCState:
         self._streams = streams
         self._meshes = checkpoint.RowMeshes()
 
-    def stats(self) -> Dict[str, Any]:
-        """Statistics of this rank since registration (or :meth:`reset_stats`).
+    def stats(self, global_totals: bool = False) -> Dict[str, Any]:
+        """Statistics since registration (or :meth:`reset_stats`), of THIS rank.
 
+        Every counter is what this rank did: the bytes it sent, the entries
+        peeling left in the shards it owns, its non-finite fallbacks.  Ranks
+        differ (each owns other shards); ``global_totals=True`` adds the sums
+        over the ranks of the unit's process group, at the cost of one small
+        all-reduce (call it on every rank).
+
+        Args:
+            global_totals: also return ``global_total`` and
+                ``global_compressed_total``: the counters of ``total`` and
+                ``compressed_total`` summed over the ranks (per-collective
+                details and ``density``/``wire_ratio`` recomputed from the sums).
         Returns:
             ``{"units": {name: {...}}, "total": {...}, "compressed_total": {...}}``.
             Per entry: ``calls``, ``compressed_calls``, ``plain_calls`` (plain
@@ -61,9 +72,37 @@ class TAGCState:
         """
         self._streams.join()
         units = {u.name: u.stats_dict() for u in self.units}
-        return {"units": units,
-                "total": stats.total(list(units.values())),
-                "compressed_total": stats.total([s for s in units.values() if s["compressed"]])}
+        out = {"units": units,
+               "total": stats.total(list(units.values())),
+               "compressed_total": stats.total([s for s in units.values() if s["compressed"]])}
+        if global_totals:
+            out.update(self._global(out["total"], out["compressed_total"]))
+        return out
+
+    def _global(self, tot: Dict[str, Any], comp: Dict[str, Any]) -> Dict[str, Any]:
+        """The counters of both totals summed over the ranks (one all-reduce)."""
+        import torch
+
+        group = self.units[0].group if self.units else None
+        dev = self.units[0].device if self.units and self.units[0].device.type == "cuda" \
+            else torch.device("cpu")
+        vec = torch.tensor([float(d[c]) for d in (tot, comp) for c in stats.COUNTERS],
+                           dtype=torch.float64, device=dev)
+        dist.all_reduce(vec, group=group)  # SUM: gloo's AVG is not trusted
+        vals = vec.tolist()
+        res = {}
+        for i, key in enumerate(("global_total", "global_compressed_total")):
+            d: Dict[str, Any] = {c: vals[i * len(stats.COUNTERS) + j]
+                                 for j, c in enumerate(stats.COUNTERS)}
+            for c in d:
+                if c != "collision_dropped_l1" and c != "wire_bytes" and \
+                        c != "default_wire_bytes":
+                    d[c] = int(round(d[c]))
+            d["collectives"] = {}
+            d["ranks"] = self.world_size
+            stats.derive(d)
+            res[key] = d
+        return res
 
     def reset_stats(self) -> None:
         """Zero every counter (feedback state and step counters are kept)."""
@@ -147,13 +186,43 @@ def _check_agreement(cfg: TAGCConfig, units: List[UnitReducer], world: int,
 
 
 def _log_units(state: TAGCState) -> None:
-    for u in state.units:
+    units, cfg = state.units, state.cfg
+    for u in units:
         if u.compressed and u.selected_numel < u.numel:
             logger.info("TAGC unit %r: %d of %d elements selected; the whole unit is "
                         "compressed (use fsdp1_auto_wrap_policy/shard_model to separate)",
                         u.name, u.selected_numel, u.numel)
-    logger.info("TAGC registered (%s, mode=%s): %d units, %d compressed", state.kind,
-                state.cfg.mode, len(state.units), sum(u.compressed for u in state.units))
+    total = sum(u.numel for u in units)
+    comp = sum(u.numel for u in units if u.compressed) if cfg.mode != "dense" else 0
+    logger.info("TAGC registered (%s, mode=%s): %d units, %d compressed, %.1f%% of the "
+                "parameters", state.kind, cfg.mode, len(units),
+                sum(u.compressed for u in units), 100.0 * comp / max(total, 1))
+    if 2 * comp < total and dist.get_rank() == 0:
+        logger.warning("TAGC compresses %.1f%% of the parameters (%d of %d elements): %s",
+                       100.0 * comp / max(total, 1), comp, total, _why_little(units, cfg))
+
+
+def _why_little(units: List[UnitReducer], cfg: TAGCConfig) -> str:
+    """Why fewer than half of the parameters are compressed, in a user's terms."""
+    if cfg.mode == "dense":
+        return "mode 'dense' sends every gradient uncompressed (it is the baseline)"
+    selected = sum(u.selected_numel for u in units)
+    if selected == 0:
+        return (f"no parameter matched layers={cfg.layers!r} (built-in policies select "
+                f"the weights of nn.Linear, nn.Embedding and Hugging Face Conv1D layers "
+                f"with >= min_numel={cfg.min_numel} elements, attention QKV projections "
+                f"excluded); lower min_numel, use layers='all' or pass a callable")
+    mixed = [u for u in units if not u.compressed and u.selected_numel]
+    if mixed:
+        names = ", ".join(f"{u.name} ({100 * u.selected_numel // max(u.numel, 1)}% selected)"
+                          for u in mixed[:3])
+        return (f"{sum(u.selected_numel for u in mixed)} selected elements share FSDP units "
+                f"with unselected ones, and a unit is compressed only when selected "
+                f"parameters hold half of it: {names}{', ...' if len(mixed) > 3 else ''}; "
+                f"wrap the model with tagc.fsdp1_auto_wrap_policy(model, cfg) (FSDP1) or "
+                f"tagc.shard_model(model, cfg) (FSDP2)")
+    return (f"the selected parameters are only {100 * selected // max(sum(u.numel for u in units), 1)}% "
+            f"of the model (layers={cfg.layers!r}, min_numel={cfg.min_numel})")
 
 
 def register(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
@@ -191,9 +260,15 @@ def register(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
         elif any(isinstance(m, FSDP) for m in model.modules()):
             raise TypeError("register: pass the root FullyShardedDataParallel module")
         else:
+            import torch
+
+            hint = "" if torch.cuda.is_available() else (
+                "; on a machine without a GPU, FSDP1 needs device_id=torch.device('cpu') "
+                "(else it fails with 'FSDP needs a non-CPU accelerator device')")
             raise TypeError(f"register: {type(model).__name__} is not an FSDP model (wrap it "
-                            "with FullyShardedDataParallel or torch.distributed.fsdp."
-                            "fully_shard first)")
+                            "with FullyShardedDataParallel(model, auto_wrap_policy=tagc."
+                            "fsdp1_auto_wrap_policy(model, cfg)) or tagc.shard_model(model, "
+                            f"cfg) first){hint}")
     streams = CodecStreams()
     units, mods, group = glue.reducers(model, cfg, streams)
     world, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -79,11 +79,12 @@ class UnitStats:
             v = float(t.item())
             d[name] += int(v) if name != "collision_dropped_l1" else v
         d["collectives"] = {k: dict(v) for k, v in self.collectives.items()}
-        _derive(d)
+        derive(d)
         return d
 
 
-def _derive(d: Dict[str, Any]) -> None:
+def derive(d: Dict[str, Any]) -> None:
+    """Add ``density`` and ``wire_ratio`` from the counters."""
     slots = d["shard_slots"]
     d["density"] = d["union_size"] / slots if slots else 0.0
     dw = d["default_wire_bytes"]
@@ -103,5 +104,5 @@ def total(entries: List[Dict[str, Any]]) -> Dict[str, Any]:
             cc["bytes"] += v["bytes"]
     tot["collectives"] = coll
     tot["units"] = len(entries)
-    _derive(tot)
+    derive(tot)
     return tot

@@ -321,6 +321,76 @@ def _recovery(rank: int, n: int, kind: str) -> Dict[str, Any]:
     return st
 
 
+def _little_compressed_warns(rank: int, n: int, kind: str) -> List[str]:
+    """Selected parameters sharing units with unselected ones (a plain per-block
+    layout): rank 0 logs a WARNING with the compressed fraction and the fix; so does a
+    policy selecting nothing."""
+    import logging
+
+    class Grab(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.msgs: List[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.msgs.append(record.getMessage())
+
+    grab = Grab()
+    log = logging.getLogger("tagc_hook")
+    log.addHandler(grab)
+    try:
+        torch.manual_seed(0)
+        from dist_helpers import ToyGPT
+
+        model = ToyGPT()
+        # only the attention output projections: a small part of each block's unit
+        cfg = tagc.TAGCConfig(mode="exact", layers=lambda mn, m, pn, p:
+                              mn.endswith("attn.c_proj") and pn == "weight")
+        if kind == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            from dist_helpers import _Block
+            model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({_Block}),
+                         device_id=torch.device("cpu"))
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for b in model.h:
+                fully_shard(b)
+            fully_shard(model)
+        tagc.register(model, cfg)
+        nothing = tagc.TAGCConfig(mode="exact", min_numel=10 ** 9)
+        tagc.register(build_fsdp(kind, nothing), nothing)
+    finally:
+        log.removeHandler(grab)
+    if rank == 0:
+        assert len(grab.msgs) == 2, grab.msgs
+        assert "share FSDP units" in grab.msgs[0] and "shard_model" in grab.msgs[0]
+        assert "no parameter matched" in grab.msgs[1]
+    else:
+        assert grab.msgs == []
+    return grab.msgs
+
+
+def _global_stats(rank: int, n: int, kind: str) -> None:
+    """stats() is this rank's; stats(global_totals=True) adds the sums over ranks."""
+    cfg = _cfg("exact", theta=0.9)
+    mod = build_fsdp(kind, cfg)
+    state = tagc.register(mod, cfg)
+    _backward(mod, rank, 0, kind)
+    st = state.stats(global_totals=True)
+    mine = torch.tensor([float(st["total"][c]) for c in ("calls", "wire_bytes", "union_size")],
+                        dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(every, mine)
+    want = sum(every)
+    got = [st["global_total"][c] for c in ("calls", "wire_bytes", "union_size")]
+    assert got == want.tolist(), (got, want)
+    assert st["global_compressed_total"]["ranks"] == n
+    assert "global_total" not in state.stats()
+
+
 def _quant_formats(rank: int, n: int, kind: str) -> Dict[str, Any]:
     return {fmt: _check_quant(rank, n, kind, fmt)
             for fmt in (("ternary", "int4") if n != 3 else ("int8",))}
@@ -348,6 +418,8 @@ CASES: List[Tuple[Any, ...]] = [
     ("ef_quant", lambda r, n, k: _check_conservation(
         r, n, k, _cfg("quant", quant_format="sign"), steps=10, accum=2), (2, 3, 4)),
     ("frozen", lambda r, n, k: _check_frozen(r, n), (2,), ("fsdp2",)),
+    ("little_compressed_warns", _little_compressed_warns, (2,)),
+    ("global_stats", _global_stats, (2, 4)),
 ]
 
 
