@@ -68,7 +68,7 @@ def state_dict(reducers: List[UnitReducer], cfg: TAGCConfig, kind: str, world: i
             entry[f"has_{name}"] = t is not None
             row = (torch.zeros(length, dtype=dtype) if t is None
                    else t.detach().to("cpu", copy=True))
-            entry[name] = meshes.rows(u.group, row.reshape(1, -1))
+            entry[name] = meshes.rows(u.row_group, row.reshape(1, -1))
         units[u.name] = entry
     return {
         "format": FORMAT,
@@ -76,7 +76,7 @@ def state_dict(reducers: List[UnitReducer], cfg: TAGCConfig, kind: str, world: i
         "world_size": world,
         "seed": cfg.seed,
         "config": cfg.to_dict(),
-        "rank": meshes.rows(reducers[0].group if reducers else None,
+        "rank": meshes.rows(reducers[0].row_group if reducers else None,
                             torch.tensor([rank], dtype=torch.int64)),
         "units": units,
     }

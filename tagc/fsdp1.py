@@ -47,8 +47,10 @@ def _check_strategies(fsdp_mods: List[Tuple[str, nn.Module]]) -> None:
         strat = m.sharding_strategy
         if strat in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
             raise ValueError(f"register: sharding strategy {strat.name} is not supported "
-                             "(FSDP1 comm hooks cannot run hybrid sharding); use FULL_SHARD "
-                             "or SHARD_GRAD_OP")
+                             "(FSDP1 refuses comm hooks on hybrid sharding); for HSDP use "
+                             "FSDP2: tagc.shard_model(model, cfg, mesh=init_device_mesh("
+                             "device, (replicas, shards), mesh_dim_names=('replicate', "
+                             "'shard'))), then tagc.register(model, cfg)")
         if strat == ShardingStrategy.NO_SHARD and dist.get_world_size(m.process_group) > 1:
             raise ValueError("register: sharding strategy NO_SHARD is not supported (it is "
                              "data parallel without sharding; use DDP and its comm hooks)")

@@ -63,8 +63,10 @@ def _param_groups(model: nn.Module) -> List[Tuple[str, nn.Module, Any]]:
                              "(per-parameter meshes); TAGC needs one per module")
         pg = groups[0]
         if isinstance(pg.mesh_info, HSDPMeshInfo):
-            raise ValueError("register: HSDP (2-D mesh, replicate + shard) is not supported; "
-                             "use a 1-D mesh")
+            raise ValueError("register: native HSDP (a 2-D mesh given to fully_shard) "
+                             "all-reduces inside FSDP, where TAGC cannot hook; shard with "
+                             "tagc.shard_model(model, cfg, mesh=mesh) instead (TAGC's custom "
+                             "HSDP compresses the all-reduce between the replicas)")
         if isinstance(pg._reduce_scatter_comm, ReduceScatterComm):
             raise RuntimeError(f"register: TAGC is already registered on {name or '<root>'!r}")
         mods.append((name, m, pg))

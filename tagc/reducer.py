@@ -63,6 +63,11 @@ class UnitReducer:
 
     # ----------------------------------------------------------------- feedback state
     @property
+    def row_group(self) -> Any:
+        """The group whose ranks hold one checkpoint row each (this unit's group)."""
+        return self.group
+
+    @property
     def keeps_feedback(self) -> bool:
         """Whether this unit keeps error-feedback state (checkpoints hold exactly these)."""
         return self.compressed and self.cfg.error_feedback and self.cfg.mode != "dense"

@@ -151,15 +151,29 @@ def fsdp1_auto_wrap_policy(model: nn.Module, cfg: TAGCConfig) -> Callable[..., b
 def shard_model(model: nn.Module, cfg: TAGCConfig, **fully_shard_kwargs: Any) -> nn.Module:
     """FSDP2: ``fully_shard`` each module of :func:`fsdp1_auto_wrap_policy`'s set, then the root.
 
+    With ``mesh=`` a 2-D ``(replicate, shard)`` mesh this is TAGC's custom HSDP
+    (``tagc/hsdp.py``): every unit is sharded over the "shard" dimension only (inside
+    a node) and ``register`` then compresses the all-reduce between the replicas.
+
     Args:
         model: the unsharded model.
         cfg: the config deciding the selection.
         **fully_shard_kwargs: passed to every ``fully_shard`` call (mesh, mp_policy, ...).
     Returns:
         the model (sharded in place; it is an ``FSDPModule`` afterwards).
+    Raises:
+        ValueError: a mesh that is neither 1-D nor the (replicate, shard) layout.
     """
     from torch.distributed.fsdp import fully_shard
 
+    mesh = fully_shard_kwargs.get("mesh")
+    if mesh is not None and mesh.ndim != 1:
+        from .hsdp import check_mesh
+
+        check_mesh(mesh)
+        fully_shard_kwargs = dict(fully_shard_kwargs, mesh=mesh["shard"])
+        # register() finds the replicas here (an attribute, not a parameter or buffer)
+        model._tagc_hsdp_mesh = mesh
     mods = modules_to_wrap(model, cfg)
     order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
     for mod in sorted(mods, key=lambda m: -order[id(m)]):  # children before parents

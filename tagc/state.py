@@ -9,7 +9,7 @@ from typing import Any, Dict, List
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint, fsdp1, fsdp2, stats, transports
+from . import checkpoint, fsdp1, fsdp2, hsdp, stats, transports
 from .config import TAGCConfig
 from .device import CodecStreams
 from .reducer import UnitReducer
@@ -83,7 +83,7 @@ class TAGCState:
         """The counters of both totals summed over the ranks (one all-reduce)."""
         import torch
 
-        group = self.units[0].group if self.units else None
+        group = self.units[0].row_group if self.units else None
         dev = self.units[0].device if self.units and self.units[0].device.type == "cuda" \
             else torch.device("cpu")
         vec = torch.tensor([float(d[c]) for d in (tot, comp) for c in stats.COUNTERS],
@@ -271,9 +271,17 @@ def register(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
                             f"cfg) first){hint}")
     streams = CodecStreams()
     units, mods, group = glue.reducers(model, cfg, streams)
+    mesh = getattr(model, "_tagc_hsdp_mesh", None) if kind == "fsdp2" else None
+    if mesh is not None:  # custom HSDP: the hook compresses the all-reduce between nodes
+        shards = units[0].world
+        units = hsdp.reducers(model, cfg, mesh, streams, units)
+        group, kind = None, "fsdp2-hsdp"
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     _check_agreement(cfg, units, world, group)
-    glue.install(model, units, mods)
+    if mesh is not None:
+        hsdp.install(mods, units, shards)
+    else:
+        glue.install(model, units, mods)
     state = TAGCState(cfg, kind, units, rank, world, streams)
     _log_units(state)
     return state
