@@ -20,6 +20,7 @@ buffers between ranks and keeps per-unit state:
 * ``tagc/selection.py``   which parameters are compressed; the wrapping helpers
 * ``tagc/state.py``       register() and TAGCState (stats, checkpoints)
 * ``tagc/fsdp1.py``, ``tagc/fsdp2.py``  the FSDP glue (all torch internals)
+* ``tagc/hsdp.py``        custom HSDP: the all-reduce between replicas, compressed
 * ``tagc/reducer.py``     UnitReducer: what FSDP holds per unit; one reduction
 * ``tagc/transports.py``  the transports, one signature, a table by mode
 * ``tagc/comm.py``, ``tagc/device.py``, ``tagc/stats.py``, ``tagc/checkpoint.py``

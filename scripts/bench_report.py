@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 # issue 5 targets: speed-up of a configuration over plain FSDP, same strategy, same run
 TARGETS = [("FULL_SHARD", "exact", 1.30), ("FULL_SHARD", "sparse", 1.35),
            ("SHARD_GRAD_OP", "exact", 1.60), ("SHARD_GRAD_OP", "sparse", 1.60)]
+# issue 14 targets (--hsdp): TAGC HSDP against native HSDP, same run
+HSDP_SPEEDUP, HSDP_BYTES = 4.0, 15.0
 
 
 def _trials(run: dict | None, strategy: str, config: str) -> list[dict]:
@@ -72,6 +74,10 @@ def _fmt_s(t: float | None) -> str:
     return "-" if t is None else f"{t:.3f}"
 
 
+def _fmt_x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def _load(la: list | None) -> str:
     return "?" if not la else "/".join(f"{x:.1f}" for x in la)
 
@@ -113,7 +119,7 @@ def summarize(report: dict) -> dict:
                 "comm_s": _mean(tr, "comm_s_per_step_per_rank"),
                 "comm_unshaped_s": _mean(tu, "comm_s_per_step_per_rank"),
                 "mean_s": _mean([{"m": sum(t["step_s"]) / len(t["step_s"])} for t in tr if t["step_s"]], "m"),
-                "veth_tx": _mean(tr, "veth_tx_per_step_per_rank"),
+                "veth_tx": _mean(tr, "veth_tx_per_step_per_host"),
                 "stats_bytes": sum(sb) / len(sb) if sb else None,
                 "stats_default_bytes": sum(sd) / len(sd) if sd else None,
             }
@@ -138,18 +144,27 @@ def render_markdown(report: dict, summary: dict) -> str:
     """
     a, sh = report["args"], report["shape"]
     run = report.get("shaped") or {}
+    per = a.get("per_node", 1)
+    ranks = "one rank each" if per == 1 else (
+        f"{per} ranks each on the host's unshaped loopback route; `HSDP` = sharded inside a "
+        "host, replicated across hosts (`fsdp` = native HSDP, a TAGC configuration = TAGC's "
+        "custom HSDP, compressing the all-reduce between hosts); `FULL_SHARD` = FSDP2 over "
+        "every rank")
     lines = ["# TAGC step-time benchmark (emulated slow network)", ""]
     lines += [f"- command: `{report.get('command', '?')}` (started {report.get('started_utc', '?')} UTC, "
               f"wall time {report.get('wall_s', 0):.0f} s)",
-              f"- {a['nodes']} emulated hosts (network namespaces, one rank each, `torchrun --nnodes "
-              f"{a['nodes']}`), gloo over veth; link: tc rate `{a['rate']}`, delay `{a['delay']}`",
+              f"- {a['nodes']} emulated hosts (network namespaces, {ranks}; `torchrun --nnodes "
+              f"{a['nodes']} --nproc-per-node {per}`), gloo over veth; link: tc rate `{a['rate']}`, "
+              f"delay `{a['delay']}`",
               f"- machine load (1/5/15-min load average) at start {_load(report.get('loadavg_start'))}, "
               f"at end {_load(report.get('loadavg_end'))}, on {report.get('cpus', '?')} CPUs",
               f"- link check (TCP, shaped): {report.get('link_shaped', '?')}",
               f"- link check (unshaped): {report.get('link_unshaped', '-')}",
               f"- model: GPT-2 n_layer={sh['n_layer']} n_head={sh['n_head']} n_embd={sh['n_embd']} "
               f"vocab={sh['vocab_size']} seq={sh['block_size']} batch={sh['batch']}/rank; "
-              f"FSDP{a['fsdp']}; AdamW; torch {run.get('torch', '?')}",
+              f"FSDP{a['fsdp']}; AdamW; torch {run.get('torch', '?')}"
+              + (f"; TAGC fields overridden in every configuration: `{' '.join(a['override'])}`"
+                 if a.get("override") else ""),
               f"- {a['repeats']} round-robin repeats x {a['steps']} timed steps (after {a['warmup']} "
               f"warm-up) per configuration on the shaped link; {a['unshaped_repeats']} on the unshaped link",
               "- step time = max over ranks, median over all timed steps; spread = min..max of the "
@@ -157,8 +172,8 @@ def render_markdown(report: dict, summary: dict) -> str:
               "- bytes/step/rank: `stats wire` = bytes this rank's TAGC gradient exchange sends on an "
               "ideal network (`state.stats()['total']['wire_bytes']`), in brackets what an ideal "
               "plain reduce-scatter of the same units would send (`default_wire_bytes`); `veth tx` = "
-              "the veth's own tx counter (all traffic: all-gathers, gloo's all-reduce-based "
-              "reduce-scatter, TCP/IP headers)",
+              "the veth's own tx counter per host (all traffic: all-gathers, gloo's "
+              "all-reduce-based reduce-scatter, TCP/IP headers)",
               "- time split per rank and step (means): `in collectives` = inside torch.distributed "
               "collectives (FSDP's and TAGC's; sync calls whole, async issue + wait; includes waiting "
               "for the slower peer), `codec` = inside `_tagc` calls, `rest` = everything else "
@@ -192,22 +207,53 @@ def render_markdown(report: dict, summary: dict) -> str:
                          f"{_fmt_s(r['comm_s'])} | {_fmt_s(r['codec_s'])} | {_fmt_s(rest)} | "
                          f"{_fmt_s(r['median_unshaped_s'])} |")
         lines.append("")
-    lines += ["## Targets (speed-up over plain FSDP, same strategy, this run)", "",
-              "| strategy | config | target | measured | result |", "|---|---|---|---|---|"]
-    for strat, cfg, tgt in TARGETS:
-        r = summary.get(strat, {}).get(cfg)
-        if not r or r["speedup_vs_fsdp"] is None:
-            lines.append(f"| {strat} | {cfg} | {tgt:.2f}x | - | not measured |")
-            continue
-        m = r["speedup_vs_fsdp"]
-        res = "met" if m >= tgt else f"missed by {tgt - m:.2f}x ({100 * (tgt - m) / tgt:.0f}%)"
-        lines.append(f"| {strat} | {cfg} | {tgt:.2f}x | {m:.2f}x | {res} |")
+    lines += _hsdp_targets(summary) if "HSDP" in summary else _targets(summary)
     for t in (report.get("shaped") or {}).get("trials", []):
         if t.get("profile"):
             lines += ["", f"## Profile: {t['strategy']} {t['config']} (rank 0, one untimed step, "
                       "top ops by self CPU time)", "", "```", t["profile"].rstrip(), "```"]
     lines += ["", "## Codec speed (scripts/bench_codec.py)", "", report.get("codec_table", "").rstrip(), ""]
     return "\n".join(lines)
+
+
+def _verdict(m: float | None, tgt: float) -> str:
+    if m is None:
+        return "not measured"
+    return "met" if m >= tgt else f"missed by {tgt - m:.2f}x ({100 * (tgt - m) / tgt:.0f}%)"
+
+
+def _hsdp_targets(summary: dict) -> list[str]:
+    """TAGC HSDP against native HSDP (step time, slow-link bytes) and TAGC FULL_SHARD."""
+    hs, fs = summary["HSDP"], summary.get("FULL_SHARD", {})
+    base = hs.get("fsdp", {})
+    lines = ["## Targets (TAGC HSDP against native HSDP, this run)", "",
+             f"| config | step vs native HSDP (target {HSDP_SPEEDUP:.0f}x) | result | "
+             f"slow-link bytes vs native HSDP (target {HSDP_BYTES:.0f}x fewer) | result | "
+             "step vs TAGC FULL_SHARD (target > 1x) | result |",
+             "|---|---|---|---|---|---|---|"]
+    for cfg, r in hs.items():
+        if cfg in ("fsdp", "dense"):
+            continue
+        fewer = _ratio(base.get("veth_tx"), r["veth_tx"])
+        vs_fs = _ratio((fs.get(cfg) or {}).get("median_s"), r["median_s"])
+        lines.append(f"| {cfg} | {_fmt_x(r['speedup_vs_fsdp'])} | "
+                     f"{_verdict(r['speedup_vs_fsdp'], HSDP_SPEEDUP)} | {_fmt_x(fewer)} | "
+                     f"{_verdict(fewer, HSDP_BYTES)} | {_fmt_x(vs_fs)} | "
+                     f"{'not measured' if vs_fs is None else ('met' if vs_fs > 1 else 'missed')} |")
+    return lines
+
+
+def _targets(summary: dict) -> list[str]:
+    lines = ["## Targets (speed-up over plain FSDP, same strategy, this run)", "",
+             "| strategy | config | target | measured | result |", "|---|---|---|---|---|"]
+    for strat, cfg, tgt in TARGETS:
+        r = summary.get(strat, {}).get(cfg)
+        if not r or r["speedup_vs_fsdp"] is None:
+            lines.append(f"| {strat} | {cfg} | {tgt:.2f}x | - | not measured |")
+            continue
+        m = r["speedup_vs_fsdp"]
+        lines.append(f"| {strat} | {cfg} | {tgt:.2f}x | {m:.2f}x | {_verdict(m, tgt)} |")
+    return lines
 
 
 def plot(summary: dict, path: Path, title: str) -> None:
@@ -241,7 +287,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
         tx = [(summary[strat][c]["veth_tx"] or 0) / 1e6 for c in configs]
         axes[1].bar(xs, tx, width, label=strat)
     for ax, ylabel in zip(axes, ("median step time [s] (label: speed-up vs FSDP)",
-                                 "veth tx per step per rank [MB]")):
+                                 "veth tx per step per host [MB]")):
         ax.set_xticks([i + width * (len(strats) - 1) / 2 for i in range(len(configs))])
         ax.set_xticklabels(configs, rotation=20)
         ax.set_ylabel(ylabel)

@@ -14,9 +14,18 @@ plain FSDP's step spent waiting on the link (``1 - t_unshaped / t_shaped``) and,
 configuration, where the time goes. Results, a markdown report (with the codec speed
 table from ``scripts/bench_codec.py``) and a PNG chart go to ``--out``.
 
+With ``--hsdp`` the topology has two levels: ``--nodes`` hosts with ``--per-node`` ranks
+each (``torchrun --nproc-per-node``), the ranks of a host on that namespace's unshaped
+loopback route (the fast links inside a node), hosts on the shaped link. Two layouts
+are compared round-robin: ``FULL_SHARD`` (FSDP2 over every rank, the slow link inside
+every reduce-scatter and all-gather) and ``HSDP`` (sharded inside a host, replicated
+across hosts: plain ``fsdp`` is native HSDP, a TAGC configuration is TAGC's custom HSDP,
+which compresses only the all-reduce between hosts).
+
 Usage:
     sudo python3 scripts/bench_step.py --quick            # < 5 min
     sudo python3 scripts/bench_step.py                    # full run
+    sudo python3 scripts/bench_step.py --hsdp             # 2 hosts x 2 ranks, HSDP
 """
 from __future__ import annotations
 
@@ -52,6 +61,7 @@ CONFIGS: dict[str, str | None] = {
     "lean": "tagc-lean.yaml",
 }
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+HSDP_CONFIGS = ["fsdp", "dense", "exact", "sparse", "balanced", "lean"]
 
 
 @dataclass
@@ -207,15 +217,39 @@ class _CommTimer:
         return timed
 
 
-def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, config_dir: Path):
+def _hsdp(model: Any, cfg: Any, preset: str | None, per_node: int) -> None:
+    """Shard inside a host, replicate across hosts: native HSDP for plain FSDP, TAGC's
+    custom HSDP otherwise (the same units either way)."""
+    import torch.distributed as dist
+    import tagc_hook as tagc
+    from tagc.selection import modules_to_wrap
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # torchrun numbers the ranks host by host, so a row of this mesh is one host
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // per_node, per_node),
+                            mesh_dim_names=("replicate", "shard"))
+    if preset is not None:
+        tagc.shard_model(model, cfg, mesh=mesh)
+        return
+    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    for mod in sorted(modules_to_wrap(model, cfg), key=lambda m: -order[id(m)]):
+        fully_shard(mod, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, config_dir: Path,
+           per_node: int = 1, override: dict | None = None):
     """Fresh GPT-2 wrapped in FSDP (same units for every configuration), TAGC optional.
 
     Args:
         shape: model and batch shape.
-        strategy: "FULL_SHARD" or "SHARD_GRAD_OP".
+        strategy: "FULL_SHARD", "SHARD_GRAD_OP" or (FSDP2) "HSDP".
         preset: TAGC YAML preset file name, or None for plain FSDP.
         fsdp: 1 (FullyShardedDataParallel) or 2 (fully_shard).
         config_dir: directory holding the presets.
+        per_node: ranks per host (the shard dimension of HSDP).
+        override: TAGC config fields replacing the preset's (plain FSDP's units too).
 
     Returns:
         (model, optimizer, tagc state or None).
@@ -232,12 +266,16 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
     # as TAGC (compressed and uncompressed parameters in different units)
     path = config_dir / (preset or CONFIGS["exact"])
     cfg = tagc.TAGCConfig.from_yaml(str(path)) if preset or path.exists() else tagc.TAGCConfig()
+    if override:
+        cfg = tagc.TAGCConfig.from_dict({**cfg.to_dict(), **override})
     if fsdp == 1:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 
         model = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy),
                      auto_wrap_policy=tagc.fsdp1_auto_wrap_policy(model, cfg),
                      device_id=torch.device("cpu"))
+    elif strategy == "HSDP":
+        _hsdp(model, cfg, preset, per_node)
     else:
         # FSDP2 has no strategy enum: SHARD_GRAD_OP = keep parameters gathered after forward
         tagc.shard_model(model, cfg, reshard_after_forward=(strategy == "FULL_SHARD"))
@@ -276,7 +314,10 @@ def _worker(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    # a host's ranks share its veth: its first rank alone reads the counters
     have_if = bool(ifname) and (Path("/sys/class/net") / ifname).exists()
+    reads_if = have_if and int(os.environ.get("LOCAL_RANK", "0")) == 0
+    hosts = world // args.per_node
     shape = ModelShape(**json.loads(args.shape))
     timer = _CodecTimer()
     timer.install()
@@ -289,7 +330,8 @@ def _worker(args: argparse.Namespace) -> int:
         for strategy in args.strategies:
             for name in args.configs:
                 model, opt, state = _build(shape, strategy, CONFIGS[name], args.fsdp,
-                                           Path(args.config_dir))
+                                           Path(args.config_dir), args.per_node,
+                                           _overrides(args.override))
                 x = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
                 y = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
 
@@ -304,27 +346,27 @@ def _worker(args: argparse.Namespace) -> int:
                     step()
                 dist.barrier()
                 s0 = state.stats() if state is not None else {}
-                c0 = _read_counters(ifname) if have_if else (0, 0)
+                c0 = _read_counters(ifname) if reads_if else (0, 0)
                 k0, m0 = timer.seconds, comm.seconds
                 times = []
                 for _ in range(args.steps):
                     t0 = time.perf_counter()
                     step()
                     times.append(time.perf_counter() - t0)
-                c1 = _read_counters(ifname) if have_if else (0, 0)
+                c1 = _read_counters(ifname) if reads_if else (0, 0)
                 k1, m1 = timer.seconds, comm.seconds
                 s1 = state.stats() if state is not None else {}
                 # max over ranks per step: a step ends when its slowest rank ends
                 t = torch.tensor(times, dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                # veth counters and codec time: sum over ranks (divided below)
+                # veth counters: sum over hosts; codec and comm time: over ranks
                 v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0], dtype=torch.float64)
                 dist.all_reduce(v, op=dist.ReduceOp.SUM)
                 trial = {
                     "rep": rep, "strategy": strategy, "config": name,
                     "step_s": t.tolist(),
-                    "veth_tx_per_step_per_rank": v[0].item() / args.steps / world,
-                    "veth_rx_per_step_per_rank": v[1].item() / args.steps / world,
+                    "veth_tx_per_step_per_host": v[0].item() / args.steps / hosts,
+                    "veth_rx_per_step_per_host": v[1].item() / args.steps / hosts,
                     "codec_s_per_step_per_rank": v[2].item() / args.steps / world,
                     "comm_s_per_step_per_rank": v[3].item() / args.steps / world,
                     "stats_delta_per_step": _scale(_numeric_delta(s1, s0), 1.0 / args.steps),
@@ -334,12 +376,12 @@ def _worker(args: argparse.Namespace) -> int:
                     trial["profile"] = _profile_step(step, rank)
                 trials.append(trial)
                 if rank == 0:
-                    logger.info("rep %d %-13s %-9s median %.3fs  veth tx %.2f MB/step/rank", rep,
+                    logger.info("rep %d %-13s %-9s median %.3fs  veth tx %.2f MB/step/host", rep,
                                 strategy, name, statistics.median(trial["step_s"]),
-                                trial["veth_tx_per_step_per_rank"] / 1e6)
+                                trial["veth_tx_per_step_per_host"] / 1e6)
                 del model, opt, state
     if rank == 0:
-        out = {"world": world, "fsdp": args.fsdp, "shape": asdict(shape), "ifname": ifname,
+        out = {"world": world, "per_node": args.per_node, "fsdp": args.fsdp, "shape": asdict(shape), "ifname": ifname,
                "have_counters": have_if, "codec_timed": timer.installed,
                "wall_s": time.perf_counter() - t_start, "trials": trials,
                "torch": torch.__version__}
@@ -383,7 +425,9 @@ def _launch(net: list[str], args: argparse.Namespace, configs: list[str], repeat
     if result.exists():
         result.unlink()
     cmd = ["bash", str(NETEM), *net, "torchrun", "--port", str(free_port()), "--timeout",
-           str(int(timeout)), "--", str(Path(__file__).resolve()), "--worker",
+           str(int(timeout)), "--nproc-per-node", str(args.per_node), "--",
+           str(Path(__file__).resolve()), "--worker", "--per-node", str(args.per_node),
+           *(["--hsdp"] if args.hsdp else []), "--override", *args.override,
            "--result", str(result), "--fsdp", str(args.fsdp), "--shape", json.dumps(asdict(args.shape_obj)),
            "--config-dir", str(Path(args.config_dir).resolve()),
            "--repeats", str(repeats), "--steps", str(steps), "--warmup", str(args.warmup),
@@ -459,6 +503,43 @@ def _driver(args: argparse.Namespace) -> int:
     return 0
 
 
+def _overrides(items: list[str]) -> dict:
+    """``KEY=VALUE`` strings as a dict (values parsed as YAML), checked against TAGCConfig."""
+    import yaml
+
+    out = {}
+    for it in items:
+        key, eq, val = it.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--override: expected KEY=VALUE, got {it!r}")
+        out[key] = yaml.safe_load(val)
+    if out:
+        sys.path.insert(0, str(ROOT))
+        import tagc_hook as tagc
+
+        tagc.TAGCConfig.from_dict({**tagc.TAGCConfig().to_dict(), **out})  # unknown keys raise
+    return out
+
+
+def _layout_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the layout options left out and refuse the combinations that cannot run."""
+    if args.hsdp:
+        if args.fsdp == 1:
+            p.error("--hsdp needs FSDP2 (FSDP1 refuses comm hooks on HYBRID_SHARD)")
+        args.fsdp, args.per_node = 2, args.per_node or 2
+        args.strategies = args.strategies or ["FULL_SHARD", "HSDP"]
+        args.configs = args.configs or list(HSDP_CONFIGS)
+        if args.per_node < 2:
+            p.error("--hsdp needs --per-node >= 2 (one rank per host is plain FSDP)")
+    args.fsdp, args.per_node = args.fsdp or 1, args.per_node or 1
+    args.strategies = args.strategies or list(STRATEGIES)
+    args.configs = args.configs or list(CONFIGS)
+    if "HSDP" in args.strategies and not args.hsdp:
+        p.error("strategy HSDP needs --hsdp")
+    if args.hsdp and "SHARD_GRAD_OP" in args.strategies:
+        p.error("--hsdp compares FULL_SHARD and HSDP")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments and run the driver or, with --worker, one rank.
 
@@ -472,12 +553,18 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small run, under 5 minutes")
     p.add_argument("--out", default=str(ROOT / "bench_out"))
-    p.add_argument("--nodes", type=int, default=2, help="emulated hosts = ranks (default 2)")
+    p.add_argument("--nodes", type=int, default=2, help="emulated hosts (default 2)")
+    p.add_argument("--hsdp", action="store_true",
+                   help="two-level topology (--per-node ranks per host, FSDP2): FULL_SHARD "
+                        "over every rank against HSDP (native and TAGC's)")
+    p.add_argument("--per-node", type=int, default=None,
+                   help="ranks per emulated host (default 1; 2 with --hsdp)")
     p.add_argument("--rate", default="200mbit", help="tc rate per link (default 200mbit)")
     p.add_argument("--delay", default="0.1ms")
-    p.add_argument("--fsdp", type=int, choices=(1, 2), default=1)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    p.add_argument("--fsdp", type=int, choices=(1, 2), default=None, help="default 1 (2 with --hsdp)")
+    p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS))
+    p.add_argument("--strategies", nargs="+", default=None, choices=[*STRATEGIES, "HSDP"],
+                   help="default FULL_SHARD SHARD_GRAD_OP (FULL_SHARD HSDP with --hsdp)")
     p.add_argument("--repeats", type=int, default=None, help="round-robin passes (shaped link)")
     p.add_argument("--unshaped-repeats", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per trial")
@@ -486,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="configurations to profile (one extra untimed step under torch.profiler "
                         "in the last shaped repeat; table in the report)")
     p.add_argument("--config-dir", default=str(ROOT / "configs"), help="TAGC YAML presets")
+    p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="TAGC config fields set in every configuration, YAML values "
+                        "(e.g. layers=all); the units of plain FSDP follow")
     p.add_argument("--no-unshaped", action="store_true", help="skip the unshaped-link pass")
     p.add_argument("--no-codec", action="store_true", help="skip scripts/bench_codec.py")
     p.add_argument("--measure-mb", type=int, default=10)
@@ -498,10 +588,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for k in ("repeats", "steps", "warmup", "unshaped_repeats", "nodes", "measure_mb"):
+    for k in ("repeats", "steps", "warmup", "unshaped_repeats", "nodes", "measure_mb", "per_node"):
         v = getattr(args, k)
         if v is not None and v < (0 if k == "warmup" else 1):
             p.error(f"--{k.replace('_', '-')} must be >= 1")
+    _layout_defaults(p, args)
+    try:
+        _overrides(args.override)
+    except ValueError as e:
+        p.error(str(e))
     if args.worker:
         return _worker(args)
     args.repeats = args.repeats or (1 if args.quick else 4)

@@ -21,10 +21,13 @@
 #   exec I CMD...           run CMD inside host I's namespace
 #   measure [MB]            send MB (default 20) host1 -> host0 over TCP, print
 #                           measured Mbit/s next to the configured rate
-#   torchrun [--port P] [--timeout S] -- SCRIPT ARGS...
+#   torchrun [--port P] [--timeout S] [--nproc-per-node P] -- SCRIPT ARGS...
 #                           one torchrun per host namespace: --nnodes N --node-rank i
-#                           --master-addr <host0> --nproc-per-node 1, with
-#                           GLOO_SOCKET_IFNAME=<ifname>; waits for all, fails if any fails
+#                           --master-addr <host0> --nproc-per-node P (default 1), with
+#                           GLOO_SOCKET_IFNAME=<ifname>; waits for all, fails if any fails.
+#                           With P > 1 this is a two-level topology: the P ranks of a
+#                           host talk over that namespace's own loopback route (unshaped,
+#                           the fast links inside a node), hosts over the shaped link.
 #   run CMD...              up, run CMD in the root namespace, then always down (trap)
 # Options (before COMMAND):
 #   -n, --hosts N     number of hosts (default 2)
@@ -239,22 +242,25 @@ export_env() {
 
 # One torchrun per host namespace, each a separate node of the job.
 do_torchrun() {
-    local port=29500 tmo=3600
+    local port=29500 tmo=3600 nproc=1
     while [[ $# -gt 0 ]]; do
         case "$1" in
             --port) port="$2"; shift 2 ;;
             --timeout) tmo="$2"; shift 2 ;;
+            --nproc-per-node) nproc="$2"; shift 2 ;;
             --) shift; break ;;
-            *) die "torchrun: unknown option $1 (usage: torchrun [--port P] [--timeout S] -- SCRIPT ARGS)" ;;
+            *) die "torchrun: unknown option $1 (usage: torchrun [--port P] [--timeout S] [--nproc-per-node P] -- SCRIPT ARGS)" ;;
         esac
     done
+    [[ "$nproc" =~ ^[0-9]+$ ]] && (( nproc >= 1 && nproc <= 64 )) \
+        || die "torchrun: --nproc-per-node must be 1..64, got '$nproc'"
     [[ $# -ge 1 ]] || die "torchrun: missing SCRIPT"
     command -v torchrun >/dev/null 2>&1 || die "torchrun not found (install torch)"
     export_env
     local i pids=() rc=0
     for i in $(seq 0 $(( HOSTS - 1 ))); do
         ip netns exec "$(ns "$i")" env GLOO_SOCKET_IFNAME="$IFNAME" TAGC_NETEM_NODE="$i" \
-            timeout -k 10 "$tmo" torchrun --nnodes "$HOSTS" --node-rank "$i" --nproc-per-node 1 \
+            timeout -k 10 "$tmo" torchrun --nnodes "$HOSTS" --node-rank "$i" --nproc-per-node "$nproc" \
             --master-addr "$(addr 0)" --master-port "$port" "$@" &
         pids+=("$!")
     done

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ def _trial(strategy: str, config: str, steps: list[float], rep: int = 0, wire: f
            tx: float = 1e6) -> dict:
     delta = {} if wire is None else {"total": {"wire_bytes": wire, "default_wire_bytes": 4 * wire}}
     return {"rep": rep, "strategy": strategy, "config": config, "step_s": steps,
-            "veth_tx_per_step_per_rank": tx, "veth_rx_per_step_per_rank": tx,
+            "veth_tx_per_step_per_host": tx, "veth_rx_per_step_per_host": tx,
             "codec_s_per_step_per_rank": 0.1, "comm_s_per_step_per_rank": 0.5 * steps[0],
             "stats_delta_per_step": delta}
 
@@ -105,3 +106,32 @@ def test_time_to_loss_report(tmp_path: Path) -> None:
     assert f"{t:.1f} s | {40 / t:.2f}x" in row and "| 8 (39.0 s) | 1.8000 | -10.00% |" in row
     bench_time.plot(res, tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_hsdp_report_targets() -> None:
+    """--hsdp: TAGC HSDP against native HSDP (speed-up, slow-link bytes) and against
+    TAGC FULL_SHARD, with verdicts that can miss."""
+    trials = [_trial("HSDP", "fsdp", [8.0], tx=30e6), _trial("HSDP", "sparse", [1.6], tx=1e6),
+              _trial("HSDP", "balanced", [4.0], tx=4e6), _trial("FULL_SHARD", "fsdp", [9.0]),
+              _trial("FULL_SHARD", "sparse", [2.0]), _trial("FULL_SHARD", "balanced", [3.0])]
+    rep = _report()
+    rep["shaped"], rep["unshaped"] = {"trials": trials}, None
+    rep["args"].update(configs=["fsdp", "sparse", "balanced"], strategies=["FULL_SHARD", "HSDP"],
+                       per_node=2, fsdp=2)
+    md = bench_report.render_markdown(rep, bench_report.summarize(rep))
+    assert "| sparse | 5.00x | met | 30.00x | met | 1.25x | met |" in md
+    assert "| balanced | 2.00x | missed by 2.00x (50%) | 7.50x | missed by 7.50x (50%) | " \
+           "0.75x | missed |" in md
+    assert "2 ranks each" in md
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--hsdp", "--fsdp", "1"], "FSDP2"),
+    (["--hsdp", "--per-node", "1"], "per-node"),
+    (["--strategies", "HSDP"], "needs --hsdp"),
+    (["--hsdp", "--strategies", "SHARD_GRAD_OP"], "compares FULL_SHARD and HSDP"),
+])
+def test_bench_step_refuses_bad_layouts(argv: list, msg: str, capsys: Any) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench_step.main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
