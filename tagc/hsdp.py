@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TAGCConfig
-from .device import CodecStreams, Exec, poison_nonfinite
+from .device import CodecStreams, Exec
 from .reducer import UnitReducer
 from .stats import UnitStats
 from .transports import _tagc, require_codec
@@ -129,7 +129,7 @@ class ReplicaReducer(UnitReducer):
             return
         if self.cfg.mode != "dense":
             require_codec()
-        if not self._agree(comm, flat):
+        if not self._agree_finite(comm, flat):
             self._plain_all_reduce(comm, flat)
             return
         if self.keeps_feedback and self.residual is None:
@@ -138,7 +138,7 @@ class ReplicaReducer(UnitReducer):
         acc = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
         REPLICA_TRANSPORTS[self.cfg.mode](self, comm, flat, acc)
         if self.cfg.ef21 and self.cfg.mode != "dense":
-            self._ef21(dev, flat, acc)
+            self._ef21_update(dev, flat, acc)
         self.step += 1
         t.copy_(acc.view_as(t))
 
@@ -147,38 +147,8 @@ class ReplicaReducer(UnitReducer):
         if self.world > 1:
             comm.all_reduce(flat)
 
-    def _agree(self, comm: ReplicaComm, flat: torch.Tensor) -> bool:
-        """The replicas agree on whether anyone's shard holds NaN/Inf (as UnitReducer)."""
-        dev = comm.dev
-        if dev.cuda:
-            flag = (~torch.isfinite(flat).all()).to(torch.int32).reshape(1)
-            comm.all_reduce(flag, control=True)
-            bad = flag > 0
-            self.stats.add("nonfinite_fallbacks", bad)
-            dev.ok = ~bad
-            self.stats.add("compressed_calls", dev.ok)
-            if self.cfg.mode != "dense":
-                poison_nonfinite(flat.view(1, -1), bad)
-            return True
-        flag = torch.zeros(1, dtype=torch.int32, device=flat.device)
-        if not bool(torch.isfinite(flat).all()):
-            flag.fill_(1)
-        comm.all_reduce(flag, control=True)
-        if int(flag.item()) != 0:
-            self.stats.add("nonfinite_fallbacks", 1)
-            return False
-        self.stats.add("compressed_calls", 1)
-        return True
-
-    def _ef21(self, dev: Exec, g: torch.Tensor, acc: torch.Tensor) -> None:
-        """EF21 in the all-reduce form: the residual holds -h; every replica keeps
-        the same estimate of the sum and returns it."""
-        if self.estimate is None:
-            self.estimate = torch.zeros(acc.numel(), dtype=torch.float32, device=acc.device)
-        self.residual.sub_(g if dev.ok is None else torch.where(dev.ok, g, torch.zeros_like(g)))
-        new = self.estimate + acc
-        self.estimate.copy_(dev.keep(new, self.estimate))
-        acc.copy_(dev.keep(new, acc))
+    def shards_in(self, inp: torch.Tensor) -> int:
+        return 1  # an all-reduce input: this rank's one shard
 
     def k(self, s: int) -> int:
         theta = self.cfg.theta_at(self.step)

@@ -203,7 +203,7 @@ class UnitReducer:
             dev.ok = ~bad
             self.stats.add("compressed_calls", dev.ok)
             if self.cfg.mode != "dense":
-                poison_nonfinite(inp.view(self.world, -1), bad)
+                poison_nonfinite(inp.view(self.shards_in(inp), -1), bad)
             return True
         flag = torch.zeros(1, dtype=torch.int32, device=inp.device)
         if not bool(torch.isfinite(inp).all()):
@@ -214,6 +214,10 @@ class UnitReducer:
             return False
         self.stats.add("compressed_calls", 1)
         return True
+
+    def shards_in(self, inp: torch.Tensor) -> int:
+        """How many shards ``inp`` holds (one per rank of the group: a reduce-scatter)."""
+        return self.world
 
     def _plain(self, comm: Comm, inp: torch.Tensor, out: torch.Tensor) -> None:
         # Exactly the default path's arithmetic: pre-divide, SUM reduce-scatter,

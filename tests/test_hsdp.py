@@ -4,7 +4,8 @@ a "node", the hook compresses the all-reduce between the two.
 Cases: dense equals native HSDP bit for bit; exact/sparse/quant without error feedback
 equal the independent reference (every replica's reduce-scattered shard, compressed
 per rank, summed over the replicas); error feedback conserves gradient mass; EF21's
-estimates agree; a wrong mesh gets a clear error; checkpoint resume in new processes is
+estimates agree; a non-finite gradient takes the plain path with the state untouched;
+a wrong mesh gets a clear error; checkpoint resume in new processes is
 bitwise (torch.save per rank and torch.distributed.checkpoint).
 """
 from __future__ import annotations
@@ -180,6 +181,23 @@ def _ef21_agrees(rank: int, n: int) -> None:
             assert float((u.estimate.double() - h).abs().max()) <= 1e-5 * float(h.abs().max())
 
 
+def _nonfinite(rank: int, n: int) -> None:
+    """A NaN on one rank: every replica takes the plain all-reduce for every compressed
+    unit, the feedback state stays as it was, and the NaN reaches the gradients."""
+    mesh = _mesh()
+    model, state = _tagc_model(_cfg("sparse", theta=0.9), mesh)
+    _step(model, rank, 0)
+    comp = [u for u in state.units if u.compressed]
+    before = {u.name: u.residual.clone() for u in comp}
+    model.zero_grad()
+    loss = model(toy_batch(rank, 1))
+    (loss * float("nan") if rank == 0 else loss).backward()
+    for u in comp:
+        assert torch.equal(u.residual, before[u.name]), u.name
+    assert state.stats()["total"]["nonfinite_fallbacks"] == len(comp)
+    assert not all(bool(torch.isfinite(g).all()) for g in local_grads(model))
+
+
 def _bad_mesh(rank: int, n: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -206,6 +224,7 @@ CASES = [
     ("ef_sparse", lambda r, n: _conservation(r, n, _cfg("sparse", theta=0.9))),
     ("ef_quant", lambda r, n: _conservation(r, n, _cfg("quant", quant_format="ternary"))),
     ("ef21_agrees", _ef21_agrees),
+    ("nonfinite", _nonfinite),
     ("bad_mesh", _bad_mesh),
 ]
 
