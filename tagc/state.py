@@ -36,8 +36,8 @@ class TAGCState:
         Every counter is what this rank did: the bytes it sent, the entries
         peeling left in the shards it owns, its non-finite fallbacks.  Ranks
         differ (each owns other shards); ``global_totals=True`` adds the sums
-        over the ranks of the unit's process group, at the cost of one small
-        all-reduce (call it on every rank).
+        over the ranks of the unit's process group (custom HSDP: every rank), at
+        the cost of one small all-reduce (call it on every rank).
 
         Args:
             global_totals: also return ``global_total`` and
@@ -57,7 +57,10 @@ class TAGCState:
             all-reduce ``2(N-1)/N``, reduce: all unless it is the destination,
             reduce-scatter ``(N-1)/N``), ``default_wire_bytes`` (what FSDP's
             ideal ring reduce-scatter would send for the same calls: ``(N-1)/N
-            * padded numel * element size``), ``wire_ratio``, ``control_bytes``
+            * padded numel * element size``; custom HSDP: native HSDP's ring
+            all-reduce over the replicas, ``2(R-1)/R * shard bytes``; there
+            the counters are the cross-replica traffic only, the reduce-scatter
+            inside the node is FSDP's and not counted), ``wire_ratio``, ``control_bytes``
             (non-finite agreement, unpeeled counts), ``unpeeled`` (entries
             peeling left; estimated in paper mode, recovered exactly in exact
             mode), ``recovered``, ``density`` (mean union size / shard size at
