@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import sys
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -62,26 +62,8 @@ def time_op(fn: Callable[[], None], iters: int, warmup: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def main(argv: List[str]) -> int:
-    """Run the benchmark.
-
-    Args:
-        argv: command-line arguments (see --help).
-
-    Returns:
-        Process exit status.
-    """
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=1 << 24, help="shard length (elements)")
-    ap.add_argument("--theta", type=float, default=0.9875, help="sparsity (k = ceil((1-theta) n))")
-    ap.add_argument("--ranks", type=int, default=8, help="bitmaps ORed / ranks summed")
-    ap.add_argument("--sketch-factor", type=float, default=1.3, help="m = factor * ranks * k")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--json", default=None, help="also write the rows to this file")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-
+def _require_gpu() -> Tuple[Any, Any]:
+    """torch and a CUDA build of _tagc with a visible device, or a clear exit."""
     try:
         import torch
     except ImportError:
@@ -96,17 +78,17 @@ def main(argv: List[str]) -> int:
     if not getattr(_tagc, "cuda_available", lambda: False)():
         _fail("_tagc was built without CUDA kernels or sees no device; "
               "rebuild with TAGC_BUILD_CUDA=1 pip install -e .")
+    return torch, _tagc
 
+
+def _ops(torch: Any, _tagc: Any, n: int, k: int, N: int, u: int, t: int
+         ) -> Tuple[Dict[str, tuple], Any]:
+    """Every op as (callable, bytes it moves) on the same buffers, memcpy first; and
+    the device counter the last peel_decode writes."""
     dev = torch.device("cuda")
-    n = args.n
-    k = max(1, math.ceil((1.0 - args.theta) * n))
     nb = (n + 7) // 8
-    N = args.ranks
-    u = min(n, N * k)
-    t = max(1, math.ceil(args.sketch_factor * u / 3))
     s = torch.cuda.current_stream().cuda_stream
     gen = torch.Generator(device=dev).manual_seed(0)
-
     grad = torch.randn(n, device=dev, generator=gen)
     res = torch.randn(n, device=dev, generator=gen) * 0.01
     src = torch.randn(n, device=dev, generator=gen)
@@ -170,7 +152,35 @@ def main(argv: List[str]) -> int:
         ops[f"quant_decode_add {fmt}"] = (
             lambda qb=qb, fmt=fmt: _tagc.quant_decode_add(acc, qb, fmt, 256, stream=s),
             2 * n * f4 + qb.numel())
-    name = torch.cuda.get_device_name(dev)
+    return ops, cnt
+
+
+def main(argv: List[str]) -> int:
+    """Run the benchmark.
+
+    Args:
+        argv: command-line arguments (see --help).
+
+    Returns:
+        Process exit status.
+    """
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=1 << 24, help="shard length (elements)")
+    ap.add_argument("--theta", type=float, default=0.9875, help="sparsity (k = ceil((1-theta) n))")
+    ap.add_argument("--ranks", type=int, default=8, help="bitmaps ORed / ranks summed")
+    ap.add_argument("--sketch-factor", type=float, default=1.3, help="m = factor * ranks * k")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch, _tagc = _require_gpu()
+    n, N = args.n, args.ranks
+    k = max(1, math.ceil((1.0 - args.theta) * n))
+    u = min(n, N * k)
+    t = max(1, math.ceil(args.sketch_factor * u / 3))
+    ops, cnt = _ops(torch, _tagc, n, k, N, u, t)
+    name = torch.cuda.get_device_name(torch.device("cuda"))
     logger.info("device: %s; n=%d k=%d (theta=%g) union=%d t=%d ranks=%d iters=%d",
                 name, n, k, args.theta, u, t, N, args.iters)
     rows = []

@@ -132,16 +132,8 @@ def summarize(report: dict) -> dict:
     return out
 
 
-def render_markdown(report: dict, summary: dict) -> str:
-    """Markdown for the whole report.
-
-    Args:
-        report: results.json content.
-        summary: output of :func:`summarize`.
-
-    Returns:
-        The markdown text.
-    """
+def _header(report: dict) -> list[str]:
+    """The report's first lines: command, topology, load, link, model, method."""
     a, sh = report["args"], report["shape"]
     run = report.get("shaped") or {}
     per = a.get("per_node", 1)
@@ -179,6 +171,20 @@ def render_markdown(report: dict, summary: dict) -> str:
               "for the slower peer), `codec` = inside `_tagc` calls, `rest` = everything else "
               "(forward/backward compute, optimizer, FSDP bookkeeping); `unshaped s` = median step "
               "with the tc limit removed", ""]
+    return lines
+
+
+def render_markdown(report: dict, summary: dict) -> str:
+    """Markdown for the whole report.
+
+    Args:
+        report: results.json content.
+        summary: output of :func:`summarize`.
+
+    Returns:
+        The markdown text.
+    """
+    lines = _header(report)
     lines += ["## Share of plain FSDP's step spent communicating", "",
               "| strategy | shaped step s | time in collectives s | share in collectives | "
               "unshaped step s | 1 - unshaped/shaped |", "|---|---|---|---|---|---|"]

@@ -304,6 +304,81 @@ def _profile_step(step: Callable[[], None], rank: int, top: int = 12) -> str | N
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48)
 
 
+def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str, name: str,
+           gen: Any, timer: "_CodecTimer", comm: "_CommTimer", ifname: str | None,
+           hosts: int) -> dict:
+    """One (strategy, configuration) trial: build, warm up, time ``args.steps`` steps.
+
+    Args:
+        args: the worker's arguments.
+        shape: model and batch shape.
+        rep: round-robin pass.
+        strategy: layout (FULL_SHARD, SHARD_GRAD_OP, HSDP).
+        name: configuration (a key of CONFIGS).
+        gen: this rank's batch generator.
+        timer: codec time.
+        comm: time in collectives.
+        ifname: the veth whose counters this rank reads, or None.
+        hosts: emulated hosts (the counters are summed over them).
+
+    Returns:
+        The trial's record (per-step times, bytes, time split, stats deltas).
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, state = _build(shape, strategy, CONFIGS[name], args.fsdp, Path(args.config_dir),
+                               args.per_node, _overrides(args.override))
+    x = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
+    y = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = model(x, y)
+        loss = out[1] if isinstance(out, tuple) else out
+        loss.backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    s0 = state.stats() if state is not None else {}
+    c0 = _read_counters(ifname) if ifname else (0, 0)
+    k0, m0 = timer.seconds, comm.seconds
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    c1 = _read_counters(ifname) if ifname else (0, 0)
+    k1, m1 = timer.seconds, comm.seconds
+    s1 = state.stats() if state is not None else {}
+    # max over ranks per step: a step ends when its slowest rank ends
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    # veth counters: sum over hosts; codec and comm time: over ranks
+    v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0], dtype=torch.float64)
+    dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    trial = {
+        "rep": rep, "strategy": strategy, "config": name,
+        "step_s": t.tolist(),
+        "veth_tx_per_step_per_host": v[0].item() / args.steps / hosts,
+        "veth_rx_per_step_per_host": v[1].item() / args.steps / hosts,
+        "codec_s_per_step_per_rank": v[2].item() / args.steps / world,
+        "comm_s_per_step_per_rank": v[3].item() / args.steps / world,
+        "stats_delta_per_step": _scale(_numeric_delta(s1, s0), 1.0 / args.steps),
+        "stats_total_after": s1.get("total") if rank == 0 else None,
+    }
+    if name in args.profile and rep == args.repeats - 1:
+        trial["profile"] = _profile_step(step, rank)
+    if rank == 0:
+        logger.info("rep %d %-13s %-9s median %.3fs  veth tx %.2f MB/step/host", rep,
+                    strategy, name, statistics.median(trial["step_s"]),
+                    trial["veth_tx_per_step_per_host"] / 1e6)
+    return trial
+
+
 def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -329,60 +404,11 @@ def _worker(args: argparse.Namespace) -> int:
     for rep in range(args.repeats):
         for strategy in args.strategies:
             for name in args.configs:
-                model, opt, state = _build(shape, strategy, CONFIGS[name], args.fsdp,
-                                           Path(args.config_dir), args.per_node,
-                                           _overrides(args.override))
-                x = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
-                y = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
-
-                def step() -> None:
-                    opt.zero_grad(set_to_none=True)
-                    out = model(x, y)
-                    loss = out[1] if isinstance(out, tuple) else out
-                    loss.backward()
-                    opt.step()
-
-                for _ in range(args.warmup):
-                    step()
-                dist.barrier()
-                s0 = state.stats() if state is not None else {}
-                c0 = _read_counters(ifname) if reads_if else (0, 0)
-                k0, m0 = timer.seconds, comm.seconds
-                times = []
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    step()
-                    times.append(time.perf_counter() - t0)
-                c1 = _read_counters(ifname) if reads_if else (0, 0)
-                k1, m1 = timer.seconds, comm.seconds
-                s1 = state.stats() if state is not None else {}
-                # max over ranks per step: a step ends when its slowest rank ends
-                t = torch.tensor(times, dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                # veth counters: sum over hosts; codec and comm time: over ranks
-                v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0], dtype=torch.float64)
-                dist.all_reduce(v, op=dist.ReduceOp.SUM)
-                trial = {
-                    "rep": rep, "strategy": strategy, "config": name,
-                    "step_s": t.tolist(),
-                    "veth_tx_per_step_per_host": v[0].item() / args.steps / hosts,
-                    "veth_rx_per_step_per_host": v[1].item() / args.steps / hosts,
-                    "codec_s_per_step_per_rank": v[2].item() / args.steps / world,
-                    "comm_s_per_step_per_rank": v[3].item() / args.steps / world,
-                    "stats_delta_per_step": _scale(_numeric_delta(s1, s0), 1.0 / args.steps),
-                    "stats_total_after": s1.get("total") if rank == 0 else None,
-                }
-                if name in args.profile and rep == args.repeats - 1:
-                    trial["profile"] = _profile_step(step, rank)
-                trials.append(trial)
-                if rank == 0:
-                    logger.info("rep %d %-13s %-9s median %.3fs  veth tx %.2f MB/step/host", rep,
-                                strategy, name, statistics.median(trial["step_s"]),
-                                trial["veth_tx_per_step_per_host"] / 1e6)
-                del model, opt, state
+                trials.append(_trial(args, shape, rep, strategy, name, gen, timer, comm,
+                                     ifname if reads_if else None, hosts))
     if rank == 0:
-        out = {"world": world, "per_node": args.per_node, "fsdp": args.fsdp, "shape": asdict(shape), "ifname": ifname,
-               "have_counters": have_if, "codec_timed": timer.installed,
+        out = {"world": world, "per_node": args.per_node, "fsdp": args.fsdp,
+               "shape": asdict(shape), "ifname": ifname, "have_counters": have_if, "codec_timed": timer.installed,
                "wall_s": time.perf_counter() - t_start, "trials": trials,
                "torch": torch.__version__}
         Path(args.result).write_text(json.dumps(out, indent=1, default=str))

@@ -864,6 +864,31 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: gpt2_data.TokenData,
     return summary
 
 
+def train_step(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
+               optimizer: torch.optim.Optimizer, data: gpt2_data.TokenData, iter_num: int,
+               lr: float) -> float:
+    """One optimizer step (``grad_accum`` micro-batches); returns the mean train loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=env.device)
+    for micro in range(cfg.grad_accum):
+        x, y = data.get_batch("train", cfg.batch_size, cfg.block_size,
+                              (cfg.seed, 0, iter_num, micro, env.rank))
+        # FSDP's mixed-precision policy casts parameters; no autocast needed
+        with grad_sync(model, cfg.fsdp, micro == cfg.grad_accum - 1):
+            loss = spec.loss(model, x.to(env.device), y.to(env.device))
+            (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach()
+    if cfg.grad_clip > 0:
+        if cfg.fsdp == 1:
+            model.clip_grad_norm_(cfg.grad_clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum.item() / cfg.grad_accum  # .item() also waits for the device
+
+
 def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
                optimizer: torch.optim.Optimizer, tagc_state: Any, data: gpt2_data.TokenData,
                metrics: "MetricsLog", iter_num: int, ckpt_path: Path) -> Dict[str, Any]:
@@ -893,25 +918,7 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
 
         t0 = time.perf_counter()
         lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(cfg.grad_accum):
-            x, y = data.get_batch("train", cfg.batch_size, cfg.block_size,
-                                  (cfg.seed, 0, iter_num, micro, env.rank))
-            # FSDP's mixed-precision policy casts parameters; no autocast needed
-            with grad_sync(model, cfg.fsdp, micro == cfg.grad_accum - 1):
-                loss = spec.loss(model, x.to(device), y.to(device))
-                (loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
-        if cfg.grad_clip > 0:
-            if cfg.fsdp == 1:
-                model.clip_grad_norm_(cfg.grad_clip)
-            else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        train_loss = loss_sum.item() / cfg.grad_accum  # .item() also waits for the device
+        train_loss = train_step(cfg, env, spec, model, optimizer, data, iter_num, lr)
         dt = time.perf_counter() - t0
         step_times.append(dt)
         iter_num += 1
