@@ -81,12 +81,12 @@ def test_quant_mode_sends_every_entry():
 
 
 def test_recommended_presets():
-    """tagc-balanced / tagc-lean: quant mode on the default selection, no warm-up
-    to size, and bits/param per rank at N=2 within their budgets (2.6 and 1.0:
-    (N-1)/N * (bits per value + 32 / quant_block))."""
+    """tagc-balanced / tagc-lean: quant mode with EF21 on the default selection, no
+    warm-up to size, and bits/param per rank at N=2 within their budgets (2.6 and
+    1.0: (N-1)/N * (bits per value + 32 / quant_block))."""
     for name, budget in (("tagc-balanced", 2.6), ("tagc-lean", 1.0)):
         c = tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"{name}.yaml"))
-        assert c.mode == "quant" and c.layers == "non_attention" and c.error_feedback
+        assert c.mode == "quant" and c.layers == "non_attention" and c.error_feedback and c.ef21
         assert c.dense_steps == 0 and c.warmup_steps == 0
         per_value = tagc.QUANT_BITS[c.quant_format] + 32 / c.quant_block
         assert 0.5 * per_value <= budget, (name, per_value)
