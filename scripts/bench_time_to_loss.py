@@ -118,9 +118,12 @@ def plot(res: Dict[str, Any], path: Path) -> None:
         ax.plot(*zip(*r["curve"]), color=c, lw=1.4, label=f"{name} ({res['steps']} steps)")
         ax.plot(*zip(*r["equal_time_curve"]), color=c, lw=1.4, ls="--",
                 label=f"{name} ({r['equal_time_steps']} steps)")
-    tail = [loss for _, loss in res["baseline"]["curve"][len(res["baseline"]["curve"]) // 3:]]
-    ax.set_ylim(min(tail) - 0.1, max(tail) + 0.3)
-    ax.set_xlabel(f"training time on the emulated link (s), {res['link']}")
+    curves = [res["baseline"]["curve"], *(c for r in res["presets"].values()
+                                          for c in (r["curve"], r["equal_time_curve"]))]
+    tail = [loss for c in curves for _, loss in c[len(c) // 3:]]
+    ax.set_ylim(min(tail) - 0.05, max(tail) + 0.1)
+    ax.set_title(res["link"], fontsize=7)
+    ax.set_xlabel("training time on the emulated link (s)")
     ax.set_ylabel("validation loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
