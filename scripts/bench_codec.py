@@ -21,12 +21,16 @@ import logging
 import math
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
 
-import _tagc
+# the repository's in-place build of _tagc, also when the editable install points elsewhere
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import _tagc  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
