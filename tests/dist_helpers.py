@@ -134,6 +134,28 @@ def case_result(results: List[Dict[str, Tuple[str, Any]]], name: str) -> List[An
     return [res[name][1] for res in results]
 
 
+class SharedSpawn:
+    """The results of one spawn of a suite function per world size, shared by the
+    parametrized tests that each check one of its cases (spawning dominates the cost).
+
+    Args:
+        suite: a module-level ``fn(rank, world_size) -> run_cases(...)``.
+        timeout: seconds for a spawn (see :func:`run_dist`).
+    """
+
+    def __init__(self, suite: Callable[[int, int], Dict[str, Tuple[str, Any]]],
+                 timeout: float) -> None:
+        self._suite, self._timeout = suite, timeout
+        self._runs: Dict[int, List[Dict[str, Tuple[str, Any]]]] = {}
+
+    def case(self, world_size: int, name: str) -> List[Any]:
+        """Every rank's result of case ``name`` at ``world_size`` (spawns on first use;
+        a failed spawn is retried by the next call); fails as :func:`case_result`."""
+        if world_size not in self._runs:
+            self._runs[world_size] = run_dist(self._suite, world_size, timeout=self._timeout)
+        return case_result(self._runs[world_size], name)
+
+
 # --------------------------------------------------------------------------- toy model
 
 class _Attn(torch.nn.Module):

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_helpers import case_result, local_grads, run_cases, run_dist
+from dist_helpers import SharedSpawn, local_grads, run_cases, run_dist
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[test]')")
@@ -162,16 +162,14 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
     return run_cases(rank, n, CASES)
 
 
-_RESULTS: List[Any] = []
+SPAWN = SharedSpawn(_suite, timeout=600)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c, _ in CASES])
 def test_hf(case: str) -> None:
     """One case (every case shares one 2-rank spawn)."""
-    if not _RESULTS:
-        _RESULTS.extend(run_dist(_suite, 2, timeout=600))
-    case_result(_RESULTS, case)
+    SPAWN.case(2, case)
 
 
 # --------------------------------------------------------------------------- finetune_hf.py

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_helpers import build_fsdp, case_result, local_grads, run_dist, run_cases, toy_batch
+from dist_helpers import SharedSpawn, build_fsdp, local_grads, run_cases, toy_batch
 
 import tagc_hook as tagc
 KINDS = ("fsdp1", "fsdp2")
@@ -451,14 +451,7 @@ def _paper_stats(rank: int, n: int, kind: str) -> Dict[str, Any]:
     return res
 
 
-_SUITES: Dict[int, List[Any]] = {}
-
-
-def _results(n: int) -> List[Any]:
-    """Every case at world size n, one spawn per n (spawning dominates the cost)."""
-    if n not in _SUITES:
-        _SUITES[n] = run_dist(_suite, n, timeout=600)
-    return _SUITES[n]
+SPAWN = SharedSpawn(_suite, timeout=600)  # every case at world size n: one spawn per n
 
 
 def _params() -> List[Any]:
@@ -479,7 +472,7 @@ def _params() -> List[Any]:
 @pytest.mark.parametrize("n,case", _params())
 def test_hook(n: int, case: str) -> None:
     """One case of the multi-rank suite (all cases of a world size share a spawn)."""
-    st = case_result(_results(n), case)
+    st = SPAWN.case(n, case)
     if case.startswith("paper/"):
         # with theta=0.8 the ranks' kept sets overlap; 1-bit SUM lanes carry
         # and the loss is reported, not hidden

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 
-from dist_helpers import ToyGPT, build_fsdp, case_result, run_cases, run_dist, toy_batch
+from dist_helpers import SharedSpawn, ToyGPT, build_fsdp, run_cases, run_dist, toy_batch
 
 import tagc_hook as tagc
 from tagc import fsdp1
@@ -280,16 +280,14 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
     return run_cases(rank, n, CASES)
 
 
-_RESULTS: List[Any] = []
+SPAWN = SharedSpawn(_suite, timeout=400)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", [name for name, _ in CASES])
 def test_reliability(case: str) -> None:
     """Non-finite gradients, GradScaler, rank agreement and misuse at N=2 (one spawn)."""
-    if not _RESULTS:
-        _RESULTS.extend(run_dist(_suite, 2, timeout=400))
-    out = case_result(_RESULTS, case)
+    out = SPAWN.case(2, case)
     if case.startswith("agreement"):
         # both ranks raised the agreement error (no hang, no one-sided failure)
         assert all("differs between ranks" in o for o in out)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_helpers import ToyGPT, case_result, local_grads, run_cases, run_dist, toy_batch
+from dist_helpers import SharedSpawn, ToyGPT, local_grads, run_cases, run_dist, toy_batch
 
 import tagc_hook as tagc
 
@@ -237,16 +237,14 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
     return run_cases(rank, n, CASES)
 
 
-_RESULTS: List[Any] = []
+SPAWN = SharedSpawn(_suite, timeout=600)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c, _ in CASES])
 def test_hsdp(case: str) -> None:
     """One case (all cases share one 4-process spawn)."""
-    if not _RESULTS:
-        _RESULTS.extend(run_dist(_suite, R * S, timeout=600))
-    case_result(_RESULTS, case)
+    SPAWN.case(R * S, case)
 
 
 # --------------------------------------------------------------------------- resume
