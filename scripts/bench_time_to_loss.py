@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_step import NETEM, free_port, netem  # noqa: E402
+from compare_quality import split_passthrough  # noqa: E402
 
 Curve = List[Tuple[float, float]]  # (training seconds, validation loss)
 
@@ -134,11 +135,7 @@ def plot(res: Dict[str, Any], path: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Bring the link up, run everything, tear it down, write the report."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: List[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_passthrough(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default="tagc-balanced,tagc-lean",
                    help="comma-separated configs/<name>.yaml (or paths)")

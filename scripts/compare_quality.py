@@ -303,13 +303,24 @@ def _commit() -> str:
         return "unknown"
 
 
+def split_passthrough(argv: Optional[Sequence[str]]) -> Tuple[List[str], List[str]]:
+    """(this script's arguments, those after ``--`` for every training run).
+
+    Args:
+        argv: the command line (default sys.argv[1:]).
+    Returns:
+        the two lists.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     """Run the comparison; returns {run name: summary}."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: List[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_passthrough(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default=DEFAULT_PRESETS,
                    help="comma-separated names of configs/<name>.yaml or paths to TAGC YAML "
