@@ -9,7 +9,8 @@ stream, and data-dependent decisions never reach the host (:func:`gate`,
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Union
+import contextlib
+from typing import Any, Callable, Dict, Iterator, Optional, Union
 
 import torch
 
@@ -119,6 +120,29 @@ class CodecStreams:
         if stream is None:
             stream = self._streams[key] = torch.cuda.Stream(device=key)
         return stream
+
+    @contextlib.contextmanager
+    def around(self, *foreign: torch.Tensor) -> Iterator[None]:
+        """Run the body on the codec stream S of the tensors' device, ordered after the
+        caller's current stream R's work so far (``S.wait_stream(R)``) and before R's
+        later work (``R.wait_stream(S)``, also when the body raises: FSDP records its
+        events on R right after the call returns).  ``foreign`` tensors belong to R's
+        allocator and are ``record_stream``-ed on S; the body allocates on S.
+
+        Args:
+            foreign: the CUDA tensors handed in by FSDP (at least one; the first names
+                the device).
+        """
+        r_stream = torch.cuda.current_stream(foreign[0].device)
+        s_stream = self.get(foreign[0].device)
+        s_stream.wait_stream(r_stream)
+        for t in foreign:
+            t.record_stream(s_stream)
+        try:
+            with torch.cuda.stream(s_stream):
+                yield
+        finally:
+            r_stream.wait_stream(s_stream)
 
     def join(self) -> None:
         """Order the caller's current stream after all codec work (before host reads)."""

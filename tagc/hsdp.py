@@ -84,15 +84,8 @@ class ReplicaReducer(UnitReducer):
         if not t.is_cuda:
             self._all_reduce(t)
             return
-        cur = torch.cuda.current_stream(t.device)
-        s_stream = self.streams.get(t.device)
-        s_stream.wait_stream(cur)
-        t.record_stream(s_stream)
-        try:
-            with torch.cuda.stream(s_stream):
-                self._all_reduce(t)
-        finally:
-            cur.wait_stream(s_stream)
+        with self.streams.around(t):
+            self._all_reduce(t)
 
     @property
     def row_group(self) -> Any:

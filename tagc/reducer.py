@@ -111,16 +111,8 @@ class UnitReducer:
         if not inp.is_cuda:
             self._reduce(inp, out)
             return
-        r_stream = torch.cuda.current_stream(inp.device)
-        s_stream = self.streams.get(inp.device)
-        s_stream.wait_stream(r_stream)
-        inp.record_stream(s_stream)
-        out.record_stream(s_stream)
-        try:
-            with torch.cuda.stream(s_stream):
-                self._reduce(inp, out)
-        finally:
-            r_stream.wait_stream(s_stream)
+        with self.streams.around(inp, out):
+            self._reduce(inp, out)
 
     def _reduce(self, inp: torch.Tensor, out: torch.Tensor) -> None:
         inp = self._check(inp, out)
