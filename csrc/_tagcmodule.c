@@ -924,25 +924,52 @@ done:
     return ret;
 }
 
-/* format: "sign", "ternary", "int4" or "int8" (tagc_qformat). */
-static int arg_qformat(const char *fn, PyObject *o, tagc_qformat *out)
+/* A string argument naming one value of a C enum. */
+typedef struct {
+    const char *name;
+    int value;
+} enum_name;
+
+static const enum_name QFORMAT_NAMES[] = {
+    {"sign", TAGC_Q_SIGN}, {"ternary", TAGC_Q_TERNARY}, {"int4", TAGC_Q_INT4},
+    {"int8", TAGC_Q_INT8}, {NULL, 0}};
+static const enum_name CODING_NAMES[] = {
+    {"ef", TAGC_PAIRS_EF}, {"bitmap", TAGC_PAIRS_BITMAP}, {"dense", TAGC_PAIRS_DENSE},
+    {NULL, 0}};
+
+/* *out = the value named by o; ValueError listing `choices` otherwise. */
+static int arg_enum(const char *fn, PyObject *o, const char *arg, const enum_name *names,
+                    const char *choices, int *out)
 {
-    static const struct { const char *name; tagc_qformat f; } names[] = {
-        {"sign", TAGC_Q_SIGN}, {"ternary", TAGC_Q_TERNARY},
-        {"int4", TAGC_Q_INT4}, {"int8", TAGC_Q_INT8}};
     const char *c = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
     if (c == NULL && PyErr_Occurred())
         return -1;
-    for (size_t i = 0; c != NULL && i < sizeof names / sizeof names[0]; i++) {
-        if (!strcmp(c, names[i].name)) {
-            *out = names[i].f;
+    for (const enum_name *e = names; c != NULL && e->name != NULL; e++) {
+        if (!strcmp(c, e->name)) {
+            *out = e->value;
             return 0;
         }
     }
-    PyErr_Format(PyExc_ValueError,
-                 "%s: argument 'format' must be 'sign', 'ternary', 'int4' or 'int8', got %R",
-                 fn, o);
+    PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be %s, got %R", fn, arg, choices, o);
     return -1;
+}
+
+static int arg_qformat(const char *fn, PyObject *o, tagc_qformat *out)
+{
+    int v;
+    if (arg_enum(fn, o, "format", QFORMAT_NAMES, "'sign', 'ternary', 'int4' or 'int8'", &v) < 0)
+        return -1;
+    *out = (tagc_qformat)v;
+    return 0;
+}
+
+static int arg_coding(const char *fn, PyObject *o, tagc_coding *out)
+{
+    int v;
+    if (arg_enum(fn, o, "coding", CODING_NAMES, "'ef', 'bitmap' or 'dense'", &v) < 0)
+        return -1;
+    *out = (tagc_coding)v;
+    return 0;
 }
 
 /* The (format, block) pair every quant_* function takes. */
@@ -1020,6 +1047,134 @@ static PyObject *py_sparse_bytes(PyObject *m, PyObject *args, PyObject *kw)
         arg_range(fn, ok, "k", 0, INT64_MAX / 8, &k) < 0 || arg_value_dtype(fn, odt, &vd) < 0)
         return NULL;
     return PyLong_FromLongLong(tagc_sparse_bytes(k, vd));
+}
+
+/* (n, k) of the pairs functions: 0 <= k <= n <= MAX_N. */
+static int arg_nk(const char *fn, PyObject *on, PyObject *ok, int64_t *n, int64_t *k)
+{
+    if (arg_range(fn, on, "n", 0, TAGC_MAX_N, n) < 0)
+        return -1;
+    return arg_range(fn, ok, "k", 0, *n, k);
+}
+
+static PyObject *py_pairs_bytes(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"n", "k", "value_dtype", "coding", NULL};
+    PyObject *on, *ok, *odt, *oc;
+    const char *fn = "_tagc.pairs_bytes";
+    int64_t n, k;
+    tagc_dtype vd;
+    tagc_coding c;
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO", kwl, &on, &ok, &odt, &oc) ||
+        arg_nk(fn, on, ok, &n, &k) < 0 || arg_value_dtype(fn, odt, &vd) < 0 ||
+        arg_coding(fn, oc, &c) < 0)
+        return NULL;
+    return PyLong_FromLongLong(tagc_pairs_bytes(n, k, vd, c));
+}
+
+static PyObject *py_pairs_cheapest(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"n", "k", "value_dtype", NULL};
+    PyObject *on, *ok, *odt;
+    const char *fn = "_tagc.pairs_cheapest";
+    int64_t n, k;
+    tagc_dtype vd;
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwl, &on, &ok, &odt) ||
+        arg_nk(fn, on, ok, &n, &k) < 0 || arg_value_dtype(fn, odt, &vd) < 0)
+        return NULL;
+    tagc_coding c = tagc_pairs_cheapest(n, k, vd);
+    for (const enum_name *e = CODING_NAMES; e->name != NULL; e++)
+        if (e->value == (int)c)
+            return PyUnicode_FromString(e->name);
+    return raise_status(m, fn, TAGC_ERR_RANGE, NULL);
+}
+
+static PyObject *py_pairs_pack(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"buf", "idx", "val", "n", "coding", "stream", "status_out", NULL};
+    PyObject *obuf, *oidx, *oval, *on, *oc, *ostream = NULL, *ostatus = NULL;
+    BEGIN("pairs_pack");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$OO", kwl, &obuf, &oidx, &oval, &on,
+                                     &oc, &ostream, &ostatus))
+        return NULL;
+    CHECK(arg_stream(fn, ostream, &stream));
+    TAKE(buf, obuf, "buf", K_U8);
+    TAKE(idx, oidx, "idx", K_I32);
+    TAKE(val, oval, "val", K_F32 | K_BF16);
+    TAKE_OPT(status, has_status, ostatus, "status_out", K_I32);
+    CHECK(scalar_out_ok(&vs_, status, has_status));
+    int64_t n, k = idx->numel;
+    tagc_coding c;
+    tagc_dtype vd = codec_dtype(val->kind);
+    CHECK(arg_range(fn, on, "n", k, TAGC_MAX_N, &n));
+    CHECK(arg_coding(fn, oc, &c));
+    CHECK(need_size(&vs_, val, k, 1, "idx.numel()"));
+    CHECK(need_size(&vs_, buf, tagc_pairs_bytes(n, k, vd, c), 0,
+                    "pairs_bytes(n, k, value_dtype, coding)"));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    if (dev == DEV_CUDA) { /* positions not ascending in [0, n): RANGE in status_out */
+        RUN_CUDA(buf, tagc_cuda_pairs_pack_workspace_size(),
+                 tagc_cuda_pairs_pack(buf->data, buf->numel, idx->data, val->data, vd, k, n,
+                                      c, has_status ? status->data : NULL, ws_, wsb_,
+                                      strm_));
+    } else {
+        RUN(tagc_pairs_pack(buf->data, buf->numel, idx->data, val->data, vd, k, n, c));
+    }
+    ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None)
+                        : raise_status(m, fn, st, st == TAGC_ERR_RANGE
+                                                      ? "idx must be strictly ascending "
+                                                        "positions in [0, n) (nothing written)"
+                                                      : NULL);
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+static PyObject *py_pairs_unpack_add(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"out", "buf", "k", "value_dtype", "coding", "stream", "status_out",
+                          NULL};
+    PyObject *oout, *obuf, *ok, *odt, *oc, *ostream = NULL, *ostatus = NULL;
+    BEGIN("pairs_unpack_add");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$OO", kwl, &oout, &obuf, &ok, &odt,
+                                     &oc, &ostream, &ostatus))
+        return NULL;
+    CHECK(arg_stream(fn, ostream, &stream));
+    TAKE(out, oout, "out", K_F32);
+    TAKE(buf, obuf, "buf", K_U8);
+    TAKE_OPT(status, has_status, ostatus, "status_out", K_I32);
+    CHECK(scalar_out_ok(&vs_, status, has_status));
+    int64_t k;
+    tagc_dtype vd;
+    tagc_coding c;
+    CHECK(need_max_n(&vs_, out));
+    CHECK(arg_range(fn, ok, "k", 0, out->numel, &k));
+    CHECK(arg_value_dtype(fn, odt, &vd));
+    CHECK(arg_coding(fn, oc, &c));
+    CHECK(need_size(&vs_, buf, tagc_pairs_bytes(out->numel, k, vd, c), 1,
+                    "pairs_bytes(out.numel(), k, value_dtype, coding)"));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    if (dev == DEV_CUDA) { /* inconsistent message: out untouched, CORRUPT in status_out */
+        RUN_CUDA(out, tagc_cuda_pairs_unpack_add_workspace_size(out->numel, k),
+                 tagc_cuda_pairs_unpack_add(out->data, out->numel, buf->data, buf->numel, k,
+                                            vd, c, has_status ? status->data : NULL, ws_,
+                                            wsb_, strm_));
+    } else {
+        RUN(tagc_pairs_unpack_add(out->data, out->numel, buf->data, buf->numel, k, vd, c));
+    }
+    ret = st == TAGC_OK
+              ? (Py_INCREF(Py_None), Py_None)
+              : raise_status(m, fn, st, st == TAGC_ERR_CORRUPT
+                                            ? "buf is not a valid message of k pairs of a "
+                                              "shard of out.numel() (out untouched)"
+                                            : NULL);
+done:
+    views_release(&vs_);
+    return ret;
 }
 
 static PyObject *py_quant_encode(PyObject *m, PyObject *args, PyObject *kw)
@@ -1139,6 +1294,10 @@ static PyMethodDef methods[] = {
                          "Bytes of k (offset, value) pairs: k * (4 + value size).")),
     KW(quant_bytes, SIG(quant_bytes, "n, format, block",
                         "Wire size of n block-quantized values.")),
+    KW(pairs_bytes, SIG(pairs_bytes, "n, k, value_dtype, coding",
+                        "Wire size of k coded pairs of a shard of n ('ef', 'bitmap', 'dense').")),
+    KW(pairs_cheapest, SIG(pairs_cheapest, "n, k, value_dtype",
+                           "The coding of fewest bytes for (n, k, value_dtype).")),
     KW(select_kth, SIG(select_kth, "x, k, *, out=None, stream=0",
                        "k-th largest |x|; returns it (or writes out=).")),
     KW(sparsify, SIG(sparsify, "idx, val, bitmap, residual, grad, k, *, out=None, stream=0",
@@ -1162,6 +1321,11 @@ static PyMethodDef methods[] = {
                         "(offset, value) pairs wire format.")),
     KW(sparse_unpack, SIG(sparse_unpack, "out, buf, k, value_dtype, *, stream=0, "
                           "status_out=None", "Scatter-add k received pairs into out.")),
+    KW(pairs_pack, SIG(pairs_pack, "buf, idx, val, n, coding, *, stream=0, status_out=None",
+                       "k ascending (position, value) pairs of a shard of n, coded.")),
+    KW(pairs_unpack_add, SIG(pairs_unpack_add,
+                             "out, buf, k, value_dtype, coding, *, stream=0, status_out=None",
+                             "out += the k coded pairs of buf.")),
     KW(quant_encode, SIG(quant_encode, "buf, residual, grad, format, block, *, stream=0",
                          "Error feedback + block quantization of one shard.")),
     KW(quant_decode_add, SIG(quant_decode_add,

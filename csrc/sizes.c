@@ -26,3 +26,18 @@ int64_t tagc_quant_bytes(int64_t n, tagc_qformat format, int64_t block)
 {
     return tagc_check_quant_bytes(n, (int)format, block);
 }
+
+int tagc_ef_low_bits(int64_t n, int64_t k)
+{
+    return tagc_check_ef_low_bits(n, k);
+}
+
+int64_t tagc_pairs_bytes(int64_t n, int64_t k, tagc_dtype value_dtype, tagc_coding coding)
+{
+    return tagc_check_pairs_bytes(n, k, (int)value_dtype, (int)coding);
+}
+
+tagc_coding tagc_pairs_cheapest(int64_t n, int64_t k, tagc_dtype value_dtype)
+{
+    return (tagc_coding)tagc_check_pairs_cheapest(n, k, (int)value_dtype);
+}

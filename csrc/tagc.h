@@ -188,6 +188,76 @@ tagc_status tagc_sparse_unpack(float *out, int64_t n,
                                int64_t k, tagc_dtype val_dtype);
 
 /*
+ * Coded pairs (the `auto` transport, docs/DESIGN.md section 4): one rank's k
+ * kept (position, value) pairs of a shard of n, positions strictly
+ * ascending, in one of three codings whose size depends only on (n, k,
+ * value dtype), so every rank knows every message size before any data
+ * moves and no size needs to be exchanged:
+ */
+typedef enum {
+    /* Elias-Fano positions, then the k values.  With l = tagc_ef_low_bits(n,
+     * k): the low l bits of each position, packed LSB-first one after the
+     * other (ceil(k*l/8) bytes), then the upper bitvector of k + ((n-1) >> l)
+     * + 1 bits (LSB-first bytes) in which bit (p_j >> l) + j is set for
+     * every j; 2 + log2(n/k) bits per position at most, against 32 for
+     * int32 offsets and the log2 C(n, k) / k ~ log2(n/k) + 1.44 of the
+     * information itself. */
+    TAGC_PAIRS_EF = 1,
+    /* An n-bit bitmap (ceil(n/8) bytes, LSB-first, tail bits 0), then the k
+     * values in position order: cheaper than EF above about 25% density. */
+    TAGC_PAIRS_BITMAP = 2,
+    /* n values, the kept ones at their positions and 0 elsewhere: the
+     * cheapest when nearly everything is kept (and never more than a plain
+     * exchange of n values of the same dtype). */
+    TAGC_PAIRS_DENSE = 3
+} tagc_coding;
+
+/* Low bits per position of the EF coding: the largest l with k * 2^l <= n
+ * (0 when k == 0 or k > n / 2); -1 for n, k outside 0 <= k <= n <= TAGC_MAX_N. */
+int tagc_ef_low_bits(int64_t n, int64_t k);
+
+/*
+ * tagc_pairs_bytes - exact size of k pairs of a shard of n in a coding:
+ *   EF ceil(k*l/8) + ceil((k + ((n-1) >> l) + 1) / 8) + k*v, BITMAP
+ *   ceil(n/8) + k*v, DENSE n*v (v: bytes of a value); 0 when k == 0 (nothing
+ *   is sent).  Returns -1 for an invalid argument (0 <= k <= n <= TAGC_MAX_N,
+ *   known dtype and coding).
+ */
+int64_t tagc_pairs_bytes(int64_t n, int64_t k, tagc_dtype value_dtype, tagc_coding coding);
+
+/*
+ * tagc_pairs_cheapest - the coding of fewest bytes for (n, k, value dtype),
+ *   ties to the earlier of EF, BITMAP, DENSE; 0 for an invalid argument.
+ */
+tagc_coding tagc_pairs_cheapest(int64_t n, int64_t k, tagc_dtype value_dtype);
+
+/*
+ * tagc_pairs_pack - write k pairs (idx ascending, in [0, n); val of
+ *   val_dtype) in `coding`: tagc_pairs_bytes(n, k, val_dtype, coding)
+ *   bytes of dst (any alignment).  Errors: ARG, DTYPE, RANGE (n, k, coding,
+ *   an idx outside [0, n) or not strictly ascending: nothing written),
+ *   CAPACITY.
+ */
+tagc_status tagc_pairs_pack(uint8_t *dst, int64_t dst_capacity,
+                            const int32_t *idx, const void *val, tagc_dtype val_dtype,
+                            int64_t k, int64_t n, tagc_coding coding);
+
+/*
+ * tagc_pairs_unpack_add - owner side: out[p_j] += value_j for the k pairs
+ *   of src (received; any alignment), positions ascending.  The whole
+ *   message is checked first: a position outside [0, n) or not strictly
+ *   ascending, a bitvector with other than k set bits or with set padding
+ *   bits returns CORRUPT with out untouched.  DENSE adds all n values
+ *   (x + 0 == x: the same sums as the other codings).  Values are data:
+ *   NaN/Inf reach out.
+ *   Bounds: src_bytes == tagc_pairs_bytes(n, k, val_dtype, coding), else RANGE.
+ *   Errors: ARG, DTYPE, RANGE, CORRUPT.
+ */
+tagc_status tagc_pairs_unpack_add(float *out, int64_t n,
+                                  const uint8_t *src, int64_t src_bytes,
+                                  int64_t k, tagc_dtype val_dtype, tagc_coding coding);
+
+/*
  * Block quantization (the `quant` transport, docs/DESIGN.md section 3).  A vector
  * of n values is cut into blocks of `block` consecutive values (the last one
  * may be shorter); each block is sent as one record: its scale s (float32,

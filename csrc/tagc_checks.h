@@ -227,6 +227,89 @@ static inline tagc_status tagc_check_sparse_unpack(const float *out, int64_t n,
     return TAGC_OK;
 }
 
+/* A destination of `capacity` for a size rule's result `need` (-1: out of range). */
+static inline tagc_status tagc_check_room(int64_t need, int64_t capacity)
+{
+    if (need < 0)
+        return TAGC_ERR_RANGE;
+    return capacity < need ? TAGC_ERR_CAPACITY : TAGC_OK;
+}
+
+static inline int tagc_check_coding_ok(int c)
+{
+    return c == TAGC_PAIRS_EF || c == TAGC_PAIRS_BITMAP || c == TAGC_PAIRS_DENSE;
+}
+
+static inline int tagc_check_ef_low_bits(int64_t n, int64_t k)
+{
+    if (k < 0 || n < k || n > TAGC_MAX_N)
+        return -1;
+    int l = 0;
+    while (k > 0 && (k << (l + 1)) <= n)
+        l++;
+    return l;
+}
+
+/* The one size rule of the coded pairs (tagc_pairs_bytes). */
+static inline int64_t tagc_check_pairs_bytes(int64_t n, int64_t k, int val_dtype, int coding)
+{
+    if (k < 0 || n < k || n > TAGC_MAX_N || !tagc_check_dtype_ok(val_dtype) ||
+        !tagc_check_coding_ok(coding))
+        return -1;
+    if (k == 0)
+        return 0;
+    int64_t vs = tagc_check_dtype_size(val_dtype);
+    if (coding == TAGC_PAIRS_DENSE)
+        return n * vs;
+    if (coding == TAGC_PAIRS_BITMAP)
+        return ((n + 7) >> 3) + k * vs;
+    int l = tagc_check_ef_low_bits(n, k);
+    return ((k * l + 7) >> 3) + ((k + ((n - 1) >> l) + 1 + 7) >> 3) + k * vs;
+}
+
+static inline int tagc_check_pairs_cheapest(int64_t n, int64_t k, int val_dtype)
+{
+    int best = 0;
+    int64_t best_bytes = -1;
+    for (int c = TAGC_PAIRS_EF; c <= TAGC_PAIRS_DENSE; c++) {
+        int64_t b = tagc_check_pairs_bytes(n, k, val_dtype, c);
+        if (b < 0)
+            return 0;
+        if (best == 0 || b < best_bytes) {
+            best = c;
+            best_bytes = b;
+        }
+    }
+    return best;
+}
+
+static inline tagc_status tagc_check_pairs_pack(const uint8_t *dst, int64_t dst_capacity,
+                                                const int32_t *idx, const void *val,
+                                                int val_dtype, int64_t k, int64_t n,
+                                                int coding)
+{
+    if (k > 0 && (dst == NULL || idx == NULL || val == NULL))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(val_dtype))
+        return TAGC_ERR_DTYPE;
+    int64_t need = tagc_check_pairs_bytes(n, k, val_dtype, coding);
+    return tagc_check_room(need, dst_capacity);
+}
+
+static inline tagc_status tagc_check_pairs_unpack(const float *out, int64_t n,
+                                                  const uint8_t *src, int64_t src_bytes,
+                                                  int64_t k, int val_dtype, int coding)
+{
+    if ((out == NULL && n > 0) || (src == NULL && k > 0))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(val_dtype))
+        return TAGC_ERR_DTYPE;
+    int64_t need = tagc_check_pairs_bytes(n, k, val_dtype, coding);
+    if (need < 0 || src_bytes != need)
+        return TAGC_ERR_RANGE;
+    return TAGC_OK;
+}
+
 static inline int tagc_check_qformat_ok(int format)
 {
     return format == TAGC_Q_SIGN || format == TAGC_Q_TERNARY || format == TAGC_Q_INT4 ||
@@ -255,11 +338,7 @@ static inline tagc_status tagc_check_quant_encode(const uint8_t *dst, int64_t ds
         (residual != NULL && !tagc_check_dtype_ok(residual_dtype)))
         return TAGC_ERR_DTYPE;
     int64_t need = tagc_check_quant_bytes(n, format, block);
-    if (need < 0)
-        return TAGC_ERR_RANGE;
-    if (dst_capacity < need)
-        return TAGC_ERR_CAPACITY;
-    return TAGC_OK;
+    return tagc_check_room(need, dst_capacity);
 }
 
 static inline tagc_status tagc_check_quant_decode(const float *out, int64_t n,

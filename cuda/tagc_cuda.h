@@ -181,6 +181,33 @@ tagc_status tagc_cuda_sparse_unpack(float *out, int64_t n,
                                     cudaStream_t stream);
 
 /*
+ * tagc_cuda_pairs_pack - as tagc_pairs_pack, the same bytes.  Positions
+ *   not strictly ascending in [0, n) (the C op's RANGE): dst is left with
+ *   unspecified bytes and TAGC_ERR_RANGE stored in *dev_status (if not NULL).
+ */
+size_t tagc_cuda_pairs_pack_workspace_size(void);
+tagc_status tagc_cuda_pairs_pack(uint8_t *dst, int64_t dst_capacity,
+                                 const int32_t *idx, const void *val, tagc_dtype val_dtype,
+                                 int64_t k, int64_t n, tagc_coding coding,
+                                 int32_t *dev_status,
+                                 void *workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
+
+/*
+ * tagc_cuda_pairs_unpack_add - as tagc_pairs_unpack_add, the same sums
+ *   (positions are distinct within a message: no atomics needed).  A message
+ *   the C op calls CORRUPT leaves out untouched and stores TAGC_ERR_CORRUPT
+ *   in *dev_status (if not NULL).
+ */
+size_t tagc_cuda_pairs_unpack_add_workspace_size(int64_t n, int64_t k);
+tagc_status tagc_cuda_pairs_unpack_add(float *out, int64_t n,
+                                       const uint8_t *src, int64_t src_bytes,
+                                       int64_t k, tagc_dtype val_dtype, tagc_coding coding,
+                                       int32_t *dev_status,
+                                       void *workspace, size_t workspace_bytes,
+                                       cudaStream_t stream);
+
+/*
  * tagc_cuda_quant_encode - as tagc_quant_encode, the same bytes and the same
  *   residual bit for bit (one warp per block; the block sums run in the C
  *   op's order).  NaN/Inf in v (the C op's NONFINITE): every record gets a

@@ -1,7 +1,8 @@
 /*
  * fuzz_decoder.c - libFuzzer target over what a decoder reads from other
  * machines: peel_decode (sketch + union bitmap), lanes_unpack (SUM-reduced
- * lanes), sparse_unpack (received pairs), plus sketch_encode and sparsify on
+ * lanes), sparse_unpack (received pairs), pairs_unpack_add (coded pairs: Elias-Fano,
+ * bitmap, dense), plus sketch_encode and sparsify on
  * hostile values.  Every buffer is allocated at exactly the size the call is
  * told, so ASan flags any read or write past it.  The first input byte picks
  * the operation; the next bytes are its parameters; the rest is the payload.
@@ -171,6 +172,59 @@ static void fuzz_sparsify(input_t *in)
     free(bm);
 }
 
+/* A received coded-pairs message (any bytes): added or refused as CORRUPT with
+ * out untouched; a valid one re-packs to the same position bytes. */
+static void fuzz_pairs(input_t *in)
+{
+    uint32_t a = take_u32(in), b = take_u32(in);
+    int64_t n = a % 5000, k = n ? (int64_t)(b % (uint32_t)(n + 1)) : 0;
+    tagc_dtype vd = (a >> 16) & 1 ? TAGC_BF16 : TAGC_F32;
+    tagc_coding c = (tagc_coding)(TAGC_PAIRS_EF + (int)((a >> 17) % 3));
+    int64_t bytes = tagc_pairs_bytes(n, k, vd, c);
+    REQUIRE(bytes >= 0);
+    uint8_t *msg = take_buf(in, (size_t)bytes);
+    float *out = calloc((size_t)(n ? n : 1), 4);
+    REQUIRE(out != NULL);
+    tagc_status st = tagc_pairs_unpack_add(out, n, msg, bytes, k, vd, c);
+    REQUIRE(st == TAGC_OK || (st == TAGC_ERR_CORRUPT && c != TAGC_PAIRS_DENSE));
+    if (st == TAGC_ERR_CORRUPT)
+        for (int64_t i = 0; i < n; i++)
+            REQUIRE(out[i] == 0.0f);
+    if (bytes > 0)
+        REQUIRE(tagc_pairs_unpack_add(out, n, msg, bytes - 1, k, vd, c) == TAGC_ERR_RANGE);
+    if (st == TAGC_OK && c != TAGC_PAIRS_DENSE && k > 0) {
+        /* decode the positions by marking them with distinct values, re-pack */
+        int32_t *idx = malloc((size_t)k * 4);
+        float *ones = malloc((size_t)k * 4), *mark = calloc((size_t)n, 4);
+        REQUIRE(idx != NULL && ones != NULL && mark != NULL);
+        for (int64_t j = 0; j < k; j++)
+            ones[j] = 1.0f;
+        int64_t vb = k * (int64_t)tagc_dtype_size(TAGC_F32);
+        int64_t fb = tagc_pairs_bytes(n, k, TAGC_F32, c);
+        uint8_t *m32 = malloc((size_t)fb), *again = malloc((size_t)fb);
+        REQUIRE(m32 != NULL && again != NULL);
+        memcpy(m32, msg, (size_t)(bytes - k * (int64_t)tagc_dtype_size(vd)));
+        memcpy(m32 + fb - vb, ones, (size_t)vb);
+        REQUIRE(tagc_pairs_unpack_add(mark, n, m32, fb, k, TAGC_F32, c) == TAGC_OK);
+        int64_t j = 0;
+        for (int64_t p = 0; p < n; p++)
+            if (mark[p] != 0.0f) {
+                REQUIRE(mark[p] == 1.0f && j < k);
+                idx[j++] = (int32_t)p;
+            }
+        REQUIRE(j == k);
+        REQUIRE(tagc_pairs_pack(again, fb, idx, ones, TAGC_F32, k, n, c) == TAGC_OK);
+        REQUIRE(memcmp(again, m32, (size_t)(fb - vb)) == 0);
+        free(idx);
+        free(ones);
+        free(mark);
+        free(again);
+        free(m32);
+    }
+    free(msg);
+    free(out);
+}
+
 static const tagc_qformat QFORMATS[4] = {TAGC_Q_SIGN, TAGC_Q_TERNARY, TAGC_Q_INT4,
                                           TAGC_Q_INT8};
 
@@ -227,12 +281,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (size < 1)
         return 0;
     input_t in = {data + 1, size - 1};
-    switch (data[0] % 6) {
+    switch (data[0] % 7) {
     case 0: fuzz_peel(&in); break;
     case 1: fuzz_lanes(&in); break;
     case 2: fuzz_sparse(&in); break;
     case 3: fuzz_encode(&in); break;
     case 4: fuzz_quant(&in); break;
+    case 5: fuzz_pairs(&in); break;
     default: fuzz_sparsify(&in); break;
     }
     return 0;

@@ -234,6 +234,35 @@ static void test_sparse(void)
     CHECK(tagc_sparse_unpack(out, 5, buf, 23, 3, TAGC_F32) == TAGC_ERR_RANGE);
 }
 
+/* Hand-checked Elias-Fano bytes: n = 20, k = 3, l = 2 (3 * 8 > 20); lows
+ * 01 01 11 LSB-first = 0x35; highs 0, 2, 4 set bits 0, 3, 6 = 0x49. */
+static void test_pairs(void)
+{
+    int32_t idx[3] = {1, 9, 19}, bad[3] = {1, 9, 9};
+    float val[3] = {1.5f, -2.0f, 0.25f}, out[20] = {0};
+    uint8_t buf[80];
+    CHECK(tagc_ef_low_bits(20, 3) == 2 && tagc_ef_low_bits(3, 4) == -1);
+    CHECK(tagc_pairs_bytes(20, 3, TAGC_F32, TAGC_PAIRS_EF) == 14);
+    CHECK(tagc_pairs_bytes(20, 3, TAGC_F32, TAGC_PAIRS_BITMAP) == 15);
+    CHECK(tagc_pairs_bytes(20, 3, TAGC_F32, TAGC_PAIRS_DENSE) == 80);
+    CHECK(tagc_pairs_cheapest(20, 3, TAGC_F32) == TAGC_PAIRS_EF);
+    CHECK(tagc_pairs_cheapest(20, 20, TAGC_F32) == TAGC_PAIRS_DENSE);
+    CHECK(tagc_pairs_pack(buf, 14, idx, val, TAGC_F32, 3, 20, TAGC_PAIRS_EF) == TAGC_OK);
+    CHECK(buf[0] == 0x35 && buf[1] == 0x49 && memcmp(buf + 2, val, 12) == 0);
+    CHECK(tagc_pairs_pack(buf, 13, idx, val, TAGC_F32, 3, 20, TAGC_PAIRS_EF) ==
+          TAGC_ERR_CAPACITY);
+    CHECK(tagc_pairs_pack(buf, 14, bad, val, TAGC_F32, 3, 20, TAGC_PAIRS_EF) ==
+          TAGC_ERR_RANGE);
+    CHECK(tagc_pairs_unpack_add(out, 20, buf, 14, 3, TAGC_F32, TAGC_PAIRS_EF) == TAGC_OK);
+    CHECK(out[1] == 1.5f && out[9] == -2.0f && out[19] == 0.25f && out[0] == 0.0f);
+    buf[1] = 0x4b; /* a fourth set bit: corrupt, out untouched */
+    CHECK(tagc_pairs_unpack_add(out, 20, buf, 14, 3, TAGC_F32, TAGC_PAIRS_EF) ==
+          TAGC_ERR_CORRUPT);
+    CHECK(out[1] == 1.5f && out[3] == 0.0f);
+    CHECK(tagc_pairs_unpack_add(out, 20, buf, 15, 3, TAGC_F32, TAGC_PAIRS_EF) ==
+          TAGC_ERR_RANGE);
+}
+
 /* Hand-checked bytes of each format, and the error cases. */
 static void test_quant(void)
 {
@@ -306,6 +335,7 @@ int main(void)
     test_roundtrip();
     test_peel_tiny();
     test_sparse();
+    test_pairs();
     test_quant();
     test_misc();
     if (failures) {
