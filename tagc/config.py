@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 import torch.nn as nn
 
-MODES = ("paper", "exact", "sparse", "quant", "dense")
+MODES = ("paper", "exact", "sparse", "auto", "quant", "dense")
 QUANT_FORMATS = ("sign", "ternary", "int4", "int8")
 # Bits on the wire per value of each quant format (scales excluded).
 QUANT_BITS = {"sign": 1.0, "ternary": 1.6, "int4": 4.0, "int8": 8.0}
@@ -70,7 +70,14 @@ class TAGCConfig:
             bitmap all-to-all with a true OR at the owner, sketch sized from
             the union bound, lossless (a recovery exchange resolves entries
             peeling leaves). ``"sparse"``: exactly ``k`` (offset, value) pairs
-            per shard in one all-to-all. ``"quant"``: every entry of a shard,
+            per shard in one all-to-all. ``"auto"``: the same pairs as
+            ``sparse`` (lossless: every owner gets the exact sum of every
+            rank's top-k), each shard's message in the coding of fewest bytes
+            for (S, k, value dtype), chosen by every rank from sizes alone:
+            Elias-Fano positions (about 2 + log2(S/k) bits each instead of
+            32), a bitmap, or dense values; never more bytes than the plain
+            reduce-scatter, at any theta; ``stats()`` counts the codings
+            (``coded_ef``/``coded_bitmap``/``coded_dense``). ``"quant"``: every entry of a shard,
             each on a few bits (``quant_format``) with one fp32 scale per
             ``quant_block`` entries, with error feedback of the rounding; the
             owner's own shard stays exact.  ``"dense"``: no compression, values
@@ -86,7 +93,8 @@ class TAGCConfig:
         index_bits: paper mode lane width, 1, 2, 4 or 8 bits per position
             (the paper uses 1 and 4).
         value_dtype: dtype of sketch buckets and sparse values on the wire,
-            ``torch.float32`` or ``torch.bfloat16``.
+            ``torch.float32`` or ``torch.bfloat16`` (``auto`` uses the
+            gradient's dtype where that is narrower).
         layers: which parameters are compressed: ``"non_attention"``
             (``nn.Linear``/``nn.Embedding`` weights that are not attention
             QKV projections, see :func:`select_parameter`), ``"all"`` (every
@@ -109,7 +117,7 @@ class TAGCConfig:
             dropped while the loss falls steeply.  A reduction is one call
             of the hook per unit, i.e. one optimizer step with gradient
             accumulation (``no_sync``).  0: compress from the first step.
-        warmup_steps: after the dense steps, ``exact`` and ``sparse`` ramp the
+        warmup_steps: after the dense steps, ``exact``, ``sparse`` and ``auto`` ramp the
             sparsity from ``warmup_theta`` to ``theta`` over this many
             reductions, the density falling geometrically as in DGC's
             warm-up (Lin et al. 2018: 75%, 93.75%, ... sparsity); the wire
@@ -146,6 +154,16 @@ class TAGCConfig:
             plus one fp32 estimate of the owner's shard (1/N of the unit).
             Needs ``error_feedback`` and float32 residuals (a rounded ``h``
             would drift from the owner's sum); not in ``dense`` mode.
+        bypass_every: 0 (default): always compress.  ``P >= 2``: every P-th
+            reduction of a compressed unit takes the other path (plain
+            reduce-scatter or compression) and is timed; the ranks sum their
+            mean times of both paths (16 bytes) and all keep compressing only
+            while that is not slower (tagc/bypass.py).  For links where the
+            codec may cost more than the bytes it saves (loopback, NVLink, a
+            fast fabric).  Bypassed calls send ``g + residual`` plainly and
+            empty the residual, so nothing owed is lost; counted in
+            ``bypassed_calls``.  CUDA: one host sync per probe.  Not in
+            ``dense`` mode nor with HSDP (NotImplementedError).
     """
 
     mode: str = "exact"
@@ -165,6 +183,7 @@ class TAGCConfig:
     quant_format: str = "int4"
     quant_block: int = 256
     ef21: bool = False
+    bypass_every: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -199,6 +218,12 @@ class TAGCConfig:
             raise ValueError("ef21: needs a compressing mode, error_feedback=True and "
                              "residual_dtype float32 (the ranks' estimates must add up to "
                              "the owner's exactly)")
+        _check_int("bypass_every", self.bypass_every, 0)
+        if self.bypass_every == 1:
+            raise ValueError("bypass_every: 0 (off) or >= 2 (a probe every P reductions), got 1")
+        if self.bypass_every and self.mode == "dense":
+            raise ValueError("bypass_every: needs a compressing mode (mode='dense' compresses "
+                             "nothing to bypass)")
 
     def _resolve_sparsity(self) -> None:
         """theta and ratio: paper mode derives one from the other (its presets),
@@ -254,7 +279,7 @@ class TAGCConfig:
         if self.warmup_steps and self.mode == "paper":
             raise ValueError("warmup_steps: not available in mode='paper' (its sketch has a "
                              "fixed S/ratio buckets sized for theta); use dense_steps, or "
-                             "mode 'exact'/'sparse'")
+                             "mode 'exact'/'sparse'/'auto'")
 
     def theta_at(self, step: int) -> Optional[float]:
         """Sparsity of a unit's reduction number ``step`` (0-based) under the warm-up.

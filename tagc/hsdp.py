@@ -26,7 +26,7 @@ contribution, this rank's own included, is the compressed one):
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from .config import TAGCConfig
 from .device import CodecStreams, Exec
 from .reducer import UnitReducer
 from .stats import UnitStats
-from .transports import _tagc, require_codec
+from .transports import _tagc, auto_value_dtype, require_codec
 
 HSDP_DIMS = ("replicate", "shard")
 
@@ -167,11 +167,13 @@ def _quant(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Ten
     r.stats.add("shard_slots", g.numel(), comm.dev.ok)
 
 
-def _select(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, k: int) -> List[torch.Tensor]:
-    """This replica's top-k of its shard with error feedback: idx, val, bitmap."""
+def _select(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, k: int,
+            vd: Optional[torch.dtype] = None) -> List[torch.Tensor]:
+    """This replica's top-k of its shard with error feedback: idx, val (of ``vd``,
+    default the config's value dtype), bitmap."""
     n, kw = g.numel(), dict(comm.dev.kw)
     idx = torch.empty(k, dtype=torch.int32, device=g.device)
-    val = torch.empty(k, dtype=r.cfg.value_dtype, device=g.device)
+    val = torch.empty(k, dtype=vd or r.cfg.value_dtype, device=g.device)
     bm = torch.empty(_tagc.bitmap_bytes(n), dtype=torch.uint8, device=g.device)
     if comm.dev.cuda:
         kw["out"] = torch.empty(1, dtype=torch.float32, device=g.device)
@@ -179,18 +181,36 @@ def _select(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, k: int) -> Li
     return [idx, val, bm]
 
 
-def _sparse(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Tensor) -> None:
-    n, kw = g.numel(), comm.dev.kw
-    k = r.k(n)
-    idx, val, _ = _select(r, comm, g, k)
-    nb = _tagc.sparse_bytes(k, r.cfg.value_dtype)
-    mine = torch.empty(nb, dtype=torch.uint8, device=g.device)
-    _tagc.sparse_pack(mine, idx, val, **kw)
-    every = torch.empty(comm.world, nb, dtype=torch.uint8, device=g.device)
+def _gather_pairs(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Tensor,
+                  k: int, vd: torch.dtype, nbytes: int, pack: Callable[..., None],
+                  unpack: Callable[..., None]) -> None:
+    """Every replica's k pairs of the shard to every replica (one all-gather of
+    messages whose size every replica knows), added in replica order."""
+    idx, val, _ = _select(r, comm, g, k, vd)
+    mine = torch.empty(nbytes, dtype=torch.uint8, device=g.device)
+    pack(mine, idx, val)
+    every = torch.empty(comm.world, nbytes, dtype=torch.uint8, device=g.device)
     comm.all_gather(every, mine)
     for i in range(comm.world):
-        _tagc.sparse_unpack(acc, every[i], k, r.cfg.value_dtype, **kw)
-    r.stats.add("shard_slots", n, comm.dev.ok)
+        unpack(acc, every[i])
+    r.stats.add("shard_slots", g.numel(), comm.dev.ok)
+
+
+def _sparse(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Tensor) -> None:
+    k, vd, kw = r.k(g.numel()), r.cfg.value_dtype, comm.dev.kw
+    _gather_pairs(r, comm, g, acc, k, vd, _tagc.sparse_bytes(k, vd),
+                  lambda b, i, v: _tagc.sparse_pack(b, i, v, **kw),
+                  lambda a, b: _tagc.sparse_unpack(a, b, k, vd, **kw))
+
+
+def _auto(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Tensor) -> None:
+    n, kw = g.numel(), comm.dev.kw
+    k, vd = r.k(n), auto_value_dtype(r.cfg, g.dtype)
+    coding = _tagc.pairs_cheapest(n, k, vd)
+    _gather_pairs(r, comm, g, acc, k, vd, _tagc.pairs_bytes(n, k, vd, coding),
+                  lambda b, i, v: _tagc.pairs_pack(b, i, v, n, coding, **kw),
+                  lambda a, b: _tagc.pairs_unpack_add(a, b, k, vd, coding, **kw))
+    r.stats.add("coded_" + coding, 1, comm.dev.ok)
 
 
 def _peel_all(r: ReplicaReducer, comm: ReplicaComm, acc: torch.Tensor, sk: torch.Tensor,
@@ -259,12 +279,16 @@ def _paper(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Ten
 
 
 REPLICA_TRANSPORTS: Dict[str, Callable[..., None]] = {
-    "dense": _dense, "quant": _quant, "sparse": _sparse, "exact": _exact, "paper": _paper}
+    "dense": _dense, "quant": _quant, "sparse": _sparse, "auto": _auto, "exact": _exact,
+    "paper": _paper}
 
 
 def reducers(model: Any, cfg: TAGCConfig, mesh: Any, streams: CodecStreams,
              base: List[UnitReducer]) -> List[ReplicaReducer]:
     """One ReplicaReducer per unit of the FSDP2 glue's reducers (same identity)."""
+    if cfg.bypass_every:
+        raise NotImplementedError("bypass_every: the automatic bypass is not implemented "
+                                  "for HSDP's cross-replica all-reduce; set bypass_every=0")
     group = mesh.get_group("replicate")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out = []

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import transports
+from .bypass import Bypass
 from .comm import Comm
 from .config import TAGCConfig
 from .device import CodecStreams, Exec, poison_nonfinite
@@ -60,6 +61,9 @@ class UnitReducer:
         self.estimate: Optional[torch.Tensor] = None
         self.stats = UnitStats()
         self.warned_unpeeled = False
+        # the timing-based choice of path (cfg.bypass_every; compressed units only)
+        self.bypass: Optional[Bypass] = \
+            Bypass(cfg.bypass_every) if cfg.bypass_every and compressed else None
 
     # ----------------------------------------------------------------- feedback state
     @property
@@ -139,21 +143,57 @@ class UnitReducer:
         if not self._agree_finite(comm, inp):
             self._plain(comm, inp, out)
             return
-        acc = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
         if self.keeps_feedback and self.residual is None:
             self.residual = torch.zeros(self.flat_numel, dtype=self.cfg.residual_dtype,
                                         device=inp.device)
+        if self.bypass is None:
+            self._compressed(comm, dev, inp, out)
+        else:
+            path = self.bypass.next_path()
+            with self.bypass.timed(path, dev.cuda):
+                if path == "plain":
+                    self._bypassed(comm, dev, inp, out)
+                else:
+                    self._compressed(comm, dev, inp, out)
+            self.bypass.finish(comm, inp.device)
+        self.step += 1
+
+    def _compressed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
+        acc = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
         call = transports.Call(self.cfg, self.index, self.step,
                                self.residual if self.cfg.mode != "dense" else None,
                                comm, dev, self.stats, self._warn_unpeeled)
         transports.TRANSPORTS[self.cfg.mode](call, inp, acc)
         if self.cfg.ef21 and self.cfg.mode != "dense":
             self._ef21_update(dev, inp, acc)
-        self.step += 1
         divisor = self.pre * self.post
         if divisor != 1:
             acc.div_(divisor)
         out.copy_(acc)
+
+    def _bypassed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """The plain reduce-scatter in place of compression (tagc/bypass.py), with
+        the feedback state settled so that nothing owed is lost: the residual
+        travels with the gradient; EF21's estimates become the exact sums."""
+        self.stats.add("bypassed_calls", 1)
+        if not self.keeps_feedback:
+            self._plain(comm, inp, out, counted=False)
+            return
+        if self.cfg.ef21:
+            acc = inp.float() if self.world == 1 else \
+                torch.empty(out.numel(), dtype=torch.float32, device=out.device)
+            if self.world > 1:
+                comm.reduce_scatter(acc, inp.float())
+            if self.estimate is None:
+                self.estimate = torch.zeros_like(acc)
+            self.estimate.copy_(dev.keep(acc, self.estimate))
+            self.residual.copy_(dev.keep(-inp.float(), self.residual))
+            out.copy_(acc / (self.pre * self.post))
+            return
+        v = inp.float() + self.residual.float()
+        send = v.to(inp.dtype)
+        self.residual.copy_(dev.keep((v - send.float()).to(self.residual.dtype), self.residual))
+        self._plain(comm, send, out, counted=False)
 
     def _check(self, inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Refuse what cannot be reduced; the flat contiguous input."""
@@ -211,10 +251,12 @@ class UnitReducer:
         """How many shards ``inp`` holds (one per rank of the group: a reduce-scatter)."""
         return self.world
 
-    def _plain(self, comm: Comm, inp: torch.Tensor, out: torch.Tensor) -> None:
+    def _plain(self, comm: Comm, inp: torch.Tensor, out: torch.Tensor,
+               counted: bool = True) -> None:
         # Exactly the default path's arithmetic: pre-divide, SUM reduce-scatter,
         # post-divide (gloo's AVG has been unreliable, so SUM is used always).
-        self.stats.add("plain_calls", 1)
+        if counted:
+            self.stats.add("plain_calls", 1)
         if self.pre != 1:
             inp = inp / self.pre
         if self.world == 1:

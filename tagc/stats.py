@@ -13,11 +13,13 @@ import torch
 
 from .device import gate
 
-COUNTERS = ("calls", "compressed_calls", "plain_calls", "dense_step_calls",
+COUNTERS = ("calls", "compressed_calls", "bypassed_calls", "plain_calls", "dense_step_calls",
             "nonfinite_fallbacks",
             "bytes_handed", "wire_bytes", "default_wire_bytes", "control_bytes",
             "unpeeled", "recovered", "union_size", "shard_slots",
-            "collision_dropped", "collision_dropped_l1")
+            "collision_dropped", "collision_dropped_l1",
+            # auto mode: shard messages sent in each coding (tagc.h tagc_coding)
+            "coded_ef", "coded_bitmap", "coded_dense")
 
 
 class UnitStats:

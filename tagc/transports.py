@@ -100,7 +100,8 @@ class Call:
 
 def sparsify_all(call: Call, inp: torch.Tensor, s: int, k: int, with_bitmap: bool = True,
                  per_shard: Optional[Callable[..., None]] = None,
-                 order: Optional[Sequence[int]] = None
+                 order: Optional[Sequence[int]] = None,
+                 value_dtype: Optional[torch.dtype] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k of every shard with error feedback: (idx, val, bitmaps) of shape (N, ...).
 
@@ -135,27 +136,62 @@ def dense(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
     torch.sum(recv.float(), dim=0, out=acc)
 
 
-def sparse(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
-    """Exactly k (offset, value) pairs per shard to its owner, shard by shard."""
-    n, s, rank, kw = call.world, acc.numel(), call.rank, call.dev.kw
-    k = call.k(s)
-    buf = torch.empty(n, _tagc.sparse_bytes(k, call.cfg.value_dtype), dtype=torch.uint8,
-                      device=inp.device)
+def _pairs(call: Call, inp: torch.Tensor, acc: torch.Tensor, k: int, vd: torch.dtype,
+           nbytes: int, pack: Callable[..., None], unpack: Callable[..., None]) -> None:
+    """Each rank's k kept pairs of shard r to its owner r, one message of
+    ``nbytes`` (known to every rank from sizes alone, so the receives are
+    posted first and shard r leaves while shard r+1 is selected); the owner
+    adds the N messages in rank order."""
+    n, s, rank = call.world, acc.numel(), call.rank
+    buf = torch.empty(n, nbytes, dtype=torch.uint8, device=inp.device)
     recv = torch.empty_like(buf)
-    works = call.comm.post_recvs(recv)  # exactly k pairs: every size known up front
+    works = call.comm.post_recvs(recv)
 
     def send(r: int, idx: torch.Tensor, val: torch.Tensor, bm: torch.Tensor) -> None:
-        _tagc.sparse_pack(buf[r], idx[r], val[r], **kw)
+        pack(buf[r], idx[r], val[r])
         if r != rank:
             call.comm.post_send(works, buf, recv, r)
 
-    sparsify_all(call, inp, s, k, with_bitmap=False, per_shard=send, order=call.comm.ring())
+    sparsify_all(call, inp, s, k, with_bitmap=False, per_shard=send, order=call.comm.ring(),
+                 value_dtype=vd)
     call.comm.wait(works)
     acc.zero_()
-    for r in range(n):  # rank order, as the all-to-all version summed
-        _tagc.sparse_unpack(acc, buf[r] if r == rank else recv[r], k,
-                            call.cfg.value_dtype, **kw)
+    for r in range(n):  # rank order: the same sum on every run and in every mode
+        unpack(acc, buf[r] if r == rank else recv[r])
     call.add("shard_slots", s)
+
+
+def sparse(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
+    """Exactly k (int32 offset, value) pairs per shard to its owner, shard by shard."""
+    k, vd, kw = call.k(acc.numel()), call.cfg.value_dtype, call.dev.kw
+    _pairs(call, inp, acc, k, vd, _tagc.sparse_bytes(k, vd),
+           lambda b, i, v: _tagc.sparse_pack(b, i, v, **kw),
+           lambda a, b: _tagc.sparse_unpack(a, b, k, vd, **kw))
+
+
+def auto_value_dtype(cfg: TAGCConfig, grad_dtype: torch.dtype) -> torch.dtype:
+    """The kept values' dtype in ``auto`` mode: ``value_dtype``, or the gradient's
+    own dtype when that is narrower (bf16 gradients with fp32 values), so that
+    the dense coding never sends more than the plain reduce-scatter would; the
+    rounding goes to the residual like any value rounding."""
+    if torch.empty((), dtype=grad_dtype).element_size() < \
+            torch.empty((), dtype=cfg.value_dtype).element_size():
+        return grad_dtype
+    return cfg.value_dtype
+
+
+def auto(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
+    """The same pairs as ``sparse`` (every owner gets the exact sum of every
+    rank's top-k), each message in the coding of fewest bytes for (S, k, value
+    dtype): Elias-Fano positions, a bitmap, or dense values.  Every rank
+    derives the same coding from sizes alone: no extra exchange."""
+    s, kw = acc.numel(), call.dev.kw
+    k, vd = call.k(s), auto_value_dtype(call.cfg, inp.dtype)
+    coding = _tagc.pairs_cheapest(s, k, vd)
+    _pairs(call, inp, acc, k, vd, _tagc.pairs_bytes(s, k, vd, coding),
+           lambda b, i, v: _tagc.pairs_pack(b, i, v, s, coding, **kw),
+           lambda a, b: _tagc.pairs_unpack_add(a, b, k, vd, coding, **kw))
+    call.add("coded_" + coding, call.world)
 
 
 def quant(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
@@ -315,4 +351,5 @@ def paper(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
 
 
 TRANSPORTS: Dict[str, Callable[[Call, torch.Tensor, torch.Tensor], None]] = {
-    "dense": dense, "sparse": sparse, "quant": quant, "exact": exact, "paper": paper}
+    "dense": dense, "sparse": sparse, "auto": auto, "quant": quant, "exact": exact,
+    "paper": paper}

@@ -145,9 +145,11 @@ def _check_equal_default(rank: int, n: int, kind: str, cfgs: List[tagc.TAGCConfi
 
 
 def _check_conservation(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig, steps: int = 20,
-                        accum: int = 1) -> Dict[str, Any]:
+                        accum: int = 1, prepare: Any = None) -> Dict[str, Any]:
     mod = build_fsdp(kind, cfg)
     state = tagc.register(mod, cfg)
+    if prepare is not None:
+        prepare(state, rank)
     rec = _tap(state)
     opt = torch.optim.SGD(mod.parameters(), lr=0.05)
     for step in range(steps):
@@ -168,7 +170,7 @@ def _check_conservation(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig, step
         scale = float(raw.abs().max())
         assert err <= 1e-5 * max(scale, 1e-12) + 1e-6, (
             f"{kind} {cfg.mode} N={n} unit {u.name}: mass error {err:.3g} (scale {scale:.3g})")
-        if n > 1 and cfg.theta > 0.5:
+        if n > 1 and cfg.theta > 0.5 and not cfg.bypass_every:  # a bypass empties it
             assert float(res.abs().max()) > 0, "residual empty: nothing was dropped?"
     return state.stats()["total"]
 
@@ -269,13 +271,15 @@ def _check_quant(rank: int, n: int, kind: str, fmt: str) -> Dict[str, Any]:
 
 
 def _check_ef21(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig,
-                steps: int = 6, accum: int = 2) -> Dict[str, Any]:
+                steps: int = 6, accum: int = 2, prepare: Any = None) -> Dict[str, Any]:
     """EF21: each rank's residual holds -h (its estimate of its own gradient,
     shard by shard) and every owner's estimate is the sum over ranks of their
     h for its shard, so the ranks and the owner never drift apart (through
     gradient accumulation: one exchange per optimizer step)."""
     mod = build_fsdp(kind, cfg)
     state = tagc.register(mod, cfg)
+    if prepare is not None:
+        prepare(state, rank)
     opt = torch.optim.SGD(mod.parameters(), lr=0.05)
     for step in range(steps):
         _backward(mod, rank, step, kind, accum)
@@ -305,11 +309,99 @@ def _equal_default(rank: int, n: int, kind: str) -> Dict[str, Any]:
     """dense, and exact/sparse at theta=0, through accumulation (no_sync /
     set_requires_gradient_sync(False)) and, except at N=3 (there for padding),
     with bf16 reduction (fp32 inside), equal to plain FSDP."""
-    cfgs = [_cfg("dense"), _cfg("exact", theta=0.0), _cfg("sparse", theta=0.0)]
+    cfgs = [_cfg("dense"), _cfg("exact", theta=0.0), _cfg("sparse", theta=0.0),
+            _cfg("auto", theta=0.0)]
     out = _check_equal_default(rank, n, kind, cfgs)
     if n != 3:
-        _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:],
+        _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:3],
                              reduce_dtype=torch.bfloat16, tol=2e-2)
+    return out
+
+
+def _auto_vs_sparse(rank: int, n: int, kind: str) -> Dict[str, Any]:
+    """auto sends the same pairs as sparse in fewer bytes: at a sparsity where
+    each coding wins (EF, bitmap, dense), 3 steps with accumulation give equal
+    sharded gradients and residuals; every message has the size of the coding
+    every rank derives from (S, k, dtype); no unit sends more gradient bytes
+    than the plain reduce-scatter."""
+    import _tagc
+
+    out = {}
+    for theta, coding in ((0.9875, "ef"), (0.6, "bitmap"), (0.02, "dense")):
+        cfgs = [_cfg("sparse", theta=theta), _cfg("auto", theta=theta)]
+        mods = [build_fsdp(kind, c) for c in cfgs]
+        states = [tagc.register(m, c) for m, c in zip(mods, cfgs)]
+        for step in range(3):
+            for m in mods:
+                _backward(m, rank, step, kind, accum=2)
+            for i, (a, b) in enumerate(zip(*(local_grads(m) for m in mods))):
+                assert torch.equal(a, b), (kind, theta, step, i, float((a - b).abs().max()))
+            for m in mods:
+                m.zero_grad()
+        want = 0
+        for us, ua in zip(states[0].units, states[1].units):
+            if ua.residual is not None:
+                assert torch.equal(us.residual, ua.residual), (theta, ua.name)
+            st = ua.stats.as_dict()
+            assert st["wire_bytes"] - st["control_bytes"] <= st["default_wire_bytes"], st
+            if ua.compressed:
+                s = ua.flat_numel // n
+                k = min(max(math.ceil(round((1.0 - theta) * s, 9)), 1), s)
+                assert _tagc.pairs_cheapest(s, k, torch.float32) == coding or s < 64
+                want += 3 * (n - 1) * _tagc.pairs_bytes(s, k, torch.float32,
+                                                        _tagc.pairs_cheapest(s, k, torch.float32))
+        st = states[1].stats()["compressed_total"]
+        assert st["collectives"]["isend"]["bytes"] == want, (st["collectives"], want)
+        assert st["coded_ef"] + st["coded_bitmap"] + st["coded_dense"] == n * st["calls"]
+        assert st[f"coded_{coding}"] > 0
+        out[coding] = {c: st[c] for c in ("coded_ef", "coded_bitmap", "coded_dense",
+                                          "wire_ratio")}
+    return out
+
+
+def _fake_times(compress: float, plain: float) -> Any:
+    """A ``prepare`` that makes every unit's bypass measure these times (seconds)."""
+    def prepare(state: Any, rank: int) -> None:
+        for u in state.units:
+            if u.bypass is not None:
+                orig = u.bypass._add
+                u.bypass._add = lambda path, sec, orig=orig: orig(
+                    path, compress if path == "compress" else plain)
+    return prepare
+
+
+def _bypass(rank: int, n: int, kind: str) -> Dict[str, Any]:
+    """The automatic bypass: ranks that measure opposite things still take the
+    same path (rank 0 sees compression faster, the others plain much faster:
+    the summed times say plain); bypassed calls lose nothing (mass conserved
+    through the switches, with and without EF21); without feedback state a
+    bypassed call equals plain FSDP bit for bit."""
+    local = _fake_times(1.0, 3.0) if rank == 0 else _fake_times(5.0, 1.0)
+    out = {}
+    for cfg in (_cfg("auto", theta=0.9, bypass_every=3),
+                _cfg("auto", theta=0.9, bypass_every=3, ef21=True)):
+        check = _check_ef21 if cfg.ef21 else _check_conservation
+        st = check(rank, n, kind, cfg, steps=8, prepare=local)
+        assert st["bypassed_calls"] > 0 and st["compressed_calls"] > st["bypassed_calls"], st
+        every = [None] * n
+        dist.all_gather_object(every, st["bypassed_calls"])
+        assert len(set(every)) == 1, every
+        out[cfg.ef21] = st["bypassed_calls"]
+    if not out[False] or n == 1:
+        return out
+    cfg = _cfg("auto", theta=0.9, bypass_every=2, error_feedback=False)
+    ref, mod = build_fsdp(kind, None), build_fsdp(kind, cfg)
+    state = tagc.register(mod, cfg)
+    _fake_times(2.0, 1.0)(state, rank)
+    for step in range(4):
+        for m in (ref, mod):
+            _backward(m, rank, step, kind)
+        if step in (1, 2):  # step 1: the probe (plain); 2: plain by decision; 3: a probe
+            for a, b in zip(local_grads(mod), local_grads(ref)):
+                assert torch.equal(a, b), (kind, step)
+        for m in (ref, mod):
+            m.zero_grad()
+    assert all(u.bypass.compress is False for u in state.units if u.bypass is not None)
     return out
 
 
@@ -406,6 +498,8 @@ CASES: List[Tuple[Any, ...]] = [
                                                      steps=20), (2, 3, 4)),
     ("ef_sparse", lambda r, n, k: _check_conservation(r, n, k, _cfg("sparse", theta=0.9875),
                                                       steps=20, accum=2), (2, 3, 4)),
+    ("auto_vs_sparse", _auto_vs_sparse, (2, 3, 4)),
+    ("bypass", _bypass, (2, 3)),
     ("recovery", _recovery, (2, 3, 4)),
     ("paper", lambda r, n, k: _paper_stats(r, n, k), (2, 4)),
     ("warmup", lambda r, n, k: _check_warmup(r, n, k), (2,)),

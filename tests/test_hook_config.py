@@ -115,7 +115,7 @@ def test_presets_load_and_unknown_keys_raise(tmp_path):
             c = tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{r}x-{b}bit.yaml"))
             assert (c.mode, c.ratio, c.index_bits) == ("paper", float(r), b)
             assert c.theta == tagc.PAPER_THETA[float(r)]
-    for m in ("exact", "sparse", "dense"):
+    for m in ("exact", "sparse", "auto", "dense"):
         assert tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{m}.yaml")).mode == m
     for path in glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml")):
         tagc.TAGCConfig.from_yaml(path)  # every shipped preset is valid
@@ -172,3 +172,70 @@ def test_wrap_policy_separates_units_and_keeps_tied_weights_in_root():
     pol = tagc.fsdp1_auto_wrap_policy(m, cfg)
     assert pol(m.h[0].mlp[0], False, 0) and not pol(m.h[0].ln_1, False, 0)
     assert pol(m, True, 0)
+
+
+def test_bypass_config_validated():
+    assert tagc.TAGCConfig(mode="auto", bypass_every=0).bypass_every == 0
+    for bad in (1, -3, 2.5, True):
+        with pytest.raises(ValueError, match="bypass_every"):
+            tagc.TAGCConfig(mode="auto", bypass_every=bad)
+    with pytest.raises(ValueError, match="bypass_every.*dense"):
+        tagc.TAGCConfig(mode="dense", bypass_every=5)
+
+
+class _SumComm:
+    """A stand-in for the collectives: the all-reduce adds another rank's numbers."""
+
+    def __init__(self, other):
+        self.other, self.control = other, 0
+
+    def all_reduce(self, t, control=False):
+        t += torch.tensor(self.other, dtype=t.dtype)
+        self.control += control
+
+
+def test_bypass_schedule_and_decision():
+    """Probes take the other path; the decision follows the summed mean times
+    (this rank's + the other's), ties keep compressing; a probe that confirms
+    the path doubles the distance to the next, a switch resets it."""
+    from tagc.bypass import Bypass
+
+    clock = iter(range(10 ** 6))
+    bp = Bypass(3, clock=lambda: float(next(clock)))
+    comm = _SumComm([0.0, 0.0])
+    def run(calls):
+        out = []
+        for _ in range(calls):
+            p = bp.next_path()
+            out.append(p)
+            bp._add(p, {"compress": 2.0, "plain": 1.0}[p])
+            bp.finish(comm, torch.device("cpu"))
+        return out
+
+    C, P = "compress", "plain"
+    assert run(3 + 3 + 6) == [C, C, P,      # first probe: plain is faster, switch
+                              P, P, C,      # probe while bypassing confirms plain
+                              P, P, P, P, P, C]  # so the next one comes 6 later
+    assert bp.decisions == 3 and comm.control == 3 and bp.compress is False
+    assert bp.interval == 12
+    # another rank that saw plain far slower outweighs this one: compress again
+    comm.other = [0.0, 100.0]
+    assert run(12)[-1] == C and bp.compress is True and bp.interval == 3
+    tie = Bypass(2)
+    for p in ("compress", "plain"):
+        tie._add(p, 1.0)
+    tie.calls = 1
+    tie.finish(_SumComm([0.0, 0.0]), torch.device("cpu"))
+    assert tie.compress is True
+    with pytest.raises(ValueError):
+        Bypass(1)
+
+
+def test_bypass_timed_measures_cpu_calls():
+    from tagc.bypass import Bypass
+
+    t = iter([10.0, 10.5])
+    bp = Bypass(2, clock=lambda: next(t))
+    with bp.timed("plain", cuda=False):
+        pass
+    assert bp.sums["plain"] == 0.5 and bp.counts["plain"] == 1
