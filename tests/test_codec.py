@@ -191,6 +191,35 @@ def test_sparsify_ties(kind, k):
     assert keep.numel() == k
 
 
+@pytest.mark.parametrize("gd,rd,vd", [("f32", "f32", "f32"), ("bf16", "bf16", "bf16"),
+                                      ("f32", None, "bf16"), ("bf16", "f32", "f32")])
+@pytest.mark.parametrize("theta", [0.9, 0.9875])
+def test_sparsify_sampled_path(gd, rd, vd, theta):
+    """Shards >= 2^15 take the bracket from a sample: heavy tails, dtypes, a tail."""
+    g = torch.Generator().manual_seed(5)
+    n = (1 << 17) + 37
+    grad = (torch.randn(n, generator=g) ** 3).to(DT[gd])
+    residual = None if rd is None else (torch.randn(n, generator=g) * 0.3).to(DT[rd])
+    check_sparsify(grad, residual, k_of(theta, n), DT[vd])
+
+
+@pytest.mark.parametrize("k", [1, 1000, 40000, 65536])
+def test_sparsify_sampled_path_ties_and_misled_sample(k):
+    """Many ties (the band outgrows its guess), and a sample that is misled:
+    1.0 at the positions select.c samples (its formula, copied), 2.0 elsewhere,
+    so the guessed bracket fails the count and the histogram takes over."""
+    n = 1 << 16
+    gen = torch.Generator().manual_seed(k)
+    few = torch.randint(-2, 3, (n,), generator=gen).float()
+    check_sparsify(few, torch.zeros(n), k, torch.float32)
+    m, step = 16384, n // 16384
+    i = torch.arange(m, dtype=torch.int64)
+    pos = i * step + ((((i * 2654435761) % 2**32) >> 8) * step >> 24)
+    grad = torch.full((n,), 2.0)
+    grad[pos] = 1.0
+    check_sparsify(grad, torch.randn(n, generator=gen) * 1e-3, k, torch.float32)
+
+
 def test_sparsify_no_residual_keeps_grad():
     grad = torch.randn(513)
     g0 = grad.clone()
