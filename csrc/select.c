@@ -22,9 +22,10 @@
 #include "tagc_internal.h"
 
 /* The two passes over the shard are compute-bound with SSE2 (the x86-64
- * baseline); where the toolchain can (GCC/clang, x86-64 ELF: ifunc), they
- * get an AVX2 clone too, picked once at load time by the CPU. */
-#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__)
+ * baseline); where the toolchain and the loader can (GCC/clang, x86-64 ELF,
+ * glibc's ifunc; musl has none), they get an AVX2 clone too, picked once at
+ * load time by the CPU. */
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && defined(__GLIBC__)
 #define TAGC_HOT_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define TAGC_HOT_CLONES
