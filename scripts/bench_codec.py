@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""Codec throughput on this machine, against memcpy, on the same buffers.
+"""Codec throughput on this machine, against memcpy, timed alternately on the same buffers.
 
-Measures, per shard size S and sparsity theta (k = ceil((1-theta)*S)):
-  - memcpy: ``dst.copy_(grad)`` of the S fp32 gradient (GB/s of gradient);
-  - select+sparsify: ``_tagc.sparsify`` with error feedback (GB/s of gradient);
-  - sketch encode: ``_tagc.sketch_encode`` of the k kept entries (entries/s);
-  - peel decode: ``_tagc.peel_decode`` of the sum of N ranks' sketches sized as
-    docs/DESIGN.md section 4 `exact` (entries/s of the union);
-  - quant encode/decode (int4, ternary; no theta: every entry): ``_tagc.quant_encode``
-    with error feedback and ``_tagc.quant_decode_add`` (GB/s of gradient);
-and prints a markdown table with each op's ratio to memcpy, both per item
-(entries/s over fp32 elements copied per second) and per shard (time to copy
-the shard over the op's time).  The codec is single-threaded; torch is set
-to the same thread count (``--threads``, default 1) so memcpy is comparable.
+Per shard size S and sparsity theta (k = ceil((1-theta)*S)), each op is timed in
+turn with a memcpy of the shard (``dst.copy_(grad)``, S fp32), so both see the same
+machine load; the ratio is median memcpy time / median op time (per shard: >= 1/4
+means the op runs at a quarter of memory-copy speed or better).  Ops:
+  - select+sparsify: ``_tagc.sparsify`` with an fp32 residual (error feedback), on
+    a residual left by the previous calls and three alternating gradients, as in
+    training;
+  - auto pack / auto decode: one rank's k pairs in the coding ``auto`` picks for
+    (S, k, fp32) (``_tagc.pairs_pack``), and the owner's ``pairs_unpack_add`` of
+    one such message (it decodes N-1 of them per shard and step);
+  - sparse pack / unpack: the int32-offset pairs of mode ``sparse``;
+  - sketch encode / peel decode: mode ``exact`` (decode of N ranks' summed sketch);
+  - quant encode / decode (int4, ternary; every entry, no theta).
+The codec is single-threaded; torch is set to the same thread count (``--threads``,
+default 1) so memcpy is comparable.  Prints a markdown table and the load average.
 
 Usage: python scripts/bench_codec.py [--quick] [--reps R] [--threads T]
 """
@@ -24,7 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -38,81 +41,90 @@ logger = logging.getLogger(__name__)
 CLOCK = time.perf_counter
 
 
-def timed(fn: Callable[[], object], reps: int) -> float:
-    """Median time of fn() over reps runs after one warm-up, in seconds.
+def alternating(fn: Callable[[], object], copy: Callable[[], object],
+                reps: int) -> Tuple[float, float]:
+    """Median times of fn() and of copy(), run in turn reps times after a warm-up.
 
     Args:
-        fn: the call to time.
-        reps: number of timed runs.
+        fn: the op to time.
+        copy: the memcpy it is compared with.
+        reps: timed repetitions of each.
     Returns:
-        median seconds per call, on the clock chosen by --clock.
+        (median seconds of fn, median seconds of copy), on the --clock clock.
     """
     fn()
-    times = []
+    copy()
+    t_fn, t_copy = [], []
     for _ in range(reps):
-        t0 = CLOCK()
-        fn()
-        times.append(CLOCK() - t0)
-    return statistics.median(times)
+        for f, out in ((copy, t_copy), (fn, t_fn)):
+            t0 = CLOCK()
+            f()
+            out.append(CLOCK() - t0)
+    return statistics.median(t_fn), statistics.median(t_copy)
+
+
+def row(op: str, S: int, theta: Any, k: int, sec: float, t_copy: float) -> Dict:
+    """One table row: the op's median time and its per-shard ratio to memcpy."""
+    return dict(op=op, S=S, theta=theta, k=k, sec=sec, copy=t_copy,
+                gbs=S * 4 / sec / 1e9, per_shard=t_copy / sec)
 
 
 def bench_case(S: int, theta: float, ranks: int, reps: int) -> List[Dict]:
-    """All ops on one shard size and sparsity.
+    """All top-k ops on one shard size and sparsity.
 
     Args:
         S: shard length (fp32 elements).
         theta: sparsity; k = ceil((1-theta)*S).
-        ranks: ranks whose sketches are summed for the decode.
+        ranks: ranks whose sketches are summed for the peel decode.
         reps: timed repetitions per op.
     Returns:
         one row dict per op.
     """
     k = math.ceil(round((1 - theta) * S, 9))
     gen = torch.Generator().manual_seed(S)
-    grad = torch.randn(S, generator=gen)
-    residual = torch.randn(S, generator=gen) * 0.01
-    dst = torch.empty_like(grad)
+    grads = [torch.randn(S, generator=gen) for _ in range(3)]
+    residual = torch.zeros(S)
+    dst = torch.empty(S)
     idx = torch.empty(k, dtype=torch.int32)
     val = torch.empty(k)
     bitmaps = torch.empty(ranks, (S + 7) // 8, dtype=torch.uint8)
-    t = math.ceil(1.3 * min(S, ranks * k) / 3)
-    seed = _tagc.seed_derive(0, 1, 2)
+    turn = iter(range(10 ** 9))
 
-    t_copy = timed(lambda: dst.copy_(grad), reps)
-    t_sel = timed(lambda: _tagc.select_kth(grad, k), reps)
-    t_sp = timed(lambda: _tagc.sparsify(idx, val, bitmaps[0], residual, grad, k), reps)
+    def copy() -> None:
+        dst.copy_(grads[0])
+
+    def sparsify() -> None:
+        _tagc.sparsify(idx, val, bitmaps[0], residual, grads[next(turn) % 3], k)
+
+    rows = [row("select+sparsify", S, theta, k, *alternating(sparsify, copy, reps))]
+    coding = _tagc.pairs_cheapest(S, k, torch.float32)
+    msg = torch.empty(_tagc.pairs_bytes(S, k, torch.float32, coding), dtype=torch.uint8)
+    pairs = torch.empty(_tagc.sparse_bytes(k, torch.float32), dtype=torch.uint8)
+    out = torch.zeros(S)
+    for name, fn in ((f"auto pack ({coding})",
+                      lambda: _tagc.pairs_pack(msg, idx, val, S, coding)),
+                     (f"auto decode ({coding})",
+                      lambda: _tagc.pairs_unpack_add(out, msg, k, torch.float32, coding)),
+                     ("sparse pack", lambda: _tagc.sparse_pack(pairs, idx, val)),
+                     ("sparse unpack", lambda: _tagc.sparse_unpack(out, pairs, k,
+                                                                   torch.float32))):
+        rows.append(row(name, S, theta, k, *alternating(fn, copy, reps)))
 
     # N ranks' sketches of different gradients, summed: the owner's decode input.
-    total = torch.zeros(3 * t)
-    sk = torch.empty(3 * t)
+    t = math.ceil(1.3 * min(S, ranks * k) / 3)
+    seed = _tagc.seed_derive(0, 1, 2)
+    total, sk = torch.zeros(3 * t), torch.empty(3 * t)
     for r in range(ranks):
-        g = torch.randn(S, generator=gen)
-        _tagc.sparsify(idx, val, bitmaps[r], None, g, k)
+        _tagc.sparsify(idx, val, bitmaps[r], None, torch.randn(S, generator=gen), k)
         _tagc.sketch_encode(sk, idx, val, S, t, seed)
         total += sk
-    t_enc = timed(lambda: _tagc.sketch_encode(sk, idx, val, S, t, seed), reps)
     union = torch.empty((S + 7) // 8, dtype=torch.uint8)
     _tagc.bitmap_or(union, bitmaps, ranks)
     u = _tagc.popcount(union, S)
-    out = torch.empty(S)
-    left = _tagc.peel_decode(out, total, union, S, t, seed)
-    t_dec = timed(lambda: _tagc.peel_decode(out, total, union, S, t, seed), reps)
-
-    copy_gbs = S * 4 / t_copy / 1e9
-    copy_eps = S / t_copy  # fp32 elements copied per second
-    rows = [dict(op="memcpy (copy_)", items=S, sec=t_copy, rate=copy_gbs, unit="GB/s",
-                 per_item=1.0, per_shard=1.0)]
-    for name, sec in (("select_kth", t_sel), ("select+sparsify", t_sp)):
-        gbs = S * 4 / sec / 1e9
-        rows.append(dict(op=name, items=S, sec=sec, rate=gbs, unit="GB/s",
-                         per_item=gbs / copy_gbs, per_shard=t_copy / sec))
-    rows.append(dict(op="sketch encode", items=k, sec=t_enc, rate=k / t_enc, unit="entries/s",
-                     per_item=(k / t_enc) / copy_eps, per_shard=t_copy / t_enc))
-    rows.append(dict(op="peel decode (N=%d, u=%d, left=%d)" % (ranks, u, left), items=u,
-                     sec=t_dec, rate=u / t_dec, unit="entries/s",
-                     per_item=(u / t_dec) / copy_eps, per_shard=t_copy / t_dec))
-    for r in rows:
-        r.update(S=S, theta=theta, k=k)
+    rows.append(row("sketch encode", S, theta, k, *alternating(
+        lambda: _tagc.sketch_encode(sk, idx, val, S, t, seed), copy, reps)))
+    rows.append(row(f"peel decode (N={ranks}, union {u})", S, theta, k, *alternating(
+        lambda: _tagc.peel_decode(out, total, union, S, t, seed), copy, reps)))
     return rows
 
 
@@ -123,15 +135,13 @@ def bench_quant(S: int, reps: int) -> List[Dict]:
         S: shard length (fp32 elements).
         reps: timed repetitions per op.
     Returns:
-        one row dict per op (ratios against a memcpy timed here too).
+        one row dict per op.
     """
     gen = torch.Generator().manual_seed(S)
     grad = torch.randn(S, generator=gen)
     residual = torch.randn(S, generator=gen) * 0.01
     dst = torch.empty_like(grad)
     out = torch.zeros(S)
-    t_copy = timed(lambda: dst.copy_(grad), reps)
-    copy_gbs = S * 4 / t_copy / 1e9
     rows = []
     for fmt in ("int4", "ternary"):
         buf = torch.empty(_tagc.quant_bytes(S, fmt, 256), dtype=torch.uint8)
@@ -139,11 +149,7 @@ def bench_quant(S: int, reps: int) -> List[Dict]:
                           lambda: _tagc.quant_encode(buf, residual, grad, fmt, 256)),
                          (f"quant decode {fmt}",
                           lambda: _tagc.quant_decode_add(out, buf, fmt, 256))):
-            sec = timed(fn, reps)
-            gbs = S * 4 / sec / 1e9
-            rows.append(dict(op=name, items=S, sec=sec, rate=gbs, unit="GB/s",
-                             per_item=gbs / copy_gbs, per_shard=t_copy / sec,
-                             S=S, theta="-", k=S))
+            rows.append(row(name, S, "-", S, *alternating(fn, lambda: dst.copy_(grad), reps)))
     return rows
 
 
@@ -164,7 +170,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     sizes = [1 << 20] if args.quick else [1 << 22, 1 << 24]
-    thetas = [0.9875] if args.quick else [0.9875, 0.9]
+    thetas = [0.9875] if args.quick else [0.9875, 0.95, 0.9]
     reps = args.reps or (3 if args.quick else 7)
     rows = []
     for S in sizes:
@@ -172,16 +178,15 @@ def main() -> None:
             logger.info("S=2^%d theta=%s ...", S.bit_length() - 1, theta)
             rows += bench_case(S, theta, args.ranks, reps)
         rows += bench_quant(S, reps)
-    print("| S | theta | k | op | median ms | throughput | ratio to memcpy (per item) "
-          "| ratio (per shard) |")
+    print("| S | theta | k | op | median ms | memcpy ms (alternating) | GB/s of gradient "
+          "| ratio to memcpy (per shard) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        rate = ("%.2f GB/s" % r["rate"]) if r["unit"] == "GB/s" else ("%.3g entries/s" % r["rate"])
-        print("| 2^%d | %s | %d | %s | %.3f | %s | %.2f | %.2f |" % (
-            r["S"].bit_length() - 1, r["theta"], r["k"], r["op"], r["sec"] * 1e3, rate,
-            r["per_item"], r["per_shard"]))
-    print("\ntorch threads: %d; codec: 1 thread; median of %d runs; %s clock; "
-          "1-min load average %.1f before, %.1f after, on %d CPUs." % (
+        print("| 2^%d | %s | %d | %s | %.3f | %.3f | %.2f | %.2f |" % (
+            r["S"].bit_length() - 1, r["theta"], r["k"], r["op"], r["sec"] * 1e3,
+            r["copy"] * 1e3, r["gbs"], r["per_shard"]))
+    print("\ntorch threads: %d; codec: 1 thread; median of %d alternating runs; %s clock; "
+          "1-min load average %.2f before, %.2f after, on %d CPUs." % (
               args.threads, reps, args.clock, load_before, os.getloadavg()[0], os.cpu_count()))
 
 

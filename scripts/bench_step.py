@@ -57,6 +57,7 @@ CONFIGS: dict[str, str | None] = {
     "10x-4bit": "tagc-10x-4bit.yaml",
     "exact": "tagc-exact.yaml",
     "sparse": "tagc-sparse.yaml",
+    "auto": "tagc-auto.yaml",
     "balanced": "tagc-balanced.yaml",
     "lean": "tagc-lean.yaml",
 }
