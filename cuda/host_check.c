@@ -119,6 +119,24 @@ int main(void)
            TAGC_ERR_RANGE);
     EXPECT(tagc_cuda_quant_decode_add(tau, 100, bm, 58, TAGC_Q_INT4, 64, NULL, NULL, 0, s),
            TAGC_ERR_ARG);
+    /* 2 coded pairs of 10: EF (l = 2) 1 + 1 + 8 bytes, bitmap 2 + 8 */
+    EXPECT(tagc_cuda_pairs_pack_workspace_size(), 0);
+    size_t pu = tagc_cuda_pairs_unpack_add_workspace_size(10, 2);
+    EXPECT(pu >= 16 && tagc_cuda_pairs_unpack_add_workspace_size(1 << 24, 1 << 20) > pu, 1);
+    EXPECT(tagc_cuda_pairs_pack(bm, 9, idx, d, TAGC_F32, 2, 10, TAGC_PAIRS_EF, NULL, NULL, 0,
+                                s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_pairs_pack(bm, 10, idx, d, TAGC_F32, 2, 10, (tagc_coding)4, NULL, NULL,
+                                0, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_pairs_pack(bm, 10, idx, d, (tagc_dtype)2, 2, 10, TAGC_PAIRS_EF, NULL,
+                                NULL, 0, s), TAGC_ERR_DTYPE);
+    EXPECT(tagc_cuda_pairs_pack(bm, 10, NULL, d, TAGC_F32, 2, 10, TAGC_PAIRS_EF, NULL, NULL,
+                                0, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_pairs_unpack_add(tau, 10, bm, 11, 2, TAGC_F32, TAGC_PAIRS_BITMAP, NULL,
+                                      d, pu, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_pairs_unpack_add(tau, 10, bm, 10, 2, TAGC_F32, TAGC_PAIRS_EF, NULL, d,
+                                      pu - 1, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_pairs_unpack_add(tau, 10, bm, 10, 2, TAGC_F32, TAGC_PAIRS_EF, NULL, NULL,
+                                      0, s), TAGC_ERR_ARG);
 
     /* No usable GPU: a valid call must fail cleanly in its first CUDA call. */
     int devices = 0;
@@ -137,6 +155,10 @@ int main(void)
                                      1, 1, 8, d, pd, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_quant_encode(bm, 58, NULL, TAGC_F32, d, TAGC_F32, 100, TAGC_Q_INT4,
                                       64, d, sq, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_pairs_pack(bm, 10, idx, d, TAGC_F32, 2, 10, TAGC_PAIRS_EF, NULL,
+                                    NULL, 0, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_pairs_unpack_add(tau, 10, bm, 10, 2, TAGC_F32, TAGC_PAIRS_EF, NULL,
+                                          d, pu, s), TAGC_ERR_CUDA);
     } else {
         printf("host_check: %d CUDA device(s) present, no-GPU checks skipped\n",
                devices);

@@ -181,9 +181,15 @@ tagc_status tagc_cuda_sparse_unpack(float *out, int64_t n,
                                     cudaStream_t stream);
 
 /*
- * tagc_cuda_pairs_pack - as tagc_pairs_pack, the same bytes.  Positions
- *   not strictly ascending in [0, n) (the C op's RANGE): dst is left with
- *   unspecified bytes and TAGC_ERR_RANGE stored in *dev_status (if not NULL).
+ * tagc_cuda_pairs_pack - as tagc_pairs_pack, the same bytes (dst at any
+ *   alignment, written bytewise): the bit array (bitmap or EF upper vector,
+ *   or the whole message for DENSE) is zeroed, then one kernel with a
+ *   thread per pair (value, and the bit array byte of which it is the first
+ *   pair) and per EF low-bits byte.  Positions not strictly ascending in
+ *   [0, n) (the C op's RANGE): dst is left with unspecified bytes (none
+ *   outside it written) and TAGC_ERR_RANGE stored in *dev_status (if not
+ *   NULL).  Needs no scratch: the size query says 0 and workspace may be
+ *   NULL.
  */
 size_t tagc_cuda_pairs_pack_workspace_size(void);
 tagc_status tagc_cuda_pairs_pack(uint8_t *dst, int64_t dst_capacity,
@@ -195,9 +201,16 @@ tagc_status tagc_cuda_pairs_pack(uint8_t *dst, int64_t dst_capacity,
 
 /*
  * tagc_cuda_pairs_unpack_add - as tagc_pairs_unpack_add, the same sums
- *   (positions are distinct within a message: no atomics needed).  A message
+ *   (positions are distinct within a message: no atomics needed).  BITMAP
+ *   and EF: set bits counted per tile of the bit array, a tile scan gives
+ *   every set bit its rank (its value's index, and for EF its low part and
+ *   high part b - rank), a check kernel validates the whole message as the
+ *   C op (count, padding bits, EF positions < n and ascending) into a
+ *   device flag, and the add kernel does nothing once it is set.  A message
  *   the C op calls CORRUPT leaves out untouched and stores TAGC_ERR_CORRUPT
- *   in *dev_status (if not NULL).
+ *   in *dev_status (if not NULL).  DENSE adds all n values, no check.
+ *   Workspace (any coding of this (n, k)): a flag, a 64-bit count and two
+ *   uint32 per 8192 bits of the longer bit array.
  */
 size_t tagc_cuda_pairs_unpack_add_workspace_size(int64_t n, int64_t k);
 tagc_status tagc_cuda_pairs_unpack_add(float *out, int64_t n,

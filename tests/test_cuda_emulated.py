@@ -24,6 +24,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,6 +61,10 @@ SIGS = {
     "tagc_cuda_quant_encode": (INT, [VP, I64, VP, INT, VP, INT, I64, INT, I64, VP, SZ, VP]),
     "tagc_cuda_quant_decode_add_workspace_size": (SZ, []),
     "tagc_cuda_quant_decode_add": (INT, [VP, I64, VP, I64, INT, I64, VP, VP, SZ, VP]),
+    "tagc_cuda_pairs_pack_workspace_size": (SZ, []),
+    "tagc_cuda_pairs_pack": (INT, [VP, I64, VP, VP, INT, I64, I64, INT, VP, VP, SZ, VP]),
+    "tagc_cuda_pairs_unpack_add_workspace_size": (SZ, [I64, I64]),
+    "tagc_cuda_pairs_unpack_add": (INT, [VP, I64, VP, I64, I64, INT, INT, VP, VP, SZ, VP]),
 }
 QFORMAT = {"sign": 1, "ternary": 2, "int4": 4, "int8": 8}
 
@@ -471,3 +476,225 @@ def test_quant_argument_errors_match_c(lib: C.CDLL) -> None:
                                       w.numel(), None) == ERR_RANGE  # block
     assert lib.tagc_cuda_quant_decode_add(P(g), 10, P(buf), 10, 4, 256, None, P(w), w.numel(),
                                           None) == ERR_RANGE  # size
+
+
+# ----------------------------------------------------------------------------- coded pairs
+CODING = {"ef": 1, "bitmap": 2, "dense": 3}
+
+
+@pytest.fixture(scope="module")
+def cop() -> C.CDLL:
+    """The C ops themselves (exported by the extension): their status codes,
+    which the Python wrapper turns into exceptions."""
+    dll = C.CDLL(_tagc.__file__)
+    dll.tagc_pairs_pack.restype = INT
+    dll.tagc_pairs_pack.argtypes = [VP, I64, VP, VP, INT, I64, I64, INT]
+    dll.tagc_pairs_unpack_add.restype = INT
+    dll.tagc_pairs_unpack_add.argtypes = [VP, I64, VP, I64, I64, INT, INT]
+    return dll
+
+
+def pairs_pack(lib: C.CDLL, idx: torch.Tensor, val: torch.Tensor, n: int, coding: str,
+               offset: int, status: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The emulated packer's bytes, written at `offset` into a larger buffer of
+    0xEE (a message starts at any byte); the guard bytes must survive."""
+    nb = _tagc.pairs_bytes(n, idx.numel(), val.dtype, coding)
+    buf = torch.full((nb + offset + 2,), 0xEE, dtype=torch.uint8)
+    assert lib.tagc_cuda_pairs_pack_workspace_size() == 0
+    st = lib.tagc_cuda_pairs_pack(P(buf[offset:]), nb, P(idx), P(val), DT[val.dtype],
+                                  idx.numel(), n, CODING[coding], P(status), None, 0, None)
+    assert st == 0
+    assert bool((buf[:offset] == 0xEE).all()) and bool((buf[offset + nb:] == 0xEE).all())
+    return buf[offset:offset + nb].clone()
+
+
+def pairs_unpack(lib: C.CDLL, out: torch.Tensor, msg: torch.Tensor, k: int, vd: torch.dtype,
+                 coding: str, status: Optional[torch.Tensor] = None) -> None:
+    """The emulated unpack of msg, read from byte 3 of a larger buffer."""
+    src = torch.cat([torch.zeros(3, dtype=torch.uint8), msg])[3:]
+    n = out.numel()
+    w = ws(lib.tagc_cuda_pairs_unpack_add_workspace_size(n, k))
+    st = lib.tagc_cuda_pairs_unpack_add(P(out), n, P(src), msg.numel(), k, DT[vd],
+                                        CODING[coding], P(status), P(w), w.numel(), None)
+    assert st == 0
+
+
+PAIRS_SIZES = sorted({(n, k) for n in (1, 7, 64, 1000, 100_003)
+                      for k in (0, 1, n // 80, n // 4, n)}
+                     | {(300_000, 3750), (300_000, 75_000)})  # several scan tiles
+
+
+@pytest.mark.parametrize("n,k", PAIRS_SIZES)
+@pytest.mark.parametrize("vd", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("coding", list(CODING))
+def test_pairs_pack_unpack(lib: C.CDLL, n: int, k: int, vd: torch.dtype, coding: str) -> None:
+    """The C op's bytes at any byte offset, and its sums bit for bit."""
+    idx, val = kept(n, k, vd, seed=n + 3 * k)
+    c_buf = torch.empty(_tagc.pairs_bytes(n, k, vd, coding), dtype=torch.uint8)
+    _tagc.pairs_pack(c_buf, idx, val, n, coding)
+    status = torch.zeros(1, dtype=torch.int32)
+    e_buf = pairs_pack(lib, idx, val, n, coding, offset=1 + (n + k) % 3, status=status)
+    assert torch.equal(e_buf, c_buf)
+    assert int(status) == 0
+    base = gradient(n, torch.float32, False, seed=k)
+    c_out = base.clone()
+    _tagc.pairs_unpack_add(c_out, c_buf, k, vd, coding)
+    e_out = base.clone()
+    pairs_unpack(lib, e_out, e_buf, k, vd, coding, status)
+    assert int(status) == 0
+    assert same_bits(e_out, c_out)
+
+
+@pytest.mark.parametrize("coding", list(CODING))
+def test_pairs_pack_bad_positions_set_range(lib: C.CDLL, coding: str) -> None:
+    """Positions out of [0, n) or not strictly ascending: RANGE on the device,
+    nothing written outside the message (its own bytes are unspecified)."""
+    idx, _ = kept(5000, 700, torch.float32, seed=1)
+    dup = idx.clone()
+    dup[400] = dup[399]  # far from block 0
+    swap = idx.clone()
+    swap[[300, 301]] = swap[[301, 300]]
+    big = idx.clone()
+    big[-1] = 5000
+    cases = [(10, [0, 0, 1]), (10, [2, 1, 3]), (10, [0, 1, 10]), (10, [-1, 2, 3]),
+             (5000, dup), (5000, swap), (5000, big)]
+    for n, bad in cases:
+        bad = torch.as_tensor(bad, dtype=torch.int32)
+        val = torch.ones(bad.numel())
+        with pytest.raises(ValueError, match="ascending"):
+            _tagc.pairs_pack(torch.empty(_tagc.pairs_bytes(n, bad.numel(), torch.float32,
+                                                           coding), dtype=torch.uint8),
+                             bad, val, n, coding)
+        status = torch.zeros(1, dtype=torch.int32)
+        pairs_pack(lib, bad, val, n, coding, offset=1, status=status)
+        assert int(status) == ERR_RANGE
+
+
+def corrupt_trials(clean: bytes, pos_bytes: int, trials: int, seed: int):
+    """The clean message, then `trials` copies with 1-3 bits of the position
+    part flipped."""
+    rng = np.random.default_rng(seed)
+    yield clean
+    for trial in range(trials):
+        b = bytearray(clean)
+        for _ in range(1 + trial % 3):
+            bit = int(rng.integers(pos_bytes * 8))
+            b[bit // 8] ^= 1 << (bit % 8)
+        yield bytes(b)
+
+
+@pytest.mark.parametrize("coding", ["ef", "bitmap"])
+@pytest.mark.parametrize("n,k", [(9, 1), (100, 3), (1000, 13), (1000, 400), (70_000, 300)])
+def test_pairs_unpack_corrupt_matches_c(lib: C.CDLL, coding: str, n: int, k: int) -> None:
+    """Bit flips in the positions: CORRUPT on the device and out untouched
+    exactly when the C op refuses the message, the C op's sums otherwise."""
+    idx, val = kept(n, k, torch.float32, seed=n - k)
+    clean = torch.empty(_tagc.pairs_bytes(n, k, torch.float32, coding), dtype=torch.uint8)
+    _tagc.pairs_pack(clean, idx, val, n, coding)
+    base = gradient(n, torch.float32, False, seed=n)
+    refused = 0
+    for msg in corrupt_trials(clean.numpy().tobytes(), clean.numel() - 4 * k, 40, seed=n * k):
+        buf = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+        c_out = base.clone()
+        ok = c_accepts(c_out, buf, k, coding)
+        e_out = base.clone()
+        status = torch.zeros(1, dtype=torch.int32)
+        pairs_unpack(lib, e_out, buf, k, torch.float32, coding, status)
+        assert int(status) == (0 if ok else ERR_CORRUPT)
+        assert same_bits(e_out, c_out if ok else base)
+        refused += not ok
+    assert refused > 0
+
+
+def c_accepts(out: torch.Tensor, msg: torch.Tensor, k: int, coding: str) -> bool:
+    """Whether the C op accepts msg (adding it to out) or refuses it as corrupt."""
+    try:
+        _tagc.pairs_unpack_add(out, msg, k, torch.float32, coding)
+        return True
+    except ValueError:
+        return False
+
+
+def test_pairs_unpack_corrupt_padding_and_order(lib: C.CDLL) -> None:
+    """What random flips may miss: a set padding bit in each part, and two EF
+    positions of one high part whose upper bits straddle a 32-bit word (the
+    order check then reads the previous word's last bit) made equal or
+    descending through their low parts."""
+    n, k, l = 1003, 60, 4  # 240 low bits; upper 60 + 63 bits, 5 padding bits
+    g = torch.Generator().manual_seed(3)
+    idx = torch.cat([torch.randperm(496, generator=g)[:32].sort().values,
+                     torch.tensor([501, 505]),  # high part 31: upper bits 63 and 64
+                     506 + torch.randperm(n - 506, generator=g)[:k - 34].sort().values])
+    idx, val = idx.to(torch.int32), torch.randn(k, generator=g)
+    msgs = {}
+    for coding in ("ef", "bitmap"):
+        msgs[coding] = torch.empty(_tagc.pairs_bytes(n, k, torch.float32, coding),
+                                   dtype=torch.uint8)
+        _tagc.pairs_pack(msgs[coding], idx, val, n, coding)
+    lo_bytes, up_bytes = (k * l + 7) // 8, (k + ((n - 1) >> l) + 1 + 7) // 8
+
+    def with_low33(low: int) -> torch.Tensor:
+        b = msgs["ef"].clone()
+        for i in range(l):
+            pos = 33 * l + i
+            b[pos // 8] = (int(b[pos // 8]) & ~(1 << pos % 8)) | ((low >> i) & 1) << pos % 8
+        return b
+
+    bad = [("ef", with_low33(5)), ("ef", with_low33(3))]  # 501, 501 / 501, 499
+    b = msgs["ef"].clone()
+    b[lo_bytes + up_bytes - 1] |= 0x80  # upper padding
+    bad.append(("ef", b))
+    b = msgs["bitmap"].clone()
+    b[(n + 7) // 8 - 1] |= 0x80  # bitmap tail: n % 8 == 3
+    bad.append(("bitmap", b))
+    good = [("ef", msgs["ef"]), ("bitmap", msgs["bitmap"]), ("ef", with_low33(6))]
+    for coding, msg in bad + good:
+        c_out = torch.zeros(n)
+        ok = c_accepts(c_out, msg, k, coding)
+        out = torch.zeros(n)
+        status = torch.zeros(1, dtype=torch.int32)
+        pairs_unpack(lib, out, msg, k, torch.float32, coding, status)
+        assert int(status) == (0 if ok else ERR_CORRUPT)
+        assert same_bits(out, c_out if ok else torch.zeros(n))
+    assert [c_accepts(torch.zeros(n), m, k, c) for c, m in bad + good] == [False] * 4 + [True] * 3
+
+
+def test_pairs_argument_errors_match_c(lib: C.CDLL, cop: C.CDLL) -> None:
+    """Synchronous errors: the shared checks (tagc_checks.h) give the C op's
+    status for every bad argument; the workspace adds ARG / CAPACITY."""
+    idx = torch.tensor([1, 4], dtype=torch.int32)
+    val, buf, out = torch.ones(2), torch.zeros(64, dtype=torch.uint8), torch.zeros(10)
+    ef_bytes = _tagc.pairs_bytes(10, 2, torch.float32, "ef")
+    packs = [  # dst, capacity, idx, val, val dtype, k, n, coding
+        (None, 64, idx, val, F32, 2, 10, 1), (buf, 64, None, val, F32, 2, 10, 1),
+        (buf, 64, idx, None, F32, 2, 10, 2), (buf, 64, idx, val, 2, 2, 10, 1),
+        (buf, 64, idx, val, F32, 2, 10, 0), (buf, 64, idx, val, F32, 2, 10, 4),
+        (buf, 64, idx, val, F32, 11, 10, 1), (buf, 64, idx, val, F32, -1, 10, 1),
+        (buf, 64, idx, val, F32, 2, 2 ** 31, 1), (buf, ef_bytes - 1, idx, val, F32, 2, 10, 1),
+        (buf, 39, idx, val, F32, 2, 10, 3), (buf, 0, idx, val, F32, 0, 10, 3),
+        (None, 0, None, None, F32, 0, 0, 1),
+    ]
+    for d, cap, i, v, vd, k, n, c in packs:
+        want = cop.tagc_pairs_pack(P(d), cap, P(i), P(v), vd, k, n, c)
+        got = lib.tagc_cuda_pairs_pack(P(d), cap, P(i), P(v), vd, k, n, c, None, None, 0, None)
+        assert got == want, (d is None, cap, k, n, c, got, want)
+    w = ws(lib.tagc_cuda_pairs_unpack_add_workspace_size(10, 2))
+    unpacks = [  # out, n, src, src bytes, k, val dtype, coding
+        (None, 10, buf, ef_bytes, 2, F32, 1), (out, 10, None, ef_bytes, 2, F32, 1),
+        (out, 10, buf, ef_bytes, 2, 3, 1), (out, 10, buf, ef_bytes, 2, F32, 5),
+        (out, 10, buf, ef_bytes - 1, 2, F32, 1), (out, 10, buf, ef_bytes + 1, 2, F32, 1),
+        (out, 10, buf, 9, 2, F32, 2), (out, 10, buf, 40, 11, F32, 3),
+        (out, 10, buf, 0, 0, F32, 1), (None, 0, None, 0, 0, F32, 2),
+    ]
+    for o, n, src, nb, k, vd, c in unpacks:
+        want = cop.tagc_pairs_unpack_add(P(o), n, P(src), nb, k, vd, c)
+        got = lib.tagc_cuda_pairs_unpack_add(P(o), n, P(src), nb, k, vd, c, None, P(w),
+                                             w.numel(), None)
+        assert got == want, (o is None, n, nb, k, c, got, want)
+    assert not out.any()
+    assert lib.tagc_cuda_pairs_unpack_add(P(out), 10, P(buf), ef_bytes, 2, F32, 1, None, None,
+                                          0, None) == 1  # ARG: no workspace
+    assert lib.tagc_cuda_pairs_unpack_add(P(out), 10, P(buf), ef_bytes, 2, F32, 1, None, P(w),
+                                          w.numel() - 1, None) == 3  # CAPACITY
+    small = lib.tagc_cuda_pairs_unpack_add_workspace_size(1000, 10)
+    assert lib.tagc_cuda_pairs_unpack_add_workspace_size(2 ** 31 - 1, 2 ** 30) > small

@@ -410,3 +410,70 @@ def test_quant_decode_corrupt_leaves_out_untouched() -> None:
         _tagc.quant_decode_add(out, dev(buf), "int8", 256, stream=s, status_out=status)
     assert int(host(status)) == TAGC_ERR_CORRUPT
     assert not host(out).any()
+
+
+PAIRS_CODINGS = ("ef", "bitmap", "dense")
+
+
+@pytest.mark.parametrize("coding", PAIRS_CODINGS)
+@pytest.mark.parametrize("vd", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (1000, 0), (1000, 12), (1000, 250),
+                                 (1000, 1000), (100_003, 1250), (2_000_003, 25_000),
+                                 (2_000_003, 500_000)])
+def test_pairs_pack_unaligned_and_unpack(coding: str, vd: torch.dtype, n: int, k: int) -> None:
+    """Coded pairs: the C op's bytes at an odd byte offset (the scan over the
+    bit array spans many tiles at 2M), and its sums bit for bit (distinct
+    positions: one add each)."""
+    idx, val = kept(n, k, vd, seed=n + k)
+    nb = _tagc.pairs_bytes(n, k, vd, coding)
+    c_buf = torch.empty(nb, dtype=torch.uint8)
+    _tagc.pairs_pack(c_buf, idx, val, n, coding)
+    d_buf = dev(torch.full((nb + 2,), 0xEE, dtype=torch.uint8))
+    with side_stream() as s:
+        _tagc.pairs_pack(d_buf[1:1 + nb], dev(idx), dev(val), n, coding, stream=s)
+    got = host(d_buf)
+    assert torch.equal(got[1:1 + nb], c_buf) and int(got[0]) == 0xEE and int(got[-1]) == 0xEE
+    base = gradient(n, torch.float32, False, seed=k)
+    c_out = base.clone()
+    _tagc.pairs_unpack_add(c_out, c_buf, k, vd, coding)
+    d_out = dev(base)
+    with side_stream() as s:
+        _tagc.pairs_unpack_add(d_out, d_buf[1:1 + nb], k, vd, coding, stream=s)
+    assert same_bits(d_out, c_out)
+
+
+@cuda_only
+@pytest.mark.parametrize("coding", PAIRS_CODINGS)
+def test_pairs_bad_positions_and_corrupt_messages_report_on_device(coding: str) -> None:
+    n, k = 5000, 300
+    idx, val = kept(n, k, torch.float32, seed=7)
+    nb = _tagc.pairs_bytes(n, k, torch.float32, coding)
+    bad = idx.clone()
+    bad[200] = bad[199]
+    with pytest.raises(ValueError):
+        _tagc.pairs_pack(torch.empty(nb, dtype=torch.uint8), bad, val, n, coding)
+    status = torch.zeros(1, dtype=torch.int32, device=DEV)
+    with side_stream() as s:
+        _tagc.pairs_pack(torch.empty(nb, dtype=torch.uint8, device=DEV), dev(bad), dev(val), n,
+                         coding, stream=s, status_out=status)
+    assert int(host(status)) == TAGC_ERR_RANGE
+    if coding == "dense":
+        return  # nothing in a dense message can be inconsistent
+    clean = torch.empty(nb, dtype=torch.uint8)
+    _tagc.pairs_pack(clean, idx, val, n, coding)
+    for bit in range(8 * (nb - 4 * k)):  # the first flip of the positions the C op refuses
+        msg = clean.clone()
+        msg[bit // 8] ^= 1 << bit % 8
+        try:
+            _tagc.pairs_unpack_add(torch.zeros(n), msg, k, torch.float32, coding)
+        except ValueError:
+            break
+    else:
+        pytest.fail("no refused flip")
+    out = torch.zeros(n, device=DEV)
+    status = torch.zeros(1, dtype=torch.int32, device=DEV)
+    with side_stream() as s:
+        _tagc.pairs_unpack_add(out, dev(msg), k, torch.float32, coding, stream=s,
+                               status_out=status)
+    assert int(host(status)) == TAGC_ERR_CORRUPT
+    assert not host(out).any()
