@@ -1057,38 +1057,43 @@ static int arg_nk(const char *fn, PyObject *on, PyObject *ok, int64_t *n, int64_
     return arg_range(fn, ok, "k", 0, *n, k);
 }
 
+/* The arguments of the pairs size functions: (n, k, value_dtype[, coding]). */
+static int pairs_size_args(const char *fn, PyObject *args, PyObject *kw, int with_coding,
+                           int64_t *n, int64_t *k, tagc_dtype *vd, tagc_coding *c)
+{
+    static char *kwl3[] = {"n", "k", "value_dtype", NULL};
+    static char *kwl4[] = {"n", "k", "value_dtype", "coding", NULL};
+    PyObject *on, *ok, *odt, *oc = NULL;
+    int parsed = with_coding
+                     ? PyArg_ParseTupleAndKeywords(args, kw, "OOOO", kwl4, &on, &ok, &odt, &oc)
+                     : PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwl3, &on, &ok, &odt);
+    if (!parsed || arg_nk(fn, on, ok, n, k) < 0 || arg_value_dtype(fn, odt, vd) < 0)
+        return -1;
+    return with_coding ? arg_coding(fn, oc, c) : 0;
+}
+
 static PyObject *py_pairs_bytes(PyObject *m, PyObject *args, PyObject *kw)
 {
-    static char *kwl[] = {"n", "k", "value_dtype", "coding", NULL};
-    PyObject *on, *ok, *odt, *oc;
-    const char *fn = "_tagc.pairs_bytes";
     int64_t n, k;
     tagc_dtype vd;
     tagc_coding c;
     (void)m;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO", kwl, &on, &ok, &odt, &oc) ||
-        arg_nk(fn, on, ok, &n, &k) < 0 || arg_value_dtype(fn, odt, &vd) < 0 ||
-        arg_coding(fn, oc, &c) < 0)
+    if (pairs_size_args("_tagc.pairs_bytes", args, kw, 1, &n, &k, &vd, &c) < 0)
         return NULL;
     return PyLong_FromLongLong(tagc_pairs_bytes(n, k, vd, c));
 }
 
 static PyObject *py_pairs_cheapest(PyObject *m, PyObject *args, PyObject *kw)
 {
-    static char *kwl[] = {"n", "k", "value_dtype", NULL};
-    PyObject *on, *ok, *odt;
-    const char *fn = "_tagc.pairs_cheapest";
     int64_t n, k;
     tagc_dtype vd;
-    (void)m;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwl, &on, &ok, &odt) ||
-        arg_nk(fn, on, ok, &n, &k) < 0 || arg_value_dtype(fn, odt, &vd) < 0)
+    if (pairs_size_args("_tagc.pairs_cheapest", args, kw, 0, &n, &k, &vd, NULL) < 0)
         return NULL;
     tagc_coding c = tagc_pairs_cheapest(n, k, vd);
     for (const enum_name *e = CODING_NAMES; e->name != NULL; e++)
         if (e->value == (int)c)
             return PyUnicode_FromString(e->name);
-    return raise_status(m, fn, TAGC_ERR_RANGE, NULL);
+    return raise_status(m, "_tagc.pairs_cheapest", TAGC_ERR_RANGE, NULL);
 }
 
 static PyObject *py_pairs_pack(PyObject *m, PyObject *args, PyObject *kw)
