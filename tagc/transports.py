@@ -108,10 +108,11 @@ def sparsify_all(call: Call, inp: torch.Tensor, s: int, k: int, with_bitmap: boo
     ``per_shard(r, idx, val, bm)`` runs right after shard r is selected, so its
     exchange starts before shard r+1 is (shards are independent: disjoint
     residual slices; the order only decides which exchange starts first).
+    ``value_dtype`` overrides the config's for the kept values.
     """
     n, dev = call.world, inp.device
     idx = torch.empty(n, k, dtype=torch.int32, device=dev)
-    val = torch.empty(n, k, dtype=call.cfg.value_dtype, device=dev)
+    val = torch.empty(n, k, dtype=value_dtype or call.cfg.value_dtype, device=dev)
     bm = torch.empty(n if with_bitmap else 1, _tagc.bitmap_bytes(s), dtype=torch.uint8,
                      device=dev)
     kw = dict(call.dev.kw)

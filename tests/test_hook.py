@@ -313,7 +313,7 @@ def _equal_default(rank: int, n: int, kind: str) -> Dict[str, Any]:
             _cfg("auto", theta=0.0)]
     out = _check_equal_default(rank, n, kind, cfgs)
     if n != 3:
-        _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:3],
+        _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:],
                              reduce_dtype=torch.bfloat16, tol=2e-2)
     return out
 
