@@ -46,7 +46,9 @@ class TAGCState:
                 details and ``density``/``wire_ratio`` recomputed from the sums).
         Returns:
             ``{"units": {name: {...}}, "total": {...}, "compressed_total": {...}}``.
-            Per entry: ``calls``, ``compressed_calls``, ``plain_calls`` (plain
+            Per entry: ``calls``, ``compressed_calls`` (of which
+            ``bypassed_calls`` took the plain path by the bypass's choice,
+            ``bypass_every``), ``plain_calls`` (plain
             reduce-scatter), ``dense_step_calls`` (those of them in the
             warm-up's ``dense_steps``), ``nonfinite_fallbacks``, ``collectives``
             (per torch.distributed function: calls and bytes of the tensors
@@ -67,7 +69,8 @@ class TAGCState:
             the owner; 1 in quant mode), ``collision_dropped`` and
             ``collision_dropped_l1`` (paper lanes: kept entries that the SUM
             carries erased from the union, counted by their senders, and the
-            L1 mass lost with them).  On CUDA the data-dependent counters are
+            L1 mass lost with them), ``coded_ef`` / ``coded_bitmap`` /
+            ``coded_dense`` (auto mode: shard messages in each coding).  On CUDA the data-dependent counters are
             accumulated on the device and read here (the only host syncs); a
             non-finite call counts in ``nonfinite_fallbacks`` only, and exact
             mode's ``unpeeled`` entries are estimated, not recovered
