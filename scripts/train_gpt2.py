@@ -860,6 +860,10 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: gpt2_data.TokenData,
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     metrics.close()
     if env.own_pg:
+        # every rank past its last collective before any tears the group down: a
+        # gloo peer that closes its pairs while the other still reads from them
+        # can abort the other process at exit
+        dist.barrier()
         dist.destroy_process_group()
     return summary
 
