@@ -472,6 +472,15 @@ static PyObject *int_result(view_t *out, int present, int64_t i)
     st = (call);                    \
     Py_END_ALLOW_THREADS
 
+/* The end of the entry ritual of a function that returns None: the status
+ * raised (with `detail` when it is `err`), the views released. */
+#define END_NONE(err, detail)                                                    \
+    ret = st == TAGC_OK ? none_result()                                          \
+                        : raise_status(m, fn, st, st == (err) ? (detail) : NULL); \
+done:                                                                            \
+    views_release(&vs_);                                                         \
+    return ret
+
 static int scalar_out_ok(views_t *vs, view_t *out, int present)
 {
     return present ? need_size(vs, out, 1, 1, "a 1-element result tensor") : 0;
@@ -673,10 +682,7 @@ static PyObject *lanes_common(PyObject *m, PyObject *args, PyObject *kw, int unp
     } else {
         RUN(tagc_lanes_pack(lanes->data, lanes->numel, bitmap->data, n, (int)bits));
     }
-    ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(m, fn, st, NULL);
-done:
-    views_release(&vs_);
-    return ret;
+    END_NONE(TAGC_OK, NULL);
 }
 
 static PyObject *py_lanes_pack(PyObject *m, PyObject *args, PyObject *kw)
@@ -718,10 +724,7 @@ static PyObject *py_bitmap_or(PyObject *m, PyObject *args, PyObject *kw)
     } else {
         RUN(tagc_bitmap_or(dst->data, dst->numel, src->data, nbytes, count));
     }
-    ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(m, fn, st, NULL);
-done:
-    views_release(&vs_);
-    return ret;
+    END_NONE(TAGC_OK, NULL);
 }
 
 static PyObject *py_popcount(PyObject *m, PyObject *args, PyObject *kw)
@@ -793,13 +796,8 @@ static PyObject *py_sketch_encode(PyObject *m, PyObject *args, PyObject *kw)
         RUN(tagc_sketch_encode(sk->data, codec_dtype(sk->kind), sk->numel, idx->data,
                                val->data, codec_dtype(val->kind), idx->numel, n, t, seed));
     }
-    ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None)
-                        : raise_status(m, fn, st, st == TAGC_ERR_RANGE
-                                                      ? "idx holds a position outside [0, n)"
-                                                      : NULL);
-done:
-    views_release(&vs_);
-    return ret;
+    END_NONE(TAGC_ERR_RANGE,
+             "idx holds a position outside [0, n)");
 }
 
 static PyObject *py_peel_decode(PyObject *m, PyObject *args, PyObject *kw)
@@ -878,10 +876,7 @@ static PyObject *py_sparse_pack(PyObject *m, PyObject *args, PyObject *kw)
     } else {
         RUN(tagc_sparse_pack(buf->data, buf->numel, idx->data, val->data, vd, k));
     }
-    ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(m, fn, st, NULL);
-done:
-    views_release(&vs_);
-    return ret;
+    END_NONE(TAGC_OK, NULL);
 }
 
 static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
@@ -913,15 +908,9 @@ static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
     } else {
         RUN(tagc_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd));
     }
-    ret = st == TAGC_OK
-              ? (Py_INCREF(Py_None), Py_None)
-              : raise_status(m, fn, st, st == TAGC_ERR_CORRUPT
-                                            ? "buf holds an offset outside [0, out.numel()) "
-                                              "(out untouched)"
-                                            : NULL);
-done:
-    views_release(&vs_);
-    return ret;
+    END_NONE(TAGC_ERR_CORRUPT,
+             "buf holds an offset outside [0, out.numel()) "
+             "(out untouched)");
 }
 
 /* A string argument naming one value of a C enum. */
@@ -1128,14 +1117,9 @@ static PyObject *py_pairs_pack(PyObject *m, PyObject *args, PyObject *kw)
     } else {
         RUN(tagc_pairs_pack(buf->data, buf->numel, idx->data, val->data, vd, k, n, c));
     }
-    ret = st == TAGC_OK ? (Py_INCREF(Py_None), Py_None)
-                        : raise_status(m, fn, st, st == TAGC_ERR_RANGE
-                                                      ? "idx must be strictly ascending "
-                                                        "positions in [0, n) (nothing written)"
-                                                      : NULL);
-done:
-    views_release(&vs_);
-    return ret;
+    END_NONE(TAGC_ERR_RANGE,
+             "idx must be strictly ascending "
+             "positions in [0, n) (nothing written)");
 }
 
 static PyObject *py_pairs_unpack_add(PyObject *m, PyObject *args, PyObject *kw)
@@ -1171,15 +1155,9 @@ static PyObject *py_pairs_unpack_add(PyObject *m, PyObject *args, PyObject *kw)
     } else {
         RUN(tagc_pairs_unpack_add(out->data, out->numel, buf->data, buf->numel, k, vd, c));
     }
-    ret = st == TAGC_OK
-              ? (Py_INCREF(Py_None), Py_None)
-              : raise_status(m, fn, st, st == TAGC_ERR_CORRUPT
-                                            ? "buf is not a valid message of k pairs of a "
-                                              "shard of out.numel() (out untouched)"
-                                            : NULL);
-done:
-    views_release(&vs_);
-    return ret;
+    END_NONE(TAGC_ERR_CORRUPT,
+             "buf is not a valid message of k pairs of a "
+             "shard of out.numel() (out untouched)");
 }
 
 static PyObject *py_quant_encode(PyObject *m, PyObject *args, PyObject *kw)
@@ -1216,15 +1194,9 @@ static PyObject *py_quant_encode(PyObject *m, PyObject *args, PyObject *kw)
                               codec_dtype(res->kind), grad->data, codec_dtype(grad->kind), n,
                               fmt, block));
     }
-    ret = st == TAGC_OK
-              ? none_result()
-              : raise_status(m, fn, st, st == TAGC_ERR_NONFINITE
-                                            ? "grad + residual holds NaN or Inf (residual "
-                                              "untouched)"
-                                            : NULL);
-done:
-    views_release(&vs_);
-    return ret;
+    END_NONE(TAGC_ERR_NONFINITE,
+             "grad + residual holds NaN or Inf (residual "
+             "untouched)");
 }
 
 static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
@@ -1256,15 +1228,9 @@ static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
     } else {
         RUN(tagc_quant_decode_add(out->data, out->numel, buf->data, buf->numel, fmt, block));
     }
-    ret = st == TAGC_OK
-              ? none_result()
-              : raise_status(m, fn, st, st == TAGC_ERR_CORRUPT
-                                            ? "buf holds a code outside the format "
-                                              "(out untouched)"
-                                            : NULL);
-done:
-    views_release(&vs_);
-    return ret;
+    END_NONE(TAGC_ERR_CORRUPT,
+             "buf holds a code outside the format "
+             "(out untouched)");
 }
 
 static PyObject *py_cuda_available(PyObject *m, PyObject *unused)
