@@ -49,7 +49,6 @@ class Bypass:
             raise ValueError(f"bypass_every: a probe needs >= 2 reductions between, got {every}")
         self.every, self.clock = every, clock
         self.compress = True
-        self.calls = 0
         self.interval = every  # reductions from one probe to the next
         self.since = 0         # reductions since the last probe
         self.sums: Dict[str, float] = {p: 0.0 for p in PATHS}
@@ -95,7 +94,6 @@ class Bypass:
             device: where the 16-byte agreement tensor lives (the gradient's).
         """
         probe = self._probe()
-        self.calls += 1
         self.since += 1
         if not probe:
             return
