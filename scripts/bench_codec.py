@@ -34,6 +34,7 @@ import torch
 # the repository's in-place build of _tagc, also when the editable install points elsewhere
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _tagc  # noqa: E402
+from tagc.config import keep_count  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def bench_case(S: int, theta: float, ranks: int, reps: int) -> List[Dict]:
     Returns:
         one row dict per op.
     """
-    k = math.ceil(round((1 - theta) * S, 9))
+    k = keep_count(theta, S)
     gen = torch.Generator().manual_seed(S)
     grads = [torch.randn(S, generator=gen) for _ in range(3)]
     residual = torch.zeros(S)

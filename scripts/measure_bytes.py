@@ -24,7 +24,6 @@ Usage: python scripts/measure_bytes.py [--world-sizes 2 4] [--theta 0.9875]
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import warnings
@@ -100,6 +99,7 @@ def simulate(n: int, theta: float, width: int) -> None:
     import _tagc
 
     import tagc_hook as tagc
+    from tagc.config import keep_count
 
     sizes = [width * 4 * width] * 2  # the two Linear weights: one unit each
     print(f"\n# simulated N={n} (wire-size rules, no processes), theta={theta}")
@@ -113,7 +113,7 @@ def simulate(n: int, theta: float, width: int) -> None:
         wire = default = 0.0
         for numel in sizes:
             s = -(-numel // n)
-            k = min(max(math.ceil(round((1.0 - cfg.theta) * s, 9)), 1), s)
+            k = keep_count(cfg.theta, s)
             if cfg.mode == "sparse":
                 msg = _tagc.sparse_bytes(k, vd)
             elif cfg.mode == "auto":

@@ -56,6 +56,20 @@ def _parse_dtype(value: Any, field_name: str) -> torch.dtype:
                      f"(or 'float32'/'bf16'), got {value!r}")
 
 
+def keep_count(theta: float, s: int) -> int:
+    """Entries a rank keeps of a shard of ``s`` at sparsity ``theta``: ceil((1-theta) s),
+    at least 1 and at most s (the one rule every transport and tool sizes by).
+
+    Args:
+        theta: sparsity in [0, 1).
+        s: shard length (>= 1).
+    Returns:
+        k.
+    """
+    # round() guards against (1 - 0.9875) * 800 == 10.000000000000009
+    return min(max(math.ceil(round((1.0 - theta) * s, 9)), 1), s)
+
+
 # --------------------------------------------------------------------------- config
 
 @dataclass
@@ -299,6 +313,19 @@ class TAGCConfig:
             return self.theta
         d0, d1 = 1.0 - self.warmup_theta, 1.0 - self.theta
         return 1.0 - d0 * (d1 / d0) ** (j / self.warmup_steps)
+
+    def kept(self, step: int, s: int) -> int:
+        """Entries kept per shard of ``s`` at reduction ``step`` (warm-up schedule).
+
+        Args:
+            step: the unit's reduction number (not one of the dense steps).
+            s: shard length.
+        Returns:
+            :func:`keep_count` of the step's sparsity.
+        """
+        theta = self.theta_at(step)
+        assert theta is not None  # dense steps never reach the codecs
+        return keep_count(theta, s)
 
     # -- (de)serialisation
     def to_dict(self) -> Dict[str, Any]:

@@ -144,9 +144,7 @@ class ReplicaReducer(UnitReducer):
         return 1  # an all-reduce input: this rank's one shard
 
     def k(self, s: int) -> int:
-        theta = self.cfg.theta_at(self.step)
-        k = math.ceil(round((1.0 - theta) * s, 9))
-        return min(max(k, 1), s)
+        return self.cfg.kept(self.step, s)
 
 
 def _dense(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Tensor) -> None:

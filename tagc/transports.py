@@ -72,11 +72,7 @@ class Call:
 
     def k(self, s: int) -> int:
         """Entries kept per shard of ``s`` at this step (warm-up schedule)."""
-        theta = self.cfg.theta_at(self.step)
-        assert theta is not None  # dense steps never reach the codecs
-        # round() guards against (1 - 0.9875) * 800 == 10.000000000000009
-        k = math.ceil(round((1.0 - theta) * s, 9))
-        return min(max(k, 1), s)
+        return self.cfg.kept(self.step, s)
 
     def seed(self) -> int:
         """Sketch hash seed of this call: the same on every rank, new every step."""
