@@ -35,7 +35,7 @@ from .config import TAGCConfig
 from .device import CodecStreams, Exec
 from .reducer import UnitReducer
 from .stats import UnitStats
-from .transports import _tagc, auto_value_dtype, require_codec
+from .transports import _tagc, pairs_wire, require_codec
 
 HSDP_DIMS = ("replicate", "shard")
 
@@ -179,36 +179,22 @@ def _select(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, k: int,
     return [idx, val, bm]
 
 
-def _gather_pairs(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Tensor,
-                  k: int, vd: torch.dtype, nbytes: int, pack: Callable[..., None],
-                  unpack: Callable[..., None]) -> None:
-    """Every replica's k pairs of the shard to every replica (one all-gather of
-    messages whose size every replica knows), added in replica order."""
-    idx, val, _ = _select(r, comm, g, k, vd)
-    mine = torch.empty(nbytes, dtype=torch.uint8, device=g.device)
-    pack(mine, idx, val)
-    every = torch.empty(comm.world, nbytes, dtype=torch.uint8, device=g.device)
+def _pairs(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Tensor) -> None:
+    """``sparse`` and ``auto``: every replica's k pairs of the shard to every replica
+    (one all-gather of messages whose size every replica knows), added in replica
+    order."""
+    k = r.k(g.numel())
+    wire = pairs_wire(r.cfg, g.numel(), k, g.dtype, comm.dev.kw)
+    idx, val, _ = _select(r, comm, g, k, wire.value_dtype)
+    mine = torch.empty(wire.nbytes, dtype=torch.uint8, device=g.device)
+    wire.pack(mine, idx, val)
+    every = torch.empty(comm.world, wire.nbytes, dtype=torch.uint8, device=g.device)
     comm.all_gather(every, mine)
     for i in range(comm.world):
-        unpack(acc, every[i])
+        wire.unpack(acc, every[i])
     r.stats.add("shard_slots", g.numel(), comm.dev.ok)
-
-
-def _sparse(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Tensor) -> None:
-    k, vd, kw = r.k(g.numel()), r.cfg.value_dtype, comm.dev.kw
-    _gather_pairs(r, comm, g, acc, k, vd, _tagc.sparse_bytes(k, vd),
-                  lambda b, i, v: _tagc.sparse_pack(b, i, v, **kw),
-                  lambda a, b: _tagc.sparse_unpack(a, b, k, vd, **kw))
-
-
-def _auto(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Tensor) -> None:
-    n, kw = g.numel(), comm.dev.kw
-    k, vd = r.k(n), auto_value_dtype(r.cfg, g.dtype)
-    coding = _tagc.pairs_cheapest(n, k, vd)
-    _gather_pairs(r, comm, g, acc, k, vd, _tagc.pairs_bytes(n, k, vd, coding),
-                  lambda b, i, v: _tagc.pairs_pack(b, i, v, n, coding, **kw),
-                  lambda a, b: _tagc.pairs_unpack_add(a, b, k, vd, coding, **kw))
-    r.stats.add("coded_" + coding, 1, comm.dev.ok)
+    if wire.coding is not None:
+        r.stats.add("coded_" + wire.coding, 1, comm.dev.ok)
 
 
 def _peel_all(r: ReplicaReducer, comm: ReplicaComm, acc: torch.Tensor, sk: torch.Tensor,
@@ -277,7 +263,7 @@ def _paper(r: ReplicaReducer, comm: ReplicaComm, g: torch.Tensor, acc: torch.Ten
 
 
 REPLICA_TRANSPORTS: Dict[str, Callable[..., None]] = {
-    "dense": _dense, "quant": _quant, "sparse": _sparse, "auto": _auto, "exact": _exact,
+    "dense": _dense, "quant": _quant, "sparse": _pairs, "auto": _pairs, "exact": _exact,
     "paper": _paper}
 
 

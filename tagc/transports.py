@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -133,37 +133,23 @@ def dense(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
     torch.sum(recv.float(), dim=0, out=acc)
 
 
-def _pairs(call: Call, inp: torch.Tensor, acc: torch.Tensor, k: int, vd: torch.dtype,
-           nbytes: int, pack: Callable[..., None], unpack: Callable[..., None]) -> None:
-    """Each rank's k kept pairs of shard r to its owner r, one message of
-    ``nbytes`` (known to every rank from sizes alone, so the receives are
-    posted first and shard r leaves while shard r+1 is selected); the owner
-    adds the N messages in rank order."""
-    n, s, rank = call.world, acc.numel(), call.rank
-    buf = torch.empty(n, nbytes, dtype=torch.uint8, device=inp.device)
-    recv = torch.empty_like(buf)
-    works = call.comm.post_recvs(recv)
+class PairsWire(NamedTuple):
+    """One rank's message of k kept pairs of a shard in a pairs mode (``sparse``,
+    ``auto``); every field follows from (mode, S, k, dtypes), the same on every rank.
 
-    def send(r: int, idx: torch.Tensor, val: torch.Tensor, bm: torch.Tensor) -> None:
-        pack(buf[r], idx[r], val[r])
-        if r != rank:
-            call.comm.post_send(works, buf, recv, r)
+    Attributes:
+        value_dtype: the kept values' dtype.
+        nbytes: the message size.
+        pack: ``pack(buf, idx, val)`` writes the message.
+        unpack: ``unpack(acc, buf)`` adds a received message.
+        coding: ``auto``'s coding (``tagc_coding`` name); None for ``sparse``.
+    """
 
-    sparsify_all(call, inp, s, k, with_bitmap=False, per_shard=send, order=call.comm.ring(),
-                 value_dtype=vd)
-    call.comm.wait(works)
-    acc.zero_()
-    for r in range(n):  # rank order: the same sum on every run and in every mode
-        unpack(acc, buf[r] if r == rank else recv[r])
-    call.add("shard_slots", s)
-
-
-def sparse(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
-    """Exactly k (int32 offset, value) pairs per shard to its owner, shard by shard."""
-    k, vd, kw = call.k(acc.numel()), call.cfg.value_dtype, call.dev.kw
-    _pairs(call, inp, acc, k, vd, _tagc.sparse_bytes(k, vd),
-           lambda b, i, v: _tagc.sparse_pack(b, i, v, **kw),
-           lambda a, b: _tagc.sparse_unpack(a, b, k, vd, **kw))
+    value_dtype: torch.dtype
+    nbytes: int
+    pack: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+    unpack: Callable[[torch.Tensor, torch.Tensor], None]
+    coding: Optional[str]
 
 
 def auto_value_dtype(cfg: TAGCConfig, grad_dtype: torch.dtype) -> torch.dtype:
@@ -171,24 +157,64 @@ def auto_value_dtype(cfg: TAGCConfig, grad_dtype: torch.dtype) -> torch.dtype:
     own dtype when that is narrower (bf16 gradients with fp32 values), so that
     the dense coding never sends more than the plain reduce-scatter would; the
     rounding goes to the residual like any value rounding."""
-    if torch.empty((), dtype=grad_dtype).element_size() < \
-            torch.empty((), dtype=cfg.value_dtype).element_size():
-        return grad_dtype
-    return cfg.value_dtype
+    return grad_dtype if grad_dtype.itemsize < cfg.value_dtype.itemsize else cfg.value_dtype
 
 
-def auto(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
-    """The same pairs as ``sparse`` (every owner gets the exact sum of every
-    rank's top-k), each message in the coding of fewest bytes for (S, k, value
-    dtype): Elias-Fano positions, a bitmap, or dense values.  Every rank
-    derives the same coding from sizes alone: no extra exchange."""
-    s, kw = acc.numel(), call.dev.kw
-    k, vd = call.k(s), auto_value_dtype(call.cfg, inp.dtype)
-    coding = _tagc.pairs_cheapest(s, k, vd)
-    _pairs(call, inp, acc, k, vd, _tagc.pairs_bytes(s, k, vd, coding),
-           lambda b, i, v: _tagc.pairs_pack(b, i, v, s, coding, **kw),
-           lambda a, b: _tagc.pairs_unpack_add(a, b, k, vd, coding, **kw))
-    call.add("coded_" + coding, call.world)
+def pairs_wire(cfg: TAGCConfig, s: int, k: int, grad_dtype: torch.dtype,
+               kw: Dict[str, int]) -> PairsWire:
+    """The message of k pairs of a shard of s: ``sparse``'s int32 offsets + values,
+    or ``auto``'s coding of fewest bytes for (S, k, value dtype) (Elias-Fano
+    positions, a bitmap, or dense values), which every rank derives from sizes
+    alone: no extra exchange.
+
+    Args:
+        cfg: the config (``mode`` sparse or auto).
+        s: shard length.
+        k: pairs per message.
+        grad_dtype: the gradient's dtype.
+        kw: the ``_tagc`` call keywords (the CUDA stream).
+    Returns:
+        the wire format.
+    """
+    if cfg.mode == "sparse":
+        vd = cfg.value_dtype
+        return PairsWire(vd, _tagc.sparse_bytes(k, vd),
+                         lambda b, i, v: _tagc.sparse_pack(b, i, v, **kw),
+                         lambda a, b: _tagc.sparse_unpack(a, b, k, vd, **kw), None)
+    vd = auto_value_dtype(cfg, grad_dtype)
+    c = _tagc.pairs_cheapest(s, k, vd)
+    return PairsWire(vd, _tagc.pairs_bytes(s, k, vd, c),
+                     lambda b, i, v: _tagc.pairs_pack(b, i, v, s, c, **kw),
+                     lambda a, b: _tagc.pairs_unpack_add(a, b, k, vd, c, **kw), c)
+
+
+def pairs(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
+    """``sparse`` and ``auto``: each rank's k kept pairs of shard r to its owner r,
+    one message of a size every rank knows (:func:`pairs_wire`), so the receives
+    are posted first and shard r leaves while shard r+1 is selected; the owner
+    adds the N messages in rank order (so ``auto`` sums exactly what ``sparse``
+    sums, bit for bit)."""
+    n, s, rank = call.world, acc.numel(), call.rank
+    k = call.k(s)
+    wire = pairs_wire(call.cfg, s, k, inp.dtype, call.dev.kw)
+    buf = torch.empty(n, wire.nbytes, dtype=torch.uint8, device=inp.device)
+    recv = torch.empty_like(buf)
+    works = call.comm.post_recvs(recv)
+
+    def send(r: int, idx: torch.Tensor, val: torch.Tensor, bm: torch.Tensor) -> None:
+        wire.pack(buf[r], idx[r], val[r])
+        if r != rank:
+            call.comm.post_send(works, buf, recv, r)
+
+    sparsify_all(call, inp, s, k, with_bitmap=False, per_shard=send, order=call.comm.ring(),
+                 value_dtype=wire.value_dtype)
+    call.comm.wait(works)
+    acc.zero_()
+    for r in range(n):  # rank order: the same sum on every run and in every mode
+        wire.unpack(acc, buf[r] if r == rank else recv[r])
+    call.add("shard_slots", s)
+    if wire.coding is not None:
+        call.add("coded_" + wire.coding, n)
 
 
 def quant(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
@@ -348,5 +374,5 @@ def paper(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
 
 
 TRANSPORTS: Dict[str, Callable[[Call, torch.Tensor, torch.Tensor], None]] = {
-    "dense": dense, "sparse": sparse, "auto": auto, "quant": quant, "exact": exact,
+    "dense": dense, "sparse": pairs, "auto": pairs, "quant": quant, "exact": exact,
     "paper": paper}
