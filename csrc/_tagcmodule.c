@@ -464,6 +464,11 @@ static PyObject *int_result(view_t *out, int present, int64_t i)
     view_t *var = view_take_opt(&vs_, obj, name, allowed, &present);      \
     if (var == NULL)                                                      \
         goto done
+/* The optional `status_out=` of the functions whose data errors a CUDA launch
+ * reports on the device: a 1-element int32 tensor, or absent. */
+#define TAKE_STATUS(obj)                                                  \
+    TAKE_OPT(status, has_status, obj, "status_out", K_I32);               \
+    CHECK(scalar_out_ok(&vs_, status, has_status))
 #define CHECK(expr)     \
     if ((expr) < 0)     \
         goto done
@@ -774,10 +779,9 @@ static PyObject *py_sketch_encode(PyObject *m, PyObject *args, PyObject *kw)
     TAKE(sk, osk, "sketch", K_F32 | K_BF16);
     TAKE(idx, oidx, "idx", K_I32);
     TAKE(val, oval, "val", K_F32 | K_BF16);
-    TAKE_OPT(status, has_status, ostatus, "status_out", K_I32);
+    TAKE_STATUS(ostatus);
     int64_t n, t;
     uint64_t seed;
-    CHECK(scalar_out_ok(&vs_, status, has_status));
     CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
     CHECK(arg_range(fn, ot, "t", 1, T_MAX, &t));
     CHECK(arg_u64(fn, oseed, "seed", &seed));
@@ -890,8 +894,7 @@ static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
     CHECK(arg_stream(fn, ostream, &stream));
     TAKE(out, oout, "out", K_F32);
     TAKE(buf, obuf, "buf", K_U8);
-    TAKE_OPT(status, has_status, ostatus, "status_out", K_I32);
-    CHECK(scalar_out_ok(&vs_, status, has_status));
+    TAKE_STATUS(ostatus);
     int64_t k;
     tagc_dtype vd;
     CHECK(arg_value_dtype(fn, odt, &vd));
@@ -1097,8 +1100,7 @@ static PyObject *py_pairs_pack(PyObject *m, PyObject *args, PyObject *kw)
     TAKE(buf, obuf, "buf", K_U8);
     TAKE(idx, oidx, "idx", K_I32);
     TAKE(val, oval, "val", K_F32 | K_BF16);
-    TAKE_OPT(status, has_status, ostatus, "status_out", K_I32);
-    CHECK(scalar_out_ok(&vs_, status, has_status));
+    TAKE_STATUS(ostatus);
     int64_t n, k = idx->numel;
     tagc_coding c;
     tagc_dtype vd = codec_dtype(val->kind);
@@ -1134,8 +1136,7 @@ static PyObject *py_pairs_unpack_add(PyObject *m, PyObject *args, PyObject *kw)
     CHECK(arg_stream(fn, ostream, &stream));
     TAKE(out, oout, "out", K_F32);
     TAKE(buf, obuf, "buf", K_U8);
-    TAKE_OPT(status, has_status, ostatus, "status_out", K_I32);
-    CHECK(scalar_out_ok(&vs_, status, has_status));
+    TAKE_STATUS(ostatus);
     int64_t k;
     tagc_dtype vd;
     tagc_coding c;
@@ -1213,8 +1214,7 @@ static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
     CHECK(arg_quant(fn, ofmt, oblock, &fmt, &block));
     TAKE(out, oout, "out", K_F32);
     TAKE(buf, obuf, "buf", K_U8);
-    TAKE_OPT(status, has_status, ostatus, "status_out", K_I32);
-    CHECK(scalar_out_ok(&vs_, status, has_status));
+    TAKE_STATUS(ostatus);
     CHECK(need_max_n(&vs_, out));
     CHECK(need_size(&vs_, buf, tagc_quant_bytes(out->numel, fmt, block), 1,
                     "quant_bytes(out.numel(), format, block)"));
