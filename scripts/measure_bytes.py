@@ -100,6 +100,7 @@ def simulate(n: int, theta: float, width: int) -> None:
 
     import tagc_hook as tagc
     from tagc.config import keep_count
+    from tagc.transports import pairs_wire
 
     sizes = [width * 4 * width] * 2  # the two Linear weights: one unit each
     print(f"\n# simulated N={n} (wire-size rules, no processes), theta={theta}")
@@ -109,15 +110,12 @@ def simulate(n: int, theta: float, width: int) -> None:
             continue
         cfg = tagc.TAGCConfig(**dict(kw, theta=theta) if kw["mode"] not in ("quant", "dense")
                               else kw)
-        vd = cfg.value_dtype
         wire = default = 0.0
         for numel in sizes:
             s = -(-numel // n)
             k = keep_count(cfg.theta, s)
-            if cfg.mode == "sparse":
-                msg = _tagc.sparse_bytes(k, vd)
-            elif cfg.mode == "auto":
-                msg = _tagc.pairs_bytes(s, k, vd, _tagc.pairs_cheapest(s, k, vd))
+            if cfg.mode in ("sparse", "auto"):  # the transports' own rule, fp32 gradients
+                msg = pairs_wire(cfg, s, k, torch.float32, {}).nbytes
             elif cfg.mode == "quant":
                 msg = _tagc.quant_bytes(s, cfg.quant_format, cfg.quant_block)
             else:
