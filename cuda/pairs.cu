@@ -30,11 +30,7 @@
 static __device__ __forceinline__ uint32_t pairs_word(const uint8_t *p, int64_t nbytes,
                                                       int64_t w)
 {
-    uint32_t x = 0;
-    for (int i = 0; i < 4; i++)
-        if (4 * w + i < nbytes)
-            x |= (uint32_t)p[4 * w + i] << (8 * i);
-    return x;
+    return (uint32_t)tagc_ld_le(p + 4 * w, nbytes - 4 * w < 4 ? nbytes - 4 * w : 4);
 }
 
 /* The l-bit field at bit offset `at` of an LSB-first bit array of nbytes
@@ -43,17 +39,13 @@ static __device__ __forceinline__ uint32_t pairs_field(const uint8_t *p, int64_t
                                                        int64_t at, int l)
 {
     int64_t b0 = at >> 3;
-    uint64_t x = 0;
-    for (int i = 0; i < 5 && b0 + i < nbytes; i++)
-        x |= (uint64_t)p[b0 + i] << (8 * i);
+    uint64_t x = tagc_ld_le(p + b0, nbytes - b0 < 5 ? nbytes - b0 : 5);
     return (uint32_t)((x >> (at & 7)) & (((uint64_t)1 << l) - 1));
 }
 
 static __device__ __forceinline__ float pairs_ld_val(const uint8_t *p, int vs, int64_t j)
 {
-    uint32_t u = 0;
-    for (int i = 0; i < vs; i++)
-        u |= (uint32_t)p[j * vs + i] << (8 * i);
+    uint32_t u = (uint32_t)tagc_ld_le(p + j * vs, vs);
     return vs == 4 ? __uint_as_float(u) : tagc_bf16_to_f32((uint16_t)u);
 }
 

@@ -6,14 +6,6 @@
 #include "tagc_cuda_common.cuh"
 #include "../csrc/tagc_checks.h"
 
-static __device__ __forceinline__ uint32_t sparse_ld_le(const uint8_t *p, int len)
-{
-    uint32_t w = 0;
-    for (int b = 0; b < len; b++)
-        w |= (uint32_t)p[b] << (8 * b);
-    return w;
-}
-
 static __global__ void sparse_check_kernel(int32_t *bad, int32_t *dev_status,
                                            const uint8_t *buf, int64_t k,
                                            int64_t n)
@@ -22,7 +14,7 @@ static __global__ void sparse_check_kernel(int32_t *bad, int32_t *dev_status,
     int found = 0;
     for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < k;
          j += stride) {
-        int64_t off = (int32_t)sparse_ld_le(buf + 4 * j, 4);
+        int64_t off = (int32_t)tagc_ld_le(buf + 4 * j, 4);
         found |= off < 0 || off >= n;
     }
     if (__syncthreads_or(found) && threadIdx.x == 0) {
@@ -40,8 +32,8 @@ static __global__ void sparse_unpack_kernel(float *out, const uint8_t *buf,
     int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < k;
          j += stride) {
-        int32_t off = (int32_t)sparse_ld_le(buf + 4 * j, 4);
-        uint32_t bits = sparse_ld_le(buf + 4 * k + es * j, es);
+        int32_t off = (int32_t)tagc_ld_le(buf + 4 * j, 4);
+        uint32_t bits = (uint32_t)tagc_ld_le(buf + 4 * k + es * j, es);
         float v = es == 4 ? __uint_as_float(bits) : tagc_bf16_to_f32((uint16_t)bits);
         atomicAdd(&out[off], v);
     }

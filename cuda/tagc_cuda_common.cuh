@@ -85,6 +85,17 @@ static inline tagc_status tagc_ws_open(tagc_carver *c, void *ws, size_t ws_bytes
     return TAGC_OK;
 }
 
+/* The first min(len, 8) bytes at p as a little-endian word (none when len <= 0):
+ * received messages come at any alignment and are read a byte at a time (the
+ * twin of load_le in csrc/tagc_internal.h). */
+static __device__ __forceinline__ uint64_t tagc_ld_le(const uint8_t *p, int64_t len)
+{
+    uint64_t w = 0;
+    for (int i = 0; i < 8 && i < len; i++)
+        w |= (uint64_t)p[i] << (8 * i);
+    return w;
+}
+
 static __device__ __forceinline__ float tagc_ld(const void *p, int d, int64_t i)
 {
     if (d == TAGC_F32)
