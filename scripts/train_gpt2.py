@@ -508,6 +508,7 @@ class GradBytes:
         self.steps = 0
         self.start = self._totals() if state is not None else None
         self.sent = self.uncompressed = self.unpeeled = self.recovered = 0.0
+        self.gather_sent = self.gather_uncompressed = 0.0
         self.comp_bits = float("nan")  # wire bits per gradient element, compressed units
 
     def _totals(self) -> Dict[str, float]:
@@ -516,6 +517,8 @@ class GradBytes:
         elems = sum(u["numel"] * u["calls"] for u in st["units"].values() if u["compressed"])
         return {"sent": float(total["wire_bytes"]),
                 "uncompressed": float(total["default_wire_bytes"]),
+                "gather_sent": float(total["gather_wire_bytes"]),
+                "gather_uncompressed": float(total["gather_default_wire_bytes"]),
                 "unpeeled": float(total["unpeeled"]), "recovered": float(total["recovered"]),
                 "comp_sent": float(comp["wire_bytes"]), "comp_elems": float(elems)}
 
@@ -530,6 +533,8 @@ class GradBytes:
         self.uncompressed = now["uncompressed"] - s0["uncompressed"]
         self.unpeeled = now["unpeeled"] - s0["unpeeled"]
         self.recovered = now["recovered"] - s0["recovered"]
+        self.gather_sent = now["gather_sent"] - s0["gather_sent"]
+        self.gather_uncompressed = now["gather_uncompressed"] - s0["gather_uncompressed"]
         elems = now["comp_elems"] - s0["comp_elems"]
         if elems:
             self.comp_bits = 8 * (now["comp_sent"] - s0["comp_sent"]) / elems
@@ -539,9 +544,15 @@ class GradBytes:
         return 100.0 * (1 - self.sent / self.uncompressed) if self.uncompressed else 0.0
 
     def line(self) -> str:
-        """``sent X of Y uncompressed (Z% saved)`` for the log."""
-        return (f"sent {_fmt_bytes(self.sent)} of {_fmt_bytes(self.uncompressed)} "
-                f"uncompressed ({self.saved_pct:.1f}% saved)")
+        """``sent X of Y uncompressed (Z% saved)`` for the log (and the parameter
+        gathers' when TAGC quantizes them)."""
+        out = (f"sent {_fmt_bytes(self.sent)} of {_fmt_bytes(self.uncompressed)} "
+               f"uncompressed ({self.saved_pct:.1f}% saved)")
+        if self.gather_sent != self.gather_uncompressed:
+            pct = 100.0 * (1 - self.gather_sent / self.gather_uncompressed)
+            out += (f"; param gathers {_fmt_bytes(self.gather_sent)} of "
+                    f"{_fmt_bytes(self.gather_uncompressed)} ({pct:.1f}% saved)")
+        return out
 
 
 # =============================================================================== checkpoint
@@ -697,14 +708,21 @@ def _fmt_bytes(n: float) -> str:
 
 @torch.no_grad()
 def estimate_val_loss(model: nn.Module, data: gpt2_data.TokenData, cfg: RunConfig,
-                      device: torch.device, loss_fn: Callable[..., torch.Tensor]) -> float:
-    """Mean validation loss over eval_iters fixed batches per rank, averaged over ranks."""
+                      device: torch.device, loss_fn: Callable[..., torch.Tensor],
+                      tagc_state: Any = None) -> float:
+    """Mean validation loss over eval_iters fixed batches per rank, averaged over ranks.
+
+    With TAGC's quantized parameter gathers (``gather``), the weights are gathered
+    exactly here: the loss reported is the model's, not its quantized view.
+    """
     model.eval()
     total = torch.zeros(1, dtype=torch.float64, device=device)
     rank = dist.get_rank()
-    for k in range(cfg.eval_iters):
-        x, y = data.get_batch("val", cfg.batch_size, cfg.block_size, (cfg.seed, 1, k, rank))
-        total += loss_fn(model, x.to(device), y.to(device)).double()
+    exact = tagc_state.exact_gathers() if tagc_state is not None else contextlib.nullcontext()
+    with exact, torch.no_grad():
+        for k in range(cfg.eval_iters):
+            x, y = data.get_batch("val", cfg.batch_size, cfg.block_size, (cfg.seed, 1, k, rank))
+            total += loss_fn(model, x.to(device), y.to(device)).double()
     dist.all_reduce(total)  # SUM: gloo's AVG is not trusted
     model.train()
     return total.item() / (cfg.eval_iters * dist.get_world_size())
@@ -909,7 +927,7 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
     model.train()
     while True:
         if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-            val_loss = estimate_val_loss(model, data, cfg, device, spec.loss)
+            val_loss = estimate_val_loss(model, data, cfg, device, spec.loss, tagc_state)
             logger.info("iter %d: val loss %.4f", iter_num, val_loss)
             metrics.write(kind="val", iter=iter_num, loss=val_loss,
                           elapsed_s=time.perf_counter() - t_start, train_s=sum(step_times))
@@ -953,14 +971,15 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
         "iters": iter_num, "steps_this_run": steps, "final_val_loss": val_loss,
         "mean_step_ms": 1000 * sum(steady) / len(steady) if steady else float("nan"),
         "bytes_sent": gb.sent, "bytes_uncompressed": gb.uncompressed,
-        "saved_pct": gb.saved_pct,
+        "saved_pct": gb.saved_pct, "gather_bytes_sent": gb.gather_sent,
+        "gather_bytes_uncompressed": gb.gather_uncompressed,
         "bits_per_param": 8 * gb.sent / (steps * spec.n_params) if steps else float("nan"),
         "compressed_bits_per_param": gb.comp_bits, "unpeeled": gb.unpeeled,
         "recovered": gb.recovered,
     }
-    logger.info("final: iter %d, val loss %.4f, %.0f ms/step, grad bytes/rank %s; "
-                "%.2f bits/param/step, %s on compressed units)", iter_num, val_loss,
-                summary["mean_step_ms"], gb.line()[:-1], summary["bits_per_param"],
+    logger.info("final: iter %d, val loss %.4f, %.0f ms/step, grad bytes/rank %s "
+                "(gradients: %.2f bits/param/step, %s on compressed units)", iter_num,
+                val_loss, summary["mean_step_ms"], gb.line(), summary["bits_per_param"],
                 "none" if math.isnan(gb.comp_bits) else f"{gb.comp_bits:.2f}")
     return summary
 

@@ -23,6 +23,8 @@ MODES = ("paper", "exact", "sparse", "auto", "quant", "dense")
 QUANT_FORMATS = ("sign", "ternary", "int4", "int8")
 # Bits on the wire per value of each quant format (scales excluded).
 QUANT_BITS = {"sign": 1.0, "ternary": 1.6, "int4": 4.0, "int8": 8.0}
+# Parameter all-gather formats (FSDP2): "none" leaves FSDP's own all-gather alone.
+GATHER_FORMATS = ("none", "int8", "int4")
 # The paper's compression presets: ratio -> sparsity (Table/Section 4 of the paper).
 PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
 _FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
@@ -178,6 +180,30 @@ class TAGCConfig:
             empty the residual, so nothing owed is lost; counted in
             ``bypassed_calls``.  CUDA: one host sync per probe.  Not in
             ``dense`` mode nor with HSDP (NotImplementedError).
+        gather: FSDP2 only: how each unit's *parameters* travel in FSDP's
+            all-gathers (the forward gather and the backward re-gather, 2 of
+            FSDP's 3 collectives).  ``"none"`` (default): FSDP's own exact
+            all-gather.  ``"int8"`` / ``"int4"``: every rank block-quantizes
+            its shard (round to nearest, ``max|w|/127`` or ``max|w|/7`` per
+            block of ``gather_block`` values, blocks never crossing a
+            parameter), one all-gather of codes + scales, and every rank, the
+            owner included, dequantizes all shards, so every rank computes
+            with the same weights, in forward and backward alike (the same
+            masters give the same bytes).  The sharded parameters and the
+            optimizer are untouched: only the gathered copy is quantized, the
+            gradient is taken at it (straight through) and applied to the
+            exact masters (ZeRO++'s qwZ, arXiv 2306.10209).  Applies to every
+            unit (not only the ``layers`` selection: weights of attention and
+            norms quantize as well as any, and every byte counts) whose
+            all-gather dtype is fp32 or bf16.  A block holding NaN/Inf is never quantized:
+            the whole unit is then gathered exactly on every rank (CPU); on
+            CUDA the block decodes to NaN (the step fails loudly).
+            :meth:`TAGCState.exact_gathers` gathers exactly, e.g. for
+            validation.  Cost per rank and gather: ``(N-1)/N * (8 + 32/
+            gather_block)`` bits per parameter for int8 (8.125 at block
+            256), against 32 (fp32) or 16 (bf16 ``param_dtype``); memory:
+            the codes of one unit, per call, nothing kept.
+        gather_block: values per fp32 scale of the gather codes, 1..65536.
     """
 
     mode: str = "exact"
@@ -198,6 +224,8 @@ class TAGCConfig:
     quant_block: int = 256
     ef21: bool = False
     bypass_every: int = 0
+    gather: str = "none"
+    gather_block: int = 256
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -238,6 +266,9 @@ class TAGCConfig:
         if self.bypass_every and self.mode == "dense":
             raise ValueError("bypass_every: needs a compressing mode (mode='dense' compresses "
                              "nothing to bypass)")
+        if self.gather not in GATHER_FORMATS:
+            raise ValueError(f"gather: must be one of {GATHER_FORMATS}, got {self.gather!r}")
+        _check_int("gather_block", self.gather_block, 1, 65536)
 
     def _resolve_sparsity(self) -> None:
         """theta and ratio: paper mode derives one from the other (its presets),

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Any, Dict, List
+from typing import Any, ContextManager, Dict, List, Optional
 
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint, fsdp1, fsdp2, hsdp, stats, transports
+from . import checkpoint, fsdp1, fsdp2, gather, hsdp, stats, transports
 from .config import TAGCConfig
 from .device import CodecStreams
 from .reducer import UnitReducer
@@ -24,11 +25,29 @@ class TAGCState:
     """
 
     def __init__(self, cfg: TAGCConfig, kind: str, units: List[UnitReducer], rank: int,
-                 world_size: int, streams: CodecStreams) -> None:
+                 world_size: int, streams: CodecStreams,
+                 modules: Optional[List[nn.Module]] = None) -> None:
         self.cfg, self.kind, self.units = cfg, kind, units
         self.rank, self.world_size = rank, world_size
         self._streams = streams
         self._meshes = checkpoint.RowMeshes()
+        self._modules = modules or []
+        self._switch = gather.GatherSwitch()
+        self.gathers: List[gather.GatherComm] = []
+
+    def exact_gathers(self) -> ContextManager[None]:
+        """Context manager: FSDP's parameter all-gathers are exact inside it.
+
+        With ``cfg.gather`` set, the forward and backward see the block-quantized
+        view of the weights; validate inside this block so the loss reported is the
+        model's (the sharded masters, what checkpoints hold), not its quantized
+        view.  Every FSDP2 module is resharded on entry and exit so that no unit
+        keeps weights gathered under the other setting.  Call it on every rank (the
+        gathers are collectives).  A no-op without ``cfg.gather``.
+        """
+        if not self.gathers:
+            return contextlib.nullcontext()
+        return self._switch.exact_gathers(self._modules)
 
     def stats(self, global_totals: bool = False) -> Dict[str, Any]:
         """Statistics since registration (or :meth:`reset_stats`), of THIS rank.
@@ -255,6 +274,11 @@ def register(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     if isinstance(model, FSDP):
+        if cfg.gather != "none":
+            raise ValueError(f"register: gather={cfg.gather!r} quantizes FSDP2's parameter "
+                             "all-gathers (FSDPModule.set_custom_all_gather); FSDP1 has no such "
+                             "hook. Shard the model with FSDP2 (tagc.shard_model or "
+                             "fully_shard), or set gather='none'")
         kind, glue = "fsdp1", fsdp1
     else:
         try:
@@ -288,6 +312,9 @@ def register(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
         hsdp.install(mods, units, shards)
     else:
         glue.install(model, units, mods)
-    state = TAGCState(cfg, kind, units, rank, world, streams)
+    state = TAGCState(cfg, kind, units, rank, world, streams, mods if kind != "fsdp1" else None)
+    if cfg.gather != "none":
+        state.gathers = gather.install(cfg, mods, [u.stats for u in units],
+                                       [u.name for u in units], state._switch)
     _log_units(state)
     return state

@@ -19,7 +19,10 @@ COUNTERS = ("calls", "compressed_calls", "bypassed_calls", "plain_calls", "dense
             "unpeeled", "recovered", "union_size", "shard_slots",
             "collision_dropped", "collision_dropped_l1",
             # auto mode: shard messages sent in each coding (tagc.h tagc_coding)
-            "coded_ef", "coded_bitmap", "coded_dense")
+            "coded_ef", "coded_bitmap", "coded_dense",
+            # parameter all-gathers (TAGCConfig.gather), apart from the gradient's bytes
+            "gather_calls", "gather_quantized_calls", "gather_exact_calls",
+            "gather_nonfinite", "gather_wire_bytes", "gather_default_wire_bytes")
 
 
 class UnitStats:
@@ -86,11 +89,13 @@ class UnitStats:
 
 
 def derive(d: Dict[str, Any]) -> None:
-    """Add ``density`` and ``wire_ratio`` from the counters."""
+    """Add ``density``, ``wire_ratio`` and ``gather_wire_ratio`` from the counters."""
     slots = d["shard_slots"]
     d["density"] = d["union_size"] / slots if slots else 0.0
     dw = d["default_wire_bytes"]
     d["wire_ratio"] = d["wire_bytes"] / dw if dw else 0.0
+    gw = d["gather_default_wire_bytes"]
+    d["gather_wire_ratio"] = d["gather_wire_bytes"] / gw if gw else 0.0
 
 
 def total(entries: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -1,0 +1,224 @@
+"""Quantized parameter all-gathers on FSDP2 (``TAGCConfig.gather``).
+
+FSDP2 gathers each unit's parameters before its forward and again before its
+backward (``FSDPParamGroup.unshard``), one flat buffer per unit:
+``input_tensor = output_tensor.narrow(0, rank * n, n)`` holds this rank's shard,
+i.e. each parameter's dim-0 shard padded to ``ceil(rows / N)`` rows, in group order
+(``_fsdp_collectives.foreach_all_gather``).  ``FSDPModule.set_custom_all_gather``
+lets a comm object fill ``output_tensor``; :class:`GatherComm` is that object.
+
+Protocol of one call (every rank runs the same steps on the same bytes):
+
+1. encode this rank's shard: per parameter (a *segment*, so no block mixes two
+   parameters' ranges), blocks of ``gather_block`` values, a fp32 scale
+   ``max|w| / qmax`` and round-to-nearest codes (``_tagc.wq_encode``).  The same
+   masters give the same bytes, so the forward gather and the backward re-gather
+   hand FSDP the same weights.  A block holding NaN/Inf gets a sentinel scale
+   instead of codes;
+2. one all-gather of the N messages (they have the same size on every rank: the
+   segment lengths are the padded shard lengths, equal on every rank);
+3. every rank decodes every message into its slice of the output, its own shard
+   last (so a refused message never leaves the own slice half-written, and the
+   exact fallback below still reads the true shard).  If any message holds the
+   sentinel, every rank sees it in the same bytes, so all of them fall back to the
+   exact all-gather of the unit for this call, with no extra agreement round.
+
+What is never quantized: a call over another group than the unit's shard group
+(``reshard_after_forward=int`` re-gathers the post-forward shards over the smaller
+group: those shards are slices of an already dequantized output, so the exact
+gather keeps the backward weights equal to the forward ones), all-gather dtypes
+other than fp32/bf16 (FSDP uses uint8 when a unit's dtypes differ), units with a
+non-floating parameter, and every call inside :meth:`GatherSwitch.exact_gathers`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .config import TAGCConfig
+from .stats import UnitStats
+from .transports import _tagc
+
+logger = logging.getLogger(__name__)
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AGBase
+except ImportError:  # pragma: no cover - older torch without custom comms
+    _AGBase = object  # type: ignore[assignment,misc]
+
+_QUANTIZABLE = (torch.float32, torch.bfloat16)
+
+
+class GatherSwitch:
+    """The model-wide "gather exactly" switch shared by every unit's comm."""
+
+    def __init__(self) -> None:
+        self.exact_depth = 0
+
+    @property
+    def exact(self) -> bool:
+        """Whether gathers are exact now."""
+        return self.exact_depth > 0
+
+    @contextlib.contextmanager
+    def exact_gathers(self, modules: Sequence[nn.Module]) -> Iterator[None]:
+        """Gather exactly inside the block.
+
+        FSDP keeps some units unsharded between calls (the root after forward,
+        ``reshard_after_forward=False``), holding weights gathered under the other
+        setting; every module is resharded on entry and on exit so each side
+        gathers afresh under its own setting.
+
+        Args:
+            modules: the model's FSDP2 modules.
+        """
+        _reshard(modules)
+        self.exact_depth += 1
+        try:
+            yield
+        finally:
+            self.exact_depth -= 1
+            _reshard(modules)
+
+
+def _reshard(modules: Sequence[nn.Module]) -> None:
+    for m in modules:
+        m.reshard()
+
+
+class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
+    """FSDP2 custom all-gather of one unit's parameters, block-quantized.
+
+    Args:
+        name: the unit's name (logs).
+        cfg: the config (``gather``, ``gather_block``).
+        segments: padded shard length of each parameter of the unit, in FSDP's
+            group order: the segments of one rank's flat shard.
+        group: the unit's shard process group (calls over another group are exact).
+        quantize: False for units that are always gathered exactly (a parameter
+            that is not floating).
+        stats: the unit's counters (``gather_*``).
+        switch: the model's exact-gather switch.
+    """
+
+    def __init__(self, name: str, cfg: TAGCConfig, segments: List[int], group: Any,
+                 quantize: bool, stats: UnitStats, switch: GatherSwitch) -> None:
+        self.name, self.cfg, self.group = name, cfg, group
+        self.segments = torch.tensor(segments, dtype=torch.int64)
+        self.shard_numel = sum(segments)
+        self.quantize, self.stats, self.switch = quantize, stats, switch
+        self._seg_dev: Optional[torch.Tensor] = None
+        self._warned = False
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: Any, async_op: bool = False) -> None:
+        """Fill ``output_tensor`` with every rank's shard (quantized when it may be).
+
+        FSDP waits on a returned work object, or on nothing: the call returns
+        None with the output written (CPU) or its writes queued on the current
+        stream (CUDA, which FSDP's event after this call orders).
+        """
+        world = dist.get_world_size(group)
+        nb = input_tensor.numel() * input_tensor.element_size()
+        self.stats.add("gather_calls", 1)
+        self.stats.add("gather_default_wire_bytes", (world - 1) * nb)
+        why = self._exact_reason(input_tensor, group)
+        if why is None:
+            try:
+                self._quantized(output_tensor, input_tensor, group, world)
+                return None
+            except _tagc.NonFiniteError:
+                # every rank decoded the same bytes and is here too
+                self.stats.add("gather_nonfinite", 1)
+                logger.warning("TAGC unit %r: a parameter block holds NaN/Inf; this "
+                               "gather is exact on every rank", self.name)
+        self._exact(output_tensor, input_tensor, group, world, nb)
+        return None
+
+    def _exact_reason(self, inp: torch.Tensor, group: Any) -> Optional[str]:
+        """Why this call is gathered exactly, or None when it is quantized."""
+        if self.switch.exact:
+            return "exact_gathers()"
+        if not self.quantize:
+            return "a non-floating parameter"
+        if group is not self.group:
+            return "post-forward group (reshard_after_forward=int)"
+        if inp.dtype not in _QUANTIZABLE:
+            why = f"all-gather dtype {inp.dtype}"
+        elif inp.numel() != self.shard_numel:
+            why = (f"shard of {inp.numel()} elements, the unit's parameters add up to "
+                   f"{self.shard_numel}")
+        else:
+            return None
+        if not self._warned:
+            self._warned = True
+            logger.warning("TAGC unit %r: parameters gathered exactly (%s)", self.name, why)
+        return why
+
+    def _segs(self, device: torch.device) -> Any:
+        """The segment lengths where the codec wants them (a device copy on CUDA)."""
+        if device.type != "cuda":
+            return self.segments
+        if self._seg_dev is None or self._seg_dev.device != device:
+            self._seg_dev = self.segments.to(device)
+        return self._seg_dev
+
+    def _quantized(self, out: torch.Tensor, inp: torch.Tensor, group: Any,
+                   world: int) -> None:
+        fmt, block = self.cfg.gather, self.cfg.gather_block
+        segs = self._segs(inp.device)
+        kw = {"stream": torch.cuda.current_stream(inp.device).cuda_stream} \
+            if inp.is_cuda else {}
+        mb = _tagc.wq_bytes(self.segments, fmt, block)
+        recv = torch.empty(world, mb, dtype=torch.uint8, device=inp.device)
+        rank = dist.get_rank(group)
+        _tagc.wq_encode(recv[rank], inp, segs, fmt, block, **kw)
+        # ring all-gather: this rank's message travels to the N-1 others
+        self.stats.add("gather_wire_bytes", (world - 1) * mb)
+        self.stats.add("gather_quantized_calls", 1)
+        # gloo wants the output flat (world * numel), not stacked
+        dist.all_gather_single(recv.view(-1), recv[rank].clone(), group=group)
+        n = inp.numel()
+        for r in [r for r in range(world) if r != rank] + [rank]:  # own shard last
+            _tagc.wq_decode(out[r * n:(r + 1) * n], recv[r], segs, fmt, block, **kw)
+
+    def _exact(self, out: torch.Tensor, inp: torch.Tensor, group: Any, world: int,
+               nb: int) -> None:
+        self.stats.add("gather_wire_bytes", (world - 1) * nb)
+        self.stats.add("gather_exact_calls", 1)
+        dist.all_gather_single(out, inp, group=group)
+
+
+def install(cfg: TAGCConfig, mods: List[nn.Module], stats: List[UnitStats],
+            names: List[str], switch: GatherSwitch) -> List[GatherComm]:
+    """Give each FSDP2 module a :class:`GatherComm` (``cfg.gather`` != "none").
+
+    Args:
+        cfg: the config.
+        mods: the FSDP2 modules with parameters, one per unit.
+        stats: each unit's counters (the gather counters go beside its reduction's).
+        names: each unit's name.
+        switch: the exact-gather switch.
+    Returns:
+        the comms, one per module.
+    """
+    comms = []
+    for m, st, name in zip(mods, stats, names):
+        pg = m._get_fsdp_state()._fsdp_param_groups[0]
+        segs = [int(fp.padded_sharded_param_size.numel()) for fp in pg.fsdp_params]
+        floating = all(fp.sharded_param.is_floating_point() for fp in pg.fsdp_params)
+        comm = GatherComm(name, cfg, segs, pg.mesh_info.shard_process_group, floating, st,
+                          switch)
+        m.set_custom_all_gather(comm)
+        comms.append(comm)
+    return comms

@@ -1,0 +1,444 @@
+"""Quantized parameter all-gathers (``TAGCConfig.gather``) on FSDP2, against references.
+
+The reference here is the test's own: it rebuilds each rank's padded flat shard of
+every unit from the full parameters (dim-0 chunks of ``ceil(rows / N)`` rows, zero
+padded), quantizes each parameter's segment in blocks with its own pure-torch int8/int4
+(scale ``max|w| / qmax`` rounded to fp32, codes rounded half to even), and
+dequantizes.  FSDP's gradients must then equal those of a model whose weights *are*
+those dequantized values; the sharded masters stay bit for bit; the forward gather
+equals the backward re-gather; every rank holds the same weights; the bytes counted
+equal the formula.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tagc_hook as tagc
+from dist_helpers import SharedSpawn, ToyGPT, run_cases, toy_batch
+
+pytestmark = [pytest.mark.codec, pytest.mark.dist]
+
+QMAX = {"int8": 127, "int4": 7}
+BLOCK = 16  # small blocks: several per segment, and a short last one
+
+
+# --------------------------------------------------------------------------- reference
+
+def ref_dequant(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    """One segment quantized in blocks and dequantized, by the test's own rules."""
+    qmax = QMAX[fmt]
+    xf = x.float()
+    out = torch.empty_like(xf)
+    for b0 in range(0, xf.numel(), block):
+        v = xf[b0:b0 + block]
+        s = torch.tensor(v.abs().max().item() / qmax, dtype=torch.float32)  # fp64 -> fp32
+        if s.item() < 1.17549435e-38:
+            out[b0:b0 + block] = 0.0
+            continue
+        q = torch.round((v * (torch.tensor(1.0) / s)).clamp(-qmax - 1, qmax + 1))
+        out[b0:b0 + block] = q.clamp(-qmax, qmax) * s
+    return out.to(x.dtype)
+
+
+def ref_segment_bytes(length: int, fmt: str, block: int) -> int:
+    """Bytes of one segment: per block a fp32 scale and its packed codes."""
+    per = 1 if fmt == "int8" else 2
+    full, last = divmod(length, block)
+    return full * (4 + math.ceil(block / per)) + (4 + math.ceil(last / per) if last else 0)
+
+
+def unit_params(model: torch.nn.Module) -> List[Tuple[torch.nn.Module, List[str]]]:
+    """Each FSDP2 module with its own parameters (FQNs), in registration order, by the
+    test's own walk: a parameter belongs to the nearest sharded ancestor."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owner: Dict[str, str] = {}
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for pname, _ in model.named_parameters():
+        parts = pname.split(".")[:-1]
+        while ".".join(parts) not in mods:
+            parts.pop()
+        owner[pname] = ".".join(parts)
+    units = [(m, [p for p, o in owner.items() if o == n]) for n, m in mods.items()]
+    return [(m, names) for m, names in units if names]
+
+
+def ref_weights(full: Dict[str, torch.Tensor], world: int, fmt: str,
+                block: int) -> Dict[str, torch.Tensor]:
+    """The weights every rank computes with: each rank's padded chunk of each
+    parameter quantized as its own segment, then the rows put back together."""
+    out = {}
+    for name, w in full.items():
+        rows = w.shape[0]
+        c = math.ceil(rows / world)
+        chunks = []
+        for r in range(world):
+            part = w[r * c:(r + 1) * c].reshape(-1)
+            pad = torch.zeros(c * w[0].numel(), dtype=w.dtype)
+            pad[:part.numel()] = part
+            chunks.append(ref_dequant(pad, fmt, block)[:part.numel()])
+        out[name] = torch.cat(chunks).reshape(w.shape)
+    return out
+
+
+def ref_message_bytes(full: Dict[str, torch.Tensor], names: List[str], world: int,
+                      fmt: str, block: int) -> int:
+    """Bytes of one rank's message for a unit holding ``names``."""
+    tot = 0
+    for n in names:
+        w = full[n]
+        tot += ref_segment_bytes(math.ceil(w.shape[0] / world) * w[0].numel(), fmt, block)
+    return tot
+
+
+# --------------------------------------------------------------------------- harness
+
+def _cfg(**kw: Any) -> tagc.TAGCConfig:
+    base = dict(mode="dense", layers="all", min_numel=0, gather="int8", gather_block=BLOCK)
+    base.update(kw)
+    return tagc.TAGCConfig(**base)
+
+
+def _build(cfg: Optional[tagc.TAGCConfig], init: Optional[Dict[str, torch.Tensor]] = None,
+           **shard_kw: Any) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = ToyGPT()
+    if init is not None:
+        model.load_state_dict(init)
+    return tagc.shard_model(model, cfg or _cfg(gather="none"), **shard_kw)
+
+
+def _full(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter gathered exactly (DTensor.full_tensor)."""
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _local(model: torch.nn.Module) -> List[torch.Tensor]:
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {n: p.grad.to_local().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+class Recorder:
+    """Puts a recording comm in front of every unit's GatherComm: a copy of each
+    gathered output, per unit name."""
+
+    def __init__(self, model: torch.nn.Module, state: tagc.TAGCState) -> None:
+        self.calls: Dict[str, List[Tuple[torch.Tensor, int]]] = {}
+        for mod, _ in unit_params(model):
+            inner = mod._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
+            assert inner in state.gathers
+            mod.set_custom_all_gather(_Recording(inner, self.calls))
+
+
+class _Recording:
+    def __init__(self, inner: Any, calls: Dict[str, List[Tuple[torch.Tensor, int]]]) -> None:
+        self.inner, self.calls, self.name = inner, calls, inner.name
+
+    def allocate(self, *a: Any, **k: Any) -> torch.Tensor:
+        return self.inner.allocate(*a, **k)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
+        res = self.inner(output_tensor, input_tensor, group, async_op)
+        self.calls.setdefault(self.name, []).append(
+            (output_tensor.detach().clone(), dist.get_world_size(group)))
+        return res
+
+
+def _plain_ref_grads(ref: Dict[str, torch.Tensor], world: int, steps: int = 1
+                     ) -> Dict[str, torch.Tensor]:
+    """Full gradients of an unsharded model holding ``ref``: each rank's batch in turn,
+    summed in rank order, divided by N (what TAGC's dense mode does with the ranks'
+    gradients)."""
+    torch.manual_seed(0)
+    m = ToyGPT()
+    m.load_state_dict(ref)
+    acc: Dict[str, torch.Tensor] = {}
+    for r in range(world):
+        m.zero_grad()
+        for step in range(steps):
+            m(toy_batch(r, step)).backward()
+        for n, p in m.named_parameters():
+            acc[n] = p.grad.clone() if n not in acc else acc[n] + p.grad
+    return {n: g / world for n, g in acc.items()}
+
+
+def _padded_params(call: Tuple[torch.Tensor, int], full: Dict[str, torch.Tensor],
+                   names: List[str], world: int) -> List[torch.Tensor]:
+    """Each parameter's padded whole from one recorded gather (buffer, group size),
+    whatever group gathered it: rank-major rows, each row the parameters' segments."""
+    out, w = call
+    padded = [math.ceil(full[nm].shape[0] / world) * world * full[nm][0].numel()
+              for nm in names]
+    rows = out.view(w, -1)
+    res, o = [], 0
+    for p in padded:
+        res.append(rows[:, o:o + p // w].reshape(-1))
+        o += p // w
+    return res
+
+
+def _my_rows(full_grad: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    c = math.ceil(full_grad.shape[0] / world)
+    part = full_grad[rank * c:(rank + 1) * c]
+    return part
+
+
+# --------------------------------------------------------------------------- cases
+
+def _case_grads(rank: int, n: int, reshard: Any = True, prefetch: bool = False,
+                fmt: str = "int8") -> Dict[str, Any]:
+    """Gradients == a plain model on the reference weights; masters untouched; forward
+    gather == backward re-gather; the same weights on every rank; bytes == formula."""
+    cfg = _cfg(gather=fmt)
+    model = _build(cfg, reshard_after_forward=reshard)
+    full = _full(model)
+    masters = _local(model)
+    state = tagc.register(model, cfg)
+    if prefetch:
+        units = [m for m, _ in unit_params(model)]
+        for a, b in zip(units[1:], units[2:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    rec = Recorder(model, state)
+    model(toy_batch(rank, 0)).backward()
+    # masters bit for bit (no optimizer step)
+    assert all(torch.equal(a, b) for a, b in zip(masters, _local(model)))
+    ref = ref_weights(full, n, fmt, BLOCK)
+    want = _plain_ref_grads(ref, n)
+    got = _grads(model)
+    assert set(got) == set(want)
+    for name, g in got.items():
+        exp = _my_rows(want[name], rank, n)
+        assert torch.equal(g[:exp.shape[0]], exp), (name, (g[:exp.shape[0]] - exp).abs().max())
+    # every call of a unit gathered the same weights: forward == backward (with
+    # reshard_after_forward=int the backward gather runs over a smaller group, so
+    # compare each parameter's padded whole, not the raw buffers)
+    calls = 0
+    for mod, names in unit_params(model):
+        outs = rec.calls[mod._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm.name]
+        calls += len(outs)
+        first = _padded_params(outs[0], full, names, n)
+        for o in outs[1:]:
+            again = _padded_params(o, full, names, n)
+            assert all(torch.equal(a, b) for a, b in zip(first, again)), names
+    # every rank gathered the same weights
+    mine = torch.cat([outs[0][0] for outs in rec.calls.values()])
+    every = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(every, mine)
+    assert all(torch.equal(every[0], e) for e in every)
+    # the forward's weights are the reference's, and the bytes are the formula's: a
+    # quantized call sends (N-1) messages, an exact one (the post-forward group of
+    # reshard_after_forward=int) (w-1)/w of the fp32 padded unit
+    for mod, names in unit_params(model):
+        comm = mod._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
+        outs = rec.calls[comm.name]
+        for got, nm in zip(_padded_params(outs[0], full, names, n), names):
+            assert torch.equal(got[:ref[nm].numel()], ref[nm].reshape(-1)), nm
+        msg = ref_message_bytes(full, names, n, fmt, BLOCK)
+        padded = sum(math.ceil(full[nm].shape[0] / n) * n * full[nm][0].numel() for nm in names)
+        want_bytes = sum((n - 1) * msg if w == n else (w - 1) * padded * 4 // w for _, w in outs)
+        st = state.stats()["units"][comm.name]
+        assert st["gather_wire_bytes"] == want_bytes
+        assert st["gather_quantized_calls"] == sum(w == n for _, w in outs) >= 1
+        assert st["gather_calls"] == len(outs)
+    tot = state.stats()["total"]
+    assert tot["gather_calls"] == calls
+    return {"calls": calls, "gather_wire_ratio": tot["gather_wire_ratio"]}
+
+
+def _case_modes(rank: int, n: int) -> List[str]:
+    """With gradient compression (quant, auto, dense) and gradient accumulation: the
+    gradients of gathers-int8 equal those of the same mode on a model whose masters
+    are the reference's dequantized weights (the mode sees the same gradients)."""
+    done = []
+    for mode, kw in (("quant", dict(quant_format="int4", ef21=True)),
+                     ("auto", dict(theta=0.9)), ("dense", {})):
+        cfg = _cfg(mode=mode, **kw)
+        model = _build(cfg)
+        full = _full(model)
+        state = tagc.register(model, cfg)
+        ref = ref_weights(full, n, "int8", BLOCK)
+        cfg_b = _cfg(mode=mode, gather="none", **kw)
+        model_b = _build(cfg_b, init=ref)
+        tagc.register(model_b, cfg_b)
+        for m in (model, model_b):
+            m.set_requires_gradient_sync(False)
+            m(toy_batch(rank, 0)).backward()
+            m.set_requires_gradient_sync(True)
+            m(toy_batch(rank, 1)).backward()
+        a, b = _grads(model), _grads(model_b)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), (mode, name)
+        assert state.stats()["total"]["gather_quantized_calls"] > 0
+        done.append(mode)
+    return done
+
+
+def _case_bf16(rank: int, n: int) -> Dict[str, Any]:
+    """MixedPrecisionPolicy(param_dtype=bf16): int8 of the bf16 shard; the gathered
+    weights are the reference's (quantized from the bf16 cast), the messages are the
+    same bytes as fp32's (half of the bf16 plain gather's ratio's denominator)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    cfg = _cfg()
+    model = _build(cfg, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    full = _full(model)
+    state = tagc.register(model, cfg)
+    rec = Recorder(model, state)
+    loss = model(toy_batch(rank, 0))
+    loss.backward()
+    assert torch.isfinite(loss)
+    ref = ref_weights({k: v.to(torch.bfloat16) for k, v in full.items()}, n, "int8", BLOCK)
+    for mod, names in unit_params(model):
+        comm = mod._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
+        out = rec.calls[comm.name][0][0]
+        assert out.dtype == torch.bfloat16
+        rows = out.view(n, -1)
+        o = 0
+        for name in names:
+            w = ref[name]
+            c = math.ceil(w.shape[0] / n)
+            seg = c * w[0].numel()
+            got = rows[:, o:o + seg].reshape(n * c, *w.shape[1:])[:w.shape[0]]
+            assert torch.equal(got, w), name
+            o += seg
+    return {"ratio": state.stats()["total"]["gather_wire_ratio"]}
+
+
+def _case_nonfinite(rank: int, n: int) -> Dict[str, Any]:
+    """A NaN in one rank's master shard: that unit is gathered exactly on every rank
+    (the NaN where it is, every other weight exact), counted; other units quantized."""
+    cfg = _cfg()
+    model = _build(cfg)
+    target = model.h[0].mlp[0]
+    with torch.no_grad():
+        if rank == 0:
+            target.weight.to_local()[0, 3] = float("nan")
+    full = _full(model)
+    state = tagc.register(model, cfg)
+    rec = Recorder(model, state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(toy_batch(rank, 0))
+    name = target._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm.name
+    st = state.stats()["units"][name]
+    assert st["gather_nonfinite"] == 1 and st["gather_exact_calls"] == 1
+    out = rec.calls[name][0][0]
+    w = full["h.0.mlp.0.weight"]
+    c = math.ceil(w.shape[0] / n)
+    seg = c * w[0].numel()
+    got = out.view(n, -1)[:, :seg].reshape(n * c, -1)[:w.shape[0]]
+    assert torch.equal(torch.nan_to_num(got, 7.0), torch.nan_to_num(w, 7.0))
+    assert torch.isnan(got[0, 3]) and torch.isnan(got).sum() == 1
+    others = [u for u, s in state.stats()["units"].items() if u != name and s["gather_calls"]]
+    assert others and all(state.stats()["units"][u]["gather_quantized_calls"] >= 1
+                          for u in others)
+    return {"unit": name}
+
+
+def _case_exact_switch(rank: int, n: int) -> Dict[str, Any]:
+    """Inside state.exact_gathers() the weights are the masters and the loss is plain
+    FSDP's, bit for bit; outside again quantized (and different)."""
+    cfg = _cfg()
+    model = _build(cfg)
+    plain = _build(None)
+    state = tagc.register(model, cfg)
+    x = toy_batch(rank, 5)
+    with torch.no_grad():
+        want = plain(x)
+        with state.exact_gathers():
+            exact = model(x)
+        quant = model(x)
+    assert torch.equal(exact, want)
+    assert not torch.equal(quant, want)
+    st = state.stats()["total"]
+    assert st["gather_exact_calls"] > 0 and st["gather_quantized_calls"] > 0
+    # a training step after the block gathers quantized weights again (resharded on exit)
+    before = state.stats()["total"]["gather_quantized_calls"]
+    model(x).backward()
+    assert state.stats()["total"]["gather_quantized_calls"] > before
+    return {"exact": float(exact), "quant": float(quant)}
+
+
+def _case_bad_input(rank: int, n: int) -> List[str]:
+    """FSDP1 with gather: a clear error naming FSDP2; bad knobs raise."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    msgs = []
+    cfg = _cfg()
+    torch.manual_seed(0)
+    m = ToyGPT()
+    fsdp1 = FSDP(m, auto_wrap_policy=tagc.fsdp1_auto_wrap_policy(m, cfg),
+                 device_id=torch.device("cpu"))
+    with pytest.raises(ValueError, match="FSDP2") as e:
+        tagc.register(fsdp1, cfg)
+    msgs.append(str(e.value))
+    for bad in (dict(gather="int2"), dict(gather="fp8"), dict(gather_block=0),
+                dict(gather_block=65537), dict(gather_block=True)):
+        with pytest.raises(ValueError, match="gather"):
+            _cfg(**bad)
+    return msgs
+
+
+def _suite(rank: int, n: int) -> Dict[str, Any]:
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+    cases = [
+        ("grads", _case_grads),
+        ("grads_int4", lambda r, w: _case_grads(r, w, fmt="int4")),
+        ("no_reshard", lambda r, w: _case_grads(r, w, reshard=False)),
+        ("prefetch", lambda r, w: _case_grads(r, w, prefetch=True)),
+        ("modes", _case_modes),
+        ("bf16", _case_bf16),
+        ("nonfinite", _case_nonfinite),
+        ("exact_switch", _case_exact_switch),
+        ("bad_input", _case_bad_input),
+    ]
+    if n == 4:  # reshard to a group of 2 after forward: the backward gather is exact
+        cases.append(("reshard_int", lambda r, w: _case_grads(r, w, reshard=2)))
+    return run_cases(rank, n, cases)
+
+
+SPAWN = SharedSpawn(_suite, timeout=400)
+CASES = ["grads", "grads_int4", "no_reshard", "prefetch", "modes", "bf16", "nonfinite",
+         "exact_switch", "bad_input"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gather_n2(case: str) -> None:
+    SPAWN.case(2, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES + ["reshard_int"])
+@pytest.mark.parametrize("n", [3, 4])
+def test_gather_n3_n4(n: int, case: str) -> None:
+    if case == "reshard_int" and n != 4:
+        pytest.skip("reshard_after_forward=2 needs N divisible by 2 and > 2")
+    SPAWN.case(n, case)
+
+
+def test_gather_n1() -> None:
+    """One rank: FSDP never calls the comm; training works and counts no gather."""
+    from dist_helpers import run_dist
+    run_dist(_one_rank, 1)
+
+
+def _one_rank(rank: int, n: int) -> None:
+    cfg = _cfg()
+    model = _build(cfg)
+    state = tagc.register(model, cfg)
+    model(toy_batch(0, 0)).backward()
+    assert state.stats()["total"]["gather_calls"] == 0
