@@ -20,7 +20,11 @@ logger = logging.getLogger(__name__)
 
 # issue 5 targets: speed-up of a configuration over plain FSDP, same strategy, same run
 TARGETS = [("FULL_SHARD", "exact", 1.30), ("FULL_SHARD", "sparse", 1.35),
-           ("SHARD_GRAD_OP", "exact", 1.60), ("SHARD_GRAD_OP", "sparse", 1.60)]
+           ("SHARD_GRAD_OP", "exact", 1.60), ("SHARD_GRAD_OP", "sparse", 1.60),
+           # issue 21: every byte compressed; the bf16 row against plain bf16 FSDP
+           ("FULL_SHARD", "full", 3.0), ("FULL_SHARD", "full-bf16", 2.0)]
+# issue 21: link bytes per step of tagc-full against plain fp32 FSDP's, at most this share
+FULL_BYTES_SHARE = 0.25
 # issue 14 targets (--hsdp): TAGC HSDP against native HSDP, same run
 HSDP_SPEEDUP, HSDP_BYTES = 4.0, 15.0
 
@@ -120,13 +124,17 @@ def summarize(report: dict) -> dict:
                 "comm_unshaped_s": _mean(tu, "comm_s_per_step_per_rank"),
                 "mean_s": _mean([{"m": sum(t["step_s"]) / len(t["step_s"])} for t in tr if t["step_s"]], "m"),
                 "veth_tx": _mean(tr, "veth_tx_per_step_per_host"),
+                "gather_tx": _mean(tr, "gather_tx_per_step_per_host"),
                 "stats_bytes": sum(sb) / len(sb) if sb else None,
                 "stats_default_bytes": sum(sd) / len(sd) if sd else None,
             }
         base = rows.get("fsdp", {}).get("median_s")
+        base_bf16 = rows.get("fsdp-bf16", {}).get("median_s")
         dense = rows.get("dense", {}).get("median_s")
-        for r in rows.values():
-            r["speedup_vs_fsdp"] = _ratio(base, r["median_s"])
+        for cfg, r in rows.items():
+            # a bf16 configuration against plain FSDP under the same bf16 policy
+            r["speedup_vs_fsdp"] = _ratio(base_bf16 if cfg.endswith("-bf16") else base,
+                                          r["median_s"])
             r["speedup_vs_dense"] = _ratio(dense, r["median_s"])
         out[strat] = rows
     return out
@@ -165,7 +173,12 @@ def _header(report: dict) -> list[str]:
               "ideal network (`state.stats()['total']['wire_bytes']`), in brackets what an ideal "
               "plain reduce-scatter of the same units would send (`default_wire_bytes`); `veth tx` = "
               "the veth's own tx counter per host (all traffic: all-gathers, gloo's "
-              "all-reduce-based reduce-scatter, TCP/IP headers)",
+              "all-reduce-based reduce-scatter, TCP/IP headers); `gathers` = what the parameter "
+              "all-gathers send from a host (ideal ring: (N-1) x the bytes handed to "
+              "`all_gather_into_tensor`/`all_gather_single`, FSDP's or TAGC's), `rest` = veth tx - "
+              "gathers (the gradient exchange, control messages and every header); `-bf16` rows: "
+              "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`, their `vs FSDP` is "
+              "against `fsdp-bf16`",
               "- time split per rank and step (means): `in collectives` = inside torch.distributed "
               "collectives (FSDP's and TAGC's; sync calls whole, async issue + wait; includes waiting "
               "for the slower peer), `codec` = inside `_tagc` calls, `rest` = everything else "
@@ -200,8 +213,9 @@ def render_markdown(report: dict, summary: dict) -> str:
     for strat, rows in summary.items():
         lines += [f"## {strat}", "",
                   "| config | median step s | spread | vs FSDP | vs dense | stats wire/step "
-                  "(plain RS) | veth tx/step | in collectives s | codec s | rest s | unshaped s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "(plain RS) | veth tx/step | gathers/step | rest/step | in collectives s "
+                  "| codec s | rest s | unshaped s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for cfg, r in rows.items():
             sp = "-" if r["spread"] is None else f"{r['spread'][0]:.3f}..{r['spread'][1]:.3f}"
             vf = "-" if r["speedup_vs_fsdp"] is None else f"{r['speedup_vs_fsdp']:.2f}x"
@@ -210,6 +224,7 @@ def render_markdown(report: dict, summary: dict) -> str:
             plain = "" if r["stats_default_bytes"] is None else f" ({_fmt_bytes(r['stats_default_bytes'])})"
             lines.append(f"| {cfg} | {_fmt_s(r['median_s'])} | {sp} | {vf} | {vd} | "
                          f"{_fmt_bytes(r['stats_bytes'])}{plain} | {_fmt_bytes(r['veth_tx'])} | "
+                         f"{_fmt_bytes(r['gather_tx'])} | {_fmt_bytes(_minus(r['veth_tx'], r['gather_tx']))} | "
                          f"{_fmt_s(r['comm_s'])} | {_fmt_s(r['codec_s'])} | {_fmt_s(rest)} | "
                          f"{_fmt_s(r['median_unshaped_s'])} |")
         lines.append("")
@@ -220,6 +235,10 @@ def render_markdown(report: dict, summary: dict) -> str:
                       "top ops by self CPU time)", "", "```", t["profile"].rstrip(), "```"]
     lines += ["", "## Codec speed (scripts/bench_codec.py)", "", report.get("codec_table", "").rstrip(), ""]
     return "\n".join(lines)
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 def _verdict(m: float | None, tgt: float) -> str:
@@ -259,6 +278,11 @@ def _targets(summary: dict) -> list[str]:
             continue
         m = r["speedup_vs_fsdp"]
         lines.append(f"| {strat} | {cfg} | {tgt:.2f}x | {m:.2f}x | {_verdict(m, tgt)} |")
+    fs = summary.get("FULL_SHARD", {})
+    if "full" in fs and "fsdp" in fs and fs["fsdp"]["veth_tx"] and fs["full"]["veth_tx"]:
+        share = fs["full"]["veth_tx"] / fs["fsdp"]["veth_tx"]
+        lines += ["", f"Link bytes per step, `full` / `fsdp` (veth tx): {share:.3f} (target <= "
+                  f"{FULL_BYTES_SHARE:g}: {'met' if share <= FULL_BYTES_SHARE else 'missed'})"]
     return lines
 
 

@@ -60,7 +60,13 @@ CONFIGS: dict[str, str | None] = {
     "auto": "tagc-auto.yaml",
     "balanced": "tagc-balanced.yaml",
     "lean": "tagc-lean.yaml",
+    "full": "tagc-full.yaml",
+    # under MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16), what GPU users run:
+    # every FSDP collective already at half the bytes (compare the bf16 rows together)
+    "fsdp-bf16": None,
+    "full-bf16": "tagc-full.yaml",
 }
+BF16_CONFIGS = ("fsdp-bf16", "full-bf16")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 HSDP_CONFIGS = ["fsdp", "dense", "exact", "sparse", "balanced", "lean"]
 
@@ -192,8 +198,12 @@ class _CommTimer:
              "reduce_scatter_single", "all_reduce", "all_to_all_single", "reduce", "all_gather",
              "broadcast", "all_to_all", "reduce_scatter", "isend", "irecv")
 
+    # the parameter all-gathers (FSDP's own or TAGC's quantized ones): counted apart
+    GATHERS = ("all_gather_into_tensor", "all_gather_single")
+
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.gather_bytes = 0
 
     def install(self) -> None:
         """Wrap the collectives in ``torch.distributed`` (FSDP and TAGC call them by attribute)."""
@@ -205,7 +215,11 @@ class _CommTimer:
                 setattr(dist, name, self._wrap(fn))
 
     def _wrap(self, fn: Callable) -> Callable:
+        gather = fn.__name__ in self.GATHERS
+
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if gather:
+                self._count_gather(*args, **kwargs)
             t0 = time.perf_counter()
             try:
                 work = fn(*args, **kwargs)
@@ -216,6 +230,14 @@ class _CommTimer:
         timed.__name__ = getattr(fn, "__name__", "timed")
         timed.__doc__ = fn.__doc__
         return timed
+
+    def _count_gather(self, output_tensor: Any, input_tensor: Any, group: Any = None,
+                      **_: Any) -> None:
+        """Bytes a ring all-gather sends from this rank: (w-1) x its input."""
+        import torch.distributed as dist
+
+        w = dist.get_world_size(group)
+        self.gather_bytes += (w - 1) * input_tensor.numel() * input_tensor.element_size()
 
 
 def _hsdp(model: Any, cfg: Any, preset: str | None, per_node: int) -> None:
@@ -240,7 +262,7 @@ def _hsdp(model: Any, cfg: Any, preset: str | None, per_node: int) -> None:
 
 
 def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, config_dir: Path,
-           per_node: int = 1, override: dict | None = None):
+           per_node: int = 1, override: dict | None = None, bf16: bool = False):
     """Fresh GPT-2 wrapped in FSDP (same units for every configuration), TAGC optional.
 
     Args:
@@ -251,6 +273,7 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
         config_dir: directory holding the presets.
         per_node: ranks per host (the shard dimension of HSDP).
         override: TAGC config fields replacing the preset's (plain FSDP's units too).
+        bf16: parameters gathered, computed and gradients reduced in bf16 (masters fp32).
 
     Returns:
         (model, optimizer, tagc state or None).
@@ -270,16 +293,23 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
     if override:
         cfg = tagc.TAGCConfig.from_dict({**cfg.to_dict(), **override})
     if fsdp == 1:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+        from torch.distributed.fsdp import ShardingStrategy
 
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) \
+            if bf16 else None
         model = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy),
                      auto_wrap_policy=tagc.fsdp1_auto_wrap_policy(model, cfg),
-                     device_id=torch.device("cpu"))
+                     device_id=torch.device("cpu"), mixed_precision=mp)
     elif strategy == "HSDP":
         _hsdp(model, cfg, preset, per_node)
     else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                reduce_dtype=torch.bfloat16)} if bf16 else {}
         # FSDP2 has no strategy enum: SHARD_GRAD_OP = keep parameters gathered after forward
-        tagc.shard_model(model, cfg, reshard_after_forward=(strategy == "FULL_SHARD"))
+        tagc.shard_model(model, cfg, reshard_after_forward=(strategy == "FULL_SHARD"), **kw)
     state = tagc.register(model, cfg) if preset is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt, state
@@ -330,7 +360,7 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, state = _build(shape, strategy, CONFIGS[name], args.fsdp, Path(args.config_dir),
-                               args.per_node, _overrides(args.override))
+                               args.per_node, _overrides(args.override), name in BF16_CONFIGS)
     x = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
     y = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
 
@@ -346,20 +376,21 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     dist.barrier()
     s0 = state.stats() if state is not None else {}
     c0 = _read_counters(ifname) if ifname else (0, 0)
-    k0, m0 = timer.seconds, comm.seconds
+    k0, m0, g0 = timer.seconds, comm.seconds, comm.gather_bytes
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
     c1 = _read_counters(ifname) if ifname else (0, 0)
-    k1, m1 = timer.seconds, comm.seconds
+    k1, m1, g1 = timer.seconds, comm.seconds, comm.gather_bytes
     s1 = state.stats() if state is not None else {}
     # max over ranks per step: a step ends when its slowest rank ends
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     # veth counters: sum over hosts; codec and comm time: over ranks
-    v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0], dtype=torch.float64)
+    v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0, g1 - g0],
+                     dtype=torch.float64)
     dist.all_reduce(v, op=dist.ReduceOp.SUM)
     trial = {
         "rep": rep, "strategy": strategy, "config": name,
@@ -368,6 +399,8 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
         "veth_rx_per_step_per_host": v[1].item() / args.steps / hosts,
         "codec_s_per_step_per_rank": v[2].item() / args.steps / world,
         "comm_s_per_step_per_rank": v[3].item() / args.steps / world,
+        # ideal ring bytes of the parameter all-gathers, per host as the veth counters
+        "gather_tx_per_step_per_host": v[4].item() / args.steps / hosts,
         "stats_delta_per_step": _scale(_numeric_delta(s1, s0), 1.0 / args.steps),
         "stats_total_after": s1.get("total") if rank == 0 else None,
     }
@@ -460,7 +493,8 @@ def _launch(net: list[str], args: argparse.Namespace, configs: list[str], repeat
            "--repeats", str(repeats), "--steps", str(steps), "--warmup", str(args.warmup),
            "--configs", *configs, "--strategies", *args.strategies, "--profile", *(profile or [])]
     logger.info("launch: %s", " ".join(cmd))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, OMP_NUM_THREADS="1", TAGC_PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join(
         [str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run(cmd, timeout=timeout + 60, env=env)
     if r.returncode != 0 or not result.exists():
@@ -487,10 +521,9 @@ def _driver(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         sys.exit("bench_step.py: needs root to build the emulated network (scripts/netem.sh); "
                  "run with sudo")
-    for tool in ("ip", "tc", "torchrun"):
+    for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            sys.exit(f"bench_step.py: '{tool}' not found "
-                     "(iproute2: apt-get install -y iproute2; torchrun: torch)")
+            sys.exit(f"bench_step.py: '{tool}' not found (iproute2: apt-get install -y iproute2)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prefix = f"tagcb{os.getpid() % 1000}"

@@ -53,6 +53,12 @@ METHODS: Dict[str, Dict[str, Any]] = {
     "quant-int4-ef21": {"mode": "quant", "quant_format": "int4", "ef21": True},
     "quant-ternary-ef21": {"mode": "quant", "quant_format": "ternary", "ef21": True},
     "quant-sign-ef21": {"mode": "quant", "quant_format": "sign", "ef21": True},
+    # quantized parameter all-gathers (FSDP2, --fsdp 2): alone (gradients by the
+    # dense all-to-all), and under the gradient presets (tagc-full is balanced + int8)
+    "gather-int8": {"mode": "dense", "gather": "int8"},
+    "gather-int4": {"mode": "dense", "gather": "int4"},
+    "lean-gather-int8": {"mode": "quant", "quant_format": "ternary", "ef21": True,
+                         "gather": "int8"},
 }
 DEFAULT_GRID = ("sparse,sparse-ef21,quant-int8,quant-int4,quant-ternary,quant-sign,"
                 "quant-int4-ef21,quant-ternary-ef21,quant-sign-ef21")
@@ -249,10 +255,13 @@ def write_grid(res: Dict[int, Dict[str, Any]], path: Path, command: str) -> str:
     """Markdown table: a row per cell, per run length its loss, change and bits/param."""
     lengths = sorted(res)
     names = list(res[lengths[0]])
-    head = "| run | " + " | ".join(f"{n} steps: val loss | vs baseline | bits/param (compressed)"
-                                    for n in lengths) + " |"
+    head = "| run | " + " | ".join(f"{n} steps: val loss | vs baseline | bits/param (compressed) "
+                                    "| gather bits/param" for n in lengths) + " |"
     lines = [f"Command: `{command}` (commit {_commit()}, {time.strftime('%Y-%m-%d %H:%M %Z')})",
-             "", head, "|---|" + "---|---|---|" * len(lengths)]
+             "", "Gather bits/param: what this rank sends per parameter per step in FSDP's "
+             "parameter all-gathers when TAGC quantizes them (`gather`); plain: FSDP's own "
+             "exact gathers (2 per step, 32 (N-1)/N bits each in fp32).",
+             "", head, "|---|" + "---|---|---|---|" * len(lengths)]
     for name in names:
         cols = []
         for n in lengths:
@@ -260,8 +269,11 @@ def write_grid(res: Dict[int, Dict[str, Any]], path: Path, command: str) -> str:
             bits = s.get("compressed_bits_per_param")
             bits_s = "16.00" if name == "baseline" else \
                 "-" if bits is None or (isinstance(bits, float) and math.isnan(bits)) else f"{bits:.2f}"
+            gsent, steps = s.get("gather_bytes_sent") or 0, s.get("steps_this_run") or 0
+            gather_s = f"{8 * gsent / (steps * s['n_params']):.2f}" if gsent and steps \
+                else "plain"
             cols.append(f"{s['final_val_loss']:.4f} | {100 * (s['final_val_loss'] / base - 1):+.2f}% "
-                        f"| {bits_s}")
+                        f"| {bits_s} | {gather_s}")
         lines.append(f"| {name} | " + " | ".join(cols) + " |")
     text = "\n".join(lines) + "\n"
     path.write_text(text)

@@ -25,6 +25,7 @@
 #                           one torchrun per host namespace: --nnodes N --node-rank i
 #                           --master-addr <host0> --nproc-per-node P (default 1), with
 #                           GLOO_SOCKET_IFNAME=<ifname>; waits for all, fails if any fails.
+#                           Runs `$TAGC_PYTHON -m torch.distributed.run` (default python3).
 #                           With P > 1 this is a two-level topology: the P ranks of a
 #                           host talk over that namespace's own loopback route (unshaped,
 #                           the fast links inside a node), hosts over the shaped link.
@@ -255,12 +256,16 @@ do_torchrun() {
     [[ "$nproc" =~ ^[0-9]+$ ]] && (( nproc >= 1 && nproc <= 64 )) \
         || die "torchrun: --nproc-per-node must be 1..64, got '$nproc'"
     [[ $# -ge 1 ]] || die "torchrun: missing SCRIPT"
-    command -v torchrun >/dev/null 2>&1 || die "torchrun not found (install torch)"
+    # the interpreter of the caller (TAGC_PYTHON; a virtualenv's), not whatever
+    # `torchrun` PATH finds first, which may belong to a Python without tagc_hook
+    local py="${TAGC_PYTHON:-python3}"
+    "$py" -c "import torch.distributed.run" >/dev/null 2>&1 \
+        || die "torchrun: $py cannot import torch.distributed.run (install torch, or set TAGC_PYTHON)"
     export_env
     local i pids=() rc=0
     for i in $(seq 0 $(( HOSTS - 1 ))); do
         ip netns exec "$(ns "$i")" env GLOO_SOCKET_IFNAME="$IFNAME" TAGC_NETEM_NODE="$i" \
-            timeout -k 10 "$tmo" torchrun --nnodes "$HOSTS" --node-rank "$i" --nproc-per-node "$nproc" \
+            timeout -k 10 "$tmo" "$py" -m torch.distributed.run --nnodes "$HOSTS" --node-rank "$i" --nproc-per-node "$nproc" \
             --master-addr "$(addr 0)" --master-port "$port" "$@" &
         pids+=("$!")
     done
