@@ -373,6 +373,29 @@ def _case_exact_switch(rank: int, n: int) -> Dict[str, Any]:
     return {"exact": float(exact), "quant": float(quant)}
 
 
+def _case_checkpoint(rank: int, n: int) -> str:
+    """After optimizer steps, the model's state dict (what DCP saves) holds the exact
+    masters, not their quantized view: equal to the weights gathered exactly, and not
+    to the reference's dequantization of them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    cfg = _cfg()
+    model = _build(cfg)
+    tagc.register(model, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        model(toy_batch(rank, step)).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
+    masters = _full(model)
+    ref = ref_weights(masters, n, "int8", BLOCK)
+    assert sd.keys() == masters.keys()
+    assert all(torch.equal(sd[k], masters[k]) for k in sd)
+    assert any(not torch.equal(sd[k], ref[k]) for k in sd)
+    return "ok"
+
+
 def _case_bad_input(rank: int, n: int) -> List[str]:
     """FSDP1 with gather: a clear error naming FSDP2; bad knobs raise."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -404,6 +427,7 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
         ("bf16", _case_bf16),
         ("nonfinite", _case_nonfinite),
         ("exact_switch", _case_exact_switch),
+        ("checkpoint", _case_checkpoint),
         ("bad_input", _case_bad_input),
     ]
     if n == 4:  # reshard to a group of 2 after forward: the backward gather is exact
@@ -413,7 +437,7 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
 
 SPAWN = SharedSpawn(_suite, timeout=400)
 CASES = ["grads", "grads_int4", "no_reshard", "prefetch", "modes", "bf16", "nonfinite",
-         "exact_switch", "bad_input"]
+         "exact_switch", "checkpoint", "bad_input"]
 
 
 @pytest.mark.parametrize("case", CASES)

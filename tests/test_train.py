@@ -221,7 +221,9 @@ def test_two_rank_tagc_presets_fsdp1_and_fsdp2(tmp_path: Path, cache_dir: Path) 
             _base(tmp_path, cache_dir, "s2", "--fsdp=2", "--max_iters=4", "--grad_accum=2",
                   f"--tagc={PRESETS / 'tagc-sparse.yaml'}", "--save_checkpoint=false"),
             _base(tmp_path, cache_dir, "b2", "--fsdp=2", "--max_iters=4",
-                  f"--tagc={PRESETS / 'tagc-balanced.yaml'}", "--save_checkpoint=false")]
+                  f"--tagc={PRESETS / 'tagc-balanced.yaml'}", "--save_checkpoint=false"),
+            _base(tmp_path, cache_dir, "f2", "--fsdp=2", "--max_iters=4",
+                  f"--tagc={PRESETS / 'tagc-full.yaml'}", "--save_checkpoint=false")]
     res = run_dist(_run_mains, 2, runs, timeout=240)
     for s in res[0]:
         assert s["iters"] == 4 and s["final_val_loss"] < 5.4
@@ -232,6 +234,14 @@ def test_two_rank_tagc_presets_fsdp1_and_fsdp2(tmp_path: Path, cache_dir: Path) 
     assert res[0][1]["compressed_bits_per_param"] == pytest.approx(0.4, rel=0.05)
     # tagc-balanced: int4 codes + an fp32 scale per 256 -> (N-1)/N * (4 + 32/256)
     assert res[0][2]["compressed_bits_per_param"] == pytest.approx(2.0625, rel=0.01)
+    # tagc-full: the same gradients, and int8 parameter gathers (8 + 32/256 bits per
+    # padded parameter instead of 32): a quarter of the plain gathers, give or take
+    # the blocks cut short at each parameter's end
+    full = res[0][3]
+    assert full["compressed_bits_per_param"] == pytest.approx(2.0625, rel=0.01)
+    assert full["gather_bytes_sent"] / full["gather_bytes_uncompressed"] == \
+        pytest.approx(8.125 / 32, rel=0.02)
+    assert res[0][2]["gather_bytes_sent"] == 0
 
 
 def _flat(d: Dict[str, Any], prefix: str = "") -> Dict[str, torch.Tensor]:
@@ -247,7 +257,7 @@ def _flat(d: Dict[str, Any], prefix: str = "") -> Dict[str, torch.Tensor]:
 # FSDP1 and FSDP2 each with a stateful preset, plus plain FSDP (no TAGC state at all).
 # The other pairings add no script-side path; they cost ~20 s each on 2 busy cores.
 RESUME_CASES = [("1", "tagc-exact.yaml"), ("2", "tagc-sparse.yaml"), ("1", "tagc-lean.yaml"),
-                ("2", None)]
+                ("2", None), ("2", "tagc-full.yaml")]
 
 
 @needs_tagc
