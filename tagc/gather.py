@@ -130,6 +130,11 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
         """
         world = dist.get_world_size(group)
         nb = input_tensor.numel() * input_tensor.element_size()
+        if self.switch.exact:
+            # validation under exact_gathers(): the user's evaluation, not training
+            # traffic, so not counted (the counters describe the training's gathers)
+            dist.all_gather_single(output_tensor, input_tensor, group=group)
+            return None
         self.stats.add("gather_calls", 1)
         self.stats.add("gather_default_wire_bytes", (world - 1) * nb)
         why = self._exact_reason(input_tensor, group)
@@ -147,8 +152,6 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
 
     def _exact_reason(self, inp: torch.Tensor, group: Any) -> Optional[str]:
         """Why this call is gathered exactly, or None when it is quantized."""
-        if self.switch.exact:
-            return "exact_gathers()"
         if not self.quantize:
             return "a non-floating parameter"
         if group is not self.group:

@@ -89,7 +89,16 @@ class TAGCState:
             ``collision_dropped_l1`` (paper lanes: kept entries that the SUM
             carries erased from the union, counted by their senders, and the
             L1 mass lost with them), ``coded_ef`` / ``coded_bitmap`` /
-            ``coded_dense`` (auto mode: shard messages in each coding).  On CUDA the data-dependent counters are
+            ``coded_dense`` (auto mode: shard messages in each coding);
+            parameter all-gathers (``cfg.gather``, FSDP2), apart from every
+            gradient counter above: ``gather_calls`` (of which
+            ``gather_quantized_calls`` and ``gather_exact_calls``, the latter
+            counting ``gather_nonfinite`` NaN/Inf fallbacks and the post-forward
+            re-gathers of ``reshard_after_forward=int``), ``gather_wire_bytes``
+            (ring all-gather: (N-1) x the message this rank sends),
+            ``gather_default_wire_bytes`` (FSDP's exact gather of the same calls),
+            ``gather_wire_ratio``; gathers inside :meth:`exact_gathers` (validation)
+            are not counted.  On CUDA the data-dependent counters are
             accumulated on the device and read here (the only host syncs); a
             non-finite call counts in ``nonfinite_fallbacks`` only, and exact
             mode's ``unpeeled`` entries are estimated, not recovered
