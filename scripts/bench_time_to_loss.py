@@ -57,7 +57,7 @@ def train(net: List[str], name: str, out: Path, preset: Optional[Path],
            "--progress=false", "--threads=1", "--save_checkpoint=false", "--tensorboard=false",
            *([f"--tagc={preset}"] if preset else []), *extra]
     logger.info("%s: %s", name, " ".join(cmd))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TAGC_PYTHON=sys.executable)
     with open(out / f"{name}.log", "w") as log:
         r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout + 60,
                            env=env)
