@@ -398,6 +398,30 @@ def _case_checkpoint(rank: int, n: int) -> str:
     return "ok"
 
 
+def _case_hsdp(rank: int, n: int) -> Dict[str, Any]:
+    """TAGC's custom HSDP, 2 replicas x 2 shards: the gathers (inside a node, over the
+    shard group) are quantized as on FULL_SHARD with N=2, and the gradients equal those
+    of the same HSDP model whose masters are the reference's weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("replicate", "shard"))
+    cfg = _cfg()
+    model = _build(cfg, mesh=mesh)
+    full = _full(model)
+    state = tagc.register(model, cfg)
+    ref = ref_weights(full, 2, "int8", BLOCK)
+    cfg_b = _cfg(gather="none")
+    model_b = _build(cfg_b, init=ref, mesh=mesh)
+    tagc.register(model_b, cfg_b)
+    for m in (model, model_b):
+        m(toy_batch(rank, 0)).backward()
+    a, b = _grads(model), _grads(model_b)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    st = state.stats()["total"]
+    assert st["gather_quantized_calls"] > 0 and st["gather_exact_calls"] == 0
+    return {"ratio": st["gather_wire_ratio"]}
+
+
 def _case_bad_input(rank: int, n: int) -> List[str]:
     """FSDP1 with gather: a clear error naming FSDP2; bad knobs raise."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -434,6 +458,7 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
     ]
     if n == 4:  # reshard to a group of 2 after forward: the backward gather is exact
         cases.append(("reshard_int", lambda r, w: _case_grads(r, w, reshard=2)))
+        cases.append(("hsdp", _case_hsdp))
     return run_cases(rank, n, cases)
 
 
@@ -448,12 +473,17 @@ def test_gather_n2(case: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES + ["reshard_int"])
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("n", [3, 4])
 def test_gather_n3_n4(n: int, case: str) -> None:
-    if case == "reshard_int" and n != 4:
-        pytest.skip("reshard_after_forward=2 needs N divisible by 2 and > 2")
     SPAWN.case(n, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["reshard_int", "hsdp"])
+def test_gather_n4_groups(case: str) -> None:
+    """reshard_after_forward=2 and 2 x 2 HSDP: gathers over a group of 2 of 4 ranks."""
+    SPAWN.case(4, case)
 
 
 def test_gather_n1() -> None:
