@@ -322,9 +322,7 @@ static inline int64_t tagc_check_quant_bytes(int64_t n, int format, int64_t bloc
     if (n < 0 || n > TAGC_MAX_N || !tagc_check_qformat_ok(format) || block < 1 ||
         block > TAGC_QBLOCK_MAX)
         return -1;
-    int64_t full = n / block, tail = n % block;
-    return full * tagc_q_record_bytes(block, format) +
-           (tail ? tagc_q_record_bytes(tail, format) : 0);
+    return tagc_q_bytes(n, format, block);
 }
 
 static inline tagc_status tagc_check_quant_encode(const uint8_t *dst, int64_t dst_capacity,

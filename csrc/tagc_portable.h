@@ -172,6 +172,16 @@ TAGC_HD int64_t tagc_q_record_bytes(int64_t len, int format)
     return 4 + (len + per - 1) / per;
 }
 
+/* Bytes of the records of n values in blocks of `block`, the last one
+ * possibly shorter: a quant message, or one segment of a wq message.  The
+ * caller has checked the arguments. */
+TAGC_HD int64_t tagc_q_bytes(int64_t n, int format, int64_t block)
+{
+    int64_t full = n / block, tail = n % block;
+    return full * tagc_q_record_bytes(block, format) +
+           (tail ? tagc_q_record_bytes(tail, format) : 0);
+}
+
 /* Scale of a block of len > 0 values from its sum of |v| (double, fixed
  * order) and its max |v|.  Clamped to FLT_MAX so a finite block always has
  * a finite scale; a scale below FLT_MIN counts as 0 (nothing of the block is
