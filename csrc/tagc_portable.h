@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "tagc.h" /* TAGC_WQ_NONFINITE, the wire's sentinel */
+
 #if defined(__CUDACC__)
 #define TAGC_HD static __host__ __device__ __forceinline__
 #else
@@ -289,6 +291,62 @@ TAGC_HD int tagc_q_decode(int format, unsigned byte, int j, int *bad)
     }
     *bad |= byte == 0x80u;
     return (int)(int8_t)(uint8_t)byte;
+}
+
+/* ---- quantized weight gather (tagc.h's tagc_wq_*; int8 and int4 only) ---- */
+
+/* Magnitude patterns (bits & 0x7fffffff) at or above this are NaN/Inf; below
+ * it their integer order is the order of |v|, so one integer max over a
+ * block gives both its max |v| and whether it is finite. */
+#define TAGC_WQ_INF_BITS 0x7f800000u
+
+/* Scale bits of a block from the largest magnitude pattern in it: the
+ * sentinel TAGC_WQ_NONFINITE for NaN/Inf, else tagc_q_scale's max|v| / qmax. */
+TAGC_HD uint32_t tagc_wq_scale_bits(int format, uint32_t max_bits)
+{
+    union { uint32_t u; float f; } v;
+    if (max_bits >= TAGC_WQ_INF_BITS)
+        return TAGC_WQ_NONFINITE;
+    v.u = max_bits;
+    v.f = tagc_q_scale(format, 0.0, v.f, 1);
+    return v.u;
+}
+
+/* Code of a value of a wq block under inv = tagc_q_inv(s): tagc_q_code
+ * (round half to even, the same magic-number rounding) without its clamps,
+ * which never bind here and cost most of the code pass.  The scale comes from
+ * the block's own largest magnitude m: s = RN(m / qmax) (or one step below,
+ * near FLT_MAX), inv = RN(1 / s), so |v * inv| <= qmax (1 + 2^-21) <
+ * qmax + 1/2 for every |v| <= m; and inv = 0 when s = 0. */
+TAGC_HD int tagc_wq_code(float v, float inv)
+{
+    const float magic = 12582912.0f;
+#if defined(__CUDA_ARCH__)
+    return (int)__fsub_rn(__fadd_rn(__fmul_rn(v, inv), magic), magic);
+#else
+    return (int)((v * inv + magic) - magic);
+#endif
+}
+
+/* What a receiver makes of a record's scale bits: 1 the sentinel, 0 a scale
+ * it may use (finite, >= 0, qmax * s <= FLT_MAX, so every product is
+ * finite), -1 anything else (corrupt; NaN fails both comparisons). */
+TAGC_HD int tagc_wq_scale_kind(int format, uint32_t bits)
+{
+    union { uint32_t u; float f; } v;
+    if (bits == TAGC_WQ_NONFINITE)
+        return 1;
+    v.u = bits;
+    return v.f >= 0.0f && (double)v.f * tagc_q_max(format) <= 3.4028234663852886e38 ? 0 : -1;
+}
+
+/* A byte of codes 0: what a sentinel record's codes are (int8 0, int4 0x77). */
+TAGC_HD uint8_t tagc_wq_zero_byte(int format)
+{
+    unsigned byte = 0;
+    for (int j = 0; j < tagc_q_per_byte(format); j++)
+        byte += tagc_q_digit(format, 0) * tagc_q_weight(format, j);
+    return (uint8_t)byte;
 }
 
 #endif /* TAGC_PORTABLE_H */
