@@ -81,6 +81,7 @@ typedef struct {
     view_t none; /* what an omitted optional tensor reads as */
     int n;
     const char *fn;
+    int64_t *owned; /* PyMem copy of a sequence argument (wq's segs), or NULL */
 } views_t;
 
 static void views_release(views_t *vs)
@@ -88,6 +89,8 @@ static void views_release(views_t *vs)
     for (int i = 0; i < vs->n; i++)
         Py_CLEAR(vs->v[i].capsule);
     vs->n = 0;
+    PyMem_Free(vs->owned);
+    vs->owned = NULL;
 }
 
 static void allowed_names(unsigned allowed, char *buf, size_t cap)
@@ -1233,6 +1236,216 @@ static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
              "(out untouched)");
 }
 
+/* ---- quantized weight gather ------------------------------------------- */
+
+static const enum_name WQ_FORMAT_NAMES[] = {{"int4", TAGC_Q_INT4}, {"int8", TAGC_Q_INT8},
+                                            {NULL, 0}};
+
+/* The (format, block) pair of the wq_* functions: int4 or int8 only. */
+static int arg_wq(const char *fn, PyObject *ofmt, PyObject *oblock, tagc_qformat *fmt,
+                  int64_t *block)
+{
+    int v;
+    if (arg_enum(fn, ofmt, "format", WQ_FORMAT_NAMES, "'int4' or 'int8'", &v) < 0)
+        return -1;
+    *fmt = (tagc_qformat)v;
+    return arg_range(fn, oblock, "block", 1, TAGC_QBLOCK_MAX, block);
+}
+
+/* The segment lengths of a wq call: an int64 tensor (a view, on the data's
+ * device: the CUDA kernels read it there) or a sequence of ints (copied into
+ * vs->owned, CPU calls only; view is NULL then). */
+typedef struct {
+    const int64_t *len;
+    int64_t n;
+    view_t *view;
+} segs_t;
+
+static int arg_segs(views_t *vs, PyObject *o, segs_t *segs)
+{
+    memset(segs, 0, sizeof *segs);
+    if (PyObject_HasAttrString(o, "__dlpack__")) {
+        segs->view = view_take(vs, o, "segs", K_I64);
+        if (segs->view == NULL)
+            return -1;
+        segs->len = segs->view->data;
+        segs->n = segs->view->numel;
+        return 0;
+    }
+    /* A tuple copy: an element's __index__ cannot resize what is iterated. */
+    PyObject *seq = PySequence_Tuple(o);
+    if (seq == NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument 'segs' must be a sequence of ints or an int64 tensor, "
+                     "not %.100s", vs->fn, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    vs->owned = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    if (vs->owned == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (arg_i64(vs->fn, PyTuple_GET_ITEM(seq, i), "segs", &vs->owned[i]) < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    segs->len = vs->owned;
+    segs->n = n;
+    return 0;
+}
+
+/* Host-side check of a table the CPU op will read: every length in
+ * [0, 2**31-1], their sum too (*total). */
+static int segs_check(views_t *vs, const segs_t *segs, int64_t *total)
+{
+    *total = 0;
+    if (segs->n > TAGC_MAX_N) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'segs' has more than 2**31-1 segments",
+                     vs->fn);
+        return -1;
+    }
+    for (int64_t i = 0; i < segs->n; i++) {
+        if (segs->len[i] < 0 || segs->len[i] > TAGC_MAX_N - *total) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: argument 'segs': segment %lld has length %lld (lengths must "
+                         "be >= 0, their sum at most 2**31-1)",
+                         vs->fn, (long long)i, (long long)segs->len[i]);
+            return -1;
+        }
+        *total += segs->len[i];
+    }
+    return 0;
+}
+
+/* On CPU: the table checked and summing to n (the data's numel()).  On CUDA:
+ * an int64 tensor on the device (the launchers check it there, no sync). */
+static int segs_for(views_t *vs, const segs_t *segs, int dev, const view_t *data)
+{
+    int64_t total;
+    if (dev == DEV_CUDA) {
+        if (segs->view == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: argument 'segs' must be an int64 tensor on the data's device "
+                         "for CUDA tensors (the kernels read it there)", vs->fn);
+            return -1;
+        }
+        return 0;
+    }
+    if (segs_check(vs, segs, &total) < 0)
+        return -1;
+    if (total != data->numel) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument 'segs' sums to %lld, but '%s' has %lld elements",
+                     vs->fn, (long long)total, data->name, (long long)data->numel);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_wq_bytes(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"segs", "format", "block", NULL};
+    PyObject *osegs, *ofmt, *oblock;
+    BEGIN("wq_bytes");
+    (void)m;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwl, &osegs, &ofmt, &oblock))
+        return NULL;
+    tagc_qformat fmt;
+    int64_t block, total;
+    segs_t segs;
+    CHECK(arg_wq(fn, ofmt, oblock, &fmt, &block));
+    CHECK(arg_segs(&vs_, osegs, &segs));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    if (dev == DEV_CUDA) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument 'segs' must be on the CPU (the size is a host number)", fn);
+        goto done;
+    }
+    CHECK(segs_check(&vs_, &segs, &total));
+    ret = PyLong_FromLongLong(tagc_wq_bytes(segs.len, segs.n, fmt, block));
+done:
+    views_release(&vs_);
+    return ret;
+}
+
+/* What a refused message means for the caller. */
+static const char *wq_detail(tagc_status st)
+{
+    if (st == TAGC_ERR_NONFINITE)
+        return "a block of the message holds NaN/Inf weights (sent unquantized: gather "
+               "exactly)";
+    if (st == TAGC_ERR_CORRUPT)
+        return "buf holds a code outside the format or an invalid scale (out untouched)";
+    return NULL;
+}
+
+/* wq_encode and wq_decode: the same checks; the data (src, read, or out,
+ * written) and the message swap places in the argument list. */
+static PyObject *wq_common(PyObject *m, PyObject *args, PyObject *kw, int decode)
+{
+    static char *kw_enc[] = {"buf", "src", "segs", "format", "block", "stream", "status_out",
+                             NULL};
+    static char *kw_dec[] = {"out", "buf", "segs", "format", "block", "stream", "status_out",
+                             NULL};
+    PyObject *o1, *o2, *osegs, *ofmt, *oblock, *ostream = NULL, *ostatus = NULL;
+    BEGIN("wq_encode");
+    if (decode)
+        vs_.fn = fn = "_tagc.wq_decode";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$OO", decode ? kw_dec : kw_enc, &o1, &o2,
+                                     &osegs, &ofmt, &oblock, &ostream, &ostatus))
+        return NULL;
+    CHECK(arg_stream(fn, ostream, &stream));
+    tagc_qformat fmt;
+    int64_t block;
+    segs_t segs;
+    CHECK(arg_wq(fn, ofmt, oblock, &fmt, &block));
+    TAKE(first, o1, decode ? "out" : "buf", decode ? K_F32 | K_BF16 : K_U8);
+    TAKE(second, o2, decode ? "buf" : "src", decode ? K_U8 : K_F32 | K_BF16);
+    view_t *data = decode ? first : second, *buf = decode ? second : first;
+    CHECK(arg_segs(&vs_, osegs, &segs));
+    TAKE_STATUS(ostatus);
+    CHECK(need_max_n(&vs_, data));
+    int dev = common_device(&vs_);
+    CHECK(dev);
+    CHECK(segs_for(&vs_, &segs, dev, data));
+    tagc_dtype dt = codec_dtype(data->kind);
+    if (dev == DEV_CUDA && decode) { /* CORRUPT: out untouched; NONFINITE: NaN blocks */
+        RUN_CUDA(data, tagc_cuda_wq_decode_workspace_size(segs.n),
+                 tagc_cuda_wq_decode(data->data, dt, data->numel, buf->data, buf->numel,
+                                     segs.len, segs.n, fmt, block,
+                                     has_status ? status->data : NULL, ws_, wsb_, strm_));
+    } else if (dev == DEV_CUDA) { /* a table not matching the tensors: in status_out */
+        RUN_CUDA(data, tagc_cuda_wq_encode_workspace_size(segs.n),
+                 tagc_cuda_wq_encode(buf->data, buf->numel, data->data, dt, data->numel,
+                                     segs.len, segs.n, fmt, block,
+                                     has_status ? status->data : NULL, ws_, wsb_, strm_));
+    } else {
+        CHECK(need_size(&vs_, buf, tagc_wq_bytes(segs.len, segs.n, fmt, block), 1,
+                        "wq_bytes(segs, format, block)"));
+        RUN(decode ? tagc_wq_decode(data->data, dt, data->numel, buf->data, buf->numel,
+                                    segs.len, segs.n, fmt, block)
+                   : tagc_wq_encode(buf->data, buf->numel, data->data, dt, data->numel,
+                                    segs.len, segs.n, fmt, block));
+    }
+    END_NONE(st, wq_detail(st));
+}
+
+static PyObject *py_wq_encode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    return wq_common(m, args, kw, 0);
+}
+
+static PyObject *py_wq_decode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    return wq_common(m, args, kw, 1);
+}
+
 static PyObject *py_cuda_available(PyObject *m, PyObject *unused)
 {
     (void)m;
@@ -1302,6 +1515,14 @@ static PyMethodDef methods[] = {
     KW(quant_decode_add, SIG(quant_decode_add,
                              "out, buf, format, block, *, stream=0, status_out=None",
                              "out += the decoded values of one quantized shard.")),
+    KW(wq_bytes, SIG(wq_bytes, "segs, format, block",
+                     "Wire size of one rank's parameter shard (segments segs) as a wq message.")),
+    KW(wq_encode, SIG(wq_encode, "buf, src, segs, format, block, *, stream=0, status_out=None",
+                      "One rank's parameter shard as int8/int4 block records (NaN/Inf blocks "
+                      "flagged).")),
+    KW(wq_decode, SIG(wq_decode, "out, buf, segs, format, block, *, stream=0, status_out=None",
+                      "out = the weights of one wq message (raises NonFiniteError for a "
+                      "flagged block).")),
     {"cuda_available", py_cuda_available, METH_NOARGS,
      SIG(cuda_available, "",
          "Whether the CUDA kernels are built in and a CUDA device is usable.")},
@@ -1313,7 +1534,8 @@ static int mod_exec(PyObject *module)
     mod_state *s = get_state(module);
     s->nonfinite_error = PyErr_NewExceptionWithDoc(
         "_tagc.NonFiniteError",
-        "grad + residual holds NaN or Inf; nothing was written.",
+        "NaN or Inf where the op needs finite values (grad + residual, or a wq "
+        "message's weights); nothing was written.",
         PyExc_ValueError, NULL);
     if (s->nonfinite_error == NULL)
         return -1;

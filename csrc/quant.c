@@ -88,16 +88,6 @@ TAGC_AI void block_encode(uint8_t *codes, float s, const void *g, int gd, void *
     }
 }
 
-/* One switch per block: each case inlines the loops above for a constant
- * format, so the per-value division by the codes per byte is a constant. */
-#define BY_FORMAT(format, call)          \
-    switch (format) {                    \
-    case TAGC_Q_SIGN: { enum { F = TAGC_Q_SIGN }; call; } break;       \
-    case TAGC_Q_TERNARY: { enum { F = TAGC_Q_TERNARY }; call; } break; \
-    case TAGC_Q_INT4: { enum { F = TAGC_Q_INT4 }; call; } break;       \
-    default: { enum { F = TAGC_Q_INT8 }; call; } break;                \
-    }
-
 /* Both passes for one (grad, residual) dtype pair; returns 0 on NaN/Inf. */
 TAGC_AI int encode_pass(uint8_t *dst, const void *g, int gd, void *r, int rd,
                         int64_t n, int format, int64_t block)
@@ -109,7 +99,7 @@ TAGC_AI int encode_pass(uint8_t *dst, const void *g, int gd, void *r, int rd,
         int64_t len = n - o < block ? n - o : block;
         float s = 0.0f;
         int ok = 0;
-        BY_FORMAT(format, ok = block_scale(&s, g, gd, r, rd, o, len, F));
+        BY_QFORMAT(format, ok = block_scale(&s, g, gd, r, rd, o, len, F));
         if (!ok)
             return 0;
         memcpy(dst + b * rec, &s, 4); /* little-endian hosts: the wire layout */
@@ -118,7 +108,7 @@ TAGC_AI int encode_pass(uint8_t *dst, const void *g, int gd, void *r, int rd,
         int64_t len = n - o < block ? n - o : block;
         float s;
         memcpy(&s, dst + b * rec, 4);
-        BY_FORMAT(format, block_encode(dst + b * rec + 4, s, g, gd, r, rd, o, len, F));
+        BY_QFORMAT(format, block_encode(dst + b * rec + 4, s, g, gd, r, rd, o, len, F));
     }
     return 1;
 }
@@ -149,37 +139,6 @@ tagc_status tagc_quant_encode(uint8_t *dst, int64_t dst_capacity,
     return TAGC_OK;
 }
 
-/* Whether the len codes of one record are valid (reads only).  Byte by byte
- * with the position in the byte a constant once the loop unrolls. */
-TAGC_AI int record_valid(const uint8_t *codes, int64_t len, int format)
-{
-    const int per = tagc_q_per_byte(format);
-    int bad = 0;
-    int64_t full = len / per, b = 0;
-    for (; b < full; b++)
-        for (int j = 0; j < per; j++)
-            (void)tagc_q_decode(format, codes[b], j, &bad);
-    for (int j = 0; b * per + j < len; j++)
-        (void)tagc_q_decode(format, codes[b], j, &bad);
-    return !bad;
-}
-
-/* out[0..len) += the record's values. */
-TAGC_AI void record_add(float *out, const uint8_t *rec, int64_t len, int format)
-{
-    const int per = tagc_q_per_byte(format);
-    const uint8_t *codes = rec + 4;
-    int ignored = 0;
-    float s;
-    memcpy(&s, rec, 4); /* src comes off the network: no alignment assumed */
-    int64_t full = len / per, b = 0;
-    for (; b < full; b++)
-        for (int j = 0; j < per; j++)
-            out[b * per + j] += (float)tagc_q_decode(format, codes[b], j, &ignored) * s;
-    for (int j = 0; b * per + j < len; j++)
-        out[b * per + j] += (float)tagc_q_decode(format, codes[b], j, &ignored) * s;
-}
-
 tagc_status tagc_quant_decode_add(float *out, int64_t n,
                                   const uint8_t *src, int64_t src_bytes,
                                   tagc_qformat format, int64_t block)
@@ -192,13 +151,13 @@ tagc_status tagc_quant_decode_add(float *out, int64_t n,
     for (int64_t o = 0, b = 0; o < n; o += block, b++) {
         int64_t len = n - o < block ? n - o : block;
         int ok = 0;
-        BY_FORMAT(fmt, ok = record_valid(src + b * rec + 4, len, F));
+        BY_QFORMAT(fmt, ok = q_codes_valid(src + b * rec + 4, len, F));
         if (!ok)
             return TAGC_ERR_CORRUPT; /* checked in full before out is written */
     }
     for (int64_t o = 0, b = 0; o < n; o += block, b++) {
         int64_t len = n - o < block ? n - o : block;
-        BY_FORMAT(fmt, record_add(out + o, src + b * rec, len, F));
+        BY_QFORMAT(fmt, q_record_out(out, TAGC_F32, 1, o, src + b * rec, len, F));
     }
     return TAGC_OK;
 }

@@ -21,16 +21,8 @@
 #include "tagc_checks.h"
 #include "tagc_internal.h"
 
-/* The two passes over the shard are compute-bound with SSE2 (the x86-64
- * baseline); where the toolchain and the loader can (GCC/clang, x86-64 ELF,
- * glibc's ifunc; musl has none), they get an AVX2 clone too, picked once at
- * load time by the CPU. */
-#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && defined(__GLIBC__)
-#define TAGC_HOT_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define TAGC_HOT_CLONES
-#endif
-
+/* The two passes over the shard are compute-bound with SSE2: both get an
+ * AVX2 clone (TAGC_HOT_CLONES). */
 /* Patterns of NaN/Inf are >= 0x7f800000; their high half is < 0x8000 too, so
  * a histogram of 0x8000 bins is safe to fill before finiteness is known. */
 #define HI_BINS 0x8000

@@ -41,3 +41,9 @@ tagc_coding tagc_pairs_cheapest(int64_t n, int64_t k, tagc_dtype value_dtype)
 {
     return (tagc_coding)tagc_check_pairs_cheapest(n, k, (int)value_dtype);
 }
+
+int64_t tagc_wq_bytes(const int64_t *seg, int64_t nseg, tagc_qformat format, int64_t block)
+{
+    int64_t total;
+    return tagc_check_wq_table(seg, nseg, (int)format, block, &total);
+}

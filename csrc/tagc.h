@@ -62,6 +62,7 @@ size_t tagc_dtype_size(tagc_dtype d);
  *   tagc_sparse_bytes(k, d)     bytes of k (offset, value) pairs: k*(4 + size of d);
  *                               0 <= k <= INT64_MAX/8, d a tagc_dtype
  *   tagc_quant_bytes(n, f, b)   see the block quantization section below
+ *   tagc_wq_bytes(seg, ns, f, b) see the quantized weight gather section
  */
 int64_t tagc_bitmap_bytes(int64_t n);
 int64_t tagc_lanes_bytes(int64_t n, int bits);
@@ -329,6 +330,79 @@ tagc_status tagc_quant_encode(uint8_t *dst, int64_t dst_capacity,
 tagc_status tagc_quant_decode_add(float *out, int64_t n,
                                   const uint8_t *src, int64_t src_bytes,
                                   tagc_qformat format, int64_t block);
+
+/*
+ * Quantized weight gather (the `wq` codec: ZeRO++'s qwZ for FSDP's parameter
+ * all-gather).  A rank's flat shard of n values is the concatenation of
+ * nseg segments, one per parameter (seg[0..nseg), sum n; every rank has the
+ * same lengths).  Each segment is cut into blocks of `block` values, the
+ * last one of each segment possibly shorter (blocks never cross a segment,
+ * so a parameter's blocks never mix in its neighbour's scale), and every
+ * block is one record of the block quantization layout above: the fp32
+ * little-endian scale, then the codes packed as that format says.  Records
+ * follow each other segment by segment with no gap, so the size depends only
+ * on (seg, format, block): tagc_wq_bytes().  Formats: TAGC_Q_INT8 and
+ * TAGC_Q_INT4 only (weights are not sent again: no error feedback, no
+ * sign/ternary).  Scale s = max |v| / qmax (tagc_q_scale), code q =
+ * round-half-even of v times the fp32 1 / s, clamped to +-qmax (tagc_q_code;
+ * the clamp never binds here, tagc_wq_code): deterministic, so the same
+ * weights always give the same bytes, and a value decodes to the fp32
+ * product q * s.  Re-encoding decoded fp32 values gives the same bytes
+ * again (s = RN(m / qmax) of a float m makes RN(qmax * s) = m, the block's
+ * largest value; except for the scales nudged down near FLT_MAX), and so
+ * does re-encoding bf16 weights decoded into bf16; fp32 weights decoded into
+ * bf16 re-encode once to other scales (bf16 rounds the block's largest
+ * value), and from then on to the same bytes.
+ *
+ * A block holding NaN/Inf is not quantized: its record carries the scale bit
+ * pattern TAGC_WQ_NONFINITE (a quiet NaN no arithmetic produces) and all
+ * codes 0.  The message itself tells every receiver, which all see the same
+ * bytes and so take the same decision (tagc_wq_decode: NONFINITE, gather
+ * that unit exactly).
+ */
+#define TAGC_WQ_NONFINITE 0x7fc0ffeeu
+
+/*
+ * tagc_wq_bytes - exact size in bytes of a message of segments seg[0..nseg):
+ *   the sum over segments of tagc_quant_bytes(seg[i], format, block).
+ *   Returns 0 when every segment is empty, and -1 for an invalid argument:
+ *   nseg outside [0, TAGC_MAX_N], seg NULL with nseg > 0, a negative segment,
+ *   a total above TAGC_MAX_N, a format other than INT8/INT4, block outside
+ *   [1, TAGC_QBLOCK_MAX].
+ */
+int64_t tagc_wq_bytes(const int64_t *seg, int64_t nseg, tagc_qformat format, int64_t block);
+
+/*
+ * tagc_wq_encode - one rank's shard src[0..n) (fp32 or bf16, read only) as
+ *   a wq message: writes dst[0..tagc_wq_bytes(seg, nseg, format, block)),
+ *   one record per block as above.  A block with NaN/Inf gets the scale
+ *   TAGC_WQ_NONFINITE and all codes 0 (int4: nibbles 7) and the call still
+ *   returns OK.  Padding nibbles (int4, odd block) encode 0.
+ *   Bounds: n == sum of seg (else RANGE), as tagc_wq_bytes otherwise.
+ *   Errors: ARG (NULL), DTYPE, RANGE, CAPACITY (dst_capacity < the size).
+ */
+tagc_status tagc_wq_encode(uint8_t *dst, int64_t dst_capacity,
+                           const void *src, tagc_dtype src_dtype, int64_t n,
+                           const int64_t *seg, int64_t nseg,
+                           tagc_qformat format, int64_t block);
+
+/*
+ * tagc_wq_decode - receiver side: out[i] = q_i * s (fp32 product, written,
+ *   not added; rounded to nearest even when out is bf16) for the n values of
+ *   a wq message src (any alignment).  The whole message is checked before
+ *   anything is written: a code outside the format (int8 -128, int4 nibble
+ *   15) or a scale that is neither the exact TAGC_WQ_NONFINITE pattern nor
+ *   finite, >= 0 (-0 included) and such that qmax * s <= FLT_MAX returns
+ *   CORRUPT; else a record with TAGC_WQ_NONFINITE returns NONFINITE; out is
+ *   untouched on both.  Padding nibbles are not checked.
+ *   Bounds: n == sum of seg, src_bytes == tagc_wq_bytes(seg, nseg, format,
+ *   block) (else RANGE), as tagc_wq_bytes otherwise.
+ *   Errors: ARG, DTYPE, RANGE, CORRUPT, NONFINITE.
+ */
+tagc_status tagc_wq_decode(void *out, tagc_dtype out_dtype, int64_t n,
+                           const uint8_t *src, int64_t src_bytes,
+                           const int64_t *seg, int64_t nseg,
+                           tagc_qformat format, int64_t block);
 
 #ifdef __cplusplus
 }

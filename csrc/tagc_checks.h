@@ -322,9 +322,7 @@ static inline int64_t tagc_check_quant_bytes(int64_t n, int format, int64_t bloc
     if (n < 0 || n > TAGC_MAX_N || !tagc_check_qformat_ok(format) || block < 1 ||
         block > TAGC_QBLOCK_MAX)
         return -1;
-    int64_t full = n / block, tail = n % block;
-    return full * tagc_q_record_bytes(block, format) +
-           (tail ? tagc_q_record_bytes(tail, format) : 0);
+    return tagc_q_bytes(n, format, block);
 }
 
 static inline tagc_status tagc_check_quant_encode(const uint8_t *dst, int64_t dst_capacity,
@@ -351,6 +349,64 @@ static inline tagc_status tagc_check_quant_decode(const float *out, int64_t n,
     if (need < 0 || src_bytes != need)
         return TAGC_ERR_RANGE;
     return TAGC_OK;
+}
+
+static inline int tagc_check_wq_format_ok(int format)
+{
+    return format == TAGC_Q_INT4 || format == TAGC_Q_INT8;
+}
+
+/* The arguments of a wq op that do not read the segment table: all that the
+ * CUDA launchers can check on the host (their table is in device memory).
+ * data: dst or out; msg: src (encode: the values; decode: the message). */
+static inline tagc_status tagc_check_wq_args(const void *data, const void *msg, int dtype,
+                                             int64_t n, const int64_t *seg, int64_t nseg,
+                                             int format, int64_t block)
+{
+    if ((n > 0 && (data == NULL || msg == NULL)) || (seg == NULL && nseg > 0))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(dtype))
+        return TAGC_ERR_DTYPE;
+    if (n < 0 || n > TAGC_MAX_N || nseg < 0 || nseg > TAGC_MAX_N ||
+        !tagc_check_wq_format_ok(format) || block < 1 || block > TAGC_QBLOCK_MAX)
+        return TAGC_ERR_RANGE;
+    return TAGC_OK;
+}
+
+/* The one size rule of a wq message (tagc_wq_bytes), reading the table:
+ * -1 when it is invalid, else the bytes, with the number of values in
+ * *total.  Each length is checked against what is left of TAGC_MAX_N
+ * before it is added, so nothing overflows. */
+static inline int64_t tagc_check_wq_table(const int64_t *seg, int64_t nseg, int format,
+                                          int64_t block, int64_t *total)
+{
+    int64_t values = 0, bytes = 0;
+    if (nseg < 0 || nseg > TAGC_MAX_N || (seg == NULL && nseg > 0) ||
+        !tagc_check_wq_format_ok(format) || block < 1 || block > TAGC_QBLOCK_MAX)
+        return -1;
+    for (int64_t i = 0; i < nseg; i++) {
+        if (seg[i] < 0 || seg[i] > TAGC_MAX_N - values)
+            return -1;
+        values += seg[i];
+        bytes += tagc_q_bytes(seg[i], format, block);
+    }
+    *total = values;
+    return bytes;
+}
+
+/* All of a wq op's checks but the message size, which is *need then (the
+ * arguments of tagc_check_wq_args, then the table: RANGE when it is invalid
+ * or does not sum to n). */
+static inline tagc_status tagc_check_wq(const void *data, const void *msg, int dtype, int64_t n,
+                                        const int64_t *seg, int64_t nseg, int format,
+                                        int64_t block, int64_t *need)
+{
+    int64_t total = -1;
+    tagc_status st = tagc_check_wq_args(data, msg, dtype, n, seg, nseg, format, block);
+    if (st != TAGC_OK)
+        return st;
+    *need = tagc_check_wq_table(seg, nseg, format, block, &total);
+    return *need < 0 || total != n ? TAGC_ERR_RANGE : TAGC_OK;
 }
 
 #endif /* TAGC_CHECKS_H */

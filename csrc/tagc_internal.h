@@ -15,6 +15,16 @@
  * by constant propagation instead of being written out once per combination. */
 #define TAGC_AI static inline __attribute__((always_inline))
 
+/* For passes that are compute-bound with SSE2 (the x86-64 baseline): where
+ * the toolchain and the loader can (GCC/clang, x86-64 ELF, glibc's ifunc;
+ * musl has none), an AVX2 clone too, picked once at load time by the CPU.
+ * Put on the non-inline function that inlines the loops. */
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && defined(__GLIBC__)
+#define TAGC_HOT_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define TAGC_HOT_CLONES
+#endif
+
 /* "No residual" marker for the dtype-specialised loops. */
 #define DT_NONE (-1)
 
@@ -84,6 +94,69 @@ TAGC_AI uint64_t load_le(const uint8_t *p, int64_t len)
             w |= (uint64_t)p[i] << (8 * i);
     }
     return w;
+}
+
+/* ---- block quantization records (quant.c, wq.c) ---- */
+
+/* One switch per block: each case inlines the loops of its call for a
+ * constant format, so the per-value division by the codes per byte is a
+ * constant. */
+#define BY_QFORMAT(format, call)                                       \
+    switch (format) {                                                  \
+    case TAGC_Q_SIGN: { enum { F = TAGC_Q_SIGN }; call; } break;       \
+    case TAGC_Q_TERNARY: { enum { F = TAGC_Q_TERNARY }; call; } break; \
+    case TAGC_Q_INT4: { enum { F = TAGC_Q_INT4 }; call; } break;       \
+    default: { enum { F = TAGC_Q_INT8 }; call; } break;                \
+    }
+
+/* Whether the len codes of one record are valid (reads only).  Byte by byte
+ * with the position in the byte a constant once the loop unrolls; the
+ * verdict is gathered in a byte, so the vectorized loop compares 32 code
+ * bytes per AVX2 vector instead of widening them to int lanes. */
+TAGC_AI int q_codes_valid(const uint8_t *codes, int64_t len, int format)
+{
+    const int per = tagc_q_per_byte(format);
+    uint8_t any = 0;
+    int bad = 0;
+    int64_t full = len / per, b = 0;
+    for (; b < full; b++) {
+        int byte_bad = 0;
+        for (int j = 0; j < per; j++)
+            (void)tagc_q_decode(format, codes[b], j, &byte_bad);
+        any |= (uint8_t)byte_bad;
+    }
+    for (int j = 0; b * per + j < len; j++)
+        (void)tagc_q_decode(format, codes[b], j, &bad);
+    return !(any | bad);
+}
+
+/* x into out[i]: added to fp32 (add != 0), or stored in dtype od. */
+TAGC_AI void q_put(void *out, int od, int add, int64_t i, float x)
+{
+    if (add)
+        ((float *)out)[i] += x;
+    else
+        st_val(out, od, i, x);
+}
+
+/* out[o..o + len) gets the values q * s of the record at rec, added or
+ * written (q_put).  The scale is the one the record holds. */
+TAGC_AI void q_record_out(void *out, int od, int add, int64_t o, const uint8_t *rec,
+                          int64_t len, int format)
+{
+    const int per = tagc_q_per_byte(format);
+    const uint8_t *codes = rec + 4;
+    int ignored = 0;
+    float s;
+    memcpy(&s, rec, 4); /* src comes off the network: no alignment assumed */
+    int64_t full = len / per, b = 0;
+    for (; b < full; b++)
+        for (int j = 0; j < per; j++)
+            q_put(out, od, add, o + b * per + j,
+                  (float)tagc_q_decode(format, codes[b], j, &ignored) * s);
+    for (int j = 0; b * per + j < len; j++)
+        q_put(out, od, add, o + b * per + j,
+              (float)tagc_q_decode(format, codes[b], j, &ignored) * s);
 }
 
 #endif /* TAGC_INTERNAL_H */

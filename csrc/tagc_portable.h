@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "tagc.h" /* TAGC_WQ_NONFINITE, the wire's sentinel */
+
 #if defined(__CUDACC__)
 #define TAGC_HD static __host__ __device__ __forceinline__
 #else
@@ -172,6 +174,16 @@ TAGC_HD int64_t tagc_q_record_bytes(int64_t len, int format)
     return 4 + (len + per - 1) / per;
 }
 
+/* Bytes of the records of n values in blocks of `block`, the last one
+ * possibly shorter: a quant message, or one segment of a wq message.  The
+ * caller has checked the arguments. */
+TAGC_HD int64_t tagc_q_bytes(int64_t n, int format, int64_t block)
+{
+    int64_t full = n / block, tail = n % block;
+    return full * tagc_q_record_bytes(block, format) +
+           (tail ? tagc_q_record_bytes(tail, format) : 0);
+}
+
 /* Scale of a block of len > 0 values from its sum of |v| (double, fixed
  * order) and its max |v|.  Clamped to FLT_MAX so a finite block always has
  * a finite scale; a scale below FLT_MIN counts as 0 (nothing of the block is
@@ -279,6 +291,62 @@ TAGC_HD int tagc_q_decode(int format, unsigned byte, int j, int *bad)
     }
     *bad |= byte == 0x80u;
     return (int)(int8_t)(uint8_t)byte;
+}
+
+/* ---- quantized weight gather (tagc.h's tagc_wq_*; int8 and int4 only) ---- */
+
+/* Magnitude patterns (bits & 0x7fffffff) at or above this are NaN/Inf; below
+ * it their integer order is the order of |v|, so one integer max over a
+ * block gives both its max |v| and whether it is finite. */
+#define TAGC_WQ_INF_BITS 0x7f800000u
+
+/* Scale bits of a block from the largest magnitude pattern in it: the
+ * sentinel TAGC_WQ_NONFINITE for NaN/Inf, else tagc_q_scale's max|v| / qmax. */
+TAGC_HD uint32_t tagc_wq_scale_bits(int format, uint32_t max_bits)
+{
+    union { uint32_t u; float f; } v;
+    if (max_bits >= TAGC_WQ_INF_BITS)
+        return TAGC_WQ_NONFINITE;
+    v.u = max_bits;
+    v.f = tagc_q_scale(format, 0.0, v.f, 1);
+    return v.u;
+}
+
+/* Code of a value of a wq block under inv = tagc_q_inv(s): tagc_q_code
+ * (round half to even, the same magic-number rounding) without its clamps,
+ * which never bind here and cost most of the code pass.  The scale comes from
+ * the block's own largest magnitude m: s = RN(m / qmax) (or one step below,
+ * near FLT_MAX), inv = RN(1 / s), so |v * inv| <= qmax (1 + 2^-21) <
+ * qmax + 1/2 for every |v| <= m; and inv = 0 when s = 0. */
+TAGC_HD int tagc_wq_code(float v, float inv)
+{
+    const float magic = 12582912.0f;
+#if defined(__CUDA_ARCH__)
+    return (int)__fsub_rn(__fadd_rn(__fmul_rn(v, inv), magic), magic);
+#else
+    return (int)((v * inv + magic) - magic);
+#endif
+}
+
+/* What a receiver makes of a record's scale bits: 1 the sentinel, 0 a scale
+ * it may use (finite, >= 0, qmax * s <= FLT_MAX, so every product is
+ * finite), -1 anything else (corrupt; NaN fails both comparisons). */
+TAGC_HD int tagc_wq_scale_kind(int format, uint32_t bits)
+{
+    union { uint32_t u; float f; } v;
+    if (bits == TAGC_WQ_NONFINITE)
+        return 1;
+    v.u = bits;
+    return v.f >= 0.0f && (double)v.f * tagc_q_max(format) <= 3.4028234663852886e38 ? 0 : -1;
+}
+
+/* A byte of codes 0: what a sentinel record's codes are (int8 0, int4 0x77). */
+TAGC_HD uint8_t tagc_wq_zero_byte(int format)
+{
+    unsigned byte = 0;
+    for (int j = 0; j < tagc_q_per_byte(format); j++)
+        byte += tagc_q_digit(format, 0) * tagc_q_weight(format, j);
+    return (uint8_t)byte;
 }
 
 #endif /* TAGC_PORTABLE_H */

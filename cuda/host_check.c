@@ -119,6 +119,26 @@ int main(void)
            TAGC_ERR_RANGE);
     EXPECT(tagc_cuda_quant_decode_add(tau, 100, bm, 58, TAGC_Q_INT4, 64, NULL, NULL, 0, s),
            TAGC_ERR_ARG);
+    /* wq: 100 values in one segment (a device table: never read here) */
+    int64_t *segs = cnt;
+    size_t sw = tagc_cuda_wq_encode_workspace_size(1);
+    EXPECT(sw >= 24 && tagc_cuda_wq_decode_workspace_size(1 << 20) > sw, 1);
+    EXPECT(tagc_cuda_wq_encode(bm, 58, d, TAGC_F32, 100, segs, 1, TAGC_Q_TERNARY, 64, NULL,
+                               d, sw, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_wq_encode(bm, 58, d, TAGC_F32, 100, segs, 1, TAGC_Q_INT4, 0, NULL, d, sw,
+                               s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_wq_encode(bm, 58, d, TAGC_F32, 100, NULL, 1, TAGC_Q_INT4, 64, NULL, d,
+                               sw, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_wq_encode(bm, 58, d, (tagc_dtype)2, 100, segs, 1, TAGC_Q_INT4, 64, NULL,
+                               d, sw, s), TAGC_ERR_DTYPE);
+    EXPECT(tagc_cuda_wq_encode(bm, 58, d, TAGC_F32, 100, segs, 0, TAGC_Q_INT4, 64, NULL, d,
+                               sw, s), TAGC_ERR_RANGE); /* an empty table sums to 0 */
+    EXPECT(tagc_cuda_wq_decode(tau, TAGC_F32, 100, bm, 58, segs, 1, TAGC_Q_INT8, 64, NULL,
+                               NULL, 0, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_wq_decode(tau, TAGC_F32, 100, bm, 58, segs, 1, TAGC_Q_INT8, 64, NULL,
+                               ws_small, 0, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_wq_decode(tau, TAGC_F32, 0, NULL, 0, NULL, 0, TAGC_Q_INT8, 64, NULL, d,
+                               sw, s), TAGC_OK); /* nothing to enqueue */
     /* 2 coded pairs of 10: EF (l = 2) 1 + 1 + 8 bytes, bitmap 2 + 8 */
     EXPECT(tagc_cuda_pairs_pack_workspace_size(), 0);
     size_t pu = tagc_cuda_pairs_unpack_add_workspace_size(10, 2);
@@ -157,6 +177,8 @@ int main(void)
                                       64, d, sq, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_pairs_pack(bm, 10, idx, d, TAGC_F32, 2, 10, TAGC_PAIRS_EF, NULL,
                                     NULL, 0, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_wq_encode(bm, 58, d, TAGC_F32, 100, segs, 1, TAGC_Q_INT4, 64, NULL,
+                                   d, sw, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_pairs_unpack_add(tau, 10, bm, 10, 2, TAGC_F32, TAGC_PAIRS_EF, NULL,
                                           d, pu, s), TAGC_ERR_CUDA);
     } else {

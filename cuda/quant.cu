@@ -14,22 +14,6 @@
 
 #define QUANT_WARPS (TAGC_THREADS / 32)
 
-/* Stores/loads a record's scale byte by byte: records start at any byte. */
-static __device__ __forceinline__ void quant_put_scale(uint8_t *p, float s)
-{
-    uint32_t u = __float_as_uint(s);
-    for (int b = 0; b < 4; b++)
-        p[b] = (uint8_t)(u >> (8 * b));
-}
-
-static __device__ __forceinline__ float quant_get_scale(const uint8_t *p)
-{
-    uint32_t u = 0;
-    for (int b = 0; b < 4; b++)
-        u |= (uint32_t)p[b] << (8 * b);
-    return __uint_as_float(u);
-}
-
 /* Scale of the block [o, o + len) for the calling warp; *bad when the block
  * holds NaN/Inf.  Every lane returns the same values. */
 static __device__ float quant_block_scale(tagc_gr gr, int64_t o, int64_t len, int format,
@@ -69,7 +53,7 @@ static __global__ void quant_scale_kernel(uint8_t *dst, int32_t *nonfinite, tagc
         int bad = 0;
         float s = quant_block_scale(gr, o, len, format, &bad);
         if ((threadIdx.x & 31u) == 0) {
-            quant_put_scale(dst + b * rec, s);
+            tagc_st_scale(dst + b * rec, s);
             if (bad)
                 atomicCAS((int *)nonfinite, 0, 1);
         }
@@ -92,7 +76,7 @@ static __global__ void quant_encode_kernel(uint8_t *dst, const int32_t *nonfinit
          b += stride) {
         int64_t o = b * block, len = n - o < block ? n - o : block;
         uint8_t *p = dst + b * rec;
-        float s = poisoned ? __uint_as_float(0x7fc00000u) : quant_get_scale(p);
+        float s = poisoned ? __uint_as_float(0x7fc00000u) : tagc_ld_scale(p);
         float inv = tagc_q_inv(s);
         int64_t nbytes = tagc_ceil_div(len, per);
         for (int64_t cb = lane; cb < nbytes; cb += 32) {
@@ -113,7 +97,7 @@ static __global__ void quant_encode_kernel(uint8_t *dst, const int32_t *nonfinit
         }
         __syncwarp();
         if (poisoned && lane == 0)
-            quant_put_scale(p, s);
+            tagc_st_scale(p, s);
     }
 }
 
@@ -154,7 +138,7 @@ static __global__ void quant_decode_kernel(float *out, const uint8_t *src, const
          b += stride) {
         int64_t o = b * block, len = n - o < block ? n - o : block;
         const uint8_t *p = src + b * rec;
-        float s = quant_get_scale(p);
+        float s = tagc_ld_scale(p);
         int ignored = 0;
         for (int64_t i = threadIdx.x & 31u; i < len; i += 32) {
             int q = tagc_q_decode(format, p[4 + i / per], (int)(i % per), &ignored);

@@ -250,6 +250,46 @@ tagc_status tagc_cuda_quant_decode_add(float *out, int64_t n,
                                        void *workspace, size_t workspace_bytes,
                                        cudaStream_t stream);
 
+/*
+ * tagc_cuda_wq_encode / tagc_cuda_wq_decode - as tagc_wq_encode /
+ *   tagc_wq_decode, the same bytes and values (one warp per block; codes and
+ *   scales from tagc_portable.h).  The segment table seg[0..nseg) is a
+ *   DEVICE int64 array: a one-block prefix kernel turns it into per-segment
+ *   offsets (blocks, values, bytes) in the workspace and checks it there,
+ *   and every later kernel finds its block's segment by binary search, so
+ *   nothing waits for the host.  Only nseg == 0 is decided on the host.
+ *   Table errors the C op returns synchronously (a negative or too long
+ *   segment, sum != n: RANGE; encode: dst_capacity below the message size:
+ *   CAPACITY; decode: src_bytes != the message size: RANGE) are stored in
+ *   *dev_status (if not NULL) and nothing is written.
+ *   Encode: a block with NaN/Inf gets the sentinel record, as the C op.
+ *   Decode: a check kernel validates the whole message into device flags
+ *   first; if a code or scale is invalid (the C op's CORRUPT) out is left
+ *   untouched and TAGC_ERR_CORRUPT stored in *dev_status.  Unlike the C op,
+ *   a record with the TAGC_WQ_NONFINITE sentinel does not leave out
+ *   untouched: its block's values are written as NaN (every other block is
+ *   decoded) and TAGC_ERR_NONFINITE is stored in *dev_status, so on CUDA a
+ *   non-finite weight makes the forward NaN, loudly, instead of the CPU's
+ *   exact re-gather (deciding that would need a host sync).
+ *   Workspace: three int64 tables of nseg + 1 entries and three flags.
+ */
+size_t tagc_cuda_wq_encode_workspace_size(int64_t nseg);
+tagc_status tagc_cuda_wq_encode(uint8_t *dst, int64_t dst_capacity,
+                                const void *src, tagc_dtype src_dtype, int64_t n,
+                                const int64_t *seg, int64_t nseg,
+                                tagc_qformat format, int64_t block,
+                                int32_t *dev_status,
+                                void *workspace, size_t workspace_bytes,
+                                cudaStream_t stream);
+size_t tagc_cuda_wq_decode_workspace_size(int64_t nseg);
+tagc_status tagc_cuda_wq_decode(void *out, tagc_dtype out_dtype, int64_t n,
+                                const uint8_t *src, int64_t src_bytes,
+                                const int64_t *seg, int64_t nseg,
+                                tagc_qformat format, int64_t block,
+                                int32_t *dev_status,
+                                void *workspace, size_t workspace_bytes,
+                                cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -96,6 +96,20 @@ static __device__ __forceinline__ uint64_t tagc_ld_le(const uint8_t *p, int64_t 
     return w;
 }
 
+/* A record's fp32 scale, stored and loaded byte by byte (little-endian):
+ * records of a message start at any byte. */
+static __device__ __forceinline__ void tagc_st_scale(uint8_t *p, float s)
+{
+    uint32_t u = __float_as_uint(s);
+    for (int b = 0; b < 4; b++)
+        p[b] = (uint8_t)(u >> (8 * b));
+}
+
+static __device__ __forceinline__ float tagc_ld_scale(const uint8_t *p)
+{
+    return __uint_as_float((uint32_t)tagc_ld_le(p, 4));
+}
+
 static __device__ __forceinline__ float tagc_ld(const void *p, int d, int64_t i)
 {
     if (d == TAGC_F32)

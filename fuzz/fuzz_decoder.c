@@ -2,10 +2,11 @@
  * fuzz_decoder.c - libFuzzer target over what a decoder reads from other
  * machines: peel_decode (sketch + union bitmap), lanes_unpack (SUM-reduced
  * lanes), sparse_unpack (received pairs), pairs_unpack_add (coded pairs: Elias-Fano,
- * bitmap, dense), plus sketch_encode and sparsify on
- * hostile values.  Every buffer is allocated at exactly the size the call is
- * told, so ASan flags any read or write past it.  The first input byte picks
- * the operation; the next bytes are its parameters; the rest is the payload.
+ * bitmap, dense), wq_decode (quantized weights), plus sketch_encode,
+ * sparsify and wq_encode on hostile values.  Every buffer is allocated at
+ * exactly the size the call is told, so ASan flags any read or write past it.
+ * The first input byte picks the operation; the next bytes are its
+ * parameters; the rest is the payload.
  */
 #include <math.h>
 #include <stdint.h>
@@ -276,18 +277,108 @@ static void fuzz_quant(input_t *in)
     free(enc);
 }
 
+/* Value i of a buffer of dtype d, as fp32. */
+static float value_at(const uint8_t *p, tagc_dtype d, int64_t i)
+{
+    if (d == TAGC_BF16) {
+        uint16_t b;
+        memcpy(&b, p + 2 * i, 2);
+        return tagc_bf16_to_f32(b);
+    }
+    float f;
+    memcpy(&f, p + 4 * i, 4);
+    return f;
+}
+
+/* A received wq message (any bytes, a random segment table): decoded, or
+ * refused (CORRUPT, NONFINITE) with out untouched.  Then hostile weights:
+ * encoded (always OK), decoded to NONFINITE exactly when some value is
+ * NaN/Inf, else to within half a step of every value, and re-encoded from
+ * the fp32 decode to the same bytes. */
+static void fuzz_wq(input_t *in)
+{
+    uint32_t a = take_u32(in), b = take_u32(in);
+    tagc_qformat fmt = a & 1 ? TAGC_Q_INT4 : TAGC_Q_INT8;
+    tagc_dtype od = (a >> 1) & 1 ? TAGC_BF16 : TAGC_F32, sd = (a >> 2) & 1 ? TAGC_BF16 : TAGC_F32;
+    int64_t nseg = (a >> 3) % 9, block = 1 + (int64_t)(b % 700), seg[8], n = 0;
+    for (int64_t k = 0; k < nseg; k++) {
+        uint32_t c = take_u32(in);
+        seg[k] = c & 1 ? 0 : (int64_t)((c >> 1) % 700);
+        n += seg[k];
+    }
+    int64_t bytes = tagc_wq_bytes(seg, nseg, fmt, block);
+    REQUIRE(bytes >= 0);
+    size_t ob = (size_t)n * tagc_dtype_size(od);
+    uint8_t *msg = take_buf(in, (size_t)bytes), *out = malloc(ob ? ob : 1),
+            *out0 = malloc(ob ? ob : 1);
+    REQUIRE(out != NULL && out0 != NULL);
+    memset(out, 0x5a, ob);
+    memcpy(out0, out, ob);
+    tagc_status st = tagc_wq_decode(out, od, n, msg, bytes, seg, nseg, fmt, block);
+    REQUIRE(st == TAGC_OK || st == TAGC_ERR_CORRUPT || st == TAGC_ERR_NONFINITE);
+    if (st != TAGC_OK)
+        REQUIRE(memcmp(out, out0, ob) == 0);
+    REQUIRE(tagc_wq_decode(out, od, n, msg, bytes + 1, seg, nseg, fmt, block) == TAGC_ERR_RANGE);
+    REQUIRE(tagc_wq_decode(out, od, n + 1, msg, bytes, seg, nseg, fmt, block) == TAGC_ERR_RANGE);
+
+    uint8_t *src = take_buf(in, (size_t)n * tagc_dtype_size(sd));
+    size_t eb = (size_t)(bytes ? bytes : 1);
+    uint8_t *enc = malloc(eb), *again = malloc(eb);
+    float *dec = malloc((size_t)(n ? n : 1) * 4);
+    REQUIRE(enc != NULL && again != NULL && dec != NULL);
+    REQUIRE(tagc_wq_encode(enc, bytes, src, sd, n, seg, nseg, fmt, block) == TAGC_OK);
+    if (bytes > 0)
+        REQUIRE(tagc_wq_encode(enc, bytes - 1, src, sd, n, seg, nseg, fmt, block) ==
+                TAGC_ERR_CAPACITY);
+    int finite = 1, huge = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float v = value_at(src, sd, i);
+        finite &= isfinite(v);
+        huge |= fabsf(v) > 1e38f; /* where the scale may be nudged below max / qmax */
+    }
+    st = tagc_wq_decode(dec, TAGC_F32, n, enc, bytes, seg, nseg, fmt, block);
+    REQUIRE(st == (finite ? TAGC_OK : TAGC_ERR_NONFINITE));
+    if (st == TAGC_OK) {
+        const uint8_t *rec = enc;
+        for (int64_t k = 0, o = 0; k < nseg; k++) {
+            for (int64_t end = o + seg[k]; o < end;) {
+                int64_t len = end - o < block ? end - o : block;
+                float s;
+                memcpy(&s, rec, 4);
+                for (int64_t i = o; i < o + len; i++) /* half a step, up to fp32 rounding */
+                    REQUIRE(fabsf(dec[i] - value_at(src, sd, i)) <=
+                            (s > 0 ? 0.50001f * s : 127 * 1.2e-38f));
+                rec += 4 + (fmt == TAGC_Q_INT4 ? (len + 1) / 2 : len);
+                o += len;
+            }
+        }
+        REQUIRE(rec == enc + bytes);
+        REQUIRE(tagc_wq_encode(again, bytes, dec, TAGC_F32, n, seg, nseg, fmt, block) == TAGC_OK);
+        if (!huge)
+            REQUIRE(memcmp(again, enc, (size_t)bytes) == 0);
+    }
+    free(msg);
+    free(out);
+    free(out0);
+    free(src);
+    free(enc);
+    free(again);
+    free(dec);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
     input_t in = {data + 1, size - 1};
-    switch (data[0] % 7) {
+    switch (data[0] % 8) {
     case 0: fuzz_peel(&in); break;
     case 1: fuzz_lanes(&in); break;
     case 2: fuzz_sparse(&in); break;
     case 3: fuzz_encode(&in); break;
     case 4: fuzz_quant(&in); break;
     case 5: fuzz_pairs(&in); break;
+    case 6: fuzz_wq(&in); break;
     default: fuzz_sparsify(&in); break;
     }
     return 0;

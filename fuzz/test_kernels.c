@@ -315,6 +315,74 @@ static void test_quant(void)
     CHECK(tagc_quant_decode_add(out, 6, buf, 9, TAGC_Q_TERNARY, 6) == TAGC_ERR_RANGE);
 }
 
+/* Hand-checked wq messages: bytes, the sentinel, refusals and size rules. */
+static void test_wq(void)
+{
+    const float v[4] = {127.0f, -63.5f, 0.5f, -1.0f};
+    const int64_t seg3[1] = {3}, seg31[2] = {3, 1};
+    uint8_t buf[16];
+    float out[4] = {0};
+    uint16_t bout[3];
+    /* int8, blocks of 2: s = 1, q = 127, -64 (half to even); then s = 0.5/127, q = 127 */
+    CHECK(tagc_wq_bytes(seg3, 1, TAGC_Q_INT8, 2) == 11);
+    CHECK(tagc_wq_encode(buf, 11, v, TAGC_F32, 3, seg3, 1, TAGC_Q_INT8, 2) == TAGC_OK);
+    const uint8_t head[6] = {0x00, 0x00, 0x80, 0x3f, 0x7f, 0xc0};
+    float s2 = 0.5f / 127.0f;
+    CHECK(memcmp(buf, head, 6) == 0 && memcmp(buf + 6, &s2, 4) == 0 && buf[10] == 0x7f);
+    CHECK(tagc_wq_decode(out, TAGC_F32, 3, buf, 11, seg3, 1, TAGC_Q_INT8, 2) == TAGC_OK);
+    CHECK(out[0] == 127.0f && out[1] == -64.0f && out[2] == 127.0f * s2);
+    CHECK(tagc_wq_decode(bout, TAGC_BF16, 3, buf, 11, seg3, 1, TAGC_Q_INT8, 2) == TAGC_OK);
+    CHECK(bout[0] == 0x42fe && bout[1] == 0xc280);
+    /* int4, segments (3, 1), blocks of 4 (none crosses the segments): s = 7/7,
+     * q = 7, -4 (half to even), 0 and a pad nibble; then s = 1/7, q = -7, pad.
+     * Nibbles q + 7, value 2j low. */
+    CHECK(tagc_wq_bytes(seg31, 2, TAGC_Q_INT4, 4) == 11);
+    const float w[4] = {7.0f, -3.5f, 0.0f, -1.0f};
+    CHECK(tagc_wq_encode(buf, 11, w, TAGC_F32, 4, seg31, 2, TAGC_Q_INT4, 4) == TAGC_OK);
+    const uint8_t int4_head[6] = {0x00, 0x00, 0x80, 0x3f, 0x3e, 0x77};
+    float s7 = 1.0f / 7.0f;
+    CHECK(memcmp(buf, int4_head, 6) == 0 && memcmp(buf + 6, &s7, 4) == 0 && buf[10] == 0x70);
+    buf[10] = 0x7f; /* a nibble 15: corrupt, out untouched */
+    out[0] = 9.0f;
+    CHECK(tagc_wq_decode(out, TAGC_F32, 4, buf, 11, seg31, 2, TAGC_Q_INT4, 4) ==
+          TAGC_ERR_CORRUPT);
+    CHECK(out[0] == 9.0f);
+    buf[10] = 0xf0; /* the pad nibble is not a code */
+    CHECK(tagc_wq_decode(out, TAGC_F32, 4, buf, 11, seg31, 2, TAGC_Q_INT4, 4) == TAGC_OK);
+    CHECK(out[3] == -7.0f * s7);
+    /* NaN in the second block: the sentinel (bytes ee ff c0 7f), codes 0 */
+    const float nan_v[3] = {1.0f, 2.0f, NAN};
+    const int64_t seg12[2] = {1, 2};
+    CHECK(tagc_wq_encode(buf, 11, nan_v, TAGC_F32, 3, seg12, 2, TAGC_Q_INT8, 2) == TAGC_OK);
+    const uint8_t sentinel[6] = {0xee, 0xff, 0xc0, 0x7f, 0x00, 0x00};
+    CHECK(tagc_wq_bytes(seg12, 2, TAGC_Q_INT8, 2) == 11 && memcmp(buf + 5, sentinel, 6) == 0);
+    out[0] = 9.0f;
+    CHECK(tagc_wq_decode(out, TAGC_F32, 3, buf, 11, seg12, 2, TAGC_Q_INT8, 2) ==
+          TAGC_ERR_NONFINITE);
+    CHECK(out[0] == 9.0f);
+    buf[4] = 0x80; /* and an int8 -128 elsewhere: corrupt first */
+    CHECK(tagc_wq_decode(out, TAGC_F32, 3, buf, 11, seg12, 2, TAGC_Q_INT8, 2) ==
+          TAGC_ERR_CORRUPT);
+    /* size rules and errors */
+    const int64_t neg[2] = {3, -1}, big[2] = {INT32_MAX, 1}, empty[3] = {0, 0, 0};
+    CHECK(tagc_wq_bytes(NULL, 0, TAGC_Q_INT8, 2) == 0);
+    CHECK(tagc_wq_bytes(empty, 3, TAGC_Q_INT4, 9) == 0);
+    CHECK(tagc_wq_bytes(seg3, -1, TAGC_Q_INT8, 2) == -1);
+    CHECK(tagc_wq_bytes(NULL, 1, TAGC_Q_INT8, 2) == -1);
+    CHECK(tagc_wq_bytes(neg, 2, TAGC_Q_INT8, 2) == -1);
+    CHECK(tagc_wq_bytes(big, 2, TAGC_Q_INT8, 2) == -1);
+    CHECK(tagc_wq_bytes(seg3, 1, TAGC_Q_TERNARY, 2) == -1);
+    CHECK(tagc_wq_bytes(seg3, 1, TAGC_Q_INT8, 0) == -1);
+    CHECK(tagc_wq_bytes(seg3, 1, TAGC_Q_INT8, TAGC_QBLOCK_MAX + 1) == -1);
+    CHECK(tagc_wq_encode(buf, 11, v, TAGC_F32, 4, seg3, 1, TAGC_Q_INT8, 2) == TAGC_ERR_RANGE);
+    CHECK(tagc_wq_encode(buf, 10, v, TAGC_F32, 3, seg3, 1, TAGC_Q_INT8, 2) == TAGC_ERR_CAPACITY);
+    CHECK(tagc_wq_encode(buf, 11, v, (tagc_dtype)2, 3, seg3, 1, TAGC_Q_INT8, 2) == TAGC_ERR_DTYPE);
+    CHECK(tagc_wq_encode(buf, 11, v, TAGC_F32, 3, NULL, 1, TAGC_Q_INT8, 2) == TAGC_ERR_ARG);
+    CHECK(tagc_wq_encode(buf, 11, v, TAGC_F32, 3, seg3, 1, TAGC_Q_SIGN, 2) == TAGC_ERR_RANGE);
+    CHECK(tagc_wq_decode(out, TAGC_F32, 3, buf, 10, seg3, 1, TAGC_Q_INT8, 2) == TAGC_ERR_RANGE);
+    CHECK(tagc_wq_decode(out, TAGC_F32, 4, buf, 11, seg3, 1, TAGC_Q_INT8, 2) == TAGC_ERR_RANGE);
+}
+
 static void test_misc(void)
 {
     uint8_t src[6] = {1, 2, 4, 8, 16, 32}, dst[3] = {0};
@@ -337,6 +405,7 @@ int main(void)
     test_sparse();
     test_pairs();
     test_quant();
+    test_wq();
     test_misc();
     if (failures) {
         fprintf(stderr, "test_kernels: %d failure(s)\n", failures);

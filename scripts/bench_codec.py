@@ -13,11 +13,16 @@ means the op runs at a quarter of memory-copy speed or better).  Ops:
     one such message (it decodes N-1 of them per shard and step);
   - sparse pack / unpack: the int32-offset pairs of mode ``sparse``;
   - sketch encode / peel decode: mode ``exact`` (decode of N ranks' summed sketch);
-  - quant encode / decode (int4, ternary; every entry, no theta).
+  - quant encode / decode (int4, ternary; every entry, no theta);
+  - wq encode / decode (int8, fp32 and bf16 weights, blocks of 256, the shard cut
+    into 1000 parameter segments; every entry, no theta): the weight all-gather's
+    message of one rank, and one rank's decode of it (into out of the weights'
+    dtype); memcpy is the same fp32 copy as everywhere, so "+" row = encode and
+    decode together.
 The codec is single-threaded; torch is set to the same thread count (``--threads``,
 default 1) so memcpy is comparable.  Prints a markdown table and the load average.
 
-Usage: python scripts/bench_codec.py [--quick] [--reps R] [--threads T]
+Usage: python scripts/bench_codec.py [--quick] [--reps R] [--threads T] [--only wq]
 """
 import argparse
 import logging
@@ -154,10 +159,42 @@ def bench_quant(S: int, reps: int) -> List[Dict]:
     return rows
 
 
+def bench_wq(S: int, reps: int) -> List[Dict]:
+    """The weight gather's encode and decode (int8), fp32 and bf16 weights, one shard.
+
+    Args:
+        S: shard length (elements).
+        reps: timed repetitions per op.
+    Returns:
+        one row dict per op, and one for encode + decode.
+    """
+    gen = torch.Generator().manual_seed(S)
+    grad = torch.randn(S, generator=gen)
+    dst = torch.empty_like(grad)
+    cuts = sorted(torch.randint(0, S + 1, (999,), generator=gen).tolist())
+    segs = torch.tensor([b - a for a, b in zip([0] + cuts, cuts + [S])], dtype=torch.int64)
+    buf = torch.empty(_tagc.wq_bytes(segs, "int8", 256), dtype=torch.uint8)
+    rows = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        w = grad.to(dtype)
+        out = torch.empty(S, dtype=dtype)
+        enc = alternating(lambda: _tagc.wq_encode(buf, w, segs, "int8", 256),
+                          lambda: dst.copy_(grad), reps)
+        dec = alternating(lambda: _tagc.wq_decode(out, buf, segs, "int8", 256),
+                          lambda: dst.copy_(grad), reps)
+        rows.append(row(f"wq encode int8 {name}", S, "-", S, *enc))
+        rows.append(row(f"wq decode int8 {name}", S, "-", S, *dec))
+        rows.append(row(f"wq encode+decode int8 {name}", S, "-", S, enc[0] + dec[0],
+                        (enc[1] + dec[1]) / 2))
+    return rows
+
+
 def main() -> None:
     """Parses arguments, runs the cases, prints the markdown table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run (S = 2^20, few reps)")
+    ap.add_argument("--only", choices=["all", "topk", "quant", "wq"], default="all",
+                    help="run only these ops")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per op")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for memcpy")
     ap.add_argument("--ranks", type=int, default=2, help="ranks summed for the decode")
@@ -175,10 +212,14 @@ def main() -> None:
     reps = args.reps or (3 if args.quick else 7)
     rows = []
     for S in sizes:
-        for theta in thetas:
-            logger.info("S=2^%d theta=%s ...", S.bit_length() - 1, theta)
-            rows += bench_case(S, theta, args.ranks, reps)
-        rows += bench_quant(S, reps)
+        if args.only in ("all", "topk"):
+            for theta in thetas:
+                logger.info("S=2^%d theta=%s ...", S.bit_length() - 1, theta)
+                rows += bench_case(S, theta, args.ranks, reps)
+        if args.only in ("all", "quant"):
+            rows += bench_quant(S, reps)
+        if args.only in ("all", "wq"):
+            rows += bench_wq(S, reps)
     print("| S | theta | k | op | median ms | memcpy ms (alternating) | GB/s of gradient "
           "| ratio to memcpy (per shard) |")
     print("|---|---|---|---|---|---|---|---|")

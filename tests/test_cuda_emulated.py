@@ -34,7 +34,7 @@ from cuda_helpers import SPARSIFY_DTYPES, bitmap_of, kept, two_rank_sketch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32, BF16 = 0, 1
-ERR_RANGE, ERR_CORRUPT = 2, 6
+ERR_RANGE, ERR_CAPACITY, ERR_NONFINITE, ERR_CORRUPT = 2, 3, 5, 6
 DT = {torch.float32: F32, torch.bfloat16: BF16}
 I64, SZ, VP, INT, U64 = C.c_int64, C.c_size_t, C.c_void_p, C.c_int, C.c_uint64
 
@@ -65,6 +65,10 @@ SIGS = {
     "tagc_cuda_pairs_pack": (INT, [VP, I64, VP, VP, INT, I64, I64, INT, VP, VP, SZ, VP]),
     "tagc_cuda_pairs_unpack_add_workspace_size": (SZ, [I64, I64]),
     "tagc_cuda_pairs_unpack_add": (INT, [VP, I64, VP, I64, I64, INT, INT, VP, VP, SZ, VP]),
+    "tagc_cuda_wq_encode_workspace_size": (SZ, [I64]),
+    "tagc_cuda_wq_encode": (INT, [VP, I64, VP, INT, I64, VP, I64, INT, I64, VP, VP, SZ, VP]),
+    "tagc_cuda_wq_decode_workspace_size": (SZ, [I64]),
+    "tagc_cuda_wq_decode": (INT, [VP, INT, I64, VP, I64, VP, I64, INT, I64, VP, VP, SZ, VP]),
 }
 QFORMAT = {"sign": 1, "ternary": 2, "int4": 4, "int8": 8}
 
@@ -491,6 +495,10 @@ def cop() -> C.CDLL:
     dll.tagc_pairs_pack.argtypes = [VP, I64, VP, VP, INT, I64, I64, INT]
     dll.tagc_pairs_unpack_add.restype = INT
     dll.tagc_pairs_unpack_add.argtypes = [VP, I64, VP, I64, I64, INT, INT]
+    dll.tagc_wq_encode.restype = INT
+    dll.tagc_wq_encode.argtypes = [VP, I64, VP, INT, I64, VP, I64, INT, I64]
+    dll.tagc_wq_decode.restype = INT
+    dll.tagc_wq_decode.argtypes = [VP, INT, I64, VP, I64, VP, I64, INT, I64]
     return dll
 
 
@@ -698,3 +706,197 @@ def test_pairs_argument_errors_match_c(lib: C.CDLL, cop: C.CDLL) -> None:
                                           w.numel() - 1, None) == 3  # CAPACITY
     small = lib.tagc_cuda_pairs_unpack_add_workspace_size(1000, 10)
     assert lib.tagc_cuda_pairs_unpack_add_workspace_size(2 ** 31 - 1, 2 ** 30) > small
+
+
+# ----------------------------------------------------------------------------- weight gather
+WQ_FORMAT = {"int4": 4, "int8": 8}
+
+
+def wq_encode(lib: C.CDLL, x: torch.Tensor, segs: torch.Tensor, fmt: str, block: int,
+              nbytes: int, status: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The emulated encoder's bytes, written at byte 1 of a larger buffer of
+    0xEE; the guard bytes must survive (nothing written outside the message)."""
+    buf = torch.full((nbytes + 2,), 0xEE, dtype=torch.uint8)
+    w = ws(lib.tagc_cuda_wq_encode_workspace_size(segs.numel()))
+    assert lib.tagc_cuda_wq_encode(P(buf[1:]), nbytes, P(x), DT[x.dtype], x.numel(), P(segs),
+                                   segs.numel(), WQ_FORMAT[fmt], block, P(status), P(w),
+                                   w.numel(), None) == 0
+    assert buf[0] == 0xEE and buf[-1] == 0xEE
+    return buf[1:-1].clone()
+
+
+def wq_decode(lib: C.CDLL, out: torch.Tensor, msg: torch.Tensor, segs: torch.Tensor, fmt: str,
+              block: int, status: Optional[torch.Tensor] = None) -> None:
+    """The emulated decode of msg, read from byte 3 of a larger buffer."""
+    src = torch.cat([torch.zeros(3, dtype=torch.uint8), msg])[3:]
+    w = ws(lib.tagc_cuda_wq_decode_workspace_size(segs.numel()))
+    assert lib.tagc_cuda_wq_decode(P(out), DT[out.dtype], out.numel(), P(src), msg.numel(),
+                                   P(segs), segs.numel(), WQ_FORMAT[fmt], block, P(status),
+                                   P(w), w.numel(), None) == 0
+
+
+def wq_segments(seed: int, count: int, most: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, most + 1, (count,), generator=g)
+    lengths[torch.rand(count, generator=g) < 0.3] = 0
+    return [int(v) for v in lengths]
+
+
+WQ_SEGS = [[1], [0, 3, 0], [300], [257, 0, 0, 64, 1], wq_segments(1, 40, 200),
+           wq_segments(2, 300, 20)]  # more segments than the prefix kernel's threads
+
+
+@pytest.mark.parametrize("fmt", list(WQ_FORMAT))
+@pytest.mark.parametrize("si", range(len(WQ_SEGS)))
+@pytest.mark.parametrize("block", [1, 7, 64])
+@pytest.mark.parametrize("sd,od", [(torch.float32, torch.float32),
+                                   (torch.bfloat16, torch.bfloat16),
+                                   (torch.float32, torch.bfloat16)])
+def test_wq_encode_decode(lib: C.CDLL, fmt: str, si: int, block: int, sd: torch.dtype,
+                          od: torch.dtype) -> None:
+    """The C op's bytes at any byte offset, and its values bit for bit."""
+    segs = torch.tensor(WQ_SEGS[si], dtype=torch.int64)
+    n = int(segs.sum())
+    x = gradient(n, sd, si % 2 == 1, seed=n + block)
+    c_buf = torch.empty(_tagc.wq_bytes(segs, fmt, block), dtype=torch.uint8)
+    _tagc.wq_encode(c_buf, x, segs, fmt, block)
+    status = torch.zeros(1, dtype=torch.int32)
+    e_buf = wq_encode(lib, x, segs, fmt, block, c_buf.numel(), status)
+    assert torch.equal(e_buf, c_buf) and int(status) == 0
+    c_out = torch.full((n,), 3.0, dtype=od)
+    _tagc.wq_decode(c_out, c_buf, segs, fmt, block)
+    e_out = torch.full((n,), 3.0, dtype=od)
+    wq_decode(lib, e_out, e_buf, segs, fmt, block, status)
+    assert same_bits(e_out, c_out) and int(status) == 0
+
+
+@pytest.mark.parametrize("fmt", list(WQ_FORMAT))
+@pytest.mark.parametrize("od", [torch.float32, torch.bfloat16])
+def test_wq_nonfinite_blocks_decode_to_nan(lib: C.CDLL, fmt: str, od: torch.dtype) -> None:
+    """NaN/Inf: the sentinel record, as the C op; the CUDA decode writes NaN
+    over those blocks, decodes the others and reports NONFINITE (the C op
+    raises NonFiniteError with out untouched)."""
+    segs = torch.tensor([100, 0, 130], dtype=torch.int64)
+    x = gradient(230, torch.float32, False, seed=4)
+    x[[10, 205]] = torch.tensor([float("nan"), float("-inf")])  # blocks [0, 64), [164, 228)
+    c_buf = torch.empty(_tagc.wq_bytes(segs, fmt, 64), dtype=torch.uint8)
+    _tagc.wq_encode(c_buf, x, segs, fmt, 64)
+    e_buf = wq_encode(lib, x, segs, fmt, 64, c_buf.numel())
+    assert torch.equal(e_buf, c_buf)
+    with pytest.raises(_tagc.NonFiniteError):
+        _tagc.wq_decode(torch.zeros(230, dtype=od), c_buf, segs, fmt, 64)
+    out = torch.zeros(230, dtype=od)
+    status = torch.zeros(1, dtype=torch.int32)
+    wq_decode(lib, out, e_buf, segs, fmt, 64, status)
+    assert int(status) == ERR_NONFINITE
+    bad = torch.zeros(230, dtype=torch.bool)
+    bad[:64] = bad[164:228] = True
+    assert torch.isnan(out[bad]).all()
+    clean = x.clone()
+    clean[[10, 205]] = 0.0
+    c_out = torch.zeros(230, dtype=od)
+    _tagc.wq_decode(c_out, _tagc_encoded(clean, segs, fmt, 64), segs, fmt, 64)
+    assert same_bits(out[~bad], c_out[~bad])
+
+
+def _tagc_encoded(x: torch.Tensor, segs: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    buf = torch.empty(_tagc.wq_bytes(segs, fmt, block), dtype=torch.uint8)
+    _tagc.wq_encode(buf, x, segs, fmt, block)
+    return buf
+
+
+@pytest.mark.parametrize("fmt", list(WQ_FORMAT))
+def test_wq_decode_corrupt_leaves_out_untouched(lib: C.CDLL, fmt: str) -> None:
+    segs = torch.tensor([90, 0, 50], dtype=torch.int64)
+    clean = _tagc_encoded(gradient(140, torch.float32, False, seed=1), segs, fmt, 32)
+    rec = 4 + 32 // (2 if fmt == "int4" else 1)
+    cases = []
+    b = clean.clone()
+    b[2 * rec + 4 + 5] = 0x80 if fmt == "int8" else 0xF7  # a code of the third record
+    cases.append(b)
+    for scale in (0x7FC00000, 0x7F800000, 0xBF800000):  # a NaN other than the sentinel, Inf, -1
+        b = clean.clone()
+        b[rec:rec + 4] = torch.tensor(list(scale.to_bytes(4, "little")), dtype=torch.uint8)
+        cases.append(b)
+    b = cases[0].clone()
+    b[:4] = torch.tensor(list((0x7FC0FFEE).to_bytes(4, "little")), dtype=torch.uint8)
+    cases.append(b)  # a sentinel too: still CORRUPT, nothing written
+    for b in cases:
+        with pytest.raises(ValueError, match="invalid scale"):
+            _tagc.wq_decode(torch.zeros(140), b, segs, fmt, 32)
+        out = torch.full((140,), 3.0)
+        status = torch.zeros(1, dtype=torch.int32)
+        wq_decode(lib, out, b, segs, fmt, 32, status)
+        assert int(status) == ERR_CORRUPT
+        assert bool((out == 3.0).all())
+
+
+def test_wq_bad_tables_are_reported_on_the_device(lib: C.CDLL, cop: C.CDLL) -> None:
+    """What the C op checks on the host from the table (a negative segment,
+    sum != n, the message size) the launchers check in the prefix kernel:
+    the C op's status in status_out, nothing written."""
+    x = gradient(100, torch.float32, False, seed=2)
+    nb = _tagc.wq_bytes([60, 40], "int8", 32)
+    cases = [([60, 40], nb - 1), ([60, 41], nb), ([61, 40, -1], nb), ([50], nb),
+             ([2 ** 40, -2 ** 40 + 100], nb), ([0] * 300 + [100], nb - 1)]
+    for segs, cap in cases:
+        seg_t = torch.tensor(segs, dtype=torch.int64)
+        dst = torch.full((nb + 8,), 0xEE, dtype=torch.uint8)
+        want = cop.tagc_wq_encode(P(dst), cap, P(x), F32, 100, P(seg_t), len(segs), 8, 32)
+        assert want in (ERR_RANGE, ERR_CAPACITY) and bool((dst == 0xEE).all())
+        status = torch.zeros(1, dtype=torch.int32)
+        w = ws(lib.tagc_cuda_wq_encode_workspace_size(len(segs)))
+        assert lib.tagc_cuda_wq_encode(P(dst), cap, P(x), F32, 100, P(seg_t), len(segs), 8, 32,
+                                       P(status), P(w), w.numel(), None) == 0
+        assert int(status) == want and bool((dst == 0xEE).all())
+    msg = _tagc_encoded(x, torch.tensor([60, 40]), "int8", 32)
+    for segs, nbytes in (([60, 40], nb - 1), ([60, 40], nb + 1), ([60, 39], nb), ([-1, 101], nb)):
+        seg_t = torch.tensor(segs, dtype=torch.int64)
+        out = torch.full((100,), 3.0)
+        want = cop.tagc_wq_decode(P(out), F32, 100, P(msg), nbytes, P(seg_t), len(segs), 8, 32)
+        assert want == ERR_RANGE
+        status = torch.zeros(1, dtype=torch.int32)
+        w = ws(lib.tagc_cuda_wq_decode_workspace_size(len(segs)))
+        assert lib.tagc_cuda_wq_decode(P(out), F32, 100, P(msg), nbytes, P(seg_t), len(segs), 8,
+                                       32, P(status), P(w), w.numel(), None) == 0
+        assert int(status) == ERR_RANGE and bool((out == 3.0).all())
+
+
+def test_wq_argument_errors_match_c(lib: C.CDLL, cop: C.CDLL) -> None:
+    """Synchronous errors: the shared checks (tagc_checks.h) give the C op's
+    status; an empty table is decided on the host too; the workspace adds
+    ARG / CAPACITY."""
+    x, seg = torch.zeros(10), torch.tensor([10], dtype=torch.int64)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    w = ws(lib.tagc_cuda_wq_encode_workspace_size(1))
+    encodes = [  # dst, capacity, src, dtype, n, seg, nseg, format, block
+        (None, 64, x, F32, 10, seg, 1, 8, 32), (buf, 64, None, F32, 10, seg, 1, 8, 32),
+        (buf, 64, x, F32, 10, None, 1, 8, 32), (buf, 64, x, 2, 10, seg, 1, 8, 32),
+        (buf, 64, x, F32, 10, seg, 1, 2, 32), (buf, 64, x, F32, 10, seg, 1, 1, 32),
+        (buf, 64, x, F32, 10, seg, 1, 8, 0), (buf, 64, x, F32, 10, seg, 1, 4, 65537),
+        (buf, 64, x, F32, -1, seg, 1, 8, 32), (buf, 64, x, F32, 10, seg, -1, 8, 32),
+        (buf, 64, x, F32, 10, seg, 0, 8, 32), (buf, -1, x, F32, 0, seg, 0, 8, 32),
+        (None, 0, None, F32, 0, None, 0, 8, 32),
+    ]
+    for d, cap, src, dt, n, sg, ns, f, b in encodes:
+        want = cop.tagc_wq_encode(P(d), cap, P(src), dt, n, P(sg), ns, f, b)
+        got = lib.tagc_cuda_wq_encode(P(d), cap, P(src), dt, n, P(sg), ns, f, b, None, P(w),
+                                      w.numel(), None)
+        assert got == want, (d is None, cap, n, ns, f, b, got, want)
+    decodes = [  # out, dtype, n, src, src bytes, seg, nseg, format, block
+        (None, F32, 10, buf, 14, seg, 1, 8, 32), (x, F32, 10, None, 14, seg, 1, 8, 32),
+        (x, 3, 10, buf, 14, seg, 1, 8, 32), (x, F32, 10, buf, 14, seg, 1, 2, 32),
+        (x, F32, 10, buf, 14, seg, 1, 8, 65537), (x, F32, 10, buf, 14, seg, 0, 8, 32),
+        (x, F32, 0, buf, 1, seg, 0, 8, 32), (x, F32, 0, None, 0, None, 0, 4, 32),
+    ]
+    for o, dt, n, src, nb, sg, ns, f, b in decodes:
+        want = cop.tagc_wq_decode(P(o), dt, n, P(src), nb, P(sg), ns, f, b)
+        got = lib.tagc_cuda_wq_decode(P(o), dt, n, P(src), nb, P(sg), ns, f, b, None, P(w),
+                                      w.numel(), None)
+        assert got == want, (o is None, n, nb, ns, f, b, got, want)
+    assert not x.any()
+    assert lib.tagc_cuda_wq_encode(P(buf), 64, P(x), F32, 10, P(seg), 1, 8, 32, None, None, 0,
+                                   None) == 1  # ARG: no workspace
+    assert lib.tagc_cuda_wq_decode(P(x), F32, 10, P(buf), 14, P(seg), 1, 8, 32, None, P(w),
+                                   w.numel() - 1, None) == 3  # CAPACITY
+    assert lib.tagc_cuda_wq_decode_workspace_size(10 ** 6) > w.numel()

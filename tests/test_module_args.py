@@ -135,6 +135,31 @@ def test_sparse_unpack_checks(n, k, extra, vd, data):
 
 
 @SETTINGS
+@given(segs=st.lists(st.integers(-2, 40), max_size=6), extra_n=st.integers(-1, 1),
+       extra_b=st.integers(-1, 1), fmt=st.sampled_from(["int8", "int4", "sign", "ternary"]),
+       block=st.integers(-1, 9), dtype=st.sampled_from(FLOATS), as_tensor=st.booleans(),
+       decode=st.booleans())
+def test_wq_checks(segs, extra_n, extra_b, fmt, block, dtype, as_tensor, decode):
+    """wq_encode / wq_decode: valid segments summing to the data's numel, an
+    int8/int4 format, block >= 1 and a buf of exactly wq_bytes."""
+    valid_table = all(v >= 0 for v in segs)
+    valid_fmt = fmt in ("int8", "int4") and block >= 1
+    n = max(sum(v for v in segs if v > 0) + extra_n, 0)
+    size = _tagc.wq_bytes(segs, fmt, block) if valid_table and valid_fmt else 16
+    buf = filled(max(size + extra_b, 0), torch.uint8)
+    table = torch.tensor(segs, dtype=torch.int64) if as_tensor else segs
+    ok = (valid_table and valid_fmt and n == sum(segs) and buf.numel() == size)
+    if decode:
+        if ok:  # a valid message to decode
+            _tagc.wq_encode(buf, torch.randn(n).to(dtype), table, fmt, block)
+        out = filled(n, dtype)
+        expect(ok, lambda: _tagc.wq_decode(out, buf, table, fmt, block), out)
+    else:
+        expect(ok, lambda: _tagc.wq_encode(buf, torch.randn(n).to(dtype), table, fmt, block),
+               buf)
+
+
+@SETTINGS
 @given(xd=st.sampled_from(ANY_DTYPE), idd=st.sampled_from(ANY_DTYPE), bd=st.sampled_from(ANY_DTYPE))
 def test_dtype_checks(xd, idd, bd):
     """Wrong dtypes raise TypeError naming the argument, and nothing is written."""
@@ -206,8 +231,12 @@ def test_size_rules_match_the_layouts() -> None:
     assert _tagc.sketch_buckets(7) == 3 * 7 == 3 * _tagc.TABLES * 7 // 3
     assert _tagc.sparse_bytes(5, torch.float32) == 40
     assert _tagc.sparse_bytes(5, torch.bfloat16) == 30
+    assert _tagc.wq_bytes([5, 0, 3], "int8", 4) == (4 + 4) + (4 + 1) + (4 + 3)
+    assert _tagc.wq_bytes([5, 0, 3], "int4", 4) == (4 + 2) + (4 + 1) + (4 + 2)
     for bad in (lambda: _tagc.bitmap_bytes(-1), lambda: _tagc.lanes_bytes(8, 3),
                 lambda: _tagc.sketch_buckets(0), lambda: _tagc.sparse_bytes(-1, torch.float32),
-                lambda: _tagc.sparse_bytes(1, torch.float16)):
+                lambda: _tagc.sparse_bytes(1, torch.float16),
+                lambda: _tagc.wq_bytes([-1], "int8", 4), lambda: _tagc.wq_bytes([1], "int8", 0),
+                lambda: _tagc.wq_bytes([1], "sign", 4)):
         with pytest.raises((ValueError, TypeError)):
             bad()
