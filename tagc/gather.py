@@ -113,6 +113,8 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
         self.segments = torch.tensor(segments, dtype=torch.int64)
         self.shard_numel = sum(segments)
         self.quantize, self.stats, self.switch = quantize, stats, switch
+        # one rank's message: its size depends on the segments alone, the same everywhere
+        self.message_bytes = _tagc.wq_bytes(self.segments, cfg.gather, cfg.gather_block)
         self._seg_dev: Optional[torch.Tensor] = None
         self._warned = False
 
@@ -182,15 +184,16 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
         segs = self._segs(inp.device)
         kw = {"stream": torch.cuda.current_stream(inp.device).cuda_stream} \
             if inp.is_cuda else {}
-        mb = _tagc.wq_bytes(self.segments, fmt, block)
+        mb = self.message_bytes
         recv = torch.empty(world, mb, dtype=torch.uint8, device=inp.device)
         rank = dist.get_rank(group)
         _tagc.wq_encode(recv[rank], inp, segs, fmt, block, **kw)
         # ring all-gather: this rank's message travels to the N-1 others
         self.stats.add("gather_wire_bytes", (world - 1) * mb)
         self.stats.add("gather_quantized_calls", 1)
-        # gloo wants the output flat (world * numel), not stacked
-        dist.all_gather_single(recv.view(-1), recv[rank].clone(), group=group)
+        # in place, as FSDP's own gather: the input is the output's own row (gloo
+        # wants the output flat, world * numel, not stacked)
+        dist.all_gather_single(recv.view(-1), recv[rank], group=group)
         n = inp.numel()
         for r in [r for r in range(world) if r != rank] + [rank]:  # own shard last
             _tagc.wq_decode(out[r * n:(r + 1) * n], recv[r], segs, fmt, block, **kw)
