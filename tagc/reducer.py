@@ -241,6 +241,13 @@ class UnitReducer:
         non-finite flag and the guard's numerator and denominator
         (:meth:`_guard_terms`).  Every rank compares the same sums, so every
         rank takes the same path; a NaN statistic (a corrupted state) resets.
+
+        Args:
+            comm: the call's collectives (the vote counts as control bytes).
+            inp: the unit's flat gradient.
+        Returns:
+            the path; also sets :attr:`last_guard_stat` (the pooled ratio) when
+            the guard is on and every gradient is finite.
         """
         if not self.guard_ratio:
             return "compress" if self._agree_finite(comm, inp) else "plain"
@@ -264,7 +271,13 @@ class UnitReducer:
         ``(||g - h||^2, ||g||^2)`` (the residual holds ``-h``: how far the rank's
         estimate is from its gradient, before this call); residual feedback,
         ``(||residual||^2, ||g||^2)`` (what the rank still owes).  Before the
-        first compressed call no state exists: ``h = 0``, residual 0."""
+        first compressed call no state exists: ``h = 0``, residual 0.
+
+        Args:
+            inp: the unit's flat gradient (finite).
+        Returns:
+            (numerator, denominator), host floats.
+        """
         g = inp.float()
         den = float(torch.dot(g, g))
         if self.residual is None:
