@@ -508,6 +508,7 @@ class GradBytes:
         self.steps = 0
         self.start = self._totals() if state is not None else None
         self.sent = self.uncompressed = self.unpeeled = self.recovered = 0.0
+        self.guard_resets = 0.0  # calls the feedback guard sent plainly (guard_ratio)
         self.gather_sent = self.gather_uncompressed = 0.0
         self.comp_bits = float("nan")  # wire bits per gradient element, compressed units
 
@@ -520,6 +521,7 @@ class GradBytes:
                 "gather_sent": float(total["gather_wire_bytes"]),
                 "gather_uncompressed": float(total["gather_default_wire_bytes"]),
                 "unpeeled": float(total["unpeeled"]), "recovered": float(total["recovered"]),
+                "guard_resets": float(total["guard_resets"]),
                 "comp_sent": float(comp["wire_bytes"]), "comp_elems": float(elems)}
 
     def step(self) -> None:
@@ -533,6 +535,7 @@ class GradBytes:
         self.uncompressed = now["uncompressed"] - s0["uncompressed"]
         self.unpeeled = now["unpeeled"] - s0["unpeeled"]
         self.recovered = now["recovered"] - s0["recovered"]
+        self.guard_resets = now["guard_resets"] - s0["guard_resets"]
         self.gather_sent = now["gather_sent"] - s0["gather_sent"]
         self.gather_uncompressed = now["gather_uncompressed"] - s0["gather_uncompressed"]
         elems = now["comp_elems"] - s0["comp_elems"]
@@ -975,7 +978,7 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
         "gather_bytes_uncompressed": gb.gather_uncompressed,
         "bits_per_param": 8 * gb.sent / (steps * spec.n_params) if steps else float("nan"),
         "compressed_bits_per_param": gb.comp_bits, "unpeeled": gb.unpeeled,
-        "recovered": gb.recovered,
+        "recovered": gb.recovered, "guard_resets": gb.guard_resets,
     }
     logger.info("final: iter %d, val loss %.4f, %.0f ms/step, grad bytes/rank %s "
                 "(gradients: %.2f bits/param/step, %s on compressed units)", iter_num,

@@ -27,6 +27,11 @@ QUANT_BITS = {"sign": 1.0, "ternary": 1.6, "int4": 4.0, "int8": 8.0}
 GATHER_FORMATS = ("none", "int8", "int4")
 # The paper's compression presets: ratio -> sparsity (Table/Section 4 of the paper).
 PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
+# The feedback guard's threshold when guard_ratio is left at None and EF21 is on
+# (docs/DESIGN.md section 5, "When feedback drifts"): healthy EF21 runs peaked at 68
+# (tiny GPT-2, int4, the end of its LR warm-up) and 8.3 (teacher-student), a state
+# corrupted on one rank reads 1e6 and more; 256 leaves about 4x room above the former.
+DEFAULT_GUARD_RATIO = 256.0
 _FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
                  "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -204,6 +209,36 @@ class TAGCConfig:
             256), against 32 (fp32) or 16 (bf16 ``param_dtype``); memory:
             the codes of one unit, per call, nothing kept.
         gather_block: values per fp32 scale of the gather codes, 1..65536.
+        guard_ratio: the feedback guard.  Every compressed call, each rank
+            measures its feedback state against its gradient over the whole
+            unit: with ``ef21`` the estimate error ``||g - h||^2`` (``h``
+            before the call), with the residual feedback what it owes,
+            ``||residual||^2``; the ranks sum these and ``||g||^2`` inside the
+            non-finite vote (one all-reduce of 24 bytes instead of 4, no extra
+            round), so every rank sees the same pooled ratio ``sum ||g -
+            h||^2 / sum ||g||^2`` and takes the same path.  When it exceeds
+            ``guard_ratio``, the call takes the plain reduce-scatter that
+            settles the state, as a bypassed call does (EF21's estimates
+            become the exact sums, the residual travels with the gradient):
+            a state that no longer describes the gradient is dropped instead
+            of being sent on.  Counted in ``guard_resets``.  Why a ratio of
+            squared norms: it is what EF21's contraction argument bounds
+            (``||C(x) - x||^2 <= (1 - alpha) ||x||^2``); a ratio of 1 means
+            the estimate is no better than none, and a stochastic gradient
+            already gives about 2 (consecutive gradients' noise is
+            independent), with transients to about 70 where the gradient's
+            norm falls fast, which is why the default sits well above that:
+            it catches a state that has gone bad (corrupted, stale, another
+            loss scale), not the steady cost of a coarse code.
+            ``None`` (default): ``DEFAULT_GUARD_RATIO`` (256) with ``ef21``
+            where the guard exists (CPU, FSDP1/FSDP2), off elsewhere and with
+            the residual feedback, whose healthy level depends on the code
+            (about ``1/density`` for top-k).  ``0``: off.  A number > 0:
+            that threshold; it needs error feedback and a compressing mode,
+            and raises NotImplementedError on CUDA (the decision would have
+            to reach the host to pick the collective) and with custom HSDP.
+            Cost per call: two dot products over the unit and 20 more
+            control bytes.
     """
 
     mode: str = "exact"
@@ -226,6 +261,7 @@ class TAGCConfig:
     bypass_every: int = 0
     gather: str = "none"
     gather_block: int = 256
+    guard_ratio: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -269,6 +305,42 @@ class TAGCConfig:
         if self.gather not in GATHER_FORMATS:
             raise ValueError(f"gather: must be one of {GATHER_FORMATS}, got {self.gather!r}")
         _check_int("gather_block", self.gather_block, 1, 65536)
+        self._check_guard()
+
+    def _check_guard(self) -> None:
+        g = self.guard_ratio
+        if g is None:
+            return
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
+                or g < 0:
+            raise ValueError(f"guard_ratio: must be None (default), 0 (off) or a finite "
+                             f"number > 0, got {g!r}")
+        self.guard_ratio = float(g)
+        if self.guard_ratio > 0 and (self.mode == "dense" or not self.error_feedback):
+            raise ValueError("guard_ratio: the guard watches the error-feedback state; it "
+                             "needs error_feedback=True and a compressing mode (set 0 or None)")
+
+    def guard_threshold(self, device: torch.device) -> float:
+        """The feedback guard's threshold for a unit reduced on ``device`` (0: off).
+
+        Args:
+            device: where the unit's gradient is reduced.
+        Returns:
+            ``guard_ratio``, or with ``None`` ``DEFAULT_GUARD_RATIO`` under EF21 on
+            the CPU and 0 otherwise.
+        Raises:
+            NotImplementedError: an explicit ``guard_ratio > 0`` on a CUDA device.
+        """
+        cuda = torch.device(device).type == "cuda"
+        if self.guard_ratio is None:
+            return DEFAULT_GUARD_RATIO if self.ef21 and not cuda and \
+                self.mode != "dense" and self.error_feedback else 0.0
+        if self.guard_ratio > 0 and cuda:
+            raise NotImplementedError(
+                "guard_ratio: the feedback guard is implemented on the CPU only; on CUDA "
+                "choosing the plain reduce-scatter would need its decision on the host (a "
+                "sync per call). Set guard_ratio=0 (or leave it None: off on CUDA)")
+        return self.guard_ratio
 
     def _resolve_sparsity(self) -> None:
         """theta and ratio: paper mode derives one from the other (its presets),

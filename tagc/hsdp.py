@@ -273,6 +273,10 @@ def reducers(model: Any, cfg: TAGCConfig, mesh: Any, streams: CodecStreams,
     if cfg.bypass_every:
         raise NotImplementedError("bypass_every: the automatic bypass is not implemented "
                                   "for HSDP's cross-replica all-reduce; set bypass_every=0")
+    if cfg.guard_ratio:
+        raise NotImplementedError("guard_ratio: the feedback guard is not implemented for "
+                                  "HSDP's cross-replica all-reduce; set guard_ratio=0 (or "
+                                  "leave it None: off with HSDP)")
     group = mesh.get_group("replicate")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out = []
@@ -280,6 +284,7 @@ def reducers(model: Any, cfg: TAGCConfig, mesh: Any, streams: CodecStreams,
         out.append(ReplicaReducer(cfg, u.name, u.index, u.numel, u.flat_numel // u.world,
                                   u.selected_numel, u.compressed, group, rank, world, 1.0,
                                   1.0, u.device, streams))
+        out[-1].guard_ratio = 0.0  # the default guard is FSDP1/FSDP2's only
     return out
 
 

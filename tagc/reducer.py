@@ -61,6 +61,9 @@ class UnitReducer:
         self.estimate: Optional[torch.Tensor] = None
         self.stats = UnitStats()
         self.warned_unpeeled = False
+        # the feedback guard's threshold (0: off) and the last pooled statistic it saw
+        self.guard_ratio = cfg.guard_threshold(device) if self.keeps_feedback else 0.0
+        self.last_guard_stat: Optional[float] = None
         # the timing-based choice of path (cfg.bypass_every; compressed units only)
         self.bypass: Optional[Bypass] = \
             Bypass(cfg.bypass_every) if cfg.bypass_every and compressed else None
@@ -140,13 +143,19 @@ class UnitReducer:
             return
         if self.cfg.mode != "dense":
             transports.require_codec()
-        if not self._agree_finite(comm, inp):
+        decision = self._agree(comm, inp)
+        if decision == "plain":
             self._plain(comm, inp, out)
             return
         if self.keeps_feedback and self.residual is None:
             self.residual = torch.zeros(self.flat_numel, dtype=self.cfg.residual_dtype,
                                         device=inp.device)
-        if self.bypass is None:
+        if decision == "reset":
+            # Outside the bypass's bookkeeping: a reset is neither path's timing, and
+            # every rank skips that bookkeeping alike (the decision is the ranks' sum).
+            self.stats.add("guard_resets", 1)
+            self._settle(comm, dev, inp, out)
+        elif self.bypass is None:
             self._compressed(comm, dev, inp, out)
         else:
             path = self.bypass.next_path()
@@ -172,10 +181,15 @@ class UnitReducer:
         out.copy_(acc)
 
     def _bypassed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
-        """The plain reduce-scatter in place of compression (tagc/bypass.py), with
-        the feedback state settled so that nothing owed is lost: the residual
-        travels with the gradient; EF21's estimates become the exact sums."""
+        """The plain reduce-scatter in place of compression (tagc/bypass.py)."""
         self.stats.add("bypassed_calls", 1)
+        self._settle(comm, dev, inp, out)
+
+    def _settle(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """The plain reduce-scatter with the feedback state settled, so that nothing
+        owed is lost (a bypassed call, a guard reset): the residual travels with the
+        gradient; EF21's estimates become the exact sums and each rank's ``h`` its
+        own gradient."""
         if not self.keeps_feedback:
             self._plain(comm, inp, out, counted=False)
             return
@@ -216,6 +230,61 @@ class UnitReducer:
                                "unused ones)")
         inp = inp.reshape(-1)
         return inp if inp.is_contiguous() else inp.contiguous()
+
+    def _agree(self, comm: Comm, inp: torch.Tensor) -> str:
+        """The path of this call, the same on every rank: ``"compress"``, ``"plain"``
+        (a rank's gradient is not finite) or ``"reset"`` (the feedback guard).
+
+        Without the guard this is :meth:`_agree_finite`'s 4-byte vote.  With it
+        (``guard_ratio > 0``, CPU only: register refuses it on CUDA) the vote
+        widens to three float64 sums in the same single all-reduce: the
+        non-finite flag and the guard's numerator and denominator
+        (:meth:`_guard_terms`).  Every rank compares the same sums, so every
+        rank takes the same path; a NaN statistic (a corrupted state) resets.
+
+        Args:
+            comm: the call's collectives (the vote counts as control bytes).
+            inp: the unit's flat gradient.
+        Returns:
+            the path; also sets :attr:`last_guard_stat` (the pooled ratio) when
+            the guard is on and every gradient is finite.
+        """
+        if not self.guard_ratio:
+            return "compress" if self._agree_finite(comm, inp) else "plain"
+        vec = torch.zeros(3, dtype=torch.float64, device=inp.device)
+        if bool(torch.isfinite(inp).all()):
+            vec[1], vec[2] = self._guard_terms(inp)
+        else:
+            vec[0] = 1.0
+        comm.all_reduce(vec, control=True)
+        flag, num, den = vec.tolist()
+        if flag != 0:
+            self.stats.add("nonfinite_fallbacks", 1)
+            return "plain"
+        self.stats.add("compressed_calls", 1)
+        self.last_guard_stat = num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+        # "not <=": a NaN sum fires too
+        return "compress" if num <= self.guard_ratio * den else "reset"
+
+    def _guard_terms(self, inp: torch.Tensor) -> Tuple[float, float]:
+        """This rank's share of the guard statistic over the whole unit: EF21,
+        ``(||g - h||^2, ||g||^2)`` (the residual holds ``-h``: how far the rank's
+        estimate is from its gradient, before this call); residual feedback,
+        ``(||residual||^2, ||g||^2)`` (what the rank still owes).  Before the
+        first compressed call no state exists: ``h = 0``, residual 0.
+
+        Args:
+            inp: the unit's flat gradient (finite).
+        Returns:
+            (numerator, denominator), host floats.
+        """
+        g = inp.float()
+        den = float(torch.dot(g, g))
+        if self.residual is None:
+            return (den if self.cfg.ef21 else 0.0), den
+        r = self.residual.float()
+        v = g + r if self.cfg.ef21 else r
+        return float(torch.dot(v, v)), den
 
     def _agree_finite(self, comm: Comm, inp: torch.Tensor) -> bool:
         """Whether to compress: the ranks agree (one 4-byte all-reduce) before any

@@ -67,7 +67,9 @@ class TAGCState:
             ``{"units": {name: {...}}, "total": {...}, "compressed_total": {...}}``.
             Per entry: ``calls``, ``compressed_calls`` (of which
             ``bypassed_calls`` took the plain path by the bypass's choice,
-            ``bypass_every``), ``plain_calls`` (plain
+            ``bypass_every``, and ``guard_resets`` the plain path that settles
+            the feedback state by the feedback guard's, ``guard_ratio``),
+            ``plain_calls`` (plain
             reduce-scatter), ``dense_step_calls`` (those of them in the
             warm-up's ``dense_steps``), ``nonfinite_fallbacks``, ``collectives``
             (per torch.distributed function: calls and bytes of the tensors

@@ -13,8 +13,8 @@ import torch
 
 from .device import gate
 
-COUNTERS = ("calls", "compressed_calls", "bypassed_calls", "plain_calls", "dense_step_calls",
-            "nonfinite_fallbacks",
+COUNTERS = ("calls", "compressed_calls", "bypassed_calls", "guard_resets", "plain_calls",
+            "dense_step_calls", "nonfinite_fallbacks",
             "bytes_handed", "wire_bytes", "default_wire_bytes", "control_bytes",
             "unpeeled", "recovered", "union_size", "shard_slots",
             "collision_dropped", "collision_dropped_l1",

@@ -1,0 +1,478 @@
+"""Feedback and quantizer probe: N simulated ranks in one process, FSDP2's unit layout.
+
+The research probe behind docs/DESIGN.md section 5 ("When feedback drifts", issue 22):
+it trains the teacher-student MLP of ``scripts/teacher_student.py`` or the tiny GPT-2 of
+``scripts/sim_ablation.py`` with quant mode's exchange simulated exactly as the hook
+does it (each compressed module one unit; row r of the unit = chunk r of every
+parameter, dim 0 padded to N; the owner's own row exact, the others coded in blocks
+from the row's start; EF21's per-rank ``h`` and the owner's estimate), and measures:
+
+* ``est_err``: the ranks' relative estimate error ``sum_i ||g_i - h_i||^2 / sum_i
+  ||g_i||^2`` per unit before each call (EF21; with the residual feedback ``sum_i
+  ||e_i||^2 / sum_i ||g_i||^2``): the statistic the hook's guard watches;
+* ``out_err``: what the optimizer gets against the true sum, ``||out - sum g||^2 /
+  ||sum g||^2`` (only a simulation knows the true sum);
+* ``alpha``: per block of what is coded (``v = g - h`` for EF21), the contraction
+  ``1 - ||C(x) - x||^2 / ||x||^2`` of several codes on the *same* blocks (median,
+  5th percentile, minimum over every block of every sampled step).
+
+Quantizers (``q=``): the codec's ``sign``, ``ternary``, ``int4``, ``int8``
+(``_tagc.quant_encode`` itself), and pure-torch prototypes: ``tl2`` (the L2-optimal
+ternary per block: for |x| sorted descending with prefix sums c_m, keep the m entries
+maximising c_m^2 / m at s = c_m / m; the same wire format as ``ternary``, only the
+scale differs) and ``tmax`` (ternary at s = max|x|).
+
+    python3 scripts/sim_feedback.py --task ts ef21:q=ternary ef21:q=tl2 res:q=ternary
+    python3 scripts/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
+
+Methods ``FEEDBACK:q=Q[,guard=R][,resp=zero][,damp=1]``: FEEDBACK is ``none``, ``res``
+(residual) or ``ef21``; ``guard=R`` resets a unit through the exact path when its
+pooled ``est_err`` exceeds R (the hook's ``guard_ratio``), or with ``resp=zero``
+restarts EF21 from h = 0 instead (that call sends C(g), as without feedback, at the
+same bytes); ``damp=1``: every rank compresses ``g - lam h`` with the lam in [0, 1]
+minimising the pooled ``||g - lam h||^2`` (the owners scale their estimates by the
+same lam, which the ranks could agree on in the guard's vote).  ``plain`` (exact averaging) is
+always run first.  Prints the final validation loss of each and its change vs plain,
+then the mechanism table; appends JSON lines to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+BLOCK = 256
+CODEC_FORMATS = ("sign", "ternary", "int4", "int8")
+ALPHA_CODES = ("ternary", "tl2", "int4")  # measured on every coded block
+GUARD_GRID = (2, 4, 8, 16, 32, 64, 128, 256)  # thresholds whose exceedances are counted
+
+
+# --------------------------------------------------------------------------- quantizers
+
+def _blocks(x: torch.Tensor, block: int) -> Tuple[torch.Tensor, int]:
+    """``x`` (1-D) as rows of ``block``, zero-padded; and the pad."""
+    pad = (-x.numel()) % block
+    return torch.nn.functional.pad(x, (0, pad)).view(-1, block), pad
+
+
+def ternary_l2(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """The L2-optimal ternary code per block: {-s, 0, +s} minimising ||C(x) - x||.
+
+    For a fixed set of m kept entries the best s is their mean |x|, which leaves an
+    error ``||x||^2 - c_m^2 / m`` (c_m: their sum of |x|); the best set of a given size
+    is the m largest, so the code keeps the top m with m maximising ``c_m^2 / m``.
+    Every kept |x| is then >= s/2 and every dropped one <= s/2, so rounding x/s to the
+    nearest of -1, 0, 1 gives the same codes: only the encoder's scale changes.
+
+    Args:
+        x: 1-D float32 values (a shard; blocks start at its first entry).
+        block: entries per scale.
+    Returns:
+        the decoded code, like x.
+    """
+    b, pad = _blocks(x, block)
+    a = b.abs()
+    srt, _ = a.sort(dim=1, descending=True)
+    c = srt.cumsum(1)
+    m = torch.arange(1, block + 1, dtype=x.dtype)
+    best = (c * c / m).argmax(dim=1, keepdim=True)
+    s = c.gather(1, best) / (best + 1).to(x.dtype)
+    q = torch.where(s > 0, torch.round(b / s.clamp_min(1e-38)).clamp(-1, 1), torch.zeros_like(b))
+    out = (q * s).reshape(-1)
+    return out[:x.numel()] if pad else out
+
+
+def ternary_max(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Ternary at s = max|x| per block (the largest entry exact, a coarse rest)."""
+    b, pad = _blocks(x, block)
+    s = b.abs().amax(dim=1, keepdim=True)
+    q = torch.where(s > 0, torch.round(b / s.clamp_min(1e-38)).clamp(-1, 1), torch.zeros_like(b))
+    out = (q * s).reshape(-1)
+    return out[:x.numel()] if pad else out
+
+
+def codec(fmt: str, x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """The codec's code of ``x`` (``_tagc.quant_encode`` then ``quant_decode_add``)."""
+    import _tagc
+
+    x = x.contiguous()
+    buf = torch.empty(_tagc.quant_bytes(x.numel(), fmt, block), dtype=torch.uint8)
+    _tagc.quant_encode(buf, None, x, fmt, block)
+    out = torch.zeros_like(x)
+    _tagc.quant_decode_add(out, buf, fmt, block)
+    return out
+
+
+def quantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The code ``C`` of a quantizer name (see the module docstring)."""
+    if name in CODEC_FORMATS:
+        return lambda x: codec(name, x)
+    return {"tl2": ternary_l2, "tmax": ternary_max}[name]
+
+
+def block_alpha(x: torch.Tensor, cx: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Per block of x: ``1 - ||C(x) - x||^2 / ||x||^2`` (blocks with x == 0 left out)."""
+    xb, _ = _blocks(x, block)
+    eb, _ = _blocks(cx - x, block)
+    n2 = xb.pow(2).sum(1)
+    keep = n2 > 0
+    return 1.0 - eb.pow(2).sum(1)[keep] / n2[keep]
+
+
+# --------------------------------------------------------------------------- units
+
+class Unit:
+    """One compressed module as FSDP2 reduces it: N rows, row r = chunk r of every
+    parameter (dim 0 padded to a multiple of N), flattened and concatenated.
+
+    Args:
+        name: the module's name.
+        params: its parameters (weight first).
+        n: ranks.
+    """
+
+    def __init__(self, name: str, params: List[nn.Parameter], n: int) -> None:
+        self.name, self.params, self.n = name, params, n
+        self.chunks = [math.ceil(p.shape[0] / n) for p in params]
+        self.row = sum(c * (p.numel() // p.shape[0]) for c, p in zip(self.chunks, params))
+
+    def rows(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """(N, S) reduce-scatter input of one rank's gradients of this unit."""
+        parts = []
+        for g, c in zip(grads, self.chunks):
+            pad = c * self.n - g.shape[0]
+            gp = torch.cat([g, g.new_zeros((pad,) + g.shape[1:])]) if pad else g
+            parts.append(gp.reshape(self.n, -1))
+        return torch.cat(parts, dim=1)
+
+    def unrows(self, rows: torch.Tensor) -> List[torch.Tensor]:
+        """Inverse of :meth:`rows`: per-parameter tensors from (N, S)."""
+        out, off = [], 0
+        for p, c in zip(self.params, self.chunks):
+            w = c * (p.numel() // p.shape[0])
+            full = rows[:, off:off + w].reshape((c * self.n,) + p.shape[1:])
+            out.append(full[:p.shape[0]])
+            off += w
+        return out
+
+
+class Exchange:
+    """Quant mode's reduction of one unit over N simulated ranks, with feedback.
+
+    Args:
+        unit: the unit.
+        feedback: ``none``, ``res`` or ``ef21``.
+        q: the quantizer name.
+        guard: the guard's threshold on the pooled estimate error (0: off).
+        alpha_now: whether to measure the per-block alphas this call.
+    """
+
+    def __init__(self, unit: Unit, feedback: str, q: str, guard: float,
+                 response: str = "exact", damp: bool = False) -> None:
+        self.unit, self.fb, self.qname, self.guard = unit, feedback, q, guard
+        self.response, self.damp = response, damp
+        self.C = quantizer(q)
+        n, s = unit.n, unit.row
+        # EF21: h (per rank, all rows) and the owners' estimates; res: the residuals
+        self.state = torch.zeros(n, n, s)
+        self.est = torch.zeros(n, s)
+        self.resets = 0
+        self.log: Dict[str, List[float]] = {"est_err": [], "out_err": [], "lam": []}
+        self.alphas: Dict[str, List[torch.Tensor]] = {c: [] for c in ALPHA_CODES}
+
+    def reduce(self, g: torch.Tensor, measure_alpha: bool) -> torch.Tensor:
+        """``g`` (N ranks, N rows, S): the (N, S) mean the optimizer gets."""
+        n = self.unit.n
+        true = g.sum(0)
+        den = float(g.pow(2).sum())
+        if self.fb == "ef21":
+            num = float((g - self.state).pow(2).sum())
+        elif self.fb == "res":
+            num = float(self.state.pow(2).sum())
+        else:
+            num = 0.0
+        ratio = num / den if den > 0 else 0.0
+        self.log["est_err"].append(ratio)
+        fire = bool(self.guard) and self.fb != "none" and not (num <= self.guard * den)
+        if fire and self.response == "zero" and self.fb == "ef21":
+            # restart EF21 from h = 0: this call sends C(g), as without feedback
+            self.resets += 1
+            self.state.zero_()
+            self.est.zero_()
+        elif fire:
+            # the guard: the exact path, settling the feedback state
+            self.resets += 1
+            if self.fb == "ef21":
+                self.state.copy_(g)
+                self.est.copy_(true)
+                out = true.clone()
+            else:
+                out = (g + self.state).sum(0)
+                self.state.zero_()
+            self.log["out_err"].append(float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30))
+            return out / n
+        if self.damp and self.fb == "ef21":
+            # damped EF21: every rank compresses g - lam h with the lam minimising the
+            # pooled ||g - lam h||^2 (clipped to [0, 1]); the owners scale their
+            # estimates by the same lam, so est == sum of h stays exact
+            hh = float(self.state.pow(2).sum())
+            lam = min(max(float((g * self.state).sum()) / hh, 0.0), 1.0) if hh > 0 else 1.0
+            self.log["lam"].append(lam)
+            self.state.mul_(lam)
+            self.est.mul_(lam)
+        out = torch.zeros_like(true)
+        for i in range(n):
+            v_all = g[i] - self.state[i] if self.fb == "ef21" else \
+                g[i] + self.state[i] if self.fb == "res" else g[i]
+            for r in range(n):
+                v = v_all[r]
+                if r == i:  # the own row never leaves the rank: exact
+                    sent = v if self.fb == "ef21" else g[i][r]
+                else:
+                    sent = self.C(v)
+                    if measure_alpha:
+                        for c in ALPHA_CODES:
+                            cv = sent if c == self.qname else quantizer(c)(v)
+                            self.alphas[c].append(block_alpha(v, cv))
+                    if self.fb == "res":
+                        self.state[i][r] = v - sent
+                if self.fb == "ef21":
+                    self.state[i][r] += sent
+                out[r] += sent
+        if self.fb == "ef21":
+            self.est += out
+            out = self.est.clone()
+        self.log["out_err"].append(float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30))
+        return out / n
+
+
+# --------------------------------------------------------------------------- tasks
+
+class TeacherStudent:
+    """scripts/teacher_student.py's task and student (its defaults), AdamW constant lr."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import teacher_student as ts
+
+        ns = ts.parse_args(["plain", "--steps", str(args.steps), "--batch", str(args.batch or 16),
+                            "--lr", str(args.lr or 3e-3), "--seed", str(args.seed),
+                            *args.task_args])
+        self.ts, self.ns = ts, ns
+        self.task = ts.Task(ns)
+
+    def model(self) -> Tuple[nn.Module, List[Tuple[str, List[nn.Parameter]]]]:
+        torch.manual_seed(self.ns.seed)
+        m = self.ts.mlp(self.ns.d_in, self.ns.width, self.ns.depth, self.ns.d_out)
+        units = [(n, list(mod.parameters())) for n, mod in m.named_modules()
+                 if isinstance(mod, nn.Linear) and mod.weight.numel() >= self.ns.min_numel]
+        return m, units
+
+    def optimizer(self, m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=self.ns.lr, weight_decay=self.ns.weight_decay)
+
+    def loss(self, m: nn.Module, step: int, rank: int) -> torch.Tensor:
+        x, y = self.task.batch(step, rank)
+        return nn.functional.mse_loss(m(x), y)
+
+    def before_step(self, m: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        pass
+
+    @torch.no_grad()
+    def evaluate(self, m: nn.Module) -> float:
+        return float(nn.functional.mse_loss(m(self.task.val_x), self.task.val_y))
+
+
+class TinyGPT2:
+    """scripts/sim_ablation.py's tiny GPT-2 (train-tiny's schedule, clip 1.0); units:
+    the modules the default selection compresses (MLP, attention output, embedding)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import gpt2_data
+        import sim_ablation
+
+        self.sa, self.args = sim_ablation, argparse.Namespace(
+            steps=args.steps, seed=args.seed if args.seed else 1337, batch_size=args.batch or 8,
+            block_size=128, lr=args.lr or 1e-3, data="stdlib")
+        meta = gpt2_data.prepare(gpt2_data.get_source("stdlib", 5.0),
+                                 gpt2_data.get_tokenizer("auto"), Path("data_cache"))
+        self.data, self.vocab = gpt2_data.TokenData(meta), meta["vocab_size"]
+
+    def model(self) -> Tuple[nn.Module, List[Tuple[str, List[nn.Parameter]]]]:
+        import tagc_hook as tagc
+        from gpt2_model import GPT, GPTConfig
+
+        torch.manual_seed(self.args.seed)
+        m = GPT(GPTConfig(block_size=128, vocab_size=(self.vocab + 63) // 64 * 64,
+                          n_layer=2, n_head=4, n_embd=256))
+        cfg = tagc.TAGCConfig(mode="dense")
+        units, seen = [], set()
+        for mn, mod in m.named_modules():
+            ps = [(pn, p) for pn, p in mod.named_parameters(recurse=False)]
+            if any(tagc.select_parameter(cfg, mn, mod, pn, p) for pn, p in ps) \
+                    and id(ps[0][1]) not in seen:
+                seen.update(id(p) for _, p in ps)
+                units.append((mn, [p for _, p in ps]))
+        return m, units
+
+    def optimizer(self, m: nn.Module) -> torch.optim.Optimizer:
+        from train_gpt2 import configure_optimizer, decayed_parameter_names
+
+        return configure_optimizer(m, decayed_parameter_names(m), 0.1, self.args.lr, (0.9, 0.95))
+
+    def loss(self, m: nn.Module, step: int, rank: int) -> torch.Tensor:
+        x, y = self.data.get_batch("train", self.args.batch_size, 128,
+                                   (self.args.seed, 0, step, 0, rank))
+        return m(x, y)[1]
+
+    def before_step(self, m: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        for gr in opt.param_groups:
+            gr["lr"] = self.sa._lr(step, self.args)
+
+    def evaluate(self, m: nn.Module) -> float:
+        return self.sa.evaluate(m, self.data, self.args)
+
+
+# --------------------------------------------------------------------------- training
+
+def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
+    """``FEEDBACK:q=Q[,guard=R]`` -> (feedback, options)."""
+    fb, _, rest = spec.partition(":")
+    opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    if fb not in ("plain", "none", "res", "ef21"):
+        raise SystemExit(f"unknown feedback {fb!r}")
+    if fb != "plain" and opts.get("q") not in CODEC_FORMATS + ("tl2", "tmax"):
+        raise SystemExit(f"{spec}: give q= one of {CODEC_FORMATS + ('tl2', 'tmax')}")
+    return fb, opts
+
+
+def run(spec: str, task: Any, args: argparse.Namespace) -> Dict[str, Any]:
+    """Train once; returns the loss and the mechanism measurements."""
+    fb, opts = parse_method(spec)
+    m, units = task.model()
+    opt = task.optimizer(m)
+    n = args.ranks
+    ex = {name: Exchange(Unit(name, ps, n), fb, opts["q"], float(opts.get("guard", 0)),
+                         opts.get("resp", "exact"), opts.get("damp") == "1")
+          for name, ps in units} if fb != "plain" else {}
+    params = list(m.parameters())
+    curve = []
+    for step in range(args.steps):
+        grads = []
+        for r in range(n):
+            m.zero_grad(set_to_none=True)
+            task.loss(m, step, r).backward()
+            grads.append([p.grad.detach().clone() for p in params])
+        index = {id(p): j for j, p in enumerate(params)}
+        for j, p in enumerate(params):
+            p.grad = sum(g[j] for g in grads) / n
+        measure = args.alpha_every > 0 and step % args.alpha_every == 0
+        for name, e in ex.items():
+            g = torch.stack([e.unit.rows([grads[r][index[id(p)]] for p in e.unit.params])
+                             for r in range(n)])
+            for p, gp in zip(e.unit.params, e.unit.unrows(e.reduce(g, measure))):
+                p.grad = gp.clone()
+        task.before_step(m, opt, step)
+        opt.step()
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            curve.append((step + 1, task.evaluate(m)))
+    res: Dict[str, Any] = {"method": spec, "task": args.task, "steps": args.steps,
+                           "seed": args.seed, "val_loss": curve[-1][1], "curve": curve}
+    if ex:
+        res["resets"] = {k: e.resets for k, e in ex.items()}
+        res["units"] = {}
+        for k, e in ex.items():
+            u: Dict[str, Any] = {}
+            for key, vals in e.log.items():
+                if not vals:
+                    continue
+                t = torch.tensor(vals)
+                thirds = t.tensor_split(3)
+                u[key] = {"median": float(t.median()), "max": float(t.max()),
+                          "p95": float(t.quantile(0.95)), "argmax": int(t.argmax()),
+                          "thirds_median": [float(x.median()) for x in thirds],
+                          # calls above each candidate threshold (the guard's choice)
+                          "exceed": {str(th): int((t > th).sum()) for th in GUARD_GRID}}
+            for c, a in e.alphas.items():
+                if a:
+                    t = torch.cat(a)
+                    u[f"alpha_{c}"] = {"median": float(t.median()), "p5": float(t.quantile(0.05)),
+                                       "min": float(t.min()), "blocks": t.numel()}
+            res["units"][k] = u
+    return res
+
+
+def table(results: List[Dict[str, Any]]) -> str:
+    """Markdown: loss vs plain; per unit the estimate error and the alphas."""
+    base = results[0]["val_loss"]
+    lines = ["| method | val loss | vs plain | resets |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['method']} | {r['val_loss']:.5f} | "
+                     f"{100 * (r['val_loss'] / base - 1):+.1f}% | "
+                     f"{sum(r.get('resets', {}).values()) if 'resets' in r else '-'} |")
+    lines += ["", "| method | unit | est_err median (thirds) / p95 / max | out_err median / max | "
+              "alpha ternary med / p5 / min | alpha tl2 med / p5 / min | alpha int4 med / p5 / min |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results[1:]:
+        for k, u in r["units"].items():
+            e, o = u["est_err"], u["out_err"]
+            al = [" / ".join(f"{u[f'alpha_{c}'][s]:.3f}" for s in ("median", "p5", "min"))
+                  if f"alpha_{c}" in u else "-" for c in ALPHA_CODES]
+            lines.append(f"| {r['method']} | {k} | {e['median']:.3f} "
+                         f"({', '.join(f'{x:.2f}' for x in e['thirds_median'])}) / "
+                         f"{e['p95']:.2f} / {e['max']:.2f} | {o['median']:.3f} / {o['max']:.2f} | "
+                         + " | ".join(al) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+    """Run plain and every method; print the tables; append JSON lines to --out."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("methods", nargs="+")
+    p.add_argument("--task", choices=("ts", "gpt2"), default="ts")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch", type=int, default=0, help="per rank (0: the task's default)")
+    p.add_argument("--lr", type=float, default=0.0, help="0: the task's default")
+    p.add_argument("--seed", type=int, default=0, help="0: the task's default")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--eval_every", type=int, default=25)
+    p.add_argument("--alpha_every", type=int, default=10, help="steps between alpha samples; 0: off")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--task_args", nargs=argparse.REMAINDER, default=[],
+                   help="teacher_student.py options (ts task), e.g. --width 512")
+    p.add_argument("--out", default="out/sim_feedback.jsonl")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    task = TeacherStudent(args) if args.task == "ts" else TinyGPT2(args)
+    specs = ["plain"] + [s for s in args.methods if s != "plain"]
+    for s in specs:
+        parse_method(s)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    for s in specs:
+        t0 = time.time()
+        r = run(s, task, args)
+        r["seconds"] = round(time.time() - t0)
+        results.append(r)
+        print(f"{s}: val loss {r['val_loss']:.5f} ({r['seconds']} s)", flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(r) + "\n")
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
