@@ -51,40 +51,54 @@ TAGC_AI int block_scale(float *scale, const void *g, int gd, const void *r, int 
  * byte (8, 5, 2, 1), so each chunk's codes start on a byte boundary. */
 #define CHUNK 320
 
+/* Codes of the n values [o, o + n) under scale s (inv = tagc_q_inv(s)) as
+ * digits (tagc_q_digit) into d, and the residual v - q * s (what the owner
+ * does not get) back in place.  Elementwise: the loop vectorizes. */
+TAGC_AI void encode_digits(uint8_t *d, float s, float inv, const void *g, int gd, void *r,
+                           int rd, int64_t o, int n, int format)
+{
+    for (int i = 0; i < n; i++) {
+        float v = load_v(g, gd, r, rd, o + i);
+        int qi = tagc_q_code(format, v, inv);
+        d[i] = (uint8_t)tagc_q_digit(format, qi);
+        if (rd != DT_NONE)
+            st_val(r, rd, o + i, v - (float)qi * s);
+    }
+}
+
+/* The bytes of n digits into out (the first digit starts a byte), the last
+ * byte's unused positions padded. */
+TAGC_AI void pack_digits(uint8_t *out, const uint8_t *d, int n, int format)
+{
+    const int per = tagc_q_per_byte(format);
+    int full = n / per, b = 0;
+    for (; b < full; b++) {
+        unsigned byte = 0;
+        for (int j = 0; j < per; j++)
+            byte += d[b * per + j] * tagc_q_weight(format, j);
+        out[b] = (uint8_t)byte;
+    }
+    if (b * per < n) {
+        unsigned byte = 0;
+        for (int j = 0; j < per; j++)
+            byte += (b * per + j < n ? d[b * per + j] : tagc_q_pad_digit(format)) *
+                    tagc_q_weight(format, j);
+        out[b] = (uint8_t)byte;
+    }
+}
+
 /* Codes of the block [o, o + len) under scale s into `codes`, and the
- * residual v - q * s (what the owner does not get) back in place.  Per chunk,
- * one elementwise loop (codes and residual; it vectorizes) then the packing. */
+ * residual back in place: per chunk, the digits then the packing. */
 TAGC_AI void block_encode(uint8_t *codes, float s, const void *g, int gd, void *r,
                           int rd, int64_t o, int64_t len, int format)
 {
     const int per = tagc_q_per_byte(format);
     const float inv = tagc_q_inv(s);
-    int8_t q[CHUNK];
+    uint8_t d[CHUNK];
     for (int64_t c = 0; c < len; c += CHUNK) {
         int n = len - c < CHUNK ? (int)(len - c) : CHUNK;
-        for (int i = 0; i < n; i++) {
-            float v = load_v(g, gd, r, rd, o + c + i);
-            int qi = tagc_q_code(format, v, inv);
-            q[i] = (int8_t)qi;
-            if (rd != DT_NONE)
-                st_val(r, rd, o + c + i, v - (float)qi * s);
-        }
-        uint8_t *out = codes + c / per;
-        int full = n / per, b = 0;
-        for (; b < full; b++) {
-            unsigned byte = 0;
-            for (int j = 0; j < per; j++)
-                byte += tagc_q_digit(format, q[b * per + j]) * tagc_q_weight(format, j);
-            out[b] = (uint8_t)byte;
-        }
-        if (b * per < n) {
-            unsigned byte = 0;
-            for (int j = 0; j < per; j++)
-                byte += (b * per + j < n ? tagc_q_digit(format, q[b * per + j])
-                                         : tagc_q_pad_digit(format)) *
-                        tagc_q_weight(format, j);
-            out[b] = (uint8_t)byte;
-        }
+        encode_digits(d, s, inv, g, gd, r, rd, o + c, n, format);
+        pack_digits(codes + c / per, d, n, format);
     }
 }
 
@@ -98,40 +112,51 @@ TAGC_AI void block_encode(uint8_t *codes, float s, const void *g, int gd, void *
     default: { enum { F = TAGC_Q_INT8 }; call; } break;                \
     }
 
-/* Both passes for one (grad, residual) dtype pair; returns 0 on NaN/Inf. */
-TAGC_AI int encode_pass(uint8_t *dst, const void *g, int gd, void *r, int rd,
-                        int64_t n, int format, int64_t block)
-{
-    int64_t rec = tagc_q_record_bytes(block, format);
-    /* Pass 1 finds every scale before the residual changes, so NaN/Inf
-     * anywhere leaves it untouched. */
-    for (int64_t o = 0, b = 0; o < n; o += block, b++) {
-        int64_t len = n - o < block ? n - o : block;
-        float s = 0.0f;
-        int ok = 0;
-        BY_FORMAT(format, ok = block_scale(&s, g, gd, r, rd, o, len, F));
-        if (!ok)
-            return 0;
-        memcpy(dst + b * rec, &s, 4); /* little-endian hosts: the wire layout */
-    }
-    for (int64_t o = 0, b = 0; o < n; o += block, b++) {
-        int64_t len = n - o < block ? n - o : block;
-        float s;
-        memcpy(&s, dst + b * rec, 4);
-        BY_FORMAT(format, block_encode(dst + b * rec + 4, s, g, gd, r, rd, o, len, F));
-    }
-    return 1;
-}
+/* One test per (grad, residual) dtype pair: each case inlines the call for
+ * constant dtypes G and R, as BY_FORMAT does for the format. */
+#define DT_CASE(g0, r0, call) \
+    if (gd == (g0) && rd == (r0)) { enum { G = g0, R = r0 }; call; }
+#define BY_DTYPES(call)                                                  \
+    DT_CASE(TAGC_F32, DT_NONE, call) DT_CASE(TAGC_F32, TAGC_F32, call)   \
+    DT_CASE(TAGC_F32, TAGC_BF16, call) DT_CASE(TAGC_BF16, DT_NONE, call) \
+    DT_CASE(TAGC_BF16, TAGC_F32, call) DT_CASE(TAGC_BF16, TAGC_BF16, call)
 
-static int encode_dispatch(uint8_t *dst, const void *g, int gd, void *r, int rd,
-                           int64_t n, int format, int64_t block)
-{
-#define EP(G, R) if (gd == (G) && rd == (R)) return encode_pass(dst, g, G, r, R, n, format, block)
-    EP(TAGC_F32, DT_NONE); EP(TAGC_F32, TAGC_F32); EP(TAGC_F32, TAGC_BF16);
-    EP(TAGC_BF16, DT_NONE); EP(TAGC_BF16, TAGC_F32); EP(TAGC_BF16, TAGC_BF16);
-#undef EP
-    return 0; /* unreachable: the dtypes were checked */
-}
+/* encode_pass##S: both passes for one (grad, residual) dtype pair with
+ * block_scale##S and block_encode##S, returning 0 on NaN/Inf (pass 1 finds
+ * every scale before the residual changes, so NaN/Inf anywhere leaves it
+ * untouched); encode_dtypes##S: its specialisation for the dtypes at hand. */
+#define DEFINE_ENCODE(S, INLINE, FN)                                                    \
+    INLINE int encode_pass##S(uint8_t *dst, const void *g, int gd, void *r, int rd,    \
+                              int64_t n, int format, int64_t block)                    \
+    {                                                                                   \
+        int64_t rec = tagc_q_record_bytes(block, format);                               \
+        for (int64_t o = 0, b = 0; o < n; o += block, b++) {                            \
+            int64_t len = n - o < block ? n - o : block;                                \
+            float s = 0.0f;                                                             \
+            int ok = 0;                                                                 \
+            BY_FORMAT(format, ok = block_scale##S(&s, g, gd, r, rd, o, len, F));        \
+            if (!ok)                                                                    \
+                return 0;                                                               \
+            memcpy(dst + b * rec, &s, 4); /* little-endian hosts: the wire layout */    \
+        }                                                                               \
+        for (int64_t o = 0, b = 0; o < n; o += block, b++) {                            \
+            int64_t len = n - o < block ? n - o : block;                                \
+            float s;                                                                    \
+            memcpy(&s, dst + b * rec, 4);                                               \
+            BY_FORMAT(format,                                                           \
+                      block_encode##S(dst + b * rec + 4, s, g, gd, r, rd, o, len, F));  \
+        }                                                                               \
+        return 1;                                                                       \
+    }                                                                                   \
+    FN int encode_dtypes##S(uint8_t *dst, const void *g, int gd, void *r, int rd,      \
+                            int64_t n, int format, int64_t block)                      \
+    {                                                                                   \
+        BY_DTYPES(return encode_pass##S(dst, g, G, r, R, n, format, block));             \
+        return 0; /* unreachable: the dtypes were checked */                            \
+    }
+
+DEFINE_ENCODE(, TAGC_AI, static)
+
 
 tagc_status tagc_quant_encode(uint8_t *dst, int64_t dst_capacity,
                               void *residual, tagc_dtype residual_dtype,
@@ -144,7 +169,7 @@ tagc_status tagc_quant_encode(uint8_t *dst, int64_t dst_capacity,
     if (st != TAGC_OK || n == 0)
         return st;
     int rd = residual != NULL ? (int)residual_dtype : DT_NONE;
-    if (!encode_dispatch(dst, grad, (int)grad_dtype, residual, rd, n, (int)format, block))
+    if (!encode_dtypes(dst, grad, (int)grad_dtype, residual, rd, n, (int)format, block))
         return TAGC_ERR_NONFINITE;
     return TAGC_OK;
 }
