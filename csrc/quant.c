@@ -179,7 +179,7 @@ DEFINE_ENCODE(, TAGC_AI, static)
  *     (no FMA), tagc_f32_to_bf16's rounding for a bf16 residual, and the
  *     digits packed with tagc_q_weight's weights; a chunk's values past its
  *     last whole 32 go through the generic code.
- * The generic loops are the
+ * Both passes prefetch ahead (prefetch32).  The generic loops are the
  * reference: tests/test_quant.py and the CUDA-emulation tests check this
  * path's bytes on an AVX2 machine.
  */
@@ -223,6 +223,24 @@ TAGC_AVX2 void st8(void *p, int d, int64_t i, __m256 v)
     _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
 }
 
+/* Values ahead of the loops that prefetch32 asks the cache for: with the
+ * hardware prefetcher alone both passes wait on memory longer (the encode
+ * took 4-12% longer without it at 2^24 values; 64 or 256 ahead did no
+ * better than 128). */
+#define AHEAD 128
+
+/* Hint the lines of values [p + AHEAD, p + AHEAD + 32) of an array of dtype
+ * d into the cache (the address is computed as an integer: it may be past
+ * the array, which a prefetch ignores). */
+TAGC_AVX2 void prefetch32(const void *a, int d, int64_t p)
+{
+    int size = d == TAGC_F32 ? 4 : 2;
+    const char *c = (const char *)((uintptr_t)a + (uintptr_t)((p + AHEAD) * size));
+    _mm_prefetch(c, _MM_HINT_T0);
+    if (size == 4)
+        _mm_prefetch(c + 64, _MM_HINT_T0);
+}
+
 /* Eight |v| into the max of patterns *mx and, for the formats that use the
  * sum, lanes 0-3 into *lo and 4-7 into *hi. */
 TAGC_AVX2 void stats8(__m256 v, __m256i *mx, __m256d *lo, __m256d *hi, int format)
@@ -246,6 +264,9 @@ TAGC_AVX2 int block_scale_avx2(float *scale, const void *g, int gd, const void *
     __m256i mx = _mm256_setzero_si256();
     int64_t i = 0;
     for (; i + 32 <= len; i += 32) {
+        prefetch32(g, gd, o + i);
+        if (rd != DT_NONE)
+            prefetch32(r, rd, o + i);
         stats8(ldv8(g, gd, r, rd, o + i), &mx, &l0, &l1, format);
         stats8(ldv8(g, gd, r, rd, o + i + 8), &mx, &l2, &l3, format);
         stats8(ldv8(g, gd, r, rd, o + i + 16), &mx, &l4, &l5, format);
@@ -341,6 +362,9 @@ TAGC_AVX2 void encode32(uint8_t *out, uint8_t *d, int i, __m256 vs, __m256 vinv,
 {
     __m256i q[4];
     uint32_t bits = 0;
+    prefetch32(g, gd, p);
+    if (rd != DT_NONE)
+        prefetch32(r, rd, p);
     for (int k = 0; k < 4; k++) {
         __m256 v = ldv8(g, gd, r, rd, p + 8 * k), qf;
         if (format == TAGC_Q_SIGN) {
