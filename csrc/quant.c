@@ -327,31 +327,31 @@ TAGC_AVX2 __m256i bytes32(__m256i q0, __m256i q1, __m256i q2, __m256i q3)
     return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* 40 ternary digits d[0..40) as their 8 bytes (tagc_q_weight's base 3);
- * reads d[0..46).  Each group of 5 digits is spread to 8 bytes, then
- * multiplied by (1, 3, 9, 27, 81, 0, 0, 0) and summed by pmaddubsw, pmaddwd
- * and phaddd; groups 0-1 and 4-5 land in the low half, 2-3 and 6-7 in the
- * high one. */
+/* 40 ternary digits d[0..40) as their 8 bytes (tagc_q_weight's base 3).
+ * Two loads, at d and d + 8, hold groups (of 5 digits) 0-1 and 4-5, 2-3 and
+ * 6-7 in their halves; each group is spread to 8 bytes, multiplied by (1, 3,
+ * 9, 27, 81, 0, 0, 0) and summed by pmaddubsw, pmaddwd and phaddd. */
 TAGC_AVX2 void ternary_bytes8(uint8_t *out, const uint8_t *d)
 {
-    const __m256i spread = _mm256_setr_epi8(0, 1, 2, 3, 4, -1, -1, -1, 5, 6, 7, 8, 9, -1, -1, -1,
-                                            0, 1, 2, 3, 4, -1, -1, -1, 5, 6, 7, 8, 9, -1, -1, -1);
     const __m256i w = _mm256_setr_epi8(1, 3, 9, 27, 81, 0, 0, 0, 1, 3, 9, 27, 81, 0, 0, 0,
                                        1, 3, 9, 27, 81, 0, 0, 0, 1, 3, 9, 27, 81, 0, 0, 0);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)d)),
-                                        _mm_loadu_si128((const __m128i *)(d + 10)), 1);
-    __m256i y = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(d + 20))),
-        _mm_loadu_si128((const __m128i *)(d + 30)), 1);
-    x = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_shuffle_epi8(x, spread), w), ones);
-    y = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_shuffle_epi8(y, spread), w), ones);
-    __m256i h = _mm256_hadd_epi32(x, y); /* groups 0 1 4 5 | 2 3 6 7, one per dword */
+#define G5(at) at, at + 1, at + 2, at + 3, at + 4, -1, -1, -1
+    /* d[0..32): groups 0, 1 at 0, 5; groups 4, 5 at 20 - 16, 25 - 16 */
+    __m256i x = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)d),
+                                    _mm256_setr_epi8(G5(0), G5(5), G5(4), G5(9)));
+    /* d[8..40): groups 2, 3 at 10 - 8, 15 - 8; groups 6, 7 at 30 - 24, 35 - 24 */
+    __m256i y = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(d + 8)),
+                                    _mm256_setr_epi8(G5(2), G5(7), G5(6), G5(11)));
+#undef G5
+    x = _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), ones);
+    y = _mm256_madd_epi16(_mm256_maddubs_epi16(y, w), ones);
+    __m256i h = _mm256_hadd_epi32(x, y); /* groups 0-3 | 4-7, one per dword */
     h = _mm256_shuffle_epi8(h, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                 -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1,
                                                 -1, -1, -1, -1, -1, -1));
     _mm_storel_epi64((__m128i *)out,
-                     _mm_unpacklo_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+                     _mm_unpacklo_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
 
 /* 32 values from index p (i of the chunk's codes at out; ternary: digits at
@@ -396,15 +396,15 @@ TAGC_AVX2 void encode32(uint8_t *out, uint8_t *d, int i, __m256 vs, __m256 vinv,
 
 /* block_encode with AVX2: per CHUNK, 32 values a step, the chunk's last
  * values (fewer than 32) through the generic code; ternary's digits are
- * packed after the chunk, 40 a step (the last, partial step through a
- * buffer: the record ends there, the next one's scale follows). */
+ * packed after the chunk, 40 a step, the last step ending on the chunk's
+ * last byte (the record ends there, the next one's scale follows). */
 TAGC_AVX2 void block_encode_avx2(uint8_t *codes, float s, const void *g, int gd, void *r,
                              int rd, int64_t o, int64_t len, int format)
 {
     const int per = tagc_q_per_byte(format);
     const float inv = tagc_q_inv(s);
     const __m256 vs = _mm256_set1_ps(s), vinv = _mm256_set1_ps(inv);
-    uint8_t d[CHUNK + 48];
+    uint8_t d[CHUNK + 4];
     for (int64_t c = 0; c < len; c += CHUNK) {
         int n = len - c < CHUNK ? (int)(len - c) : CHUNK, i = 0;
         uint8_t *out = codes + c / per;
@@ -419,15 +419,16 @@ TAGC_AVX2 void block_encode_avx2(uint8_t *codes, float s, const void *g, int gd,
             continue;
         }
         int bytes = (n + 4) / 5, b = 0;
-        for (int j = n; j < 40 * ((n + 39) / 40) + 6; j++) /* all that ternary_bytes8 reads */
+        for (int j = n; j < 5 * bytes; j++)
             d[j] = (uint8_t)tagc_q_pad_digit(format);
+        if (bytes < 8) {
+            pack_digits(out, d, n, format);
+            continue;
+        }
         for (; b + 8 <= bytes; b += 8)
             ternary_bytes8(out + b, d + 5 * b);
-        if (b < bytes) {
-            uint8_t last[8];
-            ternary_bytes8(last, d + 5 * b);
-            memcpy(out + b, last, (size_t)(bytes - b));
-        }
+        if (b < bytes) /* the last 8 bytes, again in part */
+            ternary_bytes8(out + bytes - 8, d + 5 * (bytes - 8));
     }
 }
 
