@@ -13,7 +13,8 @@ means the op runs at a quarter of memory-copy speed or better).  Ops:
     one such message (it decodes N-1 of them per shard and step);
   - sparse pack / unpack: the int32-offset pairs of mode ``sparse``;
   - sketch encode / peel decode: mode ``exact`` (decode of N ranks' summed sketch);
-  - quant encode / decode (int4, ternary; every entry, no theta);
+  - quant encode / decode (int4, ternary by default, ``--formats``; every entry,
+    no theta), fp32 grad and residual by default (``--dtypes``);
   - wq encode / decode (int8, fp32 and bf16 weights, blocks of 256, the shard cut
     into 1000 parameter segments; every entry, no theta): the weight all-gather's
     message of one rank, and one rank's decode of it (into out of the weights'
@@ -22,7 +23,9 @@ means the op runs at a quarter of memory-copy speed or better).  Ops:
 The codec is single-threaded; torch is set to the same thread count (``--threads``,
 default 1) so memcpy is comparable.  Prints a markdown table and the load average.
 
-Usage: python scripts/bench_codec.py [--quick] [--reps R] [--threads T] [--only wq]
+``--only quant`` (a substring of op names, repeatable) runs only the matching ops.
+
+Usage: python scripts/bench_codec.py [--quick] [--reps R] [--threads T] [--only OP]
 """
 import argparse
 import logging
@@ -45,6 +48,15 @@ logger = logging.getLogger(__name__)
 
 
 CLOCK = time.perf_counter
+ONLY: List[str] = []  # --only: substrings of the op names to run (empty: all)
+TOPK_OPS = ("select+sparsify", "auto pack", "auto decode", "sparse pack", "sparse unpack",
+            "sketch encode", "peel decode")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def wanted(op: str) -> bool:
+    """Whether --only selects the op named op."""
+    return not ONLY or any(o in op for o in ONLY)
 
 
 def alternating(fn: Callable[[], object], copy: Callable[[], object],
@@ -87,6 +99,8 @@ def bench_case(S: int, theta: float, ranks: int, reps: int) -> List[Dict]:
         one row dict per op.
     """
     k = keep_count(theta, S)
+    if not any(wanted(op) for op in TOPK_OPS):
+        return []
     gen = torch.Generator().manual_seed(S)
     grads = [torch.randn(S, generator=gen) for _ in range(3)]
     residual = torch.zeros(S)
@@ -102,7 +116,11 @@ def bench_case(S: int, theta: float, ranks: int, reps: int) -> List[Dict]:
     def sparsify() -> None:
         _tagc.sparsify(idx, val, bitmaps[0], residual, grads[next(turn) % 3], k)
 
-    rows = [row("select+sparsify", S, theta, k, *alternating(sparsify, copy, reps))]
+    rows = []
+    if wanted("select+sparsify"):
+        rows.append(row("select+sparsify", S, theta, k, *alternating(sparsify, copy, reps)))
+    else:
+        sparsify()  # idx, val: the input of the ops below
     coding = _tagc.pairs_cheapest(S, k, torch.float32)
     msg = torch.empty(_tagc.pairs_bytes(S, k, torch.float32, coding), dtype=torch.uint8)
     pairs = torch.empty(_tagc.sparse_bytes(k, torch.float32), dtype=torch.uint8)
@@ -114,7 +132,8 @@ def bench_case(S: int, theta: float, ranks: int, reps: int) -> List[Dict]:
                      ("sparse pack", lambda: _tagc.sparse_pack(pairs, idx, val)),
                      ("sparse unpack", lambda: _tagc.sparse_unpack(out, pairs, k,
                                                                    torch.float32))):
-        rows.append(row(name, S, theta, k, *alternating(fn, copy, reps)))
+        if wanted(name):
+            rows.append(row(name, S, theta, k, *alternating(fn, copy, reps)))
 
     # N ranks' sketches of different gradients, summed: the owner's decode input.
     t = math.ceil(1.3 * min(S, ranks * k) / 3)
@@ -127,35 +146,46 @@ def bench_case(S: int, theta: float, ranks: int, reps: int) -> List[Dict]:
     union = torch.empty((S + 7) // 8, dtype=torch.uint8)
     _tagc.bitmap_or(union, bitmaps, ranks)
     u = _tagc.popcount(union, S)
-    rows.append(row("sketch encode", S, theta, k, *alternating(
-        lambda: _tagc.sketch_encode(sk, idx, val, S, t, seed), copy, reps)))
-    rows.append(row(f"peel decode (N={ranks}, union {u})", S, theta, k, *alternating(
-        lambda: _tagc.peel_decode(out, total, union, S, t, seed), copy, reps)))
+    if wanted("sketch encode"):
+        rows.append(row("sketch encode", S, theta, k, *alternating(
+            lambda: _tagc.sketch_encode(sk, idx, val, S, t, seed), copy, reps)))
+    name = f"peel decode (N={ranks}, union {u})"
+    if wanted(name):
+        rows.append(row(name, S, theta, k, *alternating(
+            lambda: _tagc.peel_decode(out, total, union, S, t, seed), copy, reps)))
     return rows
 
 
-def bench_quant(S: int, reps: int) -> List[Dict]:
+def bench_quant(S: int, reps: int, formats: List[str], grad_dtype: str,
+                residual_dtype: str) -> List[Dict]:
     """quant mode's encode (fused error feedback) and decode, per format, one shard.
 
     Args:
-        S: shard length (fp32 elements).
+        S: shard length (elements).
         reps: timed repetitions per op.
+        formats: quant formats to time.
+        grad_dtype, residual_dtype: keys of DTYPES (memcpy stays S fp32).
     Returns:
         one row dict per op.
     """
     gen = torch.Generator().manual_seed(S)
-    grad = torch.randn(S, generator=gen)
-    residual = torch.randn(S, generator=gen) * 0.01
-    dst = torch.empty_like(grad)
+    grad32 = torch.randn(S, generator=gen)
+    residual = (torch.randn(S, generator=gen) * 0.01).to(DTYPES[residual_dtype])
+    dst = torch.empty_like(grad32)
+    grad = grad32.to(DTYPES[grad_dtype])
     out = torch.zeros(S)
+    tag = "" if (grad_dtype, residual_dtype) == ("fp32", "fp32") else \
+        f" ({grad_dtype} grad, {residual_dtype} residual)"
     rows = []
-    for fmt in ("int4", "ternary"):
+    for fmt in formats:
         buf = torch.empty(_tagc.quant_bytes(S, fmt, 256), dtype=torch.uint8)
-        for name, fn in ((f"quant encode {fmt}",
+        for name, fn in ((f"quant encode {fmt}{tag}",
                           lambda: _tagc.quant_encode(buf, residual, grad, fmt, 256)),
-                         (f"quant decode {fmt}",
+                         (f"quant decode {fmt}{tag}",
                           lambda: _tagc.quant_decode_add(out, buf, fmt, 256))):
-            rows.append(row(name, S, "-", S, *alternating(fn, lambda: dst.copy_(grad), reps)))
+            if wanted(name):
+                rows.append(row(name, S, "-", S, *alternating(
+                    fn, lambda: dst.copy_(grad32), reps)))
     return rows
 
 
@@ -193,16 +223,27 @@ def main() -> None:
     """Parses arguments, runs the cases, prints the markdown table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run (S = 2^20, few reps)")
-    ap.add_argument("--only", choices=["all", "topk", "quant", "wq"], default="all",
-                    help="run only these ops")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per op")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for memcpy")
     ap.add_argument("--ranks", type=int, default=2, help="ranks summed for the decode")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall: perf_counter; cpu: this process's CPU time (less "
                          "sensitive to other processes sharing the cores)")
+    ap.add_argument("--only", action="append", default=[], metavar="OP",
+                    help="run only the ops whose name contains OP (repeatable), "
+                         "e.g. --only 'quant encode'")
+    ap.add_argument("--formats", default="int4,ternary",
+                    help="quant formats, comma-separated (int4, ternary, int8, sign)")
+    ap.add_argument("--dtypes", default="fp32:fp32",
+                    help="quant (grad:residual) dtype pairs, comma-separated, "
+                         "e.g. fp32:fp32,bf16:bf16")
     args = ap.parse_args()
     global CLOCK
+    ONLY.extend(args.only)
+    formats = [f for f in args.formats.split(",") if f]
+    dtypes = [tuple(p.split(":")) for p in args.dtypes.split(",") if p]
+    if not all(len(p) == 2 and set(p) <= set(DTYPES) for p in dtypes):
+        ap.error(f"--dtypes: grad:residual pairs of {sorted(DTYPES)}, got {args.dtypes!r}")
     CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     load_before = os.getloadavg()[0]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -212,13 +253,12 @@ def main() -> None:
     reps = args.reps or (3 if args.quick else 7)
     rows = []
     for S in sizes:
-        if args.only in ("all", "topk"):
-            for theta in thetas:
-                logger.info("S=2^%d theta=%s ...", S.bit_length() - 1, theta)
-                rows += bench_case(S, theta, args.ranks, reps)
-        if args.only in ("all", "quant"):
-            rows += bench_quant(S, reps)
-        if args.only in ("all", "wq"):
+        for theta in thetas:
+            logger.info("S=2^%d theta=%s ...", S.bit_length() - 1, theta)
+            rows += bench_case(S, theta, args.ranks, reps)
+        for gd, rd in dtypes:
+            rows += bench_quant(S, reps, formats, gd, rd)
+        if wanted("wq encode") or wanted("wq decode"):
             rows += bench_wq(S, reps)
     print("| S | theta | k | op | median ms | memcpy ms (alternating) | GB/s of gradient "
           "| ratio to memcpy (per shard) |")
