@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import TAGCConfig
+from .device import Exec
 from .stats import UnitStats
 from .transports import _tagc
 
@@ -182,8 +183,7 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
                    world: int) -> None:
         fmt, block = self.cfg.gather, self.cfg.gather_block
         segs = self._segs(inp.device)
-        kw = {"stream": torch.cuda.current_stream(inp.device).cuda_stream} \
-            if inp.is_cuda else {}
+        kw = Exec(inp).kw  # the codec on the current stream (CUDA), as every transport
         mb = self.message_bytes
         recv = torch.empty(world, mb, dtype=torch.uint8, device=inp.device)
         rank = dist.get_rank(group)
