@@ -175,6 +175,25 @@ class TAGCConfig:
             plus one fp32 estimate of the owner's shard (1/N of the unit).
             Needs ``error_feedback`` and float32 residuals (a rounded ``h``
             would drift from the owner's sum); not in ``dense`` mode.
+        ef21_damping: EF21 with a damped estimate: each call first scales
+            every rank's ``h`` and the owners' estimates by one factor
+            ``lam = clip(sum <g, h> / sum ||h||^2, 0, 1)`` (sums over the
+            unit and the ranks, pooled in the non-finite vote: the same
+            ``lam`` everywhere, so the owners' estimates stay the sums of the
+            ranks' ``h``), then sends ``C(g - lam h)``; ``h = lam h + C(g -
+            lam h)``.  ``lam h`` is the multiple of ``h`` closest to ``g``
+            (least squares over the unit), so the coded vector is never
+            larger than ``g``: where consecutive gradients are nearly
+            independent (small batches, noisy tasks) plain EF21 codes ``g -
+            h`` with ``||g - h||^2 ~ 2 ||g||^2`` and keeps coding noise it
+            took for signal; damping drops to ``lam ~ 0`` there (compression
+            without feedback) and stays at ``lam ~ 1`` where the gradient
+            persists (plain EF21).  docs/DESIGN.md section 5 has the
+            measurements.  ``None`` (default): on with ``ef21``; ``False``:
+            the undamped recursion; ``True`` needs ``ef21``.  Cost per call:
+            two dot products over the unit, 32 more control bytes in the
+            vote (the guard's sums share it), no memory, nothing in
+            checkpoints (``lam`` is recomputed from the state every call).
         bypass_every: 0 (default): always compress.  ``P >= 2``: every P-th
             reduction of a compressed unit takes the other path (plain
             reduce-scatter or compression) and is timed; the ranks sum their
@@ -214,7 +233,7 @@ class TAGCConfig:
             unit: with ``ef21`` the estimate error ``||g - h||^2`` (``h``
             before the call), with the residual feedback what it owes,
             ``||residual||^2``; the ranks sum these and ``||g||^2`` inside the
-            non-finite vote (one all-reduce of 24 bytes instead of 4, no extra
+            non-finite vote (one all-reduce of 32 bytes instead of 4, no extra
             round), so every rank sees the same pooled ratio ``sum ||g -
             h||^2 / sum ||g||^2`` and takes the same path.  When it exceeds
             ``guard_ratio``, the call takes the plain reduce-scatter that
@@ -237,8 +256,8 @@ class TAGCConfig:
             that threshold; it needs error feedback and a compressing mode,
             and raises NotImplementedError on CUDA (the decision would have
             to reach the host to pick the collective) and with custom HSDP.
-            Cost per call: two dot products over the unit and 20 more
-            control bytes.
+            Cost per call: three dot products over the unit and 28 more
+            control bytes, shared with ``ef21_damping``'s.
     """
 
     mode: str = "exact"
@@ -258,6 +277,7 @@ class TAGCConfig:
     quant_format: str = "int4"
     quant_block: int = 256
     ef21: bool = False
+    ef21_damping: Optional[bool] = None
     bypass_every: int = 0
     gather: str = "none"
     gather_block: int = 256
@@ -296,6 +316,11 @@ class TAGCConfig:
             raise ValueError("ef21: needs a compressing mode, error_feedback=True and "
                              "residual_dtype float32 (the ranks' estimates must add up to "
                              "the owner's exactly)")
+        if self.ef21_damping is None:
+            self.ef21_damping = self.ef21
+        _check_bool("ef21_damping", self.ef21_damping)
+        if self.ef21_damping and not self.ef21:
+            raise ValueError("ef21_damping: damps EF21's estimate; it needs ef21=True")
         _check_int("bypass_every", self.bypass_every, 0)
         if self.bypass_every == 1:
             raise ValueError("bypass_every: 0 (off) or >= 2 (a probe every P reductions), got 1")

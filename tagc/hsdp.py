@@ -122,12 +122,14 @@ class ReplicaReducer(UnitReducer):
             return
         if self.cfg.mode != "dense":
             require_codec()
-        if not self._agree_finite(comm, flat):
+        # guard_ratio is 0 here (reducers() below): "compress" or "plain"
+        if self._agree(comm, flat) == "plain":
             self._plain_all_reduce(comm, flat)
             return
         if self.keeps_feedback and self.residual is None:
             self.residual = torch.zeros(self.flat_numel, dtype=self.cfg.residual_dtype,
                                         device=flat.device)
+        self._apply_damping()
         acc = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
         REPLICA_TRANSPORTS[self.cfg.mode](self, comm, flat, acc)
         if self.cfg.ef21 and self.cfg.mode != "dense":

@@ -10,6 +10,7 @@ path would have done.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -64,6 +65,8 @@ class UnitReducer:
         # the feedback guard's threshold (0: off) and the last pooled statistic it saw
         self.guard_ratio = cfg.guard_threshold(device) if self.keeps_feedback else 0.0
         self.last_guard_stat: Optional[float] = None
+        # this call's EF21 damping factor (ef21_damping; set by the vote, None: none)
+        self.damp: Any = None
         # the timing-based choice of path (cfg.bypass_every; compressed units only)
         self.bypass: Optional[Bypass] = \
             Bypass(cfg.bypass_every) if cfg.bypass_every and compressed else None
@@ -168,6 +171,7 @@ class UnitReducer:
         self.step += 1
 
     def _compressed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
+        self._apply_damping()
         acc = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
         call = transports.Call(self.cfg, self.index, self.step,
                                self.residual if self.cfg.mode != "dense" else None,
@@ -235,56 +239,101 @@ class UnitReducer:
         """The path of this call, the same on every rank: ``"compress"``, ``"plain"``
         (a rank's gradient is not finite) or ``"reset"`` (the feedback guard).
 
-        Without the guard this is :meth:`_agree_finite`'s 4-byte vote.  With it
-        (``guard_ratio > 0``, CPU only: register refuses it on CUDA) the vote
-        widens to three float64 sums in the same single all-reduce: the
-        non-finite flag and the guard's numerator and denominator
-        (:meth:`_guard_terms`).  Every rank compares the same sums, so every
-        rank takes the same path; a NaN statistic (a corrupted state) resets.
+        Without the guard and EF21's damping this is :meth:`_agree_finite`'s
+        4-byte vote.  With either, the vote widens to four float64 sums in the
+        same single all-reduce: the non-finite flag and :meth:`_feedback_terms`
+        (``||g||^2``, ``<g, h>``, ``||h||^2``), from which every rank derives
+        the same guard ratio and the same damping factor :attr:`damp`.  On
+        CUDA (damping only: register refuses the guard there) the sums stay
+        on the device (:meth:`_agree_device`).
 
         Args:
             comm: the call's collectives (the vote counts as control bytes).
             inp: the unit's flat gradient.
         Returns:
             the path; also sets :attr:`last_guard_stat` (the pooled ratio) when
-            the guard is on and every gradient is finite.
+            the guard is on and every gradient is finite, and :attr:`damp`.
         """
-        if not self.guard_ratio:
+        self.damp = None
+        if not (self.guard_ratio or self.cfg.ef21_damping):
             return "compress" if self._agree_finite(comm, inp) else "plain"
-        vec = torch.zeros(3, dtype=torch.float64, device=inp.device)
+        if comm.dev.cuda:
+            return self._agree_device(comm, inp)
+        vec = torch.zeros(4, dtype=torch.float64, device=inp.device)
         if bool(torch.isfinite(inp).all()):
-            vec[1], vec[2] = self._guard_terms(inp)
+            vec[1:] = self._feedback_terms(inp)
         else:
             vec[0] = 1.0
         comm.all_reduce(vec, control=True)
-        flag, num, den = vec.tolist()
+        flag, gg, gh, hh = vec.tolist()
         if flag != 0:
             self.stats.add("nonfinite_fallbacks", 1)
             return "plain"
         self.stats.add("compressed_calls", 1)
-        self.last_guard_stat = num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+        if self.cfg.ef21_damping:
+            lam = gh / hh if hh > 0 else 1.0
+            # NaN (a corrupted state) or a negative correlation: clip; the guard
+            # (if on) resets a NaN state below
+            self.damp = min(max(lam, 0.0), 1.0) if math.isfinite(lam) else 1.0
+        if not self.guard_ratio:
+            return "compress"
+        # EF21: ||g - h||^2 from the three sums; residual feedback: what it owes
+        num = gg - 2.0 * gh + hh if self.cfg.ef21 else hh
+        self.last_guard_stat = num / gg if gg > 0 else (0.0 if num == 0 else float("inf"))
         # "not <=": a NaN sum fires too
-        return "compress" if num <= self.guard_ratio * den else "reset"
+        return "compress" if num <= self.guard_ratio * gg else "reset"
 
-    def _guard_terms(self, inp: torch.Tensor) -> Tuple[float, float]:
-        """This rank's share of the guard statistic over the whole unit: EF21,
-        ``(||g - h||^2, ||g||^2)`` (the residual holds ``-h``: how far the rank's
-        estimate is from its gradient, before this call); residual feedback,
-        ``(||residual||^2, ||g||^2)`` (what the rank still owes).  Before the
-        first compressed call no state exists: ``h = 0``, residual 0.
+    def _agree_device(self, comm: Comm, inp: torch.Tensor) -> str:
+        """:meth:`_agree` on CUDA with damping: the same four sums, all-reduced on
+        the device; the flag gates the call as in :meth:`_agree_finite` and the
+        damping factor stays a device scalar (1 on a poisoned call, so the
+        state is left as it was)."""
+        bad_here = ~torch.isfinite(inp).all()
+        terms = self._feedback_terms(inp)
+        vec = torch.cat([bad_here.to(torch.float64).reshape(1), terms])
+        comm.all_reduce(vec, control=True)
+        bad = vec[0] > 0
+        self.stats.add("nonfinite_fallbacks", bad)
+        comm.dev.ok = ~bad
+        self.stats.add("compressed_calls", comm.dev.ok)
+        if self.cfg.mode != "dense":
+            poison_nonfinite(inp.view(self.shards_in(inp), -1), bad)
+        gh, hh = vec[2], vec[3]
+        lam = torch.where(hh > 0, gh / hh, torch.ones_like(hh)).clamp(0.0, 1.0)
+        self.damp = torch.where(comm.dev.ok & torch.isfinite(lam), lam, torch.ones_like(lam))
+        return "compress"
+
+    def _feedback_terms(self, inp: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the vote's sums over the whole unit: ``(||g||^2,
+        <g, h>, ||h||^2)`` in float64, with ``h`` the feedback state before the
+        call (EF21: the rank's estimate of its gradient, stored as ``-h`` in
+        the residual; residual feedback: what it owes).  Before the first
+        compressed call no state exists: ``h = 0``.  The dot products run in
+        fp32 (the residual's dtype, one pass each) and are summed in float64.
 
         Args:
-            inp: the unit's flat gradient (finite).
+            inp: the unit's flat gradient.
         Returns:
-            (numerator, denominator), host floats.
+            a float64 tensor of 3 on ``inp``'s device.
         """
         g = inp.float()
-        den = float(torch.dot(g, g))
-        if self.residual is None:
-            return (den if self.cfg.ef21 else 0.0), den
-        r = self.residual.float()
-        v = g + r if self.cfg.ef21 else r
-        return float(torch.dot(v, v)), den
+        out = torch.zeros(3, dtype=torch.float64, device=inp.device)
+        out[0] = torch.dot(g, g)
+        if self.residual is not None:
+            r = self.residual.float()
+            out[1] = -torch.dot(g, r)
+            out[2] = torch.dot(r, r)
+        return out
+
+    def _apply_damping(self) -> None:
+        """EF21's damped step (``ef21_damping``): ``h <- lam h`` on this rank and the
+        owner's estimate (the sum of every rank's ``h``) ``<- lam est``, before the
+        transport codes ``g - lam h``.  Nothing to scale before the first call."""
+        if self.damp is None or self.residual is None:
+            return
+        self.residual.mul_(self.damp)
+        if self.estimate is not None:
+            self.estimate.mul_(self.damp)
 
     def _agree_finite(self, comm: Comm, inp: torch.Tensor) -> bool:
         """Whether to compress: the ranks agree (one 4-byte all-reduce) before any
