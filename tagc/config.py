@@ -168,9 +168,9 @@ class TAGCConfig:
             to the optimizer every step.  Why: residual feedback delivers
             what it held back late, all at once, so the optimizer sees a
             delayed and bursty gradient; EF21's estimate follows the current
-            gradient and is never owed anything.  In the ablation it turned
-            the coarse ternary code from +0.6%/+1.2% to +0.2%/+0.2% loss at
-            300/1000 steps (docs/DESIGN.md).  Cost: the same bytes; memory:
+            gradient and is never owed anything (the README's quality grid
+            has the ternary code with each feedback; docs/DESIGN.md sections
+            5 and 8 the mechanism).  Cost: the same bytes; memory:
             the residual buffer holds ``-h`` (as before, one unit per rank)
             plus one fp32 estimate of the owner's shard (1/N of the unit).
             Needs ``error_feedback`` and float32 residuals (a rounded ``h``
