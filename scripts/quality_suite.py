@@ -1,0 +1,464 @@
+"""The quality suite: every task x every method against plain FSDP of the same task and seed.
+
+"The same model" has to hold on what users train, not on one model: the suite trains
+each task with plain FSDP and with each method, same seed and data, and writes one
+table (final validation loss, change vs plain, bits/param, the goals) and the curves:
+
+    python3 scripts/quality_suite.py                          # everything (hours on 2 cores)
+    python3 scripts/quality_suite.py --tasks gpt2,regression --methods plain,tagc-lean
+    python3 scripts/quality_suite.py --scale 0.03             # a smoke run: 3% of the steps
+
+Tasks (:data:`TASKS`): the tiny GPT-2 on the built-in corpus, the same at a small and a
+large per-rank batch, a model about 8x larger, a run 3x the 1000-step grid, a
+Llama-style model built from a config (RMSNorm, SwiGLU, GQA; ``finetune_hf.py``), and
+the teacher-student regression (``teacher_student.py``) at a small and a large batch,
+whose single seeds move by a few percent with rounding alone, hence several seeds.
+Methods (:data:`METHODS`): ``plain`` and the presets as ``configs/`` holds them at run
+time, plus the same quantizers with no feedback (``*-nofb``) and with the residual
+feedback (``*-res``), derived from the preset files so that they follow them.
+
+Each run keeps its folder under ``--out_dir`` with ``suite_run.json``: the command, the
+resolved TAGC config, and the code it ran (the git tree of the code directories, plus a
+hash of any uncommitted change to them); ``--reuse`` takes a finished run only when
+both match, so a table never mixes code versions silently.  Writes ``--doc`` (markdown)
+and ``--curves`` (PNG: per task, % above plain FSDP along training).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+CODE_DIRS = ("tagc", "csrc", "cuda", "scripts", "configs", "setup.py", "tagc_hook.py")
+# Goals of issue 22 (README): final validation loss vs plain FSDP on every task, and
+# feedback "earning its memory": at most this many points above the same quantizer
+# without feedback.
+GOALS = {"tagc-balanced": 1.0, "tagc-lean": 2.0}
+FEEDBACK_MARGIN = 0.5
+TINY = "configs/train-tiny.yaml"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of the suite.
+
+    Attributes:
+        trainer: ``gpt2`` (train_gpt2.py), ``hf`` (finetune_hf.py) or ``regression``
+            (teacher_student.py, every method in one launch per seed).
+        steps: optimizer steps at scale 1.
+        args: trainer options beyond the step count.
+        seeds: seeds run (each against plain FSDP of the same seed).
+        note: what the task varies, for the table.
+    """
+
+    trainer: str
+    steps: int
+    args: Tuple[str, ...] = ()
+    seeds: Tuple[int, ...] = (1337,)
+    note: str = ""
+
+
+LLAMA = ("llama:hidden_size=256,intermediate_size=688,num_hidden_layers=2,"
+         "num_attention_heads=4,num_key_value_heads=2")
+TASKS: Dict[str, Task] = {
+    "gpt2": Task("gpt2", 1000, note="tiny GPT-2 (2 x 256, 1.7M), batch 8 x 128 per rank"),
+    "gpt2-batch4": Task("gpt2", 1000, ("--batch_size=4",), note="small batch: 4 sequences per rank"),
+    "gpt2-batch32": Task("gpt2", 300, ("--batch_size=32",),
+                         note="large batch: 32 per rank, 300 steps (about task gpt2's tokens)"),
+    "gpt2-wide": Task("gpt2", 1000, ("--n_layer=4", "--n_head=8", "--n_embd=512"),
+                      note="4 x 512 (12.8M params, 7.6x)"),
+    "gpt2-long": Task("gpt2", 3000, note="3x the 1000-step grid (the schedule stretches)"),
+    # finetune_hf.py takes train-tiny.yaml's knobs as options (the YAML names a GPT-2 size)
+    "llama": Task("hf", 600, (f"--hf_config={LLAMA}", "--block_size=128", "--batch_size=8",
+                              "--learning_rate=1e-3", "--min_lr=1e-4", "--warmup_iters=30"),
+                  note="Llama from a config: RMSNorm, SwiGLU, GQA (2 x 256)"),
+    "regression": Task("regression", 150, ("--batch", "16"), seeds=(0, 1, 2, 3, 4),
+                       note="teacher-student MLP, batch 16 per rank, AdamW 3e-3"),
+    "regression-b256": Task("regression", 100, ("--batch", "256"), seeds=(0, 1, 2),
+                            note="the same at batch 256"),
+}
+# method -> (preset it derives from, overrides); None: plain FSDP
+METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
+    "plain": None,
+    "tagc-balanced": ("tagc-balanced", {}),
+    "tagc-lean": ("tagc-lean", {}),
+    "int4-nofb": ("tagc-balanced", {"error_feedback": False, "ef21": False}),
+    "ternary-nofb": ("tagc-lean", {"error_feedback": False, "ef21": False}),
+    "int4-res": ("tagc-balanced", {"ef21": False}),
+    "ternary-res": ("tagc-lean", {"ef21": False}),
+}
+# the EF21 preset -> its quantizer without feedback (the "earns its memory" check)
+NO_FEEDBACK = {"tagc-balanced": "int4-nofb", "tagc-lean": "ternary-nofb"}
+
+
+def method_config(method: str) -> Optional[Dict[str, Any]]:
+    """The TAGC config fields of ``method`` as the preset files say now (None: plain).
+
+    Args:
+        method: a name of :data:`METHODS`.
+    Returns:
+        the fields.
+    Raises:
+        SystemExit: an unknown method.
+    """
+    if method not in METHODS:
+        raise SystemExit(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    spec = METHODS[method]
+    if spec is None:
+        return None
+    preset, over = spec
+    fields = yaml.safe_load((REPO / "configs" / f"{preset}.yaml").read_text()) or {}
+    fields.update(over)
+    if over.get("ef21") is False:
+        fields.pop("ef21_damping", None)  # follows ef21
+    return fields
+
+
+def code_id() -> Dict[str, str]:
+    """The code a run executes: the commit, the git tree of :data:`CODE_DIRS` and a hash
+    of their uncommitted changes ("" when clean).
+
+    Returns:
+        ``{"commit", "tree", "dirty"}``; ``tree`` and ``dirty`` decide reuse.
+    """
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout
+
+    trees = git("ls-tree", "HEAD", *CODE_DIRS)
+    diff = git("diff", "HEAD", "--", *CODE_DIRS)
+    untracked = git("ls-files", "--others", "--exclude-standard", "--", *CODE_DIRS)
+    dirty = diff + untracked
+    return {"commit": git("rev-parse", "--short", "HEAD").strip() or "unknown",
+            "tree": hashlib.sha256(trees.encode()).hexdigest()[:12],
+            "dirty": hashlib.sha256(dirty.encode()).hexdigest()[:12] if dirty.strip() else ""}
+
+
+@dataclass
+class Run:
+    """One trained (task, seed, method): its final loss, bits and validation curve."""
+
+    task: str
+    seed: int
+    method: str
+    final: float
+    bits: float
+    cbits: Optional[float]
+    curve: List[Tuple[int, float]]
+    seconds: float
+    code: Dict[str, str] = field(default_factory=dict)
+
+
+def _meta(cmd: Sequence[str], configs: Dict[str, Any], code: Dict[str, str]) -> Dict[str, Any]:
+    return {"command": " ".join(shlex.quote(c) for c in cmd), "configs": configs, "code": code}
+
+
+def _reusable(folder: Path, meta: Dict[str, Any], done: str) -> bool:
+    """Whether ``folder`` holds a finished run of the same configs and code."""
+    path = folder / "suite_run.json"
+    if not (path.is_file() and (folder / done).is_file()):
+        return False
+    old = json.loads(path.read_text())
+    same = old.get("configs") == meta["configs"] and \
+        {k: old["code"].get(k) for k in ("tree", "dirty")} == \
+        {k: meta["code"][k] for k in ("tree", "dirty")}
+    if not same:
+        logger.warning("%s: ran other code or configs (%s); running again", folder,
+                       old.get("code"))
+    return same
+
+
+def _execute(cmd: List[str], folder: Path, meta: Dict[str, Any]) -> float:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "suite_run.json").unlink(missing_ok=True)
+    logger.info("%s", meta["command"])
+    t0 = time.perf_counter()
+    with open(folder / "train.log", "w") as log:
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    if p.returncode != 0:
+        tail = (folder / "train.log").read_text()[-3000:]
+        raise RuntimeError(f"{folder} failed (exit {p.returncode}):\n{tail}")
+    seconds = time.perf_counter() - t0
+    (folder / "suite_run.json").write_text(json.dumps({**meta, "seconds": seconds}, indent=1))
+    return seconds
+
+
+def run_lm(name: str, task: Task, seed: int, method: str, args: argparse.Namespace,
+           code: Dict[str, str]) -> Run:
+    """One GPT-2 / Hugging Face run (torchrun, 2 ranks) of ``method`` on ``task``."""
+    folder = Path(args.out_dir) / name / str(seed) / method
+    fields = method_config(method)
+    steps = max(1, round(task.steps * args.scale))
+    script = "train_gpt2.py" if task.trainer == "gpt2" else "finetune_hf.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={args.nproc}", str(REPO / "scripts" / script),
+           *([TINY] if task.trainer == "gpt2" else []),
+           f"--out_dir={folder}", "--progress=false", f"--seed={seed}",
+           f"--max_iters={steps}", f"--eval_interval={max(1, steps // 20)}", *task.args]
+    if fields is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "tagc.yaml").write_text(yaml.safe_dump(fields, sort_keys=False))
+        cmd.append(f"--tagc={folder / 'tagc.yaml'}")
+    meta = _meta(cmd, {"tagc": fields, "steps": steps, "args": list(task.args)}, code)
+    seconds = float("nan")
+    if not (args.reuse and _reusable(folder, meta, "summary.json")):
+        seconds = _execute(cmd, folder, meta)
+    s = json.loads((folder / "summary.json").read_text())
+    with open(folder / "metrics.csv", newline="") as f:
+        curve = [(int(r["iter"]), float(r["loss"])) for r in csv.DictReader(f)
+                 if r["kind"] == "val"]
+    cb = s.get("compressed_bits_per_param")
+    return Run(name, seed, method, s["final_val_loss"], s["bits_per_param"],
+               None if cb is None or cb != cb else cb, curve, seconds,
+               json.loads((folder / "suite_run.json").read_text())["code"])
+
+
+def run_regression(name: str, task: Task, seed: int, methods: Sequence[str],
+                   args: argparse.Namespace, code: Dict[str, str]) -> List[Run]:
+    """Every method of one seed in one teacher_student.py launch (same processes)."""
+    folder = Path(args.out_dir) / name / str(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    steps = max(1, round(task.steps * args.scale))
+    variants, configs = [], {}
+    for m in methods:
+        fields = method_config(m)
+        configs[m] = fields
+        if fields is None:
+            variants.append("plain")
+        else:
+            path = folder / f"{m}.yaml"
+            path.write_text(yaml.safe_dump(fields, sort_keys=False))
+            variants.append(str(path))
+    cmd = [sys.executable, str(REPO / "scripts" / "teacher_student.py"), *variants,
+           "--seed", str(seed), "--steps", str(steps), *task.args, "--out_dir", str(folder),
+           "--nproc", str(args.nproc)]
+    meta = _meta(cmd, {"methods": configs, "steps": steps, "args": list(task.args)}, code)
+    seconds = float("nan")
+    if not (args.reuse and _reusable(folder, meta, "summary.json")):
+        seconds = _execute(cmd, folder, meta)
+    s = json.loads((folder / "summary.json").read_text())
+    curves: Dict[str, List[Tuple[int, float]]] = {}
+    with open(folder / "metrics.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            if r["val_loss"]:
+                curves.setdefault(r["variant"], []).append((int(r["step"]), float(r["val_loss"])))
+    world = args.nproc
+    plain_bits = 32.0 * (world - 1) / world  # what the plain reduce-scatter sends
+    out = []
+    for m, v, r in zip(methods, variants, s["runs"]):
+        ratio = r["stats"].get("wire_ratio", 1.0) if r["stats"] else 1.0
+        # layers: all: every unit is compressed, so "all" and "compressed" agree
+        bits = plain_bits * ratio
+        out.append(Run(name, seed, m, r["val_loss"], bits, None if m == "plain" else bits,
+                       curves[v], seconds / len(methods),
+                       json.loads((folder / "suite_run.json").read_text())["code"]))
+    return out
+
+
+def run_suite(tasks: Sequence[str], methods: Sequence[str],
+              args: argparse.Namespace) -> Tuple[List[Run], Dict[str, float]]:
+    """Train every (task, seed, method); returns the runs and each task's wall time."""
+    code = code_id()
+    if "plain" not in methods:
+        methods = ["plain", *methods]
+    runs: List[Run] = []
+    wall: Dict[str, float] = {}
+    for name in tasks:
+        task = TASKS[name]
+        t0 = time.perf_counter()
+        for seed in task.seeds:
+            if task.trainer == "regression":
+                runs += run_regression(name, task, seed, methods, args, code)
+            else:
+                runs += [run_lm(name, task, seed, m, args, code) for m in methods]
+        wall[name] = time.perf_counter() - t0
+        logger.info("%s done in %.0f s", name, wall[name])
+    return runs, wall
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def summarize(runs: Sequence[Run]) -> Dict[Tuple[str, str], Dict[str, Any]]:
+    """Per (task, method): the mean final loss, the per-seed change vs plain FSDP of the
+    same seed (mean, min, max, in %) and the mean bits/param.
+
+    Args:
+        runs: every run, plain included for each (task, seed).
+    Returns:
+        ``{(task, method): {"loss", "pct", "lo", "hi", "seeds", "bits", "cbits"}}``.
+    Raises:
+        ValueError: a (task, seed) without its plain run.
+    """
+    base = {(r.task, r.seed): r.final for r in runs if r.method == "plain"}
+    cells: Dict[Tuple[str, str], List[Run]] = {}
+    for r in runs:
+        if (r.task, r.seed) not in base:
+            raise ValueError(f"{r.task} seed {r.seed}: no plain FSDP run to compare with")
+        cells.setdefault((r.task, r.method), []).append(r)
+    out = {}
+    for key, rs in cells.items():
+        pct = [100.0 * (r.final / base[(r.task, r.seed)] - 1.0) for r in rs]
+        cb = [r.cbits for r in rs if r.cbits is not None]
+        out[key] = {"loss": _mean([r.final for r in rs]), "pct": _mean(pct), "lo": min(pct),
+                    "hi": max(pct), "seeds": len(rs), "bits": _mean([r.bits for r in rs]),
+                    "cbits": _mean(cb) if cb else None}
+    return out
+
+
+def write_doc(runs: Sequence[Run], wall: Dict[str, float], path: Path, command: str,
+              loads: Tuple[Tuple[float, ...], Tuple[float, ...]], scale: float) -> str:
+    """The markdown table (task x method), the goals and the feedback check."""
+    cells = summarize(runs)
+    tasks = list(dict.fromkeys(r.task for r in runs))
+    methods = list(dict.fromkeys(r.method for r in runs))
+    codes = {json.dumps(r.code, sort_keys=True) for r in runs}
+    code = json.loads(next(iter(codes)))
+    lines = [f"Command: `{command}`", "",
+             f"Code: commit {code['commit']}{' + uncommitted changes ' + code['dirty'] if code['dirty'] else ''}"
+             f" (code tree {code['tree']}){'; RUNS FROM SEVERAL CODE VERSIONS' if len(codes) > 1 else ''}; "
+             f"{time.strftime('%Y-%m-%d %H:%M %Z')}; load average {loads[0][0]:.1f} at start, "
+             f"{loads[1][0]:.1f} at the end (losses do not depend on it; wall times do)."
+             + ("" if scale == 1 else f" **Scale {scale:g}: every task at {scale:g}x its steps "
+                "(a smoke run, not the suite's result).**"),
+             "", "2 gloo ranks on the CPU. Change: final validation loss vs plain FSDP of the "
+             "same task and seed (mean over seeds; min..max when several). Bits/param: what a "
+             "rank sends per gradient element per step, over all parameters / over the "
+             "compressed units.", "",
+             "| task | what | seeds | plain loss | wall |", "|---|---|---|---|---|"]
+    for t in tasks:
+        seeds = len({r.seed for r in runs if r.task == t})
+        note = TASKS[t].note if t in TASKS else ""
+        lines.append(f"| {t} | {note} | {seeds} | "
+                     f"{cells[(t, 'plain')]['loss']:.4f} | {wall.get(t, float('nan')) / 60:.0f} min |")
+    lines += ["", "| task | " + " | ".join(m for m in methods if m != "plain") + " |",
+              "|---|" + "---|" * (len(methods) - 1)]
+    for t in tasks:
+        row = []
+        for m in methods:
+            if m == "plain":
+                continue
+            c = cells.get((t, m))
+            if c is None:
+                row.append("-")
+                continue
+            rng = f" ({c['lo']:+.1f}..{c['hi']:+.1f})" if c["seeds"] > 1 else ""
+            cb = f" / {c['cbits']:.2f}" if c["cbits"] is not None else ""
+            row.append(f"{c['pct']:+.2f}%{rng}, {c['bits']:.2f}{cb} b")
+        lines.append(f"| {t} | " + " | ".join(row) + " |")
+    lines += ["", "Goals: " + ", ".join(f"`{m}` <= +{g:g}%" for m, g in GOALS.items())
+              + f" on every task; each EF21 preset at most {FEEDBACK_MARGIN} points above its "
+              "quantizer without feedback.", "",
+              "| preset | worst task | goal | vs no feedback: worst task | earns its memory |",
+              "|---|---|---|---|---|"]
+    for m, goal in GOALS.items():
+        mine = [(cells[(t, m)]["pct"], t) for t in tasks if (t, m) in cells]
+        if not mine:
+            continue
+        worst, wt = max(mine)
+        nofb = NO_FEEDBACK[m]
+        gap = [(cells[(t, m)]["pct"] - cells[(t, nofb)]["pct"], t) for t in tasks
+               if (t, m) in cells and (t, nofb) in cells]
+        gap_s, earns = "-", "-"
+        if gap:
+            g, gt = max(gap)
+            gap_s, earns = f"{g:+.2f} points ({gt})", "yes" if g <= FEEDBACK_MARGIN else "NO"
+        lines.append(f"| {m} | {worst:+.2f}% ({wt}) | {'met' if worst <= goal else 'NOT met'} "
+                     f"| {gap_s} | {earns} |")
+    text = "\n".join(lines) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return text
+
+
+def plot_curves(runs: Sequence[Run], path: Path) -> None:
+    """PNG: per task, each method's validation loss vs plain FSDP's (mean over seeds)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(r.task for r in runs))
+    cols = min(4, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), dpi=100,
+                             squeeze=False)
+    for ax, t in zip(axes.flat, tasks):
+        base = {r.seed: dict(r.curve) for r in runs if r.task == t and r.method == "plain"}
+        for m in dict.fromkeys(r.method for r in runs if r.task == t and r.method != "plain"):
+            pts: Dict[int, List[float]] = {}
+            for r in runs:
+                if r.task == t and r.method == m:
+                    for it, loss in r.curve:
+                        if it in base[r.seed] and it > 0:
+                            pts.setdefault(it, []).append(100 * (loss / base[r.seed][it] - 1))
+            its = sorted(pts)
+            ax.plot(its, [_mean(pts[i]) for i in its], label=m, lw=1.3)
+        ax.axhline(0, color="black", lw=1.2)
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel("% above plain FSDP", fontsize=8)
+        ax.set_ylim(-4, 8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[Tuple[str, str], Dict[str, Any]]:
+    """Run the suite; returns :func:`summarize`'s cells."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)}")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma list of {', '.join(METHODS)} (plain always runs)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiplies every task's steps (a smoke run; the doc says so)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks")
+    p.add_argument("--out_dir", default="out/suite", help="the runs' folders")
+    p.add_argument("--reuse", action="store_true",
+                   help="take finished runs of the same code and configs from out_dir")
+    p.add_argument("--doc", default="docs/SUITE.md")
+    p.add_argument("--curves", default="docs/suite-curves.png")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for t in tasks:
+        if t not in TASKS:
+            p.error(f"unknown task {t!r}; known: {', '.join(TASKS)}")
+    for m in methods:
+        method_config(m)
+    if not args.scale > 0:
+        p.error("--scale must be > 0")
+    command = "python3 scripts/quality_suite.py " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    start = os.getloadavg()
+    runs, wall = run_suite(tasks, methods, args)
+    text = write_doc(runs, wall, Path(args.doc), command.strip(), (start, os.getloadavg()),
+                     args.scale)
+    plot_curves(runs, Path(args.curves))
+    print(text)
+    print(f"wrote {args.doc} and {args.curves}")
+    return summarize(runs)
+
+
+if __name__ == "__main__":
+    main()
