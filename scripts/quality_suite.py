@@ -188,7 +188,10 @@ def _execute(cmd: List[str], folder: Path, meta: Dict[str, Any]) -> float:
     logger.info("%s", meta["command"])
     t0 = time.perf_counter()
     with open(folder / "train.log", "w") as log:
-        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        # faulthandler: a rank that dies of a signal leaves every thread's Python stack
+        # in train.log (the teardown abort, README "Known problems")
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                           env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     if p.returncode != 0:
         tail = (folder / "train.log").read_text()[-3000:]
         raise RuntimeError(f"{folder} failed (exit {p.returncode}):\n{tail}")

@@ -222,6 +222,17 @@ def run_all(rank: int, world: int, args: argparse.Namespace) -> List[Dict[str, A
     return out
 
 
+def _quiesce() -> None:
+    """Every rank past its last collective before any tears the group down.
+
+    Without it a rank of a process that ends right after training can die of
+    SIGABRT ("terminate called without an active exception") at exit, with or
+    without TAGC: torch/gloo's teardown, measured by ``tests/test_teardown.py``
+    (README, "Known problems").
+    """
+    dist.barrier()
+
+
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, q: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
@@ -230,6 +241,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, q: Any)
         res = run_all(rank, world, args)
         if rank == 0:
             q.put(res)
+        _quiesce()
     finally:
         dist.destroy_process_group()
 
@@ -241,6 +253,7 @@ def launch(args: argparse.Namespace) -> List[Dict[str, Any]]:
         dist.init_process_group("gloo")
         try:
             res = run_all(dist.get_rank(), dist.get_world_size(), args)
+            _quiesce()
         finally:
             dist.destroy_process_group()
         return res if int(os.environ["RANK"]) == 0 else None
