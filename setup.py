@@ -174,6 +174,6 @@ setup(
     # a bare "torch" requirement would make pip fetch a multi-GB CUDA build.
     install_requires=["PyYAML", "tqdm", "numpy"],
     # transformers/accelerate: the Hugging Face tests and scripts/finetune_hf.py
-    extras_require={"test": ["pytest", "hypothesis", "matplotlib", "tensorboard",
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tensorboard",
                              "transformers", "accelerate"]},
 )

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_step import NETEM, free_port, netem  # noqa: E402
 from compare_quality import split_passthrough  # noqa: E402
+from quality_suite import code_id  # noqa: E402
 
 Curve = List[Tuple[float, float]]  # (training seconds, validation loss)
 
@@ -84,7 +85,10 @@ def time_to(curve: Curve, target: float) -> Optional[float]:
 def report(res: Dict[str, Any], path: Path, command: str) -> str:
     """Markdown table of the three measurements per preset."""
     base_t, base_l = res["baseline"]["curve"][-1]
-    lines = [f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M %Z')}, load average "
+    code = res.get("code") or {}
+    lines = [f"Command: `{command}` (commit {code.get('commit', '?')}"
+             + (f" + uncommitted changes {code['dirty']}" if code.get("dirty") else "")
+             + f", {time.strftime('%Y-%m-%d %H:%M %Z')}, load average "
              f"{res['loadavg'][0]:.2f} at start, {res['loadavg_end'][0]:.2f} at end; link "
              f"{res['link']})", "",
              "| run | steps | training time | final val loss | time to plain FSDP's final "
@@ -157,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     net = ["--prefix", f"tagct{os.getpid() % 1000}", "-n", "2", "--rate", args.rate,
            "--delay", "0"]
-    res: Dict[str, Any] = {"steps": args.max_iters, "loadavg": os.getloadavg(),
+    res: Dict[str, Any] = {"steps": args.max_iters, "code": code_id(), "loadavg": os.getloadavg(),
                            "presets": {}}
     steps = [f"--max_iters={args.max_iters}", *extra]
     try:

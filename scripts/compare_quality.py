@@ -26,11 +26,14 @@ import json
 import logging
 import math
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from quality_suite import code_id, execute, reusable, run_meta
 
 logger = logging.getLogger("compare_quality")
 
@@ -88,23 +91,21 @@ def _train(name: str, out: Path, preset: Optional[Path], args: argparse.Namespac
            extra: Sequence[str]) -> Dict[str, Any]:
     """run_one's work for an explicit output folder (grid cells nest theirs)."""
     summary_path = out / "summary.json"
-    if args.reuse and summary_path.exists():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={args.nproc}", str(REPO / "scripts" / "train_gpt2.py"),
+           args.train_config, f"--out_dir={out}", "--progress=false",
+           f"--fsdp={args.fsdp}", *([f"--tagc={preset}"] if preset else []), *extra]
+    # what decides the result besides the code: reuse requires all of it unchanged
+    configs = {"preset": yaml.safe_load(preset.read_text()) if preset else None,
+               "train_config": Path(args.train_config).read_text(), "extra": list(extra),
+               "nproc": args.nproc, "fsdp": args.fsdp}
+    meta = run_meta(cmd, configs, code_id())
+    if args.reuse and reusable(out, meta, "summary.json"):
         logger.info("%s: reusing %s", name, summary_path)
         wall = float("nan")
+        meta = json.loads((out / "suite_run.json").read_text())
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", str(REPO / "scripts" / "train_gpt2.py"),
-               args.train_config, f"--out_dir={out}", "--progress=false",
-               f"--fsdp={args.fsdp}", *([f"--tagc={preset}"] if preset else []), *extra]
-        logger.info("%s: %s", name, " ".join(shlex.quote(c) for c in cmd))
-        out.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        with open(out / "train.log", "w") as log:
-            p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        wall = time.perf_counter() - t0
-        if p.returncode != 0:
-            tail = (out / "train.log").read_text()[-3000:]
-            raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{tail}")
+        wall = execute(cmd, out, meta)
         final = [ln for ln in (out / "train.log").read_text().splitlines()
                  if ln.startswith("final:")]
         logger.info("%s: %s (%.0f s)", name, final[-1] if final else "no summary", wall)
@@ -113,6 +114,7 @@ def _train(name: str, out: Path, preset: Optional[Path], args: argparse.Namespac
         summary["val_curve"] = [(int(r["iter"]), float(r["loss"]))
                                 for r in csv.DictReader(f) if r["kind"] == "val"]
     summary["wall_s"] = wall
+    summary["_code"] = meta["code"]
     return summary
 
 
@@ -120,9 +122,9 @@ def write_table(results: Dict[str, Dict[str, Any]], path: Path, command: str) ->
     """Markdown table of the runs against the baseline; returns the text it wrote."""
     base = results["baseline"]["final_val_loss"]
     b0 = results["baseline"]
-    commit = _commit()
     lines = [
-        f"Command: `{command}` (commit {commit}, {time.strftime('%Y-%m-%d %H:%M %Z')})",
+        f"Command: `{command}` ({code_note(list(results.values()))}, "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')})",
         "",
         f"GPT-2 `{json.loads(Path(b0['_config']).read_text())['model']}` "
         f"({b0['n_params'] / 1e6:.2f}M params), {b0['iters']} steps, {b0['world_size']} ranks, "
@@ -257,7 +259,8 @@ def write_grid(res: Dict[int, Dict[str, Any]], path: Path, command: str) -> str:
     names = list(res[lengths[0]])
     head = "| run | " + " | ".join(f"{n} steps: val loss | vs baseline | bits/param (compressed) "
                                     "| gather bits/param" for n in lengths) + " |"
-    lines = [f"Command: `{command}` (commit {_commit()}, {time.strftime('%Y-%m-%d %H:%M %Z')})",
+    every = [s for r in res.values() for s in r.values()]
+    lines = [f"Command: `{command}` ({code_note(every)}, {time.strftime('%Y-%m-%d %H:%M %Z')})",
              "", "Gather bits/param: what this rank sends per parameter per step in FSDP's "
              "parameter all-gathers when TAGC quantizes them (`gather`); plain: FSDP's own "
              "exact gathers (2 per step, 32 (N-1)/N bits each in fp32).",
@@ -267,7 +270,8 @@ def write_grid(res: Dict[int, Dict[str, Any]], path: Path, command: str) -> str:
         for n in lengths:
             s, base = res[n][name], res[n]["baseline"]["final_val_loss"]
             bits = s.get("compressed_bits_per_param")
-            bits_s = "16.00" if name == "baseline" else \
+            # plain fp32 reduce-scatter: 32 (N-1)/N bits per element and rank
+            bits_s = f"{32 * (s['world_size'] - 1) / s['world_size']:.2f}" if name == "baseline" else \
                 "-" if bits is None or (isinstance(bits, float) and math.isnan(bits)) else f"{bits:.2f}"
             gsent, steps = s.get("gather_bytes_sent") or 0, s.get("steps_this_run") or 0
             gather_s = f"{8 * gsent / (steps * s['n_params']):.2f}" if gsent and steps \
@@ -307,12 +311,20 @@ def plot_grid(res: Dict[int, Dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+def code_note(summaries: Sequence[Dict[str, Any]]) -> str:
+    """The code the runs of a table ran, from their records (not the current HEAD).
+
+    Args:
+        summaries: the runs' summaries (``_code``: :func:`quality_suite.code_id`).
+    Returns:
+        ``commit C`` (``+ uncommitted changes D`` when dirty), or every version when
+        the runs differ, marked as mixed.
+    """
+    seen = sorted({(c.get("commit", "?"), c.get("dirty", "")) for c in
+                   (s.get("_code") or {} for s in summaries)})
+    text = ", ".join(f"commit {c}" + (f" + uncommitted changes {d}" if d else "")
+                     for c, d in seen)
+    return text if len(seen) == 1 else f"MIXED CODE: {text}"
 
 
 def split_passthrough(argv: Optional[Sequence[str]]) -> Tuple[List[str], List[str]]:
@@ -342,7 +354,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     p.add_argument("--fsdp", type=int, choices=(1, 2), default=1)
     p.add_argument("--out_dir", default="out/compare")
     p.add_argument("--reuse", action="store_true",
-                   help="reuse runs whose summary.json already exists in out_dir")
+                   help="reuse finished runs in out_dir of the same code, preset, training "
+                        "config and options (others run again; the table names the code)")
     p.add_argument("--grid", action="store_true",
                    help="ablation grid: --methods x --thetas at every --steps (ignores --presets)")
     p.add_argument("--methods", default=DEFAULT_GRID,

@@ -163,11 +163,20 @@ class Run:
     code: Dict[str, str] = field(default_factory=dict)
 
 
-def _meta(cmd: Sequence[str], configs: Dict[str, Any], code: Dict[str, str]) -> Dict[str, Any]:
+def run_meta(cmd: Sequence[str], configs: Dict[str, Any], code: Dict[str, str]) -> Dict[str, Any]:
+    """What ``suite_run.json`` records of a run (also compare_quality.py's cells).
+
+    Args:
+        cmd: the run's command line.
+        configs: everything besides the code that decides the result (reuse compares it).
+        code: :func:`code_id`.
+    Returns:
+        the record.
+    """
     return {"command": " ".join(shlex.quote(c) for c in cmd), "configs": configs, "code": code}
 
 
-def _reusable(folder: Path, meta: Dict[str, Any], done: str) -> bool:
+def reusable(folder: Path, meta: Dict[str, Any], done: str) -> bool:
     """Whether ``folder`` holds a finished run of the same configs and code."""
     path = folder / "suite_run.json"
     if not (path.is_file() and (folder / done).is_file()):
@@ -182,7 +191,18 @@ def _reusable(folder: Path, meta: Dict[str, Any], done: str) -> bool:
     return same
 
 
-def _execute(cmd: List[str], folder: Path, meta: Dict[str, Any]) -> float:
+def execute(cmd: List[str], folder: Path, meta: Dict[str, Any]) -> float:
+    """Run ``cmd`` with its log in ``folder/train.log``; on success record ``meta``.
+
+    Args:
+        cmd: the command (run from the repository root).
+        folder: the run's folder (created).
+        meta: :func:`run_meta`'s record, written to ``suite_run.json`` once it ran.
+    Returns:
+        its wall time in seconds.
+    Raises:
+        RuntimeError: it failed (the log's tail in the message).
+    """
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "suite_run.json").unlink(missing_ok=True)
     logger.info("%s", meta["command"])
@@ -216,10 +236,10 @@ def run_lm(name: str, task: Task, seed: int, method: str, args: argparse.Namespa
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "tagc.yaml").write_text(yaml.safe_dump(fields, sort_keys=False))
         cmd.append(f"--tagc={folder / 'tagc.yaml'}")
-    meta = _meta(cmd, {"tagc": fields, "steps": steps, "args": list(task.args)}, code)
+    meta = run_meta(cmd, {"tagc": fields, "steps": steps, "args": list(task.args)}, code)
     seconds = float("nan")
-    if not (args.reuse and _reusable(folder, meta, "summary.json")):
-        seconds = _execute(cmd, folder, meta)
+    if not (args.reuse and reusable(folder, meta, "summary.json")):
+        seconds = execute(cmd, folder, meta)
     s = json.loads((folder / "summary.json").read_text())
     with open(folder / "metrics.csv", newline="") as f:
         curve = [(int(r["iter"]), float(r["loss"])) for r in csv.DictReader(f)
@@ -249,10 +269,10 @@ def run_regression(name: str, task: Task, seed: int, methods: Sequence[str],
     cmd = [sys.executable, str(REPO / "scripts" / "teacher_student.py"), *variants,
            "--seed", str(seed), "--steps", str(steps), *task.args, "--out_dir", str(folder),
            "--nproc", str(args.nproc)]
-    meta = _meta(cmd, {"methods": configs, "steps": steps, "args": list(task.args)}, code)
+    meta = run_meta(cmd, {"methods": configs, "steps": steps, "args": list(task.args)}, code)
     seconds = float("nan")
-    if not (args.reuse and _reusable(folder, meta, "summary.json")):
-        seconds = _execute(cmd, folder, meta)
+    if not (args.reuse and reusable(folder, meta, "summary.json")):
+        seconds = execute(cmd, folder, meta)
     s = json.loads((folder / "summary.json").read_text())
     curves: Dict[str, List[Tuple[int, float]]] = {}
     with open(folder / "metrics.csv", newline="") as f:

@@ -6,6 +6,7 @@ Markers (registered in setup.cfg):
   dist   spawns several gloo processes on 127.0.0.1
   codec  needs the ``_tagc`` C extension: skipped, with the reason, without a build
   cuda   needs a CUDA GPU and a CUDA build of ``_tagc`` (tests/cuda_helpers.py)
+  bench  a codec benchmark (tests/test_bench_codec.py; timed only with --benchmark-enable)
 """
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 for _p in (ROOT / "tests", ROOT / "scripts", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--bench-size", default=str(1 << 20),
+                     help="shard length (fp32 entries) of tests/test_bench_codec.py")
 
 
 def codec_missing() -> Optional[str]:

@@ -165,7 +165,7 @@ def _misuse(rank: int, n: int) -> List[str]:
 
 # "sparse-warmup": saved at step 3, in the middle of its warm-up ramp (1 dense
 # step, sparsity 0.5 -> 0.9 over steps 1..4), so the schedule must resume too.
-RESUME_MODES = ("exact", "sparse", "sparse-warmup", "quant", "quant-ef21")
+RESUME_MODES = ("exact", "sparse", "auto", "sparse-warmup", "quant", "quant-ef21")
 
 
 def _resume_cfg(mode: str, other: bool = False) -> tagc.TAGCConfig:
@@ -304,7 +304,7 @@ def _resume_first(rank: int, n: int, tmp: str) -> None:
 @pytest.mark.slow
 def test_resume_in_new_processes() -> None:
     """Checkpoint resume: 6 steps == 3 steps + save (first processes), load + 3 steps
-    in new processes, both checkpoint paths (FSDP1/FSDP2, exact/sparse/sparse mid
+    in new processes, both checkpoint paths (FSDP1/FSDP2, exact/sparse/auto/sparse mid
     warm-up/quant/quant+EF21)."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dist(_resume_first, 2, tmp, timeout=400)

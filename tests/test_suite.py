@@ -69,19 +69,19 @@ def test_methods_follow_the_preset_files() -> None:
 
 def test_reuse_needs_the_same_code_and_configs(tmp_path: Path) -> None:
     code = {"commit": "c1", "tree": "t1", "dirty": ""}
-    meta = qs._meta(["x"], {"tagc": {"mode": "quant"}}, code)
+    meta = qs.run_meta(["x"], {"tagc": {"mode": "quant"}}, code)
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "suite_run.json").write_text(json.dumps(meta))
-    assert qs._reusable(tmp_path, meta, "summary.json")
+    assert qs.reusable(tmp_path, meta, "summary.json")
     # another commit of the same code trees (e.g. a docs change) is the same code
-    assert qs._reusable(tmp_path, qs._meta(["x"], meta["configs"], {**code, "commit": "c2"}),
+    assert qs.reusable(tmp_path, qs.run_meta(["x"], meta["configs"], {**code, "commit": "c2"}),
                         "summary.json")
-    for other in (qs._meta(["x"], meta["configs"], {**code, "tree": "t2"}),
-                  qs._meta(["x"], meta["configs"], {**code, "dirty": "d"}),
-                  qs._meta(["x"], {"tagc": {"mode": "sparse"}}, code)):
-        assert not qs._reusable(tmp_path, other, "summary.json")
+    for other in (qs.run_meta(["x"], meta["configs"], {**code, "tree": "t2"}),
+                  qs.run_meta(["x"], meta["configs"], {**code, "dirty": "d"}),
+                  qs.run_meta(["x"], {"tagc": {"mode": "sparse"}}, code)):
+        assert not qs.reusable(tmp_path, other, "summary.json")
     (tmp_path / "summary.json").unlink()
-    assert not qs._reusable(tmp_path, meta, "summary.json")  # unfinished
+    assert not qs.reusable(tmp_path, meta, "summary.json")  # unfinished
 
 
 def test_code_id_sees_uncommitted_changes() -> None:
@@ -99,3 +99,25 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
     assert all(0 < r.bits < 2 for r in lean)  # ternary: under 1 bit per parameter at N=2
     text = qs.write_doc(runs, wall, tmp_path / "s.md", "cmd", ((0.0,), (0.0,)), 0.02)
     assert "| regression-b256 |" in text
+
+
+def test_compare_quality_names_the_code_of_its_runs(tmp_path):
+    """compare_quality.py's tables name the code the runs recorded (not HEAD), say
+    MIXED when cells ran different code, and give plain FSDP's bits for its N."""
+    import compare_quality as cq
+
+    def cell(loss, world, commit, dirty=""):
+        return {"final_val_loss": loss, "compressed_bits_per_param": 2.0, "world_size": world,
+                "n_params": 10, "steps_this_run": 1, "gather_bytes_sent": 0,
+                "_code": {"commit": commit, "tree": "t", "dirty": dirty}}
+
+    assert cq.code_note([cell(1, 2, "c1"), cell(1, 2, "c1")]) == "commit c1"
+    assert cq.code_note([cell(1, 2, "c1", "d9")]) == "commit c1 + uncommitted changes d9"
+    mixed = cq.code_note([cell(1, 2, "c1"), cell(1, 2, "c2")])
+    assert mixed.startswith("MIXED CODE") and "c1" in mixed and "c2" in mixed
+    res = {300: {"baseline": cell(2.0, 4, "c1"), "quant-int4": cell(2.02, 4, "c2")}}
+    text = cq.write_grid(res, tmp_path / "g.md", "cmd")
+    assert "MIXED CODE" in text
+    base_row = next(ln for ln in text.splitlines() if ln.startswith("| baseline"))
+    assert "| 24.00 |" in base_row  # 32 (N-1)/N at N = 4, not N = 2's 16
+    assert "+1.00%" in text
