@@ -414,8 +414,13 @@ def linear_pair_model(width: int = 512) -> ModelSpec:
                       Unit("fc2", ((width, 4 * width),), True)))
 
 
-MODELS = {"bench": bench_gpt2, "tiny": tiny_gpt2, "gpt2-124m": gpt2_124m,
-          "linear-pair": linear_pair_model}
+def bench_gpt2_all() -> ModelSpec:
+    """The step benchmark's model under ``--override layers=all``."""
+    return gpt2_model(2, 512, 16384, 64, layers="all", name="bench GPT-2, layers=all")
+
+
+MODELS = {"bench": bench_gpt2, "bench-all": bench_gpt2_all, "tiny": tiny_gpt2,
+          "gpt2-124m": gpt2_124m, "linear-pair": linear_pair_model}
 
 
 def unit_counts(model: ModelSpec) -> List[int]:
@@ -447,7 +452,7 @@ class Cluster:
             (0: nothing hidden, as measured with gloo on the CPU; 1: a step takes
             ``max(compute, communication)`` plus the codec).
         link_efficiency: fraction of the bandwidth collectives reach, in (0, 1]
-            (1: first principles; ``--calibrate`` fits it to a measured plain step).
+            (1: first principles; ``--check`` can fit it to a measured plain step).
     """
 
     ranks_per_node: int
@@ -914,3 +919,606 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
     else:  # tagc/hsdp.py _pairs: the k pairs all-gathered, all r added
         st.ring("cross", "replica", r, "all_gather", _pairs_msg(t, s, eb), 1, cnt)
         p.codec_s += _pairs_codec(t, s, 1, r, rates)
+
+
+# --------------------------------------------------------------------------- compute time
+
+# Training FLOPs per token and parameter: 2 forward + 4 backward multiply-adds
+# (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", C = 6 N D).
+FLOPS_PER_PARAM_TOKEN = 6
+
+
+def flops_compute_s(params: float, tokens_per_rank: int, tflops: float, mfu: float) -> float:
+    """Compute time of one step from the 6 x params x tokens estimate.
+
+    Args:
+        params: model parameters.
+        tokens_per_rank: tokens each rank processes per optimizer step.
+        tflops: peak dense TFLOP/s of one rank's device (dtype of the matmuls).
+        mfu: achieved fraction of that peak, in (0, 1].
+    Returns:
+        seconds.
+    """
+    if tokens_per_rank < 1 or not tflops > 0 or not 0 < mfu <= 1:
+        raise ValueError("flops estimate: tokens_per_rank >= 1, tflops > 0 and mfu in (0, 1] "
+                         f"needed, got {tokens_per_rank}, {tflops}, {mfu}")
+    return FLOPS_PER_PARAM_TOKEN * params * tokens_per_rank / (tflops * 1e12 * mfu)
+
+
+# --------------------------------------------------------------------------- sweep and report
+
+
+def sweep(model: ModelSpec, base: Cluster, nodes: Sequence[int], configs: Sequence[Config],
+          compute_s: float, codec: Dict[str, float]) -> Dict[str, Dict[int, Prediction]]:
+    """Every configuration at every node count.
+
+    Args:
+        model: the model.
+        base: the cluster (its ``nodes`` is replaced by each of ``nodes``).
+        nodes: node counts R.
+        configs: configurations.
+        compute_s: compute time per step.
+        codec: codec throughputs.
+    Returns:
+        ``{config name: {R: prediction}}``.
+    """
+    out: Dict[str, Dict[int, Prediction]] = {}
+    for cfg in configs:
+        out[cfg.name] = {r: predict(model, replace(base, nodes=r), cfg, compute_s, codec)
+                         for r in nodes}
+    return out
+
+
+def winners(table: Dict[str, Dict[int, Prediction]], r: int) -> Tuple[Prediction, Prediction]:
+    """The fastest configuration at R = r, and the fastest implemented one."""
+    preds = [by_r[r] for by_r in table.values()]
+    best = min(preds, key=lambda p: p.step_s)
+    impl = [p for p in preds if p.config.implemented]
+    return best, min(impl, key=lambda p: p.step_s) if impl else best
+
+
+def _fmt_mb(b: float) -> str:
+    return f"{b / 1e6:.4g}"
+
+
+def report(model: ModelSpec, base: Cluster, nodes: Sequence[int],
+           table: Dict[str, Dict[int, Prediction]]) -> str:
+    """Markdown tables: bytes per rank, bytes per node between nodes, step time, winners.
+
+    Args:
+        model: the model.
+        base: the cluster (ranks per node, links).
+        nodes: node counts R (the columns).
+        table: :func:`sweep`'s result.
+    Returns:
+        the text.
+    """
+    cols = " | ".join(f"R={r} ({r * base.ranks_per_node} ranks)" for r in nodes)
+    sep = "|---" * (len(nodes) + 1) + "|"
+    first = next(iter(table.values()))[nodes[0]]
+    lines = [f"model: {model.name}, {model.params / 1e6:.2f}M parameters, "
+             f"{100 * model.compressed_fraction():.1f}% in compressed units, "
+             f"{model.unit_count} FSDP units",
+             f"cluster: {base.ranks_per_node} ranks per node, intra {base.intra_gbit:g} Gbit/s "
+             f"+ {base.intra_latency_s * 1e6:g} us, inter {base.inter_gbit:g} Gbit/s per node "
+             f"+ {base.inter_latency_s * 1e6:g} us, backend {base.backend}, overlap "
+             f"{base.overlap:g}, link efficiency {base.link_efficiency:g}; compute "
+             f"{first.compute_s:.4g} s per step", ""]
+    for title, fn in (("bytes sent per rank per step (MB)", lambda p: _fmt_mb(p.bytes_per_rank)),
+                      ("bytes per node on the inter-node link per step (MB)",
+                       lambda p: _fmt_mb(p.node_inter)),
+                      ("predicted step time (s)", lambda p: f"{p.step_s:.4g}")):
+        lines += [f"**{title}**", "", f"| config | {cols} |", sep]
+        for by_r in table.values():
+            cfg = next(iter(by_r.values())).config
+            lines.append(f"| {cfg.label} | " + " | ".join(fn(by_r[r]) for r in nodes) + " |")
+        lines.append("")
+    lines.append("**fastest configuration**")
+    lines.append("")
+    for r in nodes:
+        best, impl = winners(table, r)
+        line = f"- R={r}: {best.config.label}, {best.step_s:.4g} s"
+        if best is not impl:
+            line += f"; implemented: {impl.config.label}, {impl.step_s:.4g} s"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- --check
+
+
+@dataclass
+class CheckRow:
+    """One compared quantity.
+
+    Attributes:
+        setup: the runs file's setup (or bits section).
+        config: configuration or label.
+        quantity: what is compared.
+        predicted: the model's value.
+        measured: the runs file's value.
+        decimals: decimals the measurement was printed with (bytes: exact means equal
+            at that precision); None for times.
+        calibrated: the prediction with the setup's ``calibrate`` figure fitted to its
+            plain row (times only).
+        calibration_row: the plain row the fit used (its calibrated error is 0 by
+            construction).
+        fit: (figure, value) the calibration fitted for the row's setup.
+    """
+
+    setup: str
+    config: str
+    quantity: str
+    predicted: float
+    measured: float
+    decimals: Optional[int] = None
+    calibrated: Optional[float] = None
+    calibration_row: bool = False
+    fit: Optional[Tuple[str, float]] = None
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted - self.measured) / self.measured if self.measured else \
+            (0.0 if self.predicted == 0 else math.inf)
+
+    @property
+    def exact(self) -> bool:
+        """Equal at the printed precision (bytes)."""
+        if self.decimals is None:
+            return False
+        return abs(self.predicted - self.measured) <= 0.5 * 10 ** -self.decimals + 1e-12
+
+    @property
+    def calibrated_error(self) -> Optional[float]:
+        """Error of the calibrated prediction."""
+        if self.calibrated is None:
+            return None
+        return (self.calibrated - self.measured) / self.measured
+
+
+def load_runs(path: str) -> Dict[str, Any]:
+    """Read and validate a runs file (``docs/cost_model_runs.json``'s format).
+
+    Args:
+        path: the file.
+    Returns:
+        the parsed file.
+    Raises:
+        ValueError: a field missing or of the wrong kind, naming it.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"runs file {path}: {e}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("setups"), dict) \
+            or not isinstance(data.get("runs"), list):
+        raise ValueError(f"runs file {path}: needs a 'setups' object and a 'runs' list")
+    for name, st in data["setups"].items():
+        for k in ("model", "fsdp", "layout", "dtype", "ranks_per_node", "nodes",
+                  "inter_mbit", "compute"):
+            if k not in st:
+                raise ValueError(f"runs file {path}: setup {name!r} lacks {k!r}")
+        if st["model"] not in MODELS:
+            raise ValueError(f"runs file {path}: setup {name!r}: unknown model "
+                             f"{st['model']!r}; known: {sorted(MODELS)}")
+        c = st["compute"]
+        if "rest_s" not in c and not ("plain_fast_step_s" in c and "fast_mbit" in c):
+            raise ValueError(f"runs file {path}: setup {name!r}: compute needs rest_s, or "
+                             "plain_fast_step_s and fast_mbit")
+    for i, run in enumerate(data["runs"]):
+        if run.get("setup") not in data["setups"]:
+            raise ValueError(f"runs file {path}: run {i} names unknown setup {run.get('setup')!r}")
+        if "config" not in run or "step_s" not in run:
+            raise ValueError(f"runs file {path}: run {i} needs 'config' and 'step_s'")
+    for sec in data.get("bits_per_param", []):
+        if sec.get("model") not in MODELS or sec.get("kind") not in ("grad", "gather") \
+                or not isinstance(sec.get("rows"), list):
+            raise ValueError(f"runs file {path}: a bits_per_param section needs a known "
+                             "model, kind grad|gather and rows")
+    return data
+
+
+def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[float] = None,
+                   efficiency: float = 1.0) -> Cluster:
+    """The cluster of a runs-file setup (gloo), at ``inter_mbit`` between nodes."""
+    n = st["ranks_per_node"]
+    intra = intra_mbit if intra_mbit is not None else st.get("intra_mbit")
+    if intra is None:
+        if n > 1:
+            raise ValueError("a setup with several ranks per node needs intra_mbit")
+        intra = inter_mbit  # unused: no intra-node link with one rank per node
+    # Latency: scripts/bench_step.py's --delay default (0.1 ms), which this kernel's tbf
+    # does not apply (no sch_netem, DESIGN section 10): an upper bound, a few ms per step.
+    return Cluster(n, st["nodes"], intra / 1000, inter_mbit / 1000, 1e-4, 1e-4,
+                   backend="gloo", link_efficiency=efficiency)
+
+
+def _run_config(st: Dict[str, Any], name: str) -> Config:
+    layout = "hsdp" if st["layout"] == "hsdp" else "fsdp"
+    full = layout if name == "fsdp" else f"{layout}+{name}"
+    return make_config(full, st["dtype"], st["fsdp"])
+
+
+def _setup_state(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, float]],
+                 efficiency: float = 1.0, intra_mbit: Optional[float] = None
+                 ) -> Tuple[Cluster, float]:
+    """(cluster, compute seconds) of a setup.
+
+    Compute is the plain row's time outside collectives (``rest_s``), or the plain
+    step on the fast link minus the communication predicted there.
+    """
+    cl = _setup_cluster(st, st["inter_mbit"], intra_mbit, efficiency)
+    c = st["compute"]
+    if "rest_s" in c:
+        return cl, float(c["rest_s"])
+    fast = _setup_cluster(st, c["fast_mbit"], intra_mbit, efficiency)
+    fast = replace(fast, intra_gbit=max(fast.intra_gbit, c["fast_mbit"] / 1000))
+    comm = predict(model, fast, _run_config(st, "fsdp"), 0.0, codec).comm_s
+    return cl, c["plain_fast_step_s"] - comm
+
+
+# The figure a setup may fit to its plain row: (search range, keyword of _setup_state).
+CALIBRATABLE = {"link_efficiency": ((0.05, 1.0), "efficiency"),
+                "intra_mbit": ((10.0, 1e6), "intra_mbit")}
+
+
+def calibrate(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, float]],
+              measured_plain_s: float) -> Optional[Tuple[str, float]]:
+    """Fit the setup's ``calibrate`` figure so the plain row's step time is matched.
+
+    The predicted plain step falls as the figure grows (more efficiency, a faster
+    link), so a bisection finds it; at a bound of the range the bound is kept.
+
+    Args:
+        st: the setup (``calibrate``: ``link_efficiency``, the default, or
+            ``intra_mbit``).
+        model: its model.
+        codec: codec throughputs.
+        measured_plain_s: the plain row's measured step time.
+    Returns:
+        (figure, fitted value), or None when the setup has no plain row.
+    """
+    name = st.get("calibrate", "link_efficiency")
+    if name not in CALIBRATABLE:
+        raise ValueError(f"calibrate: one of {sorted(CALIBRATABLE)}, got {name!r}")
+    (lo, hi), kw = CALIBRATABLE[name]
+    plain = _run_config(st, "fsdp")
+
+    def step(x: float) -> float:
+        cl, compute = _setup_state(st, model, codec, **{kw: x})
+        if compute < 0:  # so slow a link that the fast-link step holds no compute
+            return math.inf
+        return predict(model, cl, plain, compute, codec).step_s
+
+    if step(hi) >= measured_plain_s:
+        return name, hi
+    if step(lo) <= measured_plain_s:
+        return name, lo
+    for _ in range(100):
+        mid = math.sqrt(lo * hi)  # geometric: the range spans decades
+        lo, hi = (mid, hi) if step(mid) > measured_plain_s else (lo, mid)
+    return name, math.sqrt(lo * hi)
+
+
+def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> List[CheckRow]:
+    """Predictions against every measured number of a runs file.
+
+    Step time, first principles: the setup's links as given, compute from the setup
+    (:func:`_setup_state`).  Calibrated: the setup's ``calibrate`` figure fitted to its
+    plain row (:func:`calibrate`), the other rows predicted with it.
+
+    Args:
+        data: :func:`load_runs`'s result.
+        codec: codec throughputs (default: this machine's, where the runs ran).
+    Returns:
+        one row per compared quantity.
+    """
+    rows: List[CheckRow] = []
+    for name, st in data["setups"].items():
+        model = MODELS[st["model"]]()
+        cl, compute = _setup_state(st, model, codec)
+        runs = [r for r in data["runs"] if r["setup"] == name]
+        meas_plain = next((r["step_s"] for r in runs if r["config"] == "fsdp"), None)
+        fit = calibrate(st, model, codec, meas_plain) if meas_plain else None
+        cal = _setup_state(st, model, codec, **{CALIBRATABLE[fit[0]][1]: fit[1]}) \
+            if fit else None
+        for run in runs:
+            cfg = _run_config(st, run["config"])
+            p = predict(model, cl, cfg, compute, codec)
+            pc = predict(model, cal[0], cfg, cal[1], codec).step_s if cal else None
+            hook = (p.ideal.get("cross", 0.0) if cfg.layout == "hsdp" else
+                    p.ideal.get("grad", 0.0)) + p.ideal.get("control", 0.0)
+            label = cfg.label
+            for key, pred, dec in (("stats_wire_mb", hook / 1e6, 2),
+                                   ("gathers_mb", p.ideal.get("gather", 0.0) / 1e6, 2),
+                                   ("veth_tx_mb", p.node_inter * TCP_FRAME_OVERHEAD / 1e6, None)):
+                if key in run:
+                    rows.append(CheckRow(name, label, key, pred, run[key], dec))
+            rows.append(CheckRow(name, label, "step_s", p.step_s, run["step_s"], None, pc,
+                                 run["config"] == "fsdp", fit))
+            if "in_collectives_s" in run:
+                rows.append(CheckRow(name, label, "in_collectives_s", p.comm_s,
+                                     run["in_collectives_s"]))
+            if "codec_s" in run:
+                rows.append(CheckRow(name, label, "codec_s", p.codec_s, run["codec_s"]))
+    for sec in data.get("bits_per_param", []):
+        model = MODELS[sec["model"]]()
+        dec = int(sec.get("decimals", 2))
+        for row in sec["rows"]:
+            comp = Compression(**row["compression"]) if row["compression"] else None
+            cfg = Config(row["label"], "full_shard", comp, fsdp=sec["fsdp"])
+            cl = Cluster(row["n"], 1, 1.0, 1.0)
+            if sec["kind"] == "grad":  # the compressed units only, as the hook counts them
+                units = tuple(u for u in model.units if u.compressed)
+                p = predict(ModelSpec(model.name, units), cl, cfg)
+                b = p.ideal.get("grad", 0.0) + p.ideal.get("control", 0.0)
+                params = sum(u.numel for u in units)
+            else:
+                p = predict(model, cl, cfg)
+                b, params = p.ideal.get("gather", 0.0), model.params
+            rows.append(CheckRow(sec["section"].lstrip("# "), row["label"],
+                                 f"bits/param N={row['n']}", 8 * b / params, row["bits"], dec))
+    return rows
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def check_report(rows: List[CheckRow], tolerance: float = 0.25) -> str:
+    """The --check tables (markdown) and a summary of what holds.
+
+    Args:
+        rows: :func:`check`'s result.
+        tolerance: the step-time goal (0.25: within 25%).
+    Returns:
+        the text.
+    """
+    out = ["**bytes: predicted vs measured** (exact = equal at the printed precision; "
+           "veth = the link's counter, TCP/IP framing added as 1514/1448)", "",
+           "| setup | config | quantity | predicted | measured | error | match |",
+           "|---|---|---|---|---|---|---|"]
+    byte_rows = [r for r in rows if r.quantity in ("stats_wire_mb", "gathers_mb", "veth_tx_mb")
+                 or r.quantity.startswith("bits/param")]
+    for r in byte_rows:
+        match = ("exact" if r.exact else "NOT exact") if r.decimals is not None else \
+            ("within 1%" if abs(r.error) <= 0.01 else "off by more than 1%")
+        dec = 3 if r.decimals is None else max(r.decimals, 2) + 1
+        out.append(f"| {r.setup} | {r.config} | {r.quantity} | {r.predicted:.{dec}f} | "
+                   f"{r.measured:g} | {_pct(r.error)} | {match} |")
+    out += ["", "**step time: predicted vs measured** (first principles; calibrated = the "
+            "setup's one unmeasured figure fitted to its plain row, marked *)", "",
+            "| setup | config | measured s | predicted s | error | calibrated s | error | "
+            "in collectives pred / meas s | codec pred / meas s |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    by_key = {(r.setup, r.config, r.quantity): r for r in rows}
+    time_rows = [r for r in rows if r.quantity == "step_s"]
+    for r in time_rows:
+        coll = by_key.get((r.setup, r.config, "in_collectives_s"))
+        cod = by_key.get((r.setup, r.config, "codec_s"))
+        cal = "-" if r.calibrated is None else f"{r.calibrated:.3f}" + ("*" if r.calibration_row
+                                                                       else "")
+        out.append(f"| {r.setup} | {r.config} | {r.measured:.3f} | {r.predicted:.3f} | "
+                   f"{_pct(r.error)} | {cal} | {_pct(r.calibrated_error)} | "
+                   + (f"{coll.predicted:.3f} / {coll.measured:.3f}" if coll else "-") + " | "
+                   + (f"{cod.predicted:.3f} / {cod.measured:.3f}" if cod else "-") + " |")
+    fits = {r.setup: r.fit for r in time_rows if r.fit}
+    out += ["", "calibration, per setup (fitted to its plain row): " + "; ".join(
+        f"{k}: {f[0]} = {f[1]:.3g}" for k, f in fits.items())]
+    exact = [r for r in byte_rows if r.decimals is not None]
+    veth = [r for r in byte_rows if r.decimals is None]
+    held = [r for r in time_rows if not r.calibration_row and r.calibrated is not None]
+    ok = sum(abs(r.error) <= tolerance for r in time_rows)
+    ok_cal = sum(abs(r.calibrated_error or 0) <= tolerance for r in held)
+    out += ["", "**summary**", "",
+            f"- bytes exact at the printed precision: {sum(r.exact for r in exact)} of "
+            f"{len(exact)}",
+            f"- veth bytes within 1%: {sum(abs(r.error) <= 0.01 for r in veth)} of {len(veth)} "
+            f"(largest error {_pct(max((abs(r.error) for r in veth), default=0))})",
+            f"- step time within {tolerance:.0%}, first principles: {ok} of {len(time_rows)}",
+            f"- step time within {tolerance:.0%}, calibrated on the plain row (that row "
+            f"left out): {ok_cal} of {len(held)}"]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot(path: str, base: Cluster, nodes: Sequence[int], configs: Sequence[Config],
+         models: Sequence[Tuple[ModelSpec, float]], codec: Dict[str, float],
+         note: str) -> None:
+    """Bytes per rank and step time against R for each model (matplotlib, lazily).
+
+    Args:
+        path: the PNG to write.
+        base: the cluster.
+        nodes: node counts R.
+        configs: configurations (not implemented ones dashed).
+        models: (model, compute seconds per step) pairs, one column each.
+        codec: codec throughputs.
+        note: the assumptions, printed under the figure.
+    """
+    import matplotlib  # noqa: PLC0415 - only the --plot path needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 8.5), squeeze=False)
+    for col, (model, compute) in enumerate(models):
+        table = sweep(model, base, nodes, configs, compute, codec)
+        for cfg in configs:
+            by_r = table[cfg.name]
+            style = "-" if cfg.implemented else "--"
+            axes[0][col].plot(nodes, [by_r[r].bytes_per_rank / 1e6 for r in nodes], style,
+                              marker="o", ms=3, label=cfg.label)
+            axes[1][col].plot(nodes, [by_r[r].step_s for r in nodes], style, marker="o",
+                              ms=3, label=cfg.label)
+        axes[0][col].set_title(f"{model.name}: bytes sent per rank per step")
+        axes[1][col].set_title(f"{model.name}: step time (compute {compute:.3g} s)")
+        axes[0][col].set_ylabel("MB per rank per step")
+        axes[1][col].set_ylabel("seconds per step")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel(f"nodes R ({base.ranks_per_node} ranks per node)")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="best")
+    fig.text(0.01, 0.005, note, fontsize=7, va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+    if not out or any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"node counts must be >= 1, got {text!r}")
+    return out
+
+
+def _codec_overrides(items: Iterable[str]) -> Dict[str, float]:
+    out = {}
+    for it in items:
+        key, eq, val = it.partition("=")
+        if not eq:
+            raise ValueError(f"--codec: expected OP=VALUES_PER_S, got {it!r}")
+        try:
+            out[key] = float(val)
+        except ValueError as e:
+            raise ValueError(f"--codec {key}: not a number: {val!r}") from e
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="configurations: fsdp, hsdp, fsdp+P, hsdp+P, hsdp+P/2phase "
+                                       f"with P in {sorted(PRESETS)}; codec ops: "
+                                       f"{', '.join(sorted(DEFAULT_CODEC))}")
+    m = p.add_argument_group("model")
+    m.add_argument("--params", type=float, help="parameters (e.g. 124e6, 7e9)")
+    m.add_argument("--model", choices=sorted(MODELS),
+                   help="a GPT-2 layout of this repository instead of --params")
+    m.add_argument("--selected-fraction", type=float, default=DEFAULT_SELECTED_FRACTION,
+                   help="with --params: fraction of parameters in compressed units (default "
+                        f"{DEFAULT_SELECTED_FRACTION:.3f}, the tiny GPT-2's under the default "
+                        "non_attention policy)")
+    m.add_argument("--units", type=int, default=DEFAULT_UNITS,
+                   help=f"with --params: FSDP units (default {DEFAULT_UNITS}, GPT-2 124M's)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+                   help="node counts R, comma-separated")
+    c.add_argument("--ranks-per-node", type=int, default=8, help="N (default 8)")
+    c.add_argument("--intra-gbit", type=float, default=400.0,
+                   help="per-rank bandwidth inside a node, Gbit/s (default 400)")
+    c.add_argument("--inter-gbit", type=float, default=25.0,
+                   help="per-node bandwidth between nodes, Gbit/s (default 25)")
+    c.add_argument("--intra-latency-us", type=float, default=5.0,
+                   help="per message inside a node (default 5 us)")
+    c.add_argument("--inter-latency-us", type=float, default=30.0,
+                   help="per message between nodes (default 30 us)")
+    c.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    c.add_argument("--overlap", type=float, default=0.0,
+                   help="fraction of compute that hides communication, 0..1 (default 0)")
+    c.add_argument("--link-efficiency", type=float, default=1.0,
+                   help="fraction of the bandwidth collectives reach (default 1)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help="comma-separated configurations")
+    w.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp32",
+                   help="parameter/gradient dtype on the wire")
+    w.add_argument("--fsdp", type=int, choices=(1, 2), default=2)
+    w.add_argument("--compute-s", type=float, help="compute time per step (measured plain "
+                   "step on a fast link)")
+    w.add_argument("--tflops", type=float, help="peak TFLOP/s per rank: compute from "
+                   "6 x params x tokens")
+    w.add_argument("--mfu", type=float, default=0.4, help="with --tflops (default 0.4)")
+    w.add_argument("--tokens-per-rank", type=int, default=8192,
+                   help="with --tflops: tokens per rank per step (default 8 x 1024)")
+    w.add_argument("--codec", action="append", default=[], metavar="OP=VALUES_PER_S",
+                   help="codec throughput of one op (repeatable)")
+    w.add_argument("--codec-speedup", type=float, default=1.0,
+                   help="factor on the measured CPU codec throughputs (e.g. a GPU's)")
+    a = p.add_argument_group("actions")
+    a.add_argument("--check", metavar="FILE", help="compare with measured runs (JSON)")
+    a.add_argument("--plot", metavar="PNG", help="bytes/rank and step time vs R for GPT-2 "
+                   "124M and a 7B model")
+    a.add_argument("--plot-7b-units", type=int, default=32 * 7 + 3,
+                   help="FSDP units of the 7B model in --plot (default 227: a Llama-2-7B "
+                        "under TAGC's wrapping, 7 linear units per layer + embedding, head, "
+                        "root)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse the arguments and print the tables, the check or the plot.
+
+    Args:
+        argv: arguments (default sys.argv[1:]).
+    Returns:
+        the exit code.
+    """
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        codec = codec_rates(_codec_overrides(args.codec), args.codec_speedup)
+        if args.check:
+            print(check_report(check(load_runs(args.check), codec)))
+            return 0
+        base = Cluster(args.ranks_per_node, 1, args.intra_gbit, args.inter_gbit,
+                       args.intra_latency_us * 1e-6, args.inter_latency_us * 1e-6,
+                       args.backend, args.overlap, args.link_efficiency)
+        configs = [make_config(n.strip(), args.dtype, args.fsdp)
+                   for n in args.configs.split(",") if n.strip()]
+        if not configs:
+            raise ValueError("--configs: no configuration given")
+        if args.plot:
+            if args.tflops is None:
+                raise ValueError("--plot draws two models: give --tflops (and --mfu, "
+                                 "--tokens-per-rank) for their compute time")
+            m124 = gpt2_124m()
+            m7 = generic_model(7e9, args.selected_fraction, args.plot_7b_units, name="7B")
+            pairs = [(m, flops_compute_s(m.params, args.tokens_per_rank, args.tflops, args.mfu))
+                     for m in (m124, m7)]
+            note = (f"{base.ranks_per_node} ranks/node; intra {base.intra_gbit:g} Gbit/s/rank, "
+                    f"inter {base.inter_gbit:g} Gbit/s/node; {args.backend}, {args.dtype}; overlap "
+                    f"{args.overlap:g}; compute 6 x params x {args.tokens_per_rank} tokens at "
+                    f"{args.tflops:g} TFLOP/s x MFU {args.mfu:g}; codec: this CPU's measured "
+                    f"throughput x {args.codec_speedup:g}; 7B: {args.selected_fraction:.3f} "
+                    "of parameters compressed. Dashed: modelled, not implemented.")
+            plot(args.plot, base, args.nodes, configs, pairs, codec, note)
+            print(f"wrote {args.plot}")
+            return 0
+        if args.model and args.params:
+            raise ValueError("give --params or --model, not both")
+        if args.model:
+            model = MODELS[args.model]()
+        elif args.params:
+            model = generic_model(args.params, args.selected_fraction, args.units)
+        else:
+            raise ValueError("give --params N (or --model NAME)")
+        if args.compute_s is not None:
+            compute = args.compute_s
+        elif args.tflops is not None:
+            compute = flops_compute_s(model.params, args.tokens_per_rank, args.tflops, args.mfu)
+        else:
+            compute = 0.0
+            print("note: no --compute-s or --tflops: compute time 0 (communication and codec "
+                  "only)\n")
+        print(report(model, base, args.nodes, sweep(model, base, args.nodes, configs, compute,
+                                                      codec)))
+    except ValueError as e:
+        p.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
