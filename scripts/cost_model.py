@@ -498,7 +498,6 @@ class Cluster:
 
 # --------------------------------------------------------------------------- configurations
 
-QUANT_MODES = ("quant",)
 GRAD_MODES = ("dense", "sparse", "auto", "quant")
 
 
