@@ -189,7 +189,7 @@ def pairs_bytes(n: int, k: int, value_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class Unit:
-    """One FSDP unit (or ``count`` identical ones).
+    """One FSDP unit.
 
     Args:
         name: for reports.
@@ -269,8 +269,8 @@ def generic_model(params: float, selected_fraction: float = DEFAULT_SELECTED_FRA
                   units: int = DEFAULT_UNITS, name: Optional[str] = None) -> ModelSpec:
     """A model known by its size: one compressed and one plain aggregate unit.
 
-    Byte counts are then exact up to the per-unit rounding (block tails, shard
-    padding), which is below one block per unit and rank.
+    Byte counts are then exact up to the per-unit rounding of a real layout (block
+    tails, shard padding): below one codec record per unit and rank.
 
     Args:
         params: parameters (> 0).
@@ -285,14 +285,16 @@ def generic_model(params: float, selected_fraction: float = DEFAULT_SELECTED_FRA
         raise ValueError(f"params must be a positive number, got {params!r}")
     if not 0.0 <= selected_fraction <= 1.0:
         raise ValueError(f"selected fraction must be in [0, 1], got {selected_fraction!r}")
-    if units < 1:
-        raise ValueError(f"units must be >= 1, got {units}")
     total = int(round(params))
     comp = int(round(total * selected_fraction))
-    n_comp = min(units, max(1, round(selected_fraction * units))) if comp else 0
+    both = 0 < comp < total
+    if units < (2 if both else 1):
+        raise ValueError(f"units must be >= {2 if both else 1} (compressed and plain "
+                         f"parameters need a unit each), got {units}")
+    # each side gets its share of the units, at least one
+    n_comp = min(units - 1 if both else units, max(1, round(selected_fraction * units))) \
+        if comp else 0
     n_plain = units - n_comp
-    if comp < total and n_plain == 0:  # the plain rest needs a unit of its own
-        n_comp, n_plain = units - 1, 1
     out = []
     if comp:
         out.append(Unit("compressed", ((comp, 1),), True))

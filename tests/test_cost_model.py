@@ -221,6 +221,9 @@ def test_bad_mode_config_and_model_raise() -> None:
         cm.generic_model(0)
     with pytest.raises(ValueError, match="selected fraction"):
         cm.generic_model(1e6, 1.5)
+    with pytest.raises(ValueError, match="units must be >= 2"):
+        cm.generic_model(1e6, 0.5, units=1)
+    assert cm.generic_model(1e6, 1.0, units=1).unit_count == 1
     with pytest.raises(ValueError, match="compute time"):
         cm.predict(one_unit(10, False), cluster(1, 2), cm.make_config("fsdp"), -1.0)
     with pytest.raises(ValueError, match="unknown codec op"):
