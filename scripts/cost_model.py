@@ -151,7 +151,14 @@ def keep_count(theta: float, s: int) -> int:
 
 
 def ef_low_bits(n: int, k: int) -> int:
-    """Elias-Fano low bits for k positions in n (``tagc_check_ef_low_bits``)."""
+    """Elias-Fano low bits for k positions in n (``tagc_check_ef_low_bits``).
+
+    Args:
+        n: shard length.
+        k: kept positions.
+    Returns:
+        the largest l with ``k * 2^l <= n`` (0 when k is 0).
+    """
     low = 0
     while k > 0 and (k << (low + 1)) <= n:
         low += 1
@@ -217,13 +224,26 @@ class Unit:
         FSDP2 pads each parameter's dim 0 to ``ceil(rows / n)`` rows
         (``padded_sharded_param_size``, DESIGN section 12); FSDP1 pads the flat
         parameter to a multiple of ``n`` (one segment).
+
+        Args:
+            n: ranks the unit is sharded over.
+            fsdp: 1 or 2.
+        Returns:
+            the segment lengths, in elements.
         """
         if fsdp == 1:
             return [-(-self.numel // n)]
         return [-(-r // n) * c for r, c in self.params]
 
     def shard(self, n: int, fsdp: int = 2) -> int:
-        """Elements of one rank's shard over ``n`` ranks."""
+        """Elements of one rank's shard over ``n`` ranks (padding included).
+
+        Args:
+            n: ranks the unit is sharded over.
+            fsdp: 1 or 2.
+        Returns:
+            the shard length.
+        """
         return sum(self.segments(n, fsdp))
 
 
@@ -316,6 +336,7 @@ class CountedModel(ModelSpec):
 
     @property
     def unit_count(self) -> int:
+        """FSDP units the aggregates stand for."""
         return sum(self.unit_counts)
 
 
@@ -347,6 +368,7 @@ def gpt2_model(n_layer: int, n_embd: int, vocab_size: int, block_size: int,
     e = n_embd
 
     def sel(numel: int, weight: bool, qkv: bool) -> bool:
+        """Whether the policy selects a parameter."""
         # tagc/selection.py select_parameter: size first, then (non_attention) a
         # linear/embedding weight that is not a QKV projection
         if numel < min_numel:
@@ -354,6 +376,7 @@ def gpt2_model(n_layer: int, n_embd: int, vocab_size: int, block_size: int,
         return True if layers == "all" else (weight and not qkv)
 
     def linear(nm: str, out_f: int, in_f: int, qkv: bool = False) -> Optional[Unit]:
+        """A Linear (weight + bias) as its own unit, or None when it stays in the root."""
         w = out_f * in_f
         own = sel(w, True, qkv) or w + out_f >= max(min_numel, 1) or qkv
         if not own:
@@ -486,7 +509,13 @@ class Cluster:
         return self.ranks_per_node * self.nodes
 
     def bytes_per_s(self, inter: bool) -> float:
-        """Payload bytes per second of the intra- or inter-node link."""
+        """Payload bytes per second of a link, efficiency applied.
+
+        Args:
+            inter: the inter-node link (else the intra-node one).
+        Returns:
+            bytes per second.
+        """
         gbit = self.inter_gbit if inter else self.intra_gbit
         return gbit * 1e9 / 8 * self.link_efficiency
 
@@ -722,6 +751,7 @@ class _Step:
         p.messages += steps * lat
 
     def _crosses(self, group: str) -> bool:
+        """Whether a collective over ``group`` uses the inter-node link."""
         return group == "replica" or (group == "world" and self.c.nodes > 1)
 
     def ring(self, cat: str, group: str, g: int, kind: str, nbytes: float, times: int,
@@ -763,8 +793,16 @@ class _Step:
 
     def all_to_all(self, cat: str, group: str, g: int, msg: float, times: int,
                    lat: int) -> None:
-        """Each rank sends ``msg`` bytes to each of the ``g - 1`` others (``world``
-        or ``replica`` group, as :meth:`ring`)."""
+        """Each rank sends ``msg`` bytes to each of the ``g - 1`` others.
+
+        Args:
+            cat: byte category.
+            group: ``world`` or ``replica`` (as :meth:`ring`).
+            g: ranks in the group.
+            msg: bytes of one message.
+            times: calls, for the bytes.
+            lat: FSDP units, for the latencies.
+        """
         if g <= 1 or msg == 0:
             return
         n = self.c.ranks_per_node
@@ -964,7 +1002,15 @@ def sweep(model: ModelSpec, base: Cluster, nodes: Sequence[int], configs: Sequen
 
 
 def winners(table: Dict[str, Dict[int, Prediction]], r: int) -> Tuple[Prediction, Prediction]:
-    """The fastest configuration at R = r, and the fastest implemented one."""
+    """The fastest configuration at R = r, and the fastest implemented one.
+
+    Args:
+        table: :func:`sweep`'s result.
+        r: the node count.
+    Returns:
+        (fastest, fastest implemented): the same prediction when the fastest is
+        implemented.
+    """
     preds = [by_r[r] for by_r in table.values()]
     best = min(preds, key=lambda p: p.step_s)
     impl = [p for p in preds if p.config.implemented]
@@ -972,6 +1018,7 @@ def winners(table: Dict[str, Dict[int, Prediction]], r: int) -> Tuple[Prediction
 
 
 def _fmt_mb(b: float) -> str:
+    """Bytes as MB, 4 significant digits."""
     return f"{b / 1e6:.4g}"
 
 
@@ -1129,6 +1176,7 @@ def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[f
 
 
 def _run_config(st: Dict[str, Any], name: str) -> Config:
+    """A runs-file row's configuration: ``fsdp`` is the setup's plain layout."""
     layout = "hsdp" if st["layout"] == "hsdp" else "fsdp"
     full = layout if name == "fsdp" else f"{layout}+{name}"
     return make_config(full, st["dtype"], st["fsdp"])
@@ -1180,6 +1228,7 @@ def calibrate(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, fl
     plain = _run_config(st, "fsdp")
 
     def step(x: float) -> float:
+        """The predicted plain step at figure value x."""
         cl, compute = _setup_state(st, model, codec, **{kw: x})
         if compute < 0:  # so slow a link that the fast-link step holds no compute
             return math.inf
@@ -1257,6 +1306,7 @@ def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> Lis
 
 
 def _pct(x: Optional[float]) -> str:
+    """A signed percentage, or "-"."""
     return "-" if x is None else f"{100 * x:+.1f}%"
 
 
@@ -1368,6 +1418,7 @@ def plot(path: str, base: Cluster, nodes: Sequence[int], configs: Sequence[Confi
 
 
 def _int_list(text: str) -> List[int]:
+    """argparse type: comma-separated node counts >= 1."""
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
@@ -1378,6 +1429,7 @@ def _int_list(text: str) -> List[int]:
 
 
 def _codec_overrides(items: Iterable[str]) -> Dict[str, float]:
+    """``--codec OP=VALUE`` items as a dict (checked by :func:`codec_rates`)."""
     out = {}
     for it in items:
         key, eq, val = it.partition("=")
