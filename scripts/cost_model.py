@@ -1,0 +1,1570 @@
+#!/usr/bin/env python3
+"""Cost model of plain FSDP/HSDP and TAGC: bytes per rank and step time per step.
+
+For a model (a parameter count and the fraction TAGC compresses, or a GPT-2 shape),
+``N`` ranks per node, ``R`` nodes, the link bandwidths and latencies inside and
+between nodes and the codec throughput, it predicts what each rank sends per
+optimizer step and how long the step takes, for:
+
+* ``fsdp``: plain FULL_SHARD over all ``N*R`` ranks (a ring all-gather of the
+  parameters in forward, again in backward, a ring reduce-scatter of the gradient);
+* ``hsdp``: native HSDP (FULL_SHARD inside a node, then a ring all-reduce of each
+  rank's shard over the ``R`` replicas);
+* ``fsdp+<preset>``: TAGC on FULL_SHARD: the compressed units' reduce-scatter becomes
+  an all-to-all of compressed shards (``tagc/transports.py``), with ``full`` also
+  the parameter all-gathers on int8 codes (``tagc/gather.py``);
+* ``hsdp+<preset>``: TAGC's HSDP route (``tagc/hsdp.py``): every rank all-gathers its
+  compressed shard to the ``R-1`` other replicas (implemented);
+* ``hsdp+<preset>/2phase``: a compressed reduce-scatter over the replicas followed
+  by an all-gather of the re-compressed sums (about ``2(R-1)/R`` of one compressed
+  shard per rank instead of ``R-1``): **modelled, not implemented** in the hook.
+
+Byte counts follow the codec's own size rules (``csrc/tagc_portable.h``
+``tagc_q_bytes``, ``csrc/tagc_checks.h`` ``tagc_check_pairs_bytes``) and count what
+the hook's ``stats()`` and ``scripts/bench_step.py`` count; ``--check`` compares them
+and the step time with the measured runs transcribed in ``docs/cost_model_runs.json``.
+Pure standard library (matplotlib only for ``--plot``).  See ``docs/COST_MODEL.md``.
+
+Usage:
+    python3 scripts/cost_model.py --params 124e6 --nodes 1,2,4,8 --ranks-per-node 8 \\
+        --inter-gbit 25 --intra-gbit 400 --tflops 312 --mfu 0.4
+    python3 scripts/cost_model.py --check docs/cost_model_runs.json
+    python3 scripts/cost_model.py --plot docs/cost-model.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+# --------------------------------------------------------------------------- constants
+# Every number below says where it comes from.
+
+# Bytes of one element of the parameter / gradient dtypes FSDP moves.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+# Quant wire format: one record per block = a 4-byte fp32 scale, then the codes packed
+# `per byte` values to a byte (csrc/tagc_portable.h tagc_q_record_bytes, tagc_q_per_byte;
+# csrc/tagc.h "Block quantization": sign 8 per byte, ternary 5 per byte in base 3,
+# int4 two nibbles, int8 one byte).
+QUANT_SCALE_BYTES = 4
+QUANT_CODES_PER_BYTE = {"sign": 8, "ternary": 5, "int4": 2, "int8": 1}
+# The weight-gather codes (tagc_wq_*) exist for int8 and int4 only (tagc_check_wq_format_ok).
+GATHER_FORMATS = ("int8", "int4")
+
+# `sparse` pairs: an int32 offset and a value each (csrc/tagc.h tagc_sparse_bytes:
+# k * (4 + size of the value dtype)).
+SPARSE_INDEX_BYTES = 4
+
+# The per-call vote (tagc/reducer.py `_agree`): a 4-byte non-finite flag all-reduced;
+# with EF21 (damping on by default with ef21) or the guard it widens to four float64
+# in the same all-reduce (32 bytes).  `dense` mode sends no vote (scripts/measure_bytes.py
+# `simulate`: control = 0 for dense).
+VOTE_BYTES_PLAIN = 4
+VOTE_BYTES_EF21 = 4 * 8
+
+# TCP/IPv4 over Ethernet with the MTU of 1500 the emulated veth uses: a full segment
+# carries 1448 payload bytes (1500 - 20 IP - 20 TCP - 12 timestamp option) in a
+# 1514-byte frame (14 Ethernet header).  Only used to turn payload bytes into the
+# veth's own counters in --check; the step-time model works on payload bytes and the
+# measured payload rate (netem.sh `measure`, a TCP transfer).
+TCP_FRAME_OVERHEAD = 1514 / 1448
+
+# TAGC's default selection (configs/tagc-*.yaml, TAGCConfig.min_numel): parameters with
+# at least 2^16 elements are candidates.
+DEFAULT_MIN_NUMEL = 2 ** 16
+
+# Fraction of the parameters in compressed units for a model given only by its size:
+# the tiny GPT-2 of the quality runs (configs/train-tiny.yaml: 2 layers, width 256,
+# block 128, byte tokenizer padded to 320 ids) under the default `non_attention`
+# policy: everything but the two attention QKV units (2 x 197,376 of 1,694,720
+# parameters) is compressed; `tiny_gpt2().compressed_fraction()` recomputes it.
+DEFAULT_SELECTED_FRACTION = 1_299_968 / 1_694_720  # 0.767
+
+# FSDP units for a model given only by its size: GPT-2 124M under TAGC's wrapping
+# (tagc/selection.py `modules_to_wrap`: per block c_attn, attn.c_proj, mlp.c_fc,
+# mlp.c_proj; wpe is a big Embedding and gets its own unit; the root holds the tied
+# wte): 12 x 4 + 2.  Only the latency terms and the votes depend on it.
+DEFAULT_UNITS = 12 * 4 + 2
+
+# Codec throughput, values per second on one CPU core (this project's 2-core machine),
+# from /work/main/docs/RESULTS.md "Codec speed", the S = 2^24 rows (median ms for 2^24
+# values): quant encode int4 15.789 ms and ternary 16.612 ms (the AVX2 table, commit
+# c8a8754); quant decode int4 5.115 ms and ternary 14.828 ms, select+sparsify 15.653 ms,
+# sparse unpack 2.152 ms, auto pack 0.708 ms and auto decode 4.867 ms at theta 0.9875
+# (the first table, commit 31aa238); wq encode+decode int8 fp32 17.062 ms, split in two
+# halves (encode and decode alone ran at about the same fraction of memcpy: 1.05-1.42
+# and 0.93-1.09).  int8 and sign quant were not timed: they take int4's figures.
+_MEASURED_MS_PER_2_24 = {
+    "quant_encode_int4": 15.789, "quant_encode_ternary": 16.612,
+    "quant_decode_int4": 5.115, "quant_decode_ternary": 14.828,
+    "sparsify": 15.653, "sparse_unpack": 2.152, "auto_pack": 0.708, "auto_decode": 4.867,
+    "wq_encode": 17.062 / 2, "wq_decode": 17.062 / 2,
+}
+DEFAULT_CODEC = {op: 2 ** 24 / (ms * 1e-3) for op, ms in _MEASURED_MS_PER_2_24.items()}
+for _side in ("encode", "decode"):
+    for _fmt in ("int8", "sign"):  # not timed: int4's figures
+        DEFAULT_CODEC[f"quant_{_side}_{_fmt}"] = DEFAULT_CODEC[f"quant_{_side}_int4"]
+
+LABEL_NOT_IMPLEMENTED = "modelled, not implemented"
+
+
+# --------------------------------------------------------------------------- size rules
+
+
+def quant_bytes(n: int, fmt: str, block: int) -> int:
+    """Bytes of ``n`` values on quant codes (``tagc_quant_bytes``; a wq segment too).
+
+    Args:
+        n: values.
+        fmt: ``sign``, ``ternary``, ``int4`` or ``int8``.
+        block: values per fp32 scale.
+    Returns:
+        the exact message size.
+    """
+    if fmt not in QUANT_CODES_PER_BYTE:
+        raise ValueError(f"unknown quant format {fmt!r}; known: {sorted(QUANT_CODES_PER_BYTE)}")
+    if n < 0 or block < 1:
+        raise ValueError(f"quant_bytes: n must be >= 0 and block >= 1, got {n}, {block}")
+    per = QUANT_CODES_PER_BYTE[fmt]
+    full, tail = divmod(n, block)
+    rec = QUANT_SCALE_BYTES + -(-block // per)
+    return full * rec + (QUANT_SCALE_BYTES + -(-tail // per) if tail else 0)
+
+
+def keep_count(theta: float, s: int) -> int:
+    """Entries a rank keeps of a shard of ``s`` (``tagc/config.py`` ``keep_count``).
+
+    Args:
+        theta: sparsity in [0, 1).
+        s: shard length.
+    Returns:
+        ``ceil((1 - theta) s)``, at least 1 and at most ``s``.
+    """
+    if s == 0:
+        return 0
+    return min(max(math.ceil(round((1.0 - theta) * s, 9)), 1), s)
+
+
+def ef_low_bits(n: int, k: int) -> int:
+    """Elias-Fano low bits for k positions in n (``tagc_check_ef_low_bits``).
+
+    Args:
+        n: shard length.
+        k: kept positions.
+    Returns:
+        the largest l with ``k * 2^l <= n`` (0 when k is 0).
+    """
+    low = 0
+    while k > 0 and (k << (low + 1)) <= n:
+        low += 1
+    return low
+
+
+def pairs_bytes(n: int, k: int, value_bytes: int) -> int:
+    """Bytes of ``auto``'s cheapest coding of k pairs of a shard of n
+    (``tagc_check_pairs_bytes`` / ``tagc_check_pairs_cheapest``).
+
+    Args:
+        n: shard length.
+        k: kept entries.
+        value_bytes: bytes per value (4 or 2).
+    Returns:
+        min over Elias-Fano, bitmap and dense of the message size.
+    """
+    if k == 0:
+        return 0
+    low = ef_low_bits(n, k)
+    ef = ((k * low + 7) >> 3) + ((k + ((n - 1) >> low) + 1 + 7) >> 3) + k * value_bytes
+    bitmap = ((n + 7) >> 3) + k * value_bytes
+    return min(ef, bitmap, n * value_bytes)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit.
+
+    Args:
+        name: for reports.
+        params: ``(rows, cols)`` of each parameter in FSDP's order (1-D: ``(n, 1)``).
+        compressed: whether TAGC compresses its gradient (the selected parameters
+            hold at least half of it, ``tagc/selection.py``).
+        root: the root unit (FSDP1 gathers it once per step: it is not freed after
+            forward under FULL_SHARD).
+    """
+
+    name: str
+    params: Tuple[Tuple[int, int], ...]
+    compressed: bool
+    root: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.params:
+            raise ValueError(f"unit {self.name!r}: no parameters")
+        for rows, cols in self.params:
+            if rows < 1 or cols < 1:
+                raise ValueError(f"unit {self.name!r}: parameter shape must be positive, "
+                                 f"got ({rows}, {cols})")
+
+    @property
+    def numel(self) -> int:
+        """Elements of one unit."""
+        return sum(r * c for r, c in self.params)
+
+    def segments(self, n: int, fsdp: int = 2) -> List[int]:
+        """One rank's shard as segments (the wq message's), for ``n`` ranks.
+
+        FSDP2 pads each parameter's dim 0 to ``ceil(rows / n)`` rows
+        (``padded_sharded_param_size``, DESIGN section 12); FSDP1 pads the flat
+        parameter to a multiple of ``n`` (one segment).
+
+        Args:
+            n: ranks the unit is sharded over.
+            fsdp: 1 or 2.
+        Returns:
+            the segment lengths, in elements.
+        """
+        if fsdp == 1:
+            return [-(-self.numel // n)]
+        return [-(-r // n) * c for r, c in self.params]
+
+    def shard(self, n: int, fsdp: int = 2) -> int:
+        """Elements of one rank's shard over ``n`` ranks (padding included).
+
+        Args:
+            n: ranks the unit is sharded over.
+            fsdp: 1 or 2.
+        Returns:
+            the shard length.
+        """
+        return sum(self.segments(n, fsdp))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as FSDP units.
+
+    Args:
+        name: for reports.
+        units: the units (at least one).
+    """
+
+    name: str
+    units: Tuple[Unit, ...]
+
+    def __post_init__(self) -> None:
+        if not self.units:
+            raise ValueError(f"model {self.name!r}: no units")
+
+    @property
+    def params(self) -> int:
+        """Parameters of the model."""
+        return sum(u.numel for u in self.units)
+
+    def compressed_fraction(self) -> float:
+        """Fraction of the parameters in compressed units."""
+        return sum(u.numel for u in self.units if u.compressed) / self.params
+
+    @property
+    def unit_count(self) -> int:
+        """FSDP units."""
+        return len(self.units)
+
+
+def generic_model(params: float, selected_fraction: float = DEFAULT_SELECTED_FRACTION,
+                  units: int = DEFAULT_UNITS, name: Optional[str] = None) -> ModelSpec:
+    """A model known by its size: one compressed and one plain aggregate unit.
+
+    Byte counts are then exact up to the per-unit rounding of a real layout (block
+    tails, shard padding): below one codec record per unit and rank.
+
+    Args:
+        params: parameters (> 0).
+        selected_fraction: fraction of them in compressed units, in [0, 1].
+        units: FSDP units (>= 1): the compressed ones get ``round(fraction * units)``
+            of them (at least one when the fraction is above 0).
+        name: for reports.
+    Returns:
+        the model.
+    """
+    if not params > 0 or not math.isfinite(params):
+        raise ValueError(f"params must be a positive number, got {params!r}")
+    if not 0.0 <= selected_fraction <= 1.0:
+        raise ValueError(f"selected fraction must be in [0, 1], got {selected_fraction!r}")
+    total = int(round(params))
+    comp = int(round(total * selected_fraction))
+    both = 0 < comp < total
+    if units < (2 if both else 1):
+        raise ValueError(f"units must be >= {2 if both else 1} (compressed and plain "
+                         f"parameters need a unit each), got {units}")
+    # each side gets its share of the units, at least one
+    n_comp = min(units - 1 if both else units, max(1, round(selected_fraction * units))) \
+        if comp else 0
+    n_plain = units - n_comp
+    out = []
+    if comp:
+        out.append(Unit("compressed", ((comp, 1),), True))
+    if total - comp:
+        out.append(Unit("plain", ((total - comp, 1),), False))
+    # The aggregates stand for n_comp / n_plain FSDP units: those counts scale the
+    # latency terms and the per-unit votes, not the bytes.
+    counts = tuple(n_comp if u.compressed else n_plain for u in out)
+    return CountedModel(name or f"{params:.3g} params", tuple(out), counts)
+
+
+@dataclass(frozen=True)
+class CountedModel(ModelSpec):
+    """A :class:`ModelSpec` whose aggregate units stand for more FSDP units.
+
+    Args:
+        unit_counts: FSDP units each entry of ``units`` stands for (latency, votes).
+    """
+
+    unit_counts: Tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.unit_counts) != len(self.units) or any(c < 1 for c in self.unit_counts):
+            raise ValueError("unit_counts: one count >= 1 per unit")
+
+    @property
+    def unit_count(self) -> int:
+        """FSDP units the aggregates stand for."""
+        return sum(self.unit_counts)
+
+
+def gpt2_model(n_layer: int, n_embd: int, vocab_size: int, block_size: int,
+               layers: str = "non_attention", min_numel: int = DEFAULT_MIN_NUMEL,
+               name: Optional[str] = None) -> ModelSpec:
+    """A GPT-2 (``scripts/gpt2_model.py``: biases, tied head) as TAGC wraps it.
+
+    Follows ``tagc/selection.py``: a module gets its own unit if it owns a selected
+    parameter or is a linear/embedding layer of at least ``min_numel`` parameters
+    (or an attention QKV projection); the tied wte stays in the root with everything
+    else (position embedding if small, LayerNorms).  A unit is compressed when its
+    selected parameters are at least half of it.
+
+    Args:
+        n_layer, n_embd, vocab_size, block_size: the shape.
+        layers: ``non_attention`` (default) or ``all``.
+        min_numel: smallest parameter compressed.
+        name: for reports.
+    Returns:
+        the model.
+    """
+    for k, v in (("n_layer", n_layer), ("n_embd", n_embd), ("vocab_size", vocab_size),
+                 ("block_size", block_size)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} must be a positive int, got {v!r}")
+    if layers not in ("non_attention", "all"):
+        raise ValueError(f"layers must be 'non_attention' or 'all', got {layers!r}")
+    e = n_embd
+
+    def sel(numel: int, weight: bool, qkv: bool) -> bool:
+        """Whether the policy selects a parameter."""
+        # tagc/selection.py select_parameter: size first, then (non_attention) a
+        # linear/embedding weight that is not a QKV projection
+        if numel < min_numel:
+            return False
+        return True if layers == "all" else (weight and not qkv)
+
+    def linear(nm: str, out_f: int, in_f: int, qkv: bool = False) -> Optional[Unit]:
+        """A Linear (weight + bias) as its own unit, or None when it stays in the root."""
+        w = out_f * in_f
+        own = sel(w, True, qkv) or w + out_f >= max(min_numel, 1) or qkv
+        if not own:
+            return None
+        selected = w if sel(w, True, qkv) else 0
+        return Unit(nm, ((out_f, in_f), (out_f, 1)), selected * 2 >= w + out_f)
+
+    units: List[Unit] = []
+    root: List[Tuple[int, int]] = [(vocab_size, e)]  # wte, tied with lm_head
+    root_sel = vocab_size * e if sel(vocab_size * e, True, False) else 0
+    wpe = block_size * e
+    if sel(wpe, True, False) or wpe >= max(min_numel, 1):
+        units.append(Unit("wpe", ((block_size, e),), sel(wpe, True, False)))
+    else:
+        root.append((block_size, e))
+    for i in range(n_layer):
+        root += [(e, 1)] * 4  # ln_1, ln_2: weight and bias (too small to be selected)
+        for u in (linear(f"h{i}.attn.c_attn", 3 * e, e, qkv=True),
+                  linear(f"h{i}.attn.c_proj", e, e),
+                  linear(f"h{i}.mlp.c_fc", 4 * e, e),
+                  linear(f"h{i}.mlp.c_proj", e, 4 * e)):
+            if u is not None:
+                units.append(u)
+    root += [(e, 1)] * 2  # ln_f
+    root_n = sum(r * c for r, c in root)
+    units.insert(0, Unit("root", tuple(root), root_sel * 2 >= root_n, root=True))
+    label = name or f"GPT-2 {n_layer}x{n_embd} vocab {vocab_size}"
+    return ModelSpec(label, tuple(units))
+
+
+def bench_gpt2() -> ModelSpec:
+    """The step benchmark's model (``scripts/bench_step.py`` ModelShape defaults)."""
+    return gpt2_model(2, 512, 16384, 64, name="bench GPT-2 (2x512, vocab 16384)")
+
+
+def tiny_gpt2() -> ModelSpec:
+    """The quality runs' tiny GPT-2 (``configs/train-tiny.yaml``: model tiny = 2 layers,
+    width 256, block 128; byte tokenizer of 257 ids padded to a multiple of 64)."""
+    return gpt2_model(2, 256, 320, 128, name="tiny GPT-2")
+
+
+def gpt2_124m() -> ModelSpec:
+    """GPT-2 small (``scripts/gpt2_model.py`` GPTConfig defaults: 12x768, vocab 50304,
+    block 1024)."""
+    return gpt2_model(12, 768, 50304, 1024, name="GPT-2 124M")
+
+
+def linear_pair_model(width: int = 512) -> ModelSpec:
+    """``scripts/measure_bytes.py``'s model: Linear(w, 4w) and Linear(4w, w), no bias,
+    ``layers: all``, ``min_numel`` 4096: two compressed units and an empty root."""
+    return ModelSpec(f"Linear {width}x{4 * width} pair",
+                     (Unit("fc1", ((4 * width, width),), True),
+                      Unit("fc2", ((width, 4 * width),), True)))
+
+
+def bench_gpt2_all() -> ModelSpec:
+    """The step benchmark's model under ``--override layers=all``."""
+    return gpt2_model(2, 512, 16384, 64, layers="all", name="bench GPT-2, layers=all")
+
+
+MODELS = {"bench": bench_gpt2, "bench-all": bench_gpt2_all, "tiny": tiny_gpt2,
+          "gpt2-124m": gpt2_124m, "linear-pair": linear_pair_model}
+
+
+def unit_counts(model: ModelSpec) -> List[int]:
+    """FSDP units each entry of ``model.units`` stands for."""
+    if isinstance(model, CountedModel):
+        return list(model.unit_counts)
+    return [1] * len(model.units)
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines and links.
+
+    Args:
+        ranks_per_node: ranks (GPUs, or processes) per node, ``N`` (>= 1).
+        nodes: nodes ``R`` (>= 1).
+        intra_gbit: bandwidth of a rank's link to the other ranks of its node, Gbit/s
+            of payload.
+        inter_gbit: bandwidth of a node's link to the other nodes (shared by its
+            ranks), Gbit/s of payload.
+        intra_latency_s: per-message latency inside a node.
+        inter_latency_s: per-message latency between nodes.
+        backend: ``nccl`` (ring reduce-scatter) or ``gloo`` (its reduce-scatter is an
+            all-reduce: twice the bytes, DESIGN section 4).
+        overlap: fraction of the compute time that can hide communication, in [0, 1]
+            (0: nothing hidden, as measured with gloo on the CPU; 1: a step takes
+            ``max(compute, communication)`` plus the codec).
+        link_efficiency: fraction of the bandwidth collectives reach, in (0, 1]
+            (1: first principles; ``--check`` can fit it to a measured plain step).
+    """
+
+    ranks_per_node: int
+    nodes: int
+    intra_gbit: float
+    inter_gbit: float
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 30e-6
+    backend: str = "nccl"
+    overlap: float = 0.0
+    link_efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        for k in ("ranks_per_node", "nodes"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{k} must be an int >= 1, got {v!r}")
+        for k in ("intra_gbit", "inter_gbit"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{k} must be a positive bandwidth in Gbit/s, got {v!r}")
+        for k in ("intra_latency_s", "inter_latency_s"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{k} must be a latency >= 0 seconds, got {v!r}")
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        if not 0.0 < self.link_efficiency <= 1.0:
+            raise ValueError(f"link_efficiency must be in (0, 1], got {self.link_efficiency!r}")
+
+    @property
+    def world(self) -> int:
+        """All ranks, ``N * R``."""
+        return self.ranks_per_node * self.nodes
+
+    def bytes_per_s(self, inter: bool) -> float:
+        """Payload bytes per second of a link, efficiency applied.
+
+        Args:
+            inter: the inter-node link (else the intra-node one).
+        Returns:
+            bytes per second.
+        """
+        gbit = self.inter_gbit if inter else self.intra_gbit
+        return gbit * 1e9 / 8 * self.link_efficiency
+
+
+# --------------------------------------------------------------------------- configurations
+
+GRAD_MODES = ("dense", "sparse", "auto", "quant")
+
+
+@dataclass(frozen=True)
+class Compression:
+    """TAGC's gradient exchange for the compressed units (``TAGCConfig`` fields).
+
+    Args:
+        mode: ``dense``, ``sparse``, ``auto`` or ``quant`` (``exact`` and ``paper``
+            are not modelled: their bytes depend on the data).
+        quant_format: ``int4``, ``ternary``, ``int8`` or ``sign``.
+        quant_block: values per fp32 scale.
+        theta: sparsity of the top-k modes.
+        value_bytes: bytes of a kept value (``value_dtype``; 4 = float32).
+        ef21: EF21 feedback (its vote is 32 bytes, not 4).
+        gather: parameter all-gather codes, ``none``, ``int8`` or ``int4`` (FSDP2 only).
+        gather_block: values per fp32 scale of the gather codes.
+    """
+
+    mode: str
+    quant_format: str = "int4"
+    quant_block: int = 256
+    theta: float = 0.9875
+    value_bytes: int = 4
+    ef21: bool = False
+    gather: str = "none"
+    gather_block: int = 256
+
+    def __post_init__(self) -> None:
+        if self.mode not in GRAD_MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; modelled: {list(GRAD_MODES)} "
+                             "(exact and paper send data-dependent bytes)")
+        if self.quant_format not in QUANT_CODES_PER_BYTE:
+            raise ValueError(f"unknown quant format {self.quant_format!r}; known: "
+                             f"{sorted(QUANT_CODES_PER_BYTE)}")
+        if not 1 <= self.quant_block <= 65536 or not 1 <= self.gather_block <= 65536:
+            raise ValueError("quant_block and gather_block must be in 1..65536 "
+                             "(TAGC_QBLOCK_MAX)")
+        if not 0.0 <= self.theta < 1.0:
+            raise ValueError(f"theta must be in [0, 1), got {self.theta!r}")
+        if self.value_bytes not in (2, 4):
+            raise ValueError(f"value_bytes must be 2 or 4, got {self.value_bytes!r}")
+        if self.gather not in ("none",) + GATHER_FORMATS:
+            raise ValueError(f"unknown gather format {self.gather!r}; known: none, "
+                             f"{', '.join(GATHER_FORMATS)}")
+
+    @property
+    def vote_bytes(self) -> int:
+        """Bytes of the per-call vote all-reduce."""
+        if self.mode == "dense":
+            return 0
+        return VOTE_BYTES_EF21 if self.ef21 else VOTE_BYTES_PLAIN
+
+
+# The presets in configs/ (same names as scripts/bench_step.py's CONFIGS).
+PRESETS: Dict[str, Compression] = {
+    "dense": Compression("dense"),                                     # tagc-dense.yaml
+    "sparse": Compression("sparse", theta=0.9875),                     # tagc-sparse.yaml
+    "auto": Compression("auto", theta=0.9875),                         # tagc-auto.yaml
+    "balanced": Compression("quant", "int4", ef21=True),               # tagc-balanced.yaml
+    "lean": Compression("quant", "ternary", ef21=True),                # tagc-lean.yaml
+    "full": Compression("quant", "int4", ef21=True, gather="int8"),    # tagc-full.yaml
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way to run a step.
+
+    Args:
+        name: for reports.
+        layout: ``full_shard`` (FSDP over every rank) or ``hsdp`` (FSDP inside a node,
+            replicas across nodes).
+        tagc: TAGC's compression, or None for plain FSDP/HSDP.
+        cross: HSDP's exchange between replicas with TAGC: ``all-gather`` (implemented)
+            or ``two-phase`` (modelled, not implemented).
+        dtype: parameter and gradient dtype on the wire, ``fp32`` or ``bf16``
+            (FSDP2 MixedPrecisionPolicy param_dtype = reduce_dtype).
+        fsdp: 1 or 2 (FSDP1 gathers the root once per step; no gathers hook, no HSDP).
+    """
+
+    name: str
+    layout: str
+    tagc: Optional[Compression] = None
+    cross: str = "all-gather"
+    dtype: str = "fp32"
+    fsdp: int = 2
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("full_shard", "hsdp"):
+            raise ValueError(f"layout must be 'full_shard' or 'hsdp', got {self.layout!r}")
+        if self.cross not in ("all-gather", "two-phase"):
+            raise ValueError(f"cross must be 'all-gather' or 'two-phase', got {self.cross!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.fsdp not in (1, 2):
+            raise ValueError(f"fsdp must be 1 or 2, got {self.fsdp!r}")
+        if self.fsdp == 1 and self.layout == "hsdp":
+            raise ValueError("FSDP1 refuses comm hooks on HYBRID_SHARD: HSDP needs fsdp=2")
+        if self.fsdp == 1 and self.tagc is not None and self.tagc.gather != "none":
+            raise ValueError("quantized gathers need FSDP2 (FSDP1 has no all-gather hook)")
+        if self.cross == "two-phase" and (self.layout != "hsdp" or self.tagc is None
+                                          or self.tagc.mode != "quant"):
+            raise ValueError("the two-phase exchange is modelled for HSDP with a quant "
+                             "mode only")
+
+    @property
+    def implemented(self) -> bool:
+        """False for what the hook does not do yet (the two-phase exchange)."""
+        return self.cross != "two-phase"
+
+    @property
+    def label(self) -> str:
+        """The name, marked when it is not implemented."""
+        return self.name if self.implemented else f"{self.name} ({LABEL_NOT_IMPLEMENTED})"
+
+
+def make_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
+    """A configuration from its name: ``fsdp``, ``hsdp``, ``fsdp+PRESET``,
+    ``hsdp+PRESET`` or ``hsdp+PRESET/2phase`` (PRESET one of :data:`PRESETS`).
+
+    Args:
+        name: the name.
+        dtype: ``fp32`` or ``bf16``.
+        fsdp: 1 or 2.
+    Returns:
+        the configuration.
+    """
+    base, _, topo = name.partition("/")
+    layout_s, _, preset = base.partition("+")
+    layouts = {"fsdp": "full_shard", "hsdp": "hsdp"}
+    if layout_s not in layouts or (preset and preset not in PRESETS) \
+            or topo not in ("", "2phase") or (topo and not preset):
+        raise ValueError(f"unknown configuration {name!r}: use fsdp, hsdp, fsdp+P, hsdp+P or "
+                         f"hsdp+P/2phase with P one of {sorted(PRESETS)}")
+    return Config(name, layouts[layout_s], PRESETS[preset] if preset else None,
+                  "two-phase" if topo else "all-gather", dtype, fsdp)
+
+
+DEFAULT_CONFIGS = ("fsdp", "hsdp", "fsdp+balanced", "fsdp+lean", "fsdp+full",
+                   "hsdp+balanced", "hsdp+lean", "hsdp+balanced/2phase", "hsdp+lean/2phase")
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+@dataclass
+class Prediction:
+    """What one configuration costs per optimizer step.
+
+    Attributes:
+        config: the configuration.
+        ideal: bytes one rank sends per category as the hook and the benchmark count
+            them (ring collectives' ideal bytes: reduce-scatter ``(G-1)/G``; keys
+            ``gather``, ``grad`` (FSDP's reduce-scatter or TAGC's exchange inside the
+            reduce-scatter group), ``cross`` (HSDP between replicas), ``control``).
+        link: the same as the backend sends it (gloo's reduce-scatter is an all-reduce).
+        node_inter: bytes one node puts on its inter-node link.
+        comm_s: time in collectives (none overlapped with each other).
+        codec_s: time in the codec.
+        compute_s: compute time given.
+        messages: latency terms counted.
+    """
+
+    config: Config
+    ideal: Dict[str, float] = field(default_factory=dict)
+    link: Dict[str, float] = field(default_factory=dict)
+    node_inter: float = 0.0
+    comm_s: float = 0.0
+    codec_s: float = 0.0
+    compute_s: float = 0.0
+    messages: int = 0
+    overlap: float = 0.0
+
+    @property
+    def bytes_per_rank(self) -> float:
+        """Bytes one rank sends per step on the backend."""
+        return sum(self.link.values())
+
+    @property
+    def ideal_bytes_per_rank(self) -> float:
+        """Ideal-ring bytes one rank sends per step."""
+        return sum(self.ideal.values())
+
+    @property
+    def step_s(self) -> float:
+        """Compute + codec + the communication compute does not hide."""
+        hidden = min(self.comm_s, self.overlap * self.compute_s)
+        return self.compute_s + self.codec_s + self.comm_s - hidden
+
+
+class _Step:
+    """Accumulates one step's collectives into a :class:`Prediction`.
+
+    Every call describes one collective of one unit: ``times`` = how many of them run
+    per step for the bytes (1 per unit and call), ``lat`` = how many FSDP units it
+    stands for (the latency terms and the per-unit votes; > 1 for the aggregate units
+    of :func:`generic_model`).
+    """
+
+    def __init__(self, cluster: Cluster, pred: Prediction) -> None:
+        self.c, self.p = cluster, pred
+
+    def _account(self, cat: str, ideal: float, link: float, crosses: bool, intra: float,
+                 nic: float, steps: int, times: int, lat: int) -> None:
+        """Add bytes, and time = the slowest link the collective uses + latencies.
+
+        Args:
+            cat: byte category.
+            ideal, link: bytes one rank sends (ideal ring / the backend).
+            crosses: whether it uses the inter-node link.
+            intra: bytes one rank puts on its intra-node link.
+            nic: bytes one node puts on its inter-node link.
+            steps: sequential message steps (latency terms) of one call.
+            times: calls, for the bytes.
+            lat: FSDP units, for the latencies.
+        """
+        c, p = self.c, self.p
+        p.ideal[cat] = p.ideal.get(cat, 0.0) + ideal * times
+        p.link[cat] = p.link.get(cat, 0.0) + link * times
+        t = intra / c.bytes_per_s(False) if intra else 0.0
+        if crosses:
+            t = max(t, nic / c.bytes_per_s(True))
+            p.node_inter += nic * times
+        p.comm_s += t * times + steps * lat * (c.inter_latency_s if crosses
+                                                else c.intra_latency_s)
+        p.messages += steps * lat
+
+    def _crosses(self, group: str) -> bool:
+        """Whether a collective over ``group`` uses the inter-node link."""
+        return group == "replica" or (group == "world" and self.c.nodes > 1)
+
+    def ring(self, cat: str, group: str, g: int, kind: str, nbytes: float, times: int,
+             lat: int) -> None:
+        """A ring collective over ``g`` ranks.
+
+        Args:
+            cat: byte category.
+            group: ``world`` (all ranks, node by node), ``node`` (the ranks of a node)
+                or ``replica`` (one rank per node; the N such groups run at once).
+            g: ranks in the group.
+            kind: ``all_gather`` (nbytes = one rank's piece), ``reduce_scatter`` or
+                ``all_reduce`` (nbytes = the whole input of one rank).
+            nbytes: see kind.
+            times: calls, for the bytes.
+            lat: FSDP units, for the latencies.
+        """
+        if g <= 1 or nbytes == 0:
+            return
+        if kind == "all_gather":
+            ideal = link = (g - 1) * nbytes
+            steps = g - 1
+        elif kind == "reduce_scatter":
+            ideal = (g - 1) / g * nbytes
+            gloo = self.c.backend == "gloo"  # gloo: an all-reduce underneath
+            link = 2 * ideal if gloo else ideal
+            steps = 2 * (g - 1) if gloo else g - 1
+        elif kind == "all_reduce":
+            ideal = link = 2 * (g - 1) / g * nbytes
+            steps = 2 * (g - 1)
+        else:
+            raise ValueError(f"unknown collective {kind!r}")
+        crosses = self._crosses(group)
+        # A node-contiguous ring crosses each node boundary once, so a node's link
+        # carries one rank's bytes; replica groups: the node's N rings all cross it.
+        nic = link * (self.c.ranks_per_node if group == "replica" else 1)
+        intra = link if group != "replica" and self.c.ranks_per_node > 1 else 0.0
+        self._account(cat, ideal, link, crosses, intra, nic, steps, times, lat)
+
+    def all_to_all(self, cat: str, group: str, g: int, msg: float, times: int,
+                   lat: int) -> None:
+        """Each rank sends ``msg`` bytes to each of the ``g - 1`` others.
+
+        Args:
+            cat: byte category.
+            group: ``world`` or ``replica`` (as :meth:`ring`).
+            g: ranks in the group.
+            msg: bytes of one message.
+            times: calls, for the bytes.
+            lat: FSDP units, for the latencies.
+        """
+        if g <= 1 or msg == 0:
+            return
+        n = self.c.ranks_per_node
+        if group == "world":
+            # a node's N ranks each send to the g - N ranks of the other nodes
+            nic, intra = n * (g - n) * msg, (min(n, g) - 1) * msg
+        else:  # replica: every rank's g - 1 messages leave the node
+            nic, intra = n * (g - 1) * msg, 0.0
+        self._account(cat, (g - 1) * msg, (g - 1) * msg, self._crosses(group), intra, nic,
+                      g - 1, times, lat)
+
+
+def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float = 0.0,
+            codec: Optional[Dict[str, float]] = None) -> Prediction:
+    """Bytes and time of one optimizer step.
+
+    Collectives run one after the other (FSDP issues them in order on one stream);
+    ``cluster.overlap`` decides how much of their total hides behind compute.
+
+    Args:
+        model: the units.
+        cluster: ranks, links, backend, overlap.
+        config: the configuration.
+        compute_s: forward + backward + optimizer time of one step (>= 0).
+        codec: values per second of codec ops (keys of :data:`DEFAULT_CODEC`), replacing
+            the defaults.
+    Returns:
+        the prediction.
+    """
+    if not (isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and compute_s >= 0):
+        raise ValueError(f"compute time must be >= 0 seconds, got {compute_s!r}")
+    rates = codec_rates(codec or {})
+    p = Prediction(config, compute_s=compute_s, overlap=cluster.overlap)
+    st = _Step(cluster, p)
+    t = config.tagc
+    eb = DTYPE_BYTES[config.dtype]
+    hsdp = config.layout == "hsdp"
+    group, g = ("node", cluster.ranks_per_node) if hsdp else ("world", cluster.world)
+    for u, cnt in zip(model.units, unit_counts(model)):
+        segs = u.segments(g, config.fsdp)
+        s = sum(segs)
+        # -- parameter all-gathers: forward and backward (FSDP1's root: forward only)
+        calls = 1 if (config.fsdp == 1 and u.root) else 2
+        if t is not None and t.gather != "none":
+            msg = sum(quant_bytes(x, t.gather, t.gather_block) for x in segs)
+            st.ring("gather", group, g, "all_gather", msg, calls, calls * cnt)
+            if g > 1:  # tagc/gather.py: encode the own shard, decode all g messages
+                p.codec_s += calls * (s / rates["wq_encode"] + g * s / rates["wq_decode"])
+        else:
+            st.ring("gather", group, g, "all_gather", s * eb, calls, calls * cnt)
+        # -- gradient over the reduce-scatter group (every rank, or the node's)
+        compressed = t is not None and u.compressed
+        if compressed and not hsdp and g > 1:
+            _exchange(st, p, t, g, s, eb, cnt, rates)
+        else:
+            st.ring("grad", group, g, "reduce_scatter", g * s * eb, 1, cnt)
+        # -- HSDP: each rank's shard over the R replicas
+        if hsdp and cluster.nodes > 1:
+            if compressed:
+                _cross(st, p, t, config.cross, cluster.nodes, s, eb, cnt, rates)
+            else:
+                st.ring("cross", "replica", cluster.nodes, "all_reduce", s * eb, 1, cnt)
+    return p
+
+
+def codec_rates(overrides: Dict[str, float], speedup: float = 1.0) -> Dict[str, float]:
+    """The codec throughputs: the defaults, times ``speedup``, with ``overrides``.
+
+    Args:
+        overrides: values per second per op (keys of :data:`DEFAULT_CODEC`).
+        speedup: factor on the defaults (> 0).
+    Returns:
+        every op's values per second.
+    """
+    if not (math.isfinite(speedup) and speedup > 0):
+        raise ValueError(f"codec speedup must be > 0, got {speedup!r}")
+    rates = {k: v * speedup for k, v in DEFAULT_CODEC.items()}
+    for k, v in overrides.items():
+        if k not in DEFAULT_CODEC:
+            raise ValueError(f"unknown codec op {k!r}; known: {sorted(DEFAULT_CODEC)}")
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"codec throughput {k} must be > 0 values/s, got {v!r}")
+        rates[k] = float(v)
+    return rates
+
+
+def _pairs_msg(t: Compression, s: int, eb: int) -> int:
+    """One message of k pairs (``tagc/transports.py`` ``pairs_wire``): ``sparse``'s
+    int32 offsets + values, or ``auto``'s cheapest coding (values in the gradient's
+    dtype when it is narrower, ``auto_value_dtype``)."""
+    k = keep_count(t.theta, s)
+    if t.mode == "sparse":
+        return k * (SPARSE_INDEX_BYTES + t.value_bytes)
+    return pairs_bytes(s, k, min(t.value_bytes, eb))
+
+
+def _pairs_codec(t: Compression, s: int, shards: int, messages: int,
+                 rates: Dict[str, float]) -> float:
+    """Seconds to select ``shards`` shards of s and add ``messages`` messages."""
+    if t.mode == "sparse":
+        return shards * s / rates["sparsify"] + messages * s / rates["sparse_unpack"]
+    return shards * s * (1 / rates["sparsify"] + 1 / rates["auto_pack"]) \
+        + messages * s / rates["auto_decode"]
+
+
+def _exchange(st: _Step, p: Prediction, t: Compression, g: int, s: int, eb: int, cnt: int,
+              rates: Dict[str, float]) -> None:
+    """TAGC's compressed reduce-scatter of one unit over all ranks: an all-to-all."""
+    if t.vote_bytes:
+        st.ring("control", "world", g, "all_reduce", t.vote_bytes, cnt, cnt)
+    if t.mode == "dense":
+        st.all_to_all("grad", "world", g, s * eb, 1, cnt)
+    elif t.mode == "quant":
+        fmt = t.quant_format
+        st.all_to_all("grad", "world", g, quant_bytes(s, fmt, t.quant_block), 1, cnt)
+        # the own shard stays exact: g - 1 shards encoded, g - 1 messages decoded
+        p.codec_s += (g - 1) * s * (1 / rates[f"quant_encode_{fmt}"]
+                                    + 1 / rates[f"quant_decode_{fmt}"])
+    else:  # every shard selected (the own one too), g messages added at the owner
+        st.all_to_all("grad", "world", g, _pairs_msg(t, s, eb), 1, cnt)
+        p.codec_s += _pairs_codec(t, s, g, g, rates)
+
+
+def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int, eb: int,
+           cnt: int, rates: Dict[str, float]) -> None:
+    """TAGC's HSDP exchange of one rank's shard of one unit between ``r`` replicas."""
+    if t.vote_bytes:
+        st.ring("control", "replica", r, "all_reduce", t.vote_bytes, cnt, cnt)
+    if t.mode == "dense":  # tagc/hsdp.py _dense: dist.all_reduce
+        st.ring("cross", "replica", r, "all_reduce", s * eb, 1, cnt)
+    elif t.mode == "quant":
+        fmt, blk = t.quant_format, t.quant_block
+        enc, dec = rates[f"quant_encode_{fmt}"], rates[f"quant_decode_{fmt}"]
+        if cross == "all-gather":  # tagc/hsdp.py _quant: every replica decodes all r
+            st.ring("cross", "replica", r, "all_gather", quant_bytes(s, fmt, blk), 1, cnt)
+            p.codec_s += s / enc + r * s / dec
+        else:
+            # two-phase (modelled, not implemented): r chunks of s/r; r - 1 of them go
+            # compressed to their owners (all-to-all), each owner sums, re-encodes its
+            # chunk and all-gathers it, and every replica decodes all r chunks
+            chunk = -(-s // r)
+            msg = quant_bytes(chunk, fmt, blk)
+            st.all_to_all("cross", "replica", r, msg, 1, cnt)
+            st.ring("cross", "replica", r, "all_gather", msg, 1, cnt)
+            p.codec_s += (s + chunk) / enc + (2 * r - 1) * chunk / dec
+    else:  # tagc/hsdp.py _pairs: the k pairs all-gathered, all r added
+        st.ring("cross", "replica", r, "all_gather", _pairs_msg(t, s, eb), 1, cnt)
+        p.codec_s += _pairs_codec(t, s, 1, r, rates)
+
+
+# --------------------------------------------------------------------------- compute time
+
+# Training FLOPs per token and parameter: 2 forward + 4 backward multiply-adds
+# (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", C = 6 N D).
+FLOPS_PER_PARAM_TOKEN = 6
+
+
+def flops_compute_s(params: float, tokens_per_rank: int, tflops: float, mfu: float) -> float:
+    """Compute time of one step from the 6 x params x tokens estimate.
+
+    Args:
+        params: model parameters.
+        tokens_per_rank: tokens each rank processes per optimizer step.
+        tflops: peak dense TFLOP/s of one rank's device (dtype of the matmuls).
+        mfu: achieved fraction of that peak, in (0, 1].
+    Returns:
+        seconds.
+    """
+    if tokens_per_rank < 1 or not tflops > 0 or not 0 < mfu <= 1:
+        raise ValueError("flops estimate: tokens_per_rank >= 1, tflops > 0 and mfu in (0, 1] "
+                         f"needed, got {tokens_per_rank}, {tflops}, {mfu}")
+    return FLOPS_PER_PARAM_TOKEN * params * tokens_per_rank / (tflops * 1e12 * mfu)
+
+
+# --------------------------------------------------------------------------- sweep and report
+
+
+def sweep(model: ModelSpec, base: Cluster, nodes: Sequence[int], configs: Sequence[Config],
+          compute_s: float, codec: Dict[str, float]) -> Dict[str, Dict[int, Prediction]]:
+    """Every configuration at every node count.
+
+    Args:
+        model: the model.
+        base: the cluster (its ``nodes`` is replaced by each of ``nodes``).
+        nodes: node counts R.
+        configs: configurations.
+        compute_s: compute time per step.
+        codec: codec throughputs.
+    Returns:
+        ``{config name: {R: prediction}}``.
+    """
+    out: Dict[str, Dict[int, Prediction]] = {}
+    for cfg in configs:
+        out[cfg.name] = {r: predict(model, replace(base, nodes=r), cfg, compute_s, codec)
+                         for r in nodes}
+    return out
+
+
+def winners(table: Dict[str, Dict[int, Prediction]], r: int) -> Tuple[Prediction, Prediction]:
+    """The fastest configuration at R = r, and the fastest implemented one.
+
+    Args:
+        table: :func:`sweep`'s result.
+        r: the node count.
+    Returns:
+        (fastest, fastest implemented): the same prediction when the fastest is
+        implemented.
+    """
+    preds = [by_r[r] for by_r in table.values()]
+    best = min(preds, key=lambda p: p.step_s)
+    impl = [p for p in preds if p.config.implemented]
+    return best, min(impl, key=lambda p: p.step_s) if impl else best
+
+
+def _fmt_mb(b: float) -> str:
+    """Bytes as MB, 4 significant digits."""
+    return f"{b / 1e6:.4g}"
+
+
+def report(model: ModelSpec, base: Cluster, nodes: Sequence[int],
+           table: Dict[str, Dict[int, Prediction]]) -> str:
+    """Markdown tables: bytes per rank, bytes per node between nodes, step time, winners.
+
+    Args:
+        model: the model.
+        base: the cluster (ranks per node, links).
+        nodes: node counts R (the columns).
+        table: :func:`sweep`'s result.
+    Returns:
+        the text.
+    """
+    cols = " | ".join(f"R={r} ({r * base.ranks_per_node} ranks)" for r in nodes)
+    sep = "|---" * (len(nodes) + 1) + "|"
+    first = next(iter(table.values()))[nodes[0]]
+    lines = [f"model: {model.name}, {model.params / 1e6:.2f}M parameters, "
+             f"{100 * model.compressed_fraction():.1f}% in compressed units, "
+             f"{model.unit_count} FSDP units",
+             f"cluster: {base.ranks_per_node} ranks per node, intra {base.intra_gbit:g} Gbit/s "
+             f"+ {base.intra_latency_s * 1e6:g} us, inter {base.inter_gbit:g} Gbit/s per node "
+             f"+ {base.inter_latency_s * 1e6:g} us, backend {base.backend}, overlap "
+             f"{base.overlap:g}, link efficiency {base.link_efficiency:g}; compute "
+             f"{first.compute_s:.4g} s per step", ""]
+    for title, fn in (("bytes sent per rank per step (MB)", lambda p: _fmt_mb(p.bytes_per_rank)),
+                      ("bytes per node on the inter-node link per step (MB)",
+                       lambda p: _fmt_mb(p.node_inter)),
+                      ("predicted step time (s)", lambda p: f"{p.step_s:.4g}")):
+        lines += [f"**{title}**", "", f"| config | {cols} |", sep]
+        for by_r in table.values():
+            cfg = next(iter(by_r.values())).config
+            lines.append(f"| {cfg.label} | " + " | ".join(fn(by_r[r]) for r in nodes) + " |")
+        lines.append("")
+    lines.append("**fastest configuration**")
+    lines.append("")
+    for r in nodes:
+        best, impl = winners(table, r)
+        line = f"- R={r}: {best.config.label}, {best.step_s:.4g} s"
+        if best is not impl:
+            line += f"; implemented: {impl.config.label}, {impl.step_s:.4g} s"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- --check
+
+
+@dataclass
+class CheckRow:
+    """One compared quantity.
+
+    Attributes:
+        setup: the runs file's setup (or bits section).
+        config: configuration or label.
+        quantity: what is compared.
+        predicted: the model's value.
+        measured: the runs file's value.
+        decimals: decimals the measurement was printed with (bytes: exact means equal
+            at that precision); None for times.
+        calibrated: the prediction with the setup's ``calibrate`` figure fitted to its
+            plain row (times only).
+        calibration_row: the plain row the fit used (its calibrated error is 0 by
+            construction).
+        fit: (figure, value) the calibration fitted for the row's setup.
+    """
+
+    setup: str
+    config: str
+    quantity: str
+    predicted: float
+    measured: float
+    decimals: Optional[int] = None
+    calibrated: Optional[float] = None
+    calibration_row: bool = False
+    fit: Optional[Tuple[str, float]] = None
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted - self.measured) / self.measured if self.measured else \
+            (0.0 if self.predicted == 0 else math.inf)
+
+    @property
+    def exact(self) -> bool:
+        """Equal at the printed precision (bytes)."""
+        if self.decimals is None:
+            return False
+        return abs(self.predicted - self.measured) <= 0.5 * 10 ** -self.decimals + 1e-12
+
+    @property
+    def calibrated_error(self) -> Optional[float]:
+        """Error of the calibrated prediction."""
+        if self.calibrated is None:
+            return None
+        return (self.calibrated - self.measured) / self.measured
+
+
+def load_runs(path: str) -> Dict[str, Any]:
+    """Read and validate a runs file (``docs/cost_model_runs.json``'s format).
+
+    Args:
+        path: the file.
+    Returns:
+        the parsed file.
+    Raises:
+        ValueError: a field missing or of the wrong kind, naming it.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"runs file {path}: {e}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("setups"), dict) \
+            or not isinstance(data.get("runs"), list):
+        raise ValueError(f"runs file {path}: needs a 'setups' object and a 'runs' list")
+    for name, st in data["setups"].items():
+        for k in ("model", "fsdp", "layout", "dtype", "ranks_per_node", "nodes",
+                  "inter_mbit", "compute"):
+            if k not in st:
+                raise ValueError(f"runs file {path}: setup {name!r} lacks {k!r}")
+        if st["model"] not in MODELS:
+            raise ValueError(f"runs file {path}: setup {name!r}: unknown model "
+                             f"{st['model']!r}; known: {sorted(MODELS)}")
+        c = st["compute"]
+        if "rest_s" not in c and not ("plain_fast_step_s" in c and "fast_mbit" in c):
+            raise ValueError(f"runs file {path}: setup {name!r}: compute needs rest_s, or "
+                             "plain_fast_step_s and fast_mbit")
+    for i, run in enumerate(data["runs"]):
+        if run.get("setup") not in data["setups"]:
+            raise ValueError(f"runs file {path}: run {i} names unknown setup {run.get('setup')!r}")
+        if "config" not in run or "step_s" not in run:
+            raise ValueError(f"runs file {path}: run {i} needs 'config' and 'step_s'")
+    for sec in data.get("bits_per_param", []):
+        if sec.get("model") not in MODELS or sec.get("kind") not in ("grad", "gather") \
+                or not isinstance(sec.get("rows"), list):
+            raise ValueError(f"runs file {path}: a bits_per_param section needs a known "
+                             "model, kind grad|gather and rows")
+    return data
+
+
+def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[float] = None,
+                   efficiency: float = 1.0) -> Cluster:
+    """The cluster of a runs-file setup (gloo), at ``inter_mbit`` between nodes."""
+    n = st["ranks_per_node"]
+    intra = intra_mbit if intra_mbit is not None else st.get("intra_mbit")
+    if intra is None:
+        if n > 1:
+            raise ValueError("a setup with several ranks per node needs intra_mbit")
+        intra = inter_mbit  # unused: no intra-node link with one rank per node
+    # Latency: scripts/bench_step.py's --delay default (0.1 ms), which this kernel's tbf
+    # does not apply (no sch_netem, DESIGN section 10): an upper bound, a few ms per step.
+    return Cluster(n, st["nodes"], intra / 1000, inter_mbit / 1000, 1e-4, 1e-4,
+                   backend="gloo", link_efficiency=efficiency)
+
+
+def _run_config(st: Dict[str, Any], name: str) -> Config:
+    """A runs-file row's configuration: ``fsdp`` is the setup's plain layout."""
+    layout = "hsdp" if st["layout"] == "hsdp" else "fsdp"
+    full = layout if name == "fsdp" else f"{layout}+{name}"
+    return make_config(full, st["dtype"], st["fsdp"])
+
+
+def _setup_state(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, float]],
+                 efficiency: float = 1.0, intra_mbit: Optional[float] = None
+                 ) -> Tuple[Cluster, float]:
+    """(cluster, compute seconds) of a setup.
+
+    Compute is the plain row's time outside collectives (``rest_s``), or the plain
+    step on the fast link minus the communication predicted there.
+    """
+    cl = _setup_cluster(st, st["inter_mbit"], intra_mbit, efficiency)
+    c = st["compute"]
+    if "rest_s" in c:
+        return cl, float(c["rest_s"])
+    fast = _setup_cluster(st, c["fast_mbit"], intra_mbit, efficiency)
+    fast = replace(fast, intra_gbit=max(fast.intra_gbit, c["fast_mbit"] / 1000))
+    comm = predict(model, fast, _run_config(st, "fsdp"), 0.0, codec).comm_s
+    return cl, c["plain_fast_step_s"] - comm
+
+
+# The figure a setup may fit to its plain row: (search range, keyword of _setup_state).
+CALIBRATABLE = {"link_efficiency": ((0.05, 1.0), "efficiency"),
+                "intra_mbit": ((10.0, 1e6), "intra_mbit")}
+
+
+def calibrate(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, float]],
+              measured_plain_s: float) -> Optional[Tuple[str, float]]:
+    """Fit the setup's ``calibrate`` figure so the plain row's step time is matched.
+
+    The predicted plain step falls as the figure grows (more efficiency, a faster
+    link), so a bisection finds it; at a bound of the range the bound is kept.
+
+    Args:
+        st: the setup (``calibrate``: ``link_efficiency``, the default, or
+            ``intra_mbit``).
+        model: its model.
+        codec: codec throughputs.
+        measured_plain_s: the plain row's measured step time.
+    Returns:
+        (figure, fitted value), or None when the setup has no plain row.
+    """
+    name = st.get("calibrate", "link_efficiency")
+    if name not in CALIBRATABLE:
+        raise ValueError(f"calibrate: one of {sorted(CALIBRATABLE)}, got {name!r}")
+    (lo, hi), kw = CALIBRATABLE[name]
+    plain = _run_config(st, "fsdp")
+
+    def step(x: float) -> float:
+        """The predicted plain step at figure value x."""
+        cl, compute = _setup_state(st, model, codec, **{kw: x})
+        if compute < 0:  # so slow a link that the fast-link step holds no compute
+            return math.inf
+        return predict(model, cl, plain, compute, codec).step_s
+
+    if step(hi) >= measured_plain_s:
+        return name, hi
+    if step(lo) <= measured_plain_s:
+        return name, lo
+    for _ in range(100):
+        mid = math.sqrt(lo * hi)  # geometric: the range spans decades
+        lo, hi = (mid, hi) if step(mid) > measured_plain_s else (lo, mid)
+    return name, math.sqrt(lo * hi)
+
+
+def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> List[CheckRow]:
+    """Predictions against every measured number of a runs file.
+
+    Step time, first principles: the setup's links as given, compute from the setup
+    (:func:`_setup_state`).  Calibrated: the setup's ``calibrate`` figure fitted to its
+    plain row (:func:`calibrate`), the other rows predicted with it.
+
+    Args:
+        data: :func:`load_runs`'s result.
+        codec: codec throughputs (default: this machine's, where the runs ran).
+    Returns:
+        one row per compared quantity.
+    """
+    rows: List[CheckRow] = []
+    for name, st in data["setups"].items():
+        model = MODELS[st["model"]]()
+        cl, compute = _setup_state(st, model, codec)
+        runs = [r for r in data["runs"] if r["setup"] == name]
+        meas_plain = next((r["step_s"] for r in runs if r["config"] == "fsdp"), None)
+        fit = calibrate(st, model, codec, meas_plain) if meas_plain else None
+        cal = _setup_state(st, model, codec, **{CALIBRATABLE[fit[0]][1]: fit[1]}) \
+            if fit else None
+        for run in runs:
+            cfg = _run_config(st, run["config"])
+            p = predict(model, cl, cfg, compute, codec)
+            pc = predict(model, cal[0], cfg, cal[1], codec).step_s if cal else None
+            hook = (p.ideal.get("cross", 0.0) if cfg.layout == "hsdp" else
+                    p.ideal.get("grad", 0.0)) + p.ideal.get("control", 0.0)
+            label = cfg.label
+            for key, pred, dec in (("stats_wire_mb", hook / 1e6, 2),
+                                   ("gathers_mb", p.ideal.get("gather", 0.0) / 1e6, 2),
+                                   ("veth_tx_mb", p.node_inter * TCP_FRAME_OVERHEAD / 1e6, None)):
+                if key in run:
+                    rows.append(CheckRow(name, label, key, pred, run[key], dec))
+            rows.append(CheckRow(name, label, "step_s", p.step_s, run["step_s"], None, pc,
+                                 run["config"] == "fsdp", fit))
+            if "in_collectives_s" in run:
+                rows.append(CheckRow(name, label, "in_collectives_s", p.comm_s,
+                                     run["in_collectives_s"]))
+            if "codec_s" in run:
+                rows.append(CheckRow(name, label, "codec_s", p.codec_s, run["codec_s"]))
+    for sec in data.get("bits_per_param", []):
+        model = MODELS[sec["model"]]()
+        dec = int(sec.get("decimals", 2))
+        for row in sec["rows"]:
+            comp = Compression(**row["compression"]) if row["compression"] else None
+            cfg = Config(row["label"], "full_shard", comp, fsdp=sec["fsdp"])
+            cl = Cluster(row["n"], 1, 1.0, 1.0)
+            if sec["kind"] == "grad":  # the compressed units only, as the hook counts them
+                units = tuple(u for u in model.units if u.compressed)
+                p = predict(ModelSpec(model.name, units), cl, cfg)
+                b = p.ideal.get("grad", 0.0) + p.ideal.get("control", 0.0)
+                params = sum(u.numel for u in units)
+            else:
+                p = predict(model, cl, cfg)
+                b, params = p.ideal.get("gather", 0.0), model.params
+            rows.append(CheckRow(sec["section"].lstrip("# "), row["label"],
+                                 f"bits/param N={row['n']}", 8 * b / params, row["bits"], dec))
+    return rows
+
+
+def _pct(x: Optional[float]) -> str:
+    """A signed percentage, or "-"."""
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def check_report(rows: List[CheckRow], tolerance: float = 0.25) -> str:
+    """The --check tables (markdown) and a summary of what holds.
+
+    Args:
+        rows: :func:`check`'s result.
+        tolerance: the step-time goal (0.25: within 25%).
+    Returns:
+        the text.
+    """
+    out = ["**bytes: predicted vs measured** (exact = equal at the printed precision; "
+           "veth = the link's counter, TCP/IP framing added as 1514/1448)", "",
+           "| setup | config | quantity | predicted | measured | error | match |",
+           "|---|---|---|---|---|---|---|"]
+    byte_rows = [r for r in rows if r.quantity in ("stats_wire_mb", "gathers_mb", "veth_tx_mb")
+                 or r.quantity.startswith("bits/param")]
+    for r in byte_rows:
+        match = ("exact" if r.exact else "NOT exact") if r.decimals is not None else \
+            ("within 1%" if abs(r.error) <= 0.01 else "off by more than 1%")
+        dec = 3 if r.decimals is None else max(r.decimals, 2) + 1
+        out.append(f"| {r.setup} | {r.config} | {r.quantity} | {r.predicted:.{dec}f} | "
+                   f"{r.measured:g} | {_pct(r.error)} | {match} |")
+    out += ["", "**step time: predicted vs measured** (first principles; calibrated = the "
+            "setup's one unmeasured figure fitted to its plain row, marked *)", "",
+            "| setup | config | measured s | predicted s | error | calibrated s | error | "
+            "in collectives pred / meas s | codec pred / meas s |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    by_key = {(r.setup, r.config, r.quantity): r for r in rows}
+    time_rows = [r for r in rows if r.quantity == "step_s"]
+    for r in time_rows:
+        coll = by_key.get((r.setup, r.config, "in_collectives_s"))
+        cod = by_key.get((r.setup, r.config, "codec_s"))
+        cal = "-" if r.calibrated is None else f"{r.calibrated:.3f}" + ("*" if r.calibration_row
+                                                                       else "")
+        out.append(f"| {r.setup} | {r.config} | {r.measured:.3f} | {r.predicted:.3f} | "
+                   f"{_pct(r.error)} | {cal} | {_pct(r.calibrated_error)} | "
+                   + (f"{coll.predicted:.3f} / {coll.measured:.3f}" if coll else "-") + " | "
+                   + (f"{cod.predicted:.3f} / {cod.measured:.3f}" if cod else "-") + " |")
+    fits = {r.setup: r.fit for r in time_rows if r.fit}
+    out += ["", "calibration, per setup (fitted to its plain row): " + "; ".join(
+        f"{k}: {f[0]} = {f[1]:.3g}" for k, f in fits.items())]
+    exact = [r for r in byte_rows if r.decimals is not None]
+    veth = [r for r in byte_rows if r.decimals is None]
+    held = [r for r in time_rows if not r.calibration_row and r.calibrated is not None]
+    ok = sum(abs(r.error) <= tolerance for r in time_rows)
+    ok_cal = sum(abs(r.calibrated_error or 0) <= tolerance for r in held)
+    out += ["", "**summary**", "",
+            f"- bytes exact at the printed precision: {sum(r.exact for r in exact)} of "
+            f"{len(exact)}",
+            f"- veth bytes within 1%: {sum(abs(r.error) <= 0.01 for r in veth)} of {len(veth)} "
+            f"(largest error {_pct(max((abs(r.error) for r in veth), default=0))})",
+            f"- step time within {tolerance:.0%}, first principles: {ok} of {len(time_rows)}",
+            f"- step time within {tolerance:.0%}, calibrated on the plain row (that row "
+            f"left out): {ok_cal} of {len(held)}"]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot(path: str, base: Cluster, nodes: Sequence[int], configs: Sequence[Config],
+         models: Sequence[Tuple[ModelSpec, float]], codec: Dict[str, float],
+         note: str) -> None:
+    """Bytes per rank and step time against R for each model (matplotlib, lazily).
+
+    Args:
+        path: the PNG to write.
+        base: the cluster.
+        nodes: node counts R.
+        configs: configurations (not implemented ones dashed).
+        models: (model, compute seconds per step) pairs, one column each.
+        codec: codec throughputs.
+        note: the assumptions, printed under the figure.
+    """
+    import matplotlib  # noqa: PLC0415 - only the --plot path needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 8.5), squeeze=False)
+    for col, (model, compute) in enumerate(models):
+        table = sweep(model, base, nodes, configs, compute, codec)
+        for cfg in configs:
+            by_r = table[cfg.name]
+            style = "-" if cfg.implemented else "--"
+            axes[0][col].plot(nodes, [by_r[r].bytes_per_rank / 1e6 for r in nodes], style,
+                              marker="o", ms=3, label=cfg.label)
+            axes[1][col].plot(nodes, [by_r[r].step_s for r in nodes], style, marker="o",
+                              ms=3, label=cfg.label)
+        axes[0][col].set_title(f"{model.name}: bytes sent per rank per step")
+        axes[1][col].set_title(f"{model.name}: step time (compute {compute:.3g} s)")
+        axes[0][col].set_ylabel("MB per rank per step")
+        axes[1][col].set_ylabel("seconds per step")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel(f"nodes R ({base.ranks_per_node} ranks per node)")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="best")
+    fig.text(0.01, 0.005, note, fontsize=7, va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _int_list(text: str) -> List[int]:
+    """argparse type: comma-separated node counts >= 1."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+    if not out or any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"node counts must be >= 1, got {text!r}")
+    return out
+
+
+def _codec_overrides(items: Iterable[str]) -> Dict[str, float]:
+    """``--codec OP=VALUE`` items as a dict (checked by :func:`codec_rates`)."""
+    out = {}
+    for it in items:
+        key, eq, val = it.partition("=")
+        if not eq:
+            raise ValueError(f"--codec: expected OP=VALUES_PER_S, got {it!r}")
+        try:
+            out[key] = float(val)
+        except ValueError as e:
+            raise ValueError(f"--codec {key}: not a number: {val!r}") from e
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="configurations: fsdp, hsdp, fsdp+P, hsdp+P, hsdp+P/2phase "
+                                       f"with P in {sorted(PRESETS)}; codec ops: "
+                                       f"{', '.join(sorted(DEFAULT_CODEC))}")
+    m = p.add_argument_group("model")
+    m.add_argument("--params", type=float, help="parameters (e.g. 124e6, 7e9)")
+    m.add_argument("--model", choices=sorted(MODELS),
+                   help="a GPT-2 layout of this repository instead of --params")
+    m.add_argument("--selected-fraction", type=float, default=DEFAULT_SELECTED_FRACTION,
+                   help="with --params: fraction of parameters in compressed units (default "
+                        f"{DEFAULT_SELECTED_FRACTION:.3f}, the tiny GPT-2's under the default "
+                        "non_attention policy)")
+    m.add_argument("--units", type=int, default=DEFAULT_UNITS,
+                   help=f"with --params: FSDP units (default {DEFAULT_UNITS}, GPT-2 124M's)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+                   help="node counts R, comma-separated")
+    c.add_argument("--ranks-per-node", type=int, default=8, help="N (default 8)")
+    c.add_argument("--intra-gbit", type=float, default=400.0,
+                   help="per-rank bandwidth inside a node, Gbit/s (default 400)")
+    c.add_argument("--inter-gbit", type=float, default=25.0,
+                   help="per-node bandwidth between nodes, Gbit/s (default 25)")
+    c.add_argument("--intra-latency-us", type=float, default=5.0,
+                   help="per message inside a node (default 5 us)")
+    c.add_argument("--inter-latency-us", type=float, default=30.0,
+                   help="per message between nodes (default 30 us)")
+    c.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    c.add_argument("--overlap", type=float, default=0.0,
+                   help="fraction of compute that hides communication, 0..1 (default 0)")
+    c.add_argument("--link-efficiency", type=float, default=1.0,
+                   help="fraction of the bandwidth collectives reach (default 1)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help="comma-separated configurations")
+    w.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp32",
+                   help="parameter/gradient dtype on the wire")
+    w.add_argument("--fsdp", type=int, choices=(1, 2), default=2)
+    w.add_argument("--compute-s", type=float, help="compute time per step (measured plain "
+                   "step on a fast link)")
+    w.add_argument("--tflops", type=float, help="peak TFLOP/s per rank: compute from "
+                   "6 x params x tokens")
+    w.add_argument("--mfu", type=float, default=0.4, help="with --tflops (default 0.4)")
+    w.add_argument("--tokens-per-rank", type=int, default=8192,
+                   help="with --tflops: tokens per rank per step (default 8 x 1024)")
+    w.add_argument("--codec", action="append", default=[], metavar="OP=VALUES_PER_S",
+                   help="codec throughput of one op (repeatable)")
+    w.add_argument("--codec-speedup", type=float, default=1.0,
+                   help="factor on the measured CPU codec throughputs (e.g. a GPU's)")
+    a = p.add_argument_group("actions")
+    a.add_argument("--check", metavar="FILE", help="compare with measured runs (JSON)")
+    a.add_argument("--plot", metavar="PNG", help="bytes/rank and step time vs R for GPT-2 "
+                   "124M and a 7B model")
+    a.add_argument("--plot-7b-units", type=int, default=32 * 7 + 3,
+                   help="FSDP units of the 7B model in --plot (default 227: a Llama-2-7B "
+                        "under TAGC's wrapping, 7 linear units per layer + embedding, head, "
+                        "root)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse the arguments and print the tables, the check or the plot.
+
+    Args:
+        argv: arguments (default sys.argv[1:]).
+    Returns:
+        the exit code.
+    """
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        codec = codec_rates(_codec_overrides(args.codec), args.codec_speedup)
+        if args.check:
+            print(check_report(check(load_runs(args.check), codec)))
+            return 0
+        base = Cluster(args.ranks_per_node, 1, args.intra_gbit, args.inter_gbit,
+                       args.intra_latency_us * 1e-6, args.inter_latency_us * 1e-6,
+                       args.backend, args.overlap, args.link_efficiency)
+        configs = [make_config(n.strip(), args.dtype, args.fsdp)
+                   for n in args.configs.split(",") if n.strip()]
+        if not configs:
+            raise ValueError("--configs: no configuration given")
+        if args.plot:
+            if args.tflops is None:
+                raise ValueError("--plot draws two models: give --tflops (and --mfu, "
+                                 "--tokens-per-rank) for their compute time")
+            m124 = gpt2_124m()
+            m7 = generic_model(7e9, args.selected_fraction, args.plot_7b_units, name="7B")
+            pairs = [(m, flops_compute_s(m.params, args.tokens_per_rank, args.tflops, args.mfu))
+                     for m in (m124, m7)]
+            note = (f"{base.ranks_per_node} ranks/node; intra {base.intra_gbit:g} Gbit/s/rank, "
+                    f"inter {base.inter_gbit:g} Gbit/s/node; {args.backend}, {args.dtype}; overlap "
+                    f"{args.overlap:g}; compute 6 x params x {args.tokens_per_rank} tokens at "
+                    f"{args.tflops:g} TFLOP/s x MFU {args.mfu:g}; codec: this CPU's measured "
+                    f"throughput x {args.codec_speedup:g}; 7B: {args.selected_fraction:.3f} "
+                    "of parameters compressed. Dashed: modelled, not implemented.")
+            plot(args.plot, base, args.nodes, configs, pairs, codec, note)
+            print(f"wrote {args.plot}")
+            return 0
+        if args.model and args.params:
+            raise ValueError("give --params or --model, not both")
+        if args.model:
+            model = MODELS[args.model]()
+        elif args.params:
+            model = generic_model(args.params, args.selected_fraction, args.units)
+        else:
+            raise ValueError("give --params N (or --model NAME)")
+        if args.compute_s is not None:
+            compute = args.compute_s
+        elif args.tflops is not None:
+            compute = flops_compute_s(model.params, args.tokens_per_rank, args.tflops, args.mfu)
+        else:
+            compute = 0.0
+            print("note: no --compute-s or --tflops: compute time 0 (communication and codec "
+                  "only)\n")
+        print(report(model, base, args.nodes, sweep(model, base, args.nodes, configs, compute,
+                                                      codec)))
+    except ValueError as e:
+        p.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

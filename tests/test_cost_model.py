@@ -1,0 +1,294 @@
+"""scripts/cost_model.py: closed forms, the N=2 figures computed by hand, bad input, --check.
+
+Pure Python and fast: no processes but one interpreter start (the import check), no
+torch except the optional cross-check against the built codec's size rules.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cost_model as cm
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = ROOT / "docs" / "cost_model_runs.json"
+
+
+def one_unit(numel: int, compressed: bool) -> cm.ModelSpec:
+    """A model of one 1-D unit (no padding question: shards are ceil(numel / N))."""
+    return cm.ModelSpec("one", (cm.Unit("u", ((numel, 1),), compressed),))
+
+
+def cluster(n: int, r: int, **kw: object) -> cm.Cluster:
+    return cm.Cluster(n, r, 100.0, 10.0, **kw)
+
+
+# --------------------------------------------------------------------------- closed forms
+
+
+@pytest.mark.parametrize("r", [2, 3, 4, 7, 64, 1024])
+def test_ring_all_reduce_bytes_are_2_r_minus_1_over_r(r: int) -> None:
+    # native HSDP with one rank per node: every rank's (whole) shard all-reduced over r
+    s = 3 * 2 ** 20
+    p = cm.predict(one_unit(s, False), cluster(1, r), cm.make_config("hsdp"))
+    assert p.ideal["cross"] == pytest.approx(2 * (r - 1) / r * s * 4)
+    assert p.link["cross"] == pytest.approx(2 * (r - 1) / r * s * 4)
+
+
+@pytest.mark.parametrize("r", [2, 4, 16, 1024])
+def test_ring_reduce_scatter_and_gathers(r: int) -> None:
+    s = 2 ** 20 * r  # divisible: no padding
+    p = cm.predict(one_unit(s, False), cluster(1, r), cm.make_config("fsdp"))
+    assert p.ideal["grad"] == pytest.approx((r - 1) / r * s * 4)
+    assert p.ideal["gather"] == pytest.approx(2 * (r - 1) / r * s * 4)  # forward + backward
+    gloo = cm.predict(one_unit(s, False), cluster(1, r, backend="gloo"), cm.make_config("fsdp"))
+    assert gloo.link["grad"] == pytest.approx(2 * (r - 1) / r * s * 4)  # an all-reduce
+    assert gloo.ideal["grad"] == pytest.approx(p.ideal["grad"])
+
+
+def test_all_gather_form_grows_as_r_minus_1_times_b() -> None:
+    n, s = 4, 2 ** 22
+    b = cm.quant_bytes(s // n, "int4", 256)  # one compressed shard
+    for r in (2, 3, 8, 64, 256):
+        p = cm.predict(one_unit(s, True), cluster(n, r), cm.make_config("hsdp+balanced"))
+        assert p.ideal["cross"] == (r - 1) * b
+
+
+def test_two_phase_stays_below_2b_and_matches_its_closed_form() -> None:
+    n, s = 4, 2 ** 22
+    shard = s // n
+    b = cm.quant_bytes(shard, "int4", 256)
+    for r in (2, 3, 8, 64, 256, 1024):
+        p = cm.predict(one_unit(s, True), cluster(n, r), cm.make_config("hsdp+balanced/2phase"))
+        cross = p.ideal["cross"]
+        assert cross < 2 * b
+        # 2 (R-1) chunks of shard/R; the per-chunk block tail adds < one record per chunk
+        assert cross == pytest.approx(2 * (r - 1) / r * b, rel=0, abs=2 * (r - 1) * 132)
+        if r == 2:  # one chunk each way: what the all-gather form sends
+            ag = cm.predict(one_unit(s, True), cluster(n, r), cm.make_config("hsdp+balanced"))
+            assert cross == ag.ideal["cross"]
+    assert not cm.make_config("hsdp+balanced/2phase").implemented
+    assert cm.LABEL_NOT_IMPLEMENTED in cm.make_config("hsdp+lean/2phase").label
+
+
+def test_all_to_all_puts_n_times_the_compressed_bytes_on_the_node_link() -> None:
+    # a ring crosses each node boundary once; an all-to-all's cross-node chunks all do
+    n, r, s = 8, 4, 2 ** 24
+    w = n * r
+    p = cm.predict(one_unit(s, True), cluster(n, r), cm.make_config("fsdp+balanced"))
+    msg = cm.quant_bytes(s // w, "int4", 256)
+    gather_nic = 2 * (w - 1) * (s // w) * 4
+    vote_nic = 2 * (w - 1) / w * cm.VOTE_BYTES_EF21
+    assert p.node_inter == pytest.approx(gather_nic + vote_nic + n * (w - n) * msg)
+
+
+# --------------------------------------------------------------------------- N = 2 by hand
+
+
+def test_tagc_full_shard_bytes_at_n2_equal_the_hand_count() -> None:
+    """tagc-balanced on the step benchmark's GPT-2 (n_layer 2, n_embd 512, vocab 16384,
+    block 64), two ranks: every compressed unit sends the other rank's half on int4
+    (4-byte scale + 128 bytes per 256 values), the two attention QKV units go plain
+    (half of their fp32 gradient), and each compressed unit votes once."""
+    e, v, t = 512, 16384, 64
+    root = v * e + t * e + 2 * 4 * e + 2 * e          # wte, wpe, 2 blocks' LNs, ln_f
+    c_attn = 3 * e * e + 3 * e
+    compressed = [root] + [e * e + e, 4 * e * e + 4 * e, 4 * e * e + e] * 2
+    int4 = 0
+    for numel in compressed:
+        shard = numel // 2
+        blocks, tail = divmod(shard, 256)
+        assert tail == 0                                # every shard here is whole blocks
+        int4 += blocks * (4 + 128)
+    plain = 2 * (c_attn // 2 * 4)
+    votes = 7 * 32                                      # EF21 + damping: four float64
+    assert (int4, plain) == (3_390_552, 3_151_872)
+    model = cm.bench_gpt2()
+    p = cm.predict(model, cluster(1, 2), cm.make_config("fsdp+balanced", fsdp=1))
+    assert p.ideal["grad"] + p.ideal["control"] == int4 + plain + votes
+    assert round((int4 + plain + votes) / 1e6, 2) == 6.54   # RESULTS.md, stats wire
+
+
+def test_sparse_and_gathers_at_n2_equal_the_hand_count() -> None:
+    model = cm.bench_gpt2()
+    p = cm.predict(model, cluster(1, 2), cm.make_config("fsdp+sparse", fsdp=1))
+    # k = ceil(0.0125 S) int32 + fp32 pairs per compressed unit; 4-byte votes
+    ks = [math.ceil(0.0125 * s) for s in (4213248,) + (131328, 525312, 524544) * 2]
+    assert p.ideal["grad"] + p.ideal["control"] == 8 * sum(ks) + 3_151_872 + 7 * 4
+    # FSDP2 gathers every unit twice, fp32: 2 x (N-1)/N x 4 bytes x params
+    fs2 = cm.predict(model, cluster(1, 2), cm.make_config("fsdp"))
+    assert fs2.ideal["gather"] == 4 * model.params
+    # FSDP1 keeps the root gathered from forward to backward: once
+    fs1 = cm.predict(model, cluster(1, 2), cm.make_config("fsdp", fsdp=1))
+    root = model.units[0].numel
+    assert fs1.ideal["gather"] == 4 * model.params - 2 * root
+
+
+def test_size_rules() -> None:
+    assert cm.quant_bytes(256, "int4", 256) == 132
+    assert cm.quant_bytes(256, "ternary", 256) == 4 + 52      # 5 codes per byte
+    assert cm.quant_bytes(256, "sign", 256) == 4 + 32
+    assert cm.quant_bytes(256, "int8", 256) == 4 + 256
+    assert cm.quant_bytes(300, "int4", 256) == 132 + 4 + 22   # a 44-value tail record
+    assert cm.quant_bytes(0, "int4", 256) == 0
+    assert cm.keep_count(0.9875, 4213248) == 52666
+    assert cm.keep_count(0.9875, 10) == 1
+    # auto at theta 0.9875 on 2^19: Elias-Fano, README's 0.252 bits/param at N=2
+    s = 2 ** 19
+    k = cm.keep_count(0.9875, s)
+    assert round(8 * cm.pairs_bytes(s, k, 4) / (2 * s), 3) == 0.252
+    assert cm.pairs_bytes(100, 99, 4) == 400                  # dense: above 1 - 1/32 density
+    assert cm.pairs_bytes(100, 90, 4) == 13 + 360             # bitmap + values
+
+
+def test_size_rules_match_the_built_codec() -> None:
+    tagc = pytest.importorskip("_tagc", reason="the _tagc codec is not built")
+    torch = pytest.importorskip("torch")
+    for n in (1, 255, 256, 257, 1000, 4213248):
+        for fmt in cm.QUANT_CODES_PER_BYTE:
+            assert cm.quant_bytes(n, fmt, 256) == tagc.quant_bytes(n, fmt, 256)
+        for theta in (0.0, 0.5, 0.9, 0.9875, 0.999):
+            k = cm.keep_count(theta, n)
+            for vb, dt in ((4, torch.float32), (2, torch.bfloat16)):
+                c = tagc.pairs_cheapest(n, k, dt)
+                assert cm.pairs_bytes(n, k, vb) == tagc.pairs_bytes(n, k, dt, c)
+
+
+def test_models() -> None:
+    assert cm.tiny_gpt2().compressed_fraction() == pytest.approx(cm.DEFAULT_SELECTED_FRACTION)
+    g = cm.gpt2_124m()
+    assert g.params == 124_475_904 and g.unit_count == cm.DEFAULT_UNITS
+    m = cm.generic_model(7e9, 0.75, 227)
+    assert m.params == 7_000_000_000 and m.unit_count == 227
+    assert m.compressed_fraction() == pytest.approx(0.75)
+    # layers=all compresses the attention QKV units too
+    assert all(u.compressed for u in cm.bench_gpt2_all().units)
+
+
+# --------------------------------------------------------------------------- time
+
+
+def test_step_time_composition_and_overlap() -> None:
+    model = one_unit(2 ** 24, True)
+    cfg = cm.make_config("fsdp+balanced")
+    p0 = cm.predict(model, cluster(1, 4), cfg, compute_s=1.0)
+    assert p0.step_s == pytest.approx(1.0 + p0.comm_s + p0.codec_s)
+    p1 = cm.predict(model, cluster(1, 4, overlap=1.0), cfg, compute_s=1.0)
+    assert p1.step_s == pytest.approx(max(1.0, p1.comm_s) + p1.codec_s)
+    # bandwidth term: the plain reduce-scatter's bytes over the link, plus latencies
+    plain = cm.predict(model, cluster(1, 2, inter_latency_s=0.0), cm.make_config("fsdp"))
+    assert plain.comm_s == pytest.approx(plain.bytes_per_rank / (10e9 / 8))
+    lat = cm.predict(model, cluster(1, 8, inter_latency_s=1e-3), cm.make_config("fsdp"))
+    assert lat.messages == 3 * 7                              # 2 gathers + 1 RS, 7 steps
+    assert cm.flops_compute_s(1e9, 1000, 100.0, 0.5) == pytest.approx(6e12 / 50e12)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(nodes=0), "nodes"),
+    (dict(ranks_per_node=0), "ranks_per_node"),
+    (dict(inter_gbit=-1.0), "inter_gbit"),
+    (dict(intra_gbit=0.0), "intra_gbit"),
+    (dict(inter_latency_s=-1e-6), "inter_latency_s"),
+    (dict(backend="mpi"), "backend"),
+    (dict(overlap=1.5), "overlap"),
+])
+def test_bad_cluster_raises(kw: dict, msg: str) -> None:
+    args = dict(ranks_per_node=2, nodes=2, intra_gbit=100.0, inter_gbit=10.0)
+    args.update(kw)
+    with pytest.raises(ValueError, match=msg):
+        cm.Cluster(**args)
+
+
+def test_bad_mode_config_and_model_raise() -> None:
+    with pytest.raises(ValueError, match="unknown mode 'topk'"):
+        cm.Compression("topk")
+    with pytest.raises(ValueError, match="unknown quant format"):
+        cm.Compression("quant", quant_format="int3")
+    with pytest.raises(ValueError, match="unknown configuration"):
+        cm.make_config("fsdp+bogus")
+    with pytest.raises(ValueError, match="two-phase"):
+        cm.make_config("fsdp+balanced/2phase")
+    with pytest.raises(ValueError, match="HSDP needs fsdp=2"):
+        cm.make_config("hsdp", fsdp=1)
+    with pytest.raises(ValueError, match="params"):
+        cm.generic_model(0)
+    with pytest.raises(ValueError, match="selected fraction"):
+        cm.generic_model(1e6, 1.5)
+    with pytest.raises(ValueError, match="units must be >= 2"):
+        cm.generic_model(1e6, 0.5, units=1)
+    assert cm.generic_model(1e6, 1.0, units=1).unit_count == 1
+    with pytest.raises(ValueError, match="compute time"):
+        cm.predict(one_unit(10, False), cluster(1, 2), cm.make_config("fsdp"), -1.0)
+    with pytest.raises(ValueError, match="unknown codec op"):
+        cm.codec_rates({"quant_encode_int3": 1e9})
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--params", "1e6", "--nodes", "0"], "node counts must be >= 1"),
+    (["--params", "1e6", "--inter-gbit", "-5"], "inter_gbit"),
+    (["--params", "1e6", "--configs", "fsdp+topk"], "unknown configuration"),
+    (["--nodes", "1,2"], "give --params"),
+    (["--plot", "x.png"], "--tflops"),
+])
+def test_cli_refuses_bad_input(argv: list, msg: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cm.main(argv)
+    assert exc.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_cli_table_and_winner(capsys: pytest.CaptureFixture) -> None:
+    assert cm.main(["--params", "124e6", "--nodes", "1,2,4", "--ranks-per-node", "2",
+                    "--inter-gbit", "25", "--intra-gbit", "400", "--compute-s", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "bytes sent per rank per step" in out and "predicted step time" in out
+    assert "hsdp+balanced/2phase (modelled, not implemented)" in out
+    assert "- R=4:" in out
+
+
+# --------------------------------------------------------------------------- --check
+
+
+def test_check_parses_the_runs_file_and_bytes_are_exact() -> None:
+    data = cm.load_runs(str(RUNS))
+    rows = cm.check(data)
+    exact = [r for r in rows if r.decimals is not None]
+    assert len(exact) >= 40 and all(r.exact for r in exact), \
+        [(r.setup, r.config, r.quantity, r.predicted, r.measured) for r in exact if not r.exact]
+    steps = [r for r in rows if r.quantity == "step_s"]
+    assert {r.setup for r in steps} == set(data["setups"])
+    assert all(r.calibrated is not None for r in steps)
+    assert all(abs(r.calibrated_error) < 1e-6 for r in steps if r.calibration_row)
+
+
+def test_check_cli_prints_the_comparison(capsys: pytest.CaptureFixture) -> None:
+    assert cm.main(["--check", str(RUNS)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted vs measured" in out and "| hsdp-2x2 | hsdp+balanced |" in out
+    assert "bytes exact at the printed precision" in out
+
+
+def test_bad_runs_file_raises(tmp_path: Path) -> None:
+    bad = tmp_path / "runs.json"
+    bad.write_text('{"runs": []}')
+    with pytest.raises(ValueError, match="setups"):
+        cm.load_runs(str(bad))
+    bad.write_text('{"setups": {"x": {"model": "nope"}}, "runs": []}')
+    with pytest.raises(ValueError, match="lacks"):
+        cm.load_runs(str(bad))
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="runs file"):
+        cm.load_runs(str(bad))
+
+
+def test_stdlib_only_at_import() -> None:
+    code = ("import sys; sys.path.insert(0, 'scripts'); import cost_model; "
+            "bad = {'torch', 'numpy', 'matplotlib'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
