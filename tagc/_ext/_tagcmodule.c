@@ -2,6 +2,10 @@
  * _tagcmodule.c - the CPython module `_tagc`: argument checks and DLPack views
  * over the C codec of tagc.h.  Contract: docs/module-api.md.
  *
+ * The top C layer: it includes the codec (csrc/) and, in CUDA builds, the
+ * kernels' launchers (cuda/) and the glue beside it; nothing below includes
+ * anything from here, so the codec and the kernels build without Python.
+ *
  * Every tensor argument is read through its legacy DLPack capsule, checked
  * (dtype, device, contiguity, size) before any memory is touched, and kept
  * alive by holding the capsule until the call returns.  The capsule is never
