@@ -109,6 +109,130 @@ static void allowed_names(unsigned allowed, char *buf, size_t cap)
     }
 }
 
+/* The checks before any export: obj speaks DLPack and is not part of an
+ * autograd graph (the kernels would write or read it behind autograd's
+ * back).  A requires_grad that cannot be read counts as False: plain
+ * DLPack producers have none. */
+static int view_precheck(const views_t *vs, PyObject *obj, const char *name)
+{
+    if (!PyObject_HasAttrString(obj, "__dlpack__")) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' must be a tensor (an object with __dlpack__), "
+                     "not %.100s", vs->fn, name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
+    if (rg == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int yes = PyObject_IsTrue(rg);
+    Py_DECREF(rg);
+    if (yes < 0)
+        return -1;
+    if (yes) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' requires grad; pass tensor.detach()",
+                     vs->fn, name);
+        return -1;
+    }
+    return 0;
+}
+
+/* obj.__dlpack__() (a new reference), or NULL with the producer's error
+ * re-raised as a TypeError that names the argument. */
+static PyObject *view_export(const views_t *vs, PyObject *obj, const char *name)
+{
+    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    if (cap != NULL)
+        return cap;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *msg = value ? PyObject_Str(value) : NULL;
+    PyErr_Format(PyExc_TypeError,
+                 "%s: argument '%s' cannot be exported with DLPack "
+                 "(unsupported device or layout?): %S",
+                 vs->fn, name, msg ? msg : Py_None);
+    Py_XDECREF(msg);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return NULL;
+}
+
+/* v->kind and v->device from t: a dtype among `allowed`, memory the CPU
+ * or a CUDA device can address. */
+static int view_kind_device(const views_t *vs, view_t *v, const tagc_dl_tensor *t,
+                            unsigned allowed)
+{
+    v->kind = dl_kind(t->dtype);
+    if (!(v->kind & allowed)) {
+        char want[96];
+        allowed_names(allowed, want, sizeof want);
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' must be %s, got DLPack dtype (code %d, %d bits, %d lanes)",
+                     vs->fn, v->name, want, t->dtype.code, t->dtype.bits, t->dtype.lanes);
+        return -1;
+    }
+    switch (t->device.device_type) {
+    case TAGC_DL_CPU:
+    case TAGC_DL_CUDA_HOST:
+        v->device = DEV_CPU;
+        break;
+    case TAGC_DL_CUDA:
+    case TAGC_DL_CUDA_MANAGED:
+        v->device = DEV_CUDA;
+        break;
+    default:
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' is on an unsupported device (DLPack device type %d)",
+                     vs->fn, v->name, (int)t->device.device_type);
+        return -1;
+    }
+    v->device_id = t->device.device_id;
+    return 0;
+}
+
+/* v->numel and v->data from t: a valid shape whose element count fits in
+ * int64, laid out compactly in row-major order (the kernels index it flat;
+ * size-1 dimensions may have any stride), with data unless empty. */
+static int view_extent(const views_t *vs, view_t *v, const tagc_dl_tensor *t)
+{
+    if (t->ndim < 0 || (t->ndim > 0 && t->shape == NULL)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' has an invalid shape",
+                     vs->fn, v->name);
+        return -1;
+    }
+    int64_t numel = 1;
+    for (int32_t d = 0; d < t->ndim; d++) {
+        if (t->shape[d] < 0 ||
+            (t->shape[d] > 0 && numel > INT64_MAX / t->shape[d])) {
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' has an invalid shape",
+                         vs->fn, v->name);
+            return -1;
+        }
+        numel *= t->shape[d];
+    }
+    if (t->strides != NULL && numel > 1) {
+        int64_t expect = 1;
+        for (int32_t d = t->ndim - 1; d >= 0; d--) {
+            if (t->shape[d] != 1 && t->strides[d] != expect) {
+                PyErr_Format(PyExc_TypeError,
+                             "%s: argument '%s' must be contiguous (call .contiguous())",
+                             vs->fn, v->name);
+                return -1;
+            }
+            expect *= t->shape[d];
+        }
+    }
+    v->numel = numel;
+    v->data = t->data == NULL ? NULL : (char *)t->data + t->byte_offset;
+    if (v->data == NULL && numel > 0) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' has no data", vs->fn, v->name);
+        return -1;
+    }
+    return 0;
+}
+
 /* Exports obj through DLPack and checks everything about it but its size.
  * Returns NULL with TypeError/ValueError naming the argument on failure. */
 static view_t *view_take(views_t *vs, PyObject *obj, const char *name,
@@ -118,42 +242,13 @@ static view_t *view_take(views_t *vs, PyObject *obj, const char *name,
         PyErr_SetString(PyExc_SystemError, "_tagc: too many tensor arguments");
         return NULL;
     }
-    if (!PyObject_HasAttrString(obj, "__dlpack__")) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' must be a tensor (an object with __dlpack__), "
-                     "not %.100s", vs->fn, name, Py_TYPE(obj)->tp_name);
+    if (view_precheck(vs, obj, name) < 0)
         return NULL;
-    }
-    PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
-    if (rg == NULL) {
-        PyErr_Clear();
-    } else {
-        int yes = PyObject_IsTrue(rg);
-        Py_DECREF(rg);
-        if (yes < 0)
-            return NULL;
-        if (yes) {
-            PyErr_Format(PyExc_TypeError,
-                         "%s: argument '%s' requires grad; pass tensor.detach()",
-                         vs->fn, name);
-            return NULL;
-        }
-    }
-    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
-    if (cap == NULL) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *msg = value ? PyObject_Str(value) : NULL;
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' cannot be exported with DLPack "
-                     "(unsupported device or layout?): %S",
-                     vs->fn, name, msg ? msg : Py_None);
-        Py_XDECREF(msg);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
+    PyObject *cap = view_export(vs, obj, name);
+    if (cap == NULL)
         return NULL;
-    }
+    /* Counted in vs at once: views_release() drops the capsule whatever
+     * check fails next. */
     view_t *v = &vs->v[vs->n];
     memset(v, 0, sizeof *v);
     v->capsule = cap;
@@ -168,66 +263,9 @@ static view_t *view_take(views_t *vs, PyObject *obj, const char *name,
     tagc_dl_managed *mt = PyCapsule_GetPointer(cap, "dltensor");
     if (mt == NULL)
         return NULL;
-    const tagc_dl_tensor *t = &mt->dl_tensor;
-
-    v->kind = dl_kind(t->dtype);
-    if (!(v->kind & allowed)) {
-        char want[96];
-        allowed_names(allowed, want, sizeof want);
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' must be %s, got DLPack dtype (code %d, %d bits, %d lanes)",
-                     vs->fn, name, want, t->dtype.code, t->dtype.bits, t->dtype.lanes);
+    if (view_kind_device(vs, v, &mt->dl_tensor, allowed) < 0 ||
+        view_extent(vs, v, &mt->dl_tensor) < 0)
         return NULL;
-    }
-    switch (t->device.device_type) {
-    case TAGC_DL_CPU:
-    case TAGC_DL_CUDA_HOST:
-        v->device = DEV_CPU;
-        break;
-    case TAGC_DL_CUDA:
-    case TAGC_DL_CUDA_MANAGED:
-        v->device = DEV_CUDA;
-        break;
-    default:
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' is on an unsupported device (DLPack device type %d)",
-                     vs->fn, name, (int)t->device.device_type);
-        return NULL;
-    }
-    v->device_id = t->device.device_id;
-    if (t->ndim < 0 || (t->ndim > 0 && t->shape == NULL)) {
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' has an invalid shape",
-                     vs->fn, name);
-        return NULL;
-    }
-    int64_t numel = 1;
-    for (int32_t d = 0; d < t->ndim; d++) {
-        if (t->shape[d] < 0 ||
-            (t->shape[d] > 0 && numel > INT64_MAX / t->shape[d])) {
-            PyErr_Format(PyExc_ValueError, "%s: argument '%s' has an invalid shape",
-                         vs->fn, name);
-            return NULL;
-        }
-        numel *= t->shape[d];
-    }
-    if (t->strides != NULL && numel > 1) {
-        int64_t expect = 1;
-        for (int32_t d = t->ndim - 1; d >= 0; d--) {
-            if (t->shape[d] != 1 && t->strides[d] != expect) {
-                PyErr_Format(PyExc_TypeError,
-                             "%s: argument '%s' must be contiguous (call .contiguous())",
-                             vs->fn, name);
-                return NULL;
-            }
-            expect *= t->shape[d];
-        }
-    }
-    v->numel = numel;
-    v->data = t->data == NULL ? NULL : (char *)t->data + t->byte_offset;
-    if (v->data == NULL && numel > 0) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' has no data", vs->fn, name);
-        return NULL;
-    }
     return v;
 }
 
