@@ -1,5 +1,9 @@
 """Build of the `_tagc` extension (C codec + CPython module) and `tagc_hook`.
 
+The C layers, each including only the ones below it: the codec (``csrc/``),
+the CUDA kernels (``cuda/``, which include ``csrc/``) and the CPython binding
+(``tagc/_ext/``, which includes both).
+
 Install: ``pip install -e .`` (no torch needed at build time).
 
 CUDA kernels (``cuda/*.cu``) are compiled in when nvcc is found, or as asked
@@ -29,10 +33,13 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The top C layer: the CPython module and its CUDA glue (paths relative to HERE,
+# as setuptools wants them).
+BINDING = os.path.join("tagc", "_ext")
 
 
 def codec_sources() -> list:
-    """C sources of the codec and its module, relative to this file."""
+    """C sources of the codec (every csrc/*.c), relative to this file."""
     return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.c")))
 
 
@@ -123,7 +130,7 @@ def tagc_extension() -> Extension:
     """The `_tagc` extension, with the CUDA kernels when building for CUDA."""
     ext = Extension(
         "_tagc",
-        sources=codec_sources(),
+        sources=codec_sources() + [os.path.join(BINDING, "_tagcmodule.c")],
         include_dirs=["csrc"],
         extra_compile_args=["-std=c11", "-O3", "-fno-trapping-math", "-Wall", "-Wextra"],
     )
@@ -147,7 +154,7 @@ def tagc_extension() -> Extension:
         raise SystemExit(f"setup.py: no libcudart_static.a under {root}")
     print(f"setup.py: building _tagc with CUDA kernels ({nvcc}, archs "
           f"{';'.join(cuda_archs())}); TAGC_BUILD_CUDA=0 builds CPU-only", file=sys.stderr)
-    ext.sources.append(os.path.join("cuda", "tagc_cuda_module.c"))
+    ext.sources.append(os.path.join(BINDING, "tagc_cuda_module.c"))
     ext.include_dirs += ["cuda", os.path.join(root, "include")]
     ext.define_macros = [("TAGC_WITH_CUDA", "1")]
     ext.library_dirs = libdirs[:1]

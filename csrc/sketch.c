@@ -93,46 +93,51 @@ TAGC_AI float entry_sign(const entry_t *e, int i)
     return (e->neg >> i) & 1u ? -1.0f : 1.0f;
 }
 
-tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
-                             int32_t *unpeeled, int64_t unpeeled_capacity,
-                             int64_t *unpeeled_count,
-                             const void *sketch, tagc_dtype sketch_dtype,
-                             const uint8_t *bitmap, int64_t n,
-                             int64_t t, uint64_t seed, int estimate)
-{
-    /* No round bound here: this decoder peels to completion (1 always passes). */
-    tagc_status st = tagc_check_peel_decode(out, out_capacity, unpeeled,
-                                            unpeeled_capacity, unpeeled_count, sketch,
-                                            (int)sketch_dtype, bitmap, n, t, 1);
-    if (st != TAGC_OK)
-        return st;
+/* The decoder's scratch: a slot per bucket (m = 3t) and per union rank (u). */
+typedef struct {
+    bucket_t *bk;   /* m */
+    int64_t *queue; /* m + 1: the branch-free push always stores one slot past the end */
+    int32_t *pos;   /* u: the position of each rank */
+    entry_t *ent;   /* u */
+    float *vals;    /* u: the peeled value of each rank */
+    uint8_t *done;  /* u: 1 once a rank is peeled */
+} peel_ws;
 
-    int64_t m = TAGC_TABLES * t, u = 0;
-    FOR_EACH_BIT(bitmap, n, p, { (void)p; u++; });
+/* All the scratch or TAGC_ERR_NOMEM; peel_free() releases it either way. */
+static tagc_status peel_alloc(peel_ws *w, int64_t m, int64_t u)
+{
     size_t ua = (size_t)(u > 0 ? u : 1);
-    bucket_t *bk = malloc((size_t)m * sizeof *bk);
-    /* + 1: the branch-free push below always stores one slot past the end */
-    int64_t *queue = malloc((size_t)(m + 1) * sizeof *queue);
-    int32_t *pos = malloc(ua * sizeof *pos);
-    entry_t *ent = malloc(ua * sizeof *ent);
-    float *vals = malloc(ua * sizeof *vals);
-    uint8_t *done = calloc(ua, 1);
-    if (bk == NULL || queue == NULL || pos == NULL || ent == NULL || vals == NULL ||
-        done == NULL) {
-        st = TAGC_ERR_NOMEM;
-        goto out;
-    }
+    w->bk = malloc((size_t)m * sizeof *w->bk);
+    w->queue = malloc((size_t)(m + 1) * sizeof *w->queue);
+    w->pos = malloc(ua * sizeof *w->pos);
+    w->ent = malloc(ua * sizeof *w->ent);
+    w->vals = malloc(ua * sizeof *w->vals);
+    w->done = calloc(ua, 1);
+    if (w->bk == NULL || w->queue == NULL || w->pos == NULL || w->ent == NULL ||
+        w->vals == NULL || w->done == NULL)
+        return TAGC_ERR_NOMEM;
+    return TAGC_OK;
+}
+
+static void peel_free(peel_ws *w)
+{
+    free(w->bk);
+    free(w->queue);
+    free(w->pos);
+    free(w->ent);
+    free(w->vals);
+    free(w->done);
+}
+
+/* pos[r] and ent[r] of every union rank r: each position hashed once. */
+static void peel_hash_union(peel_ws *w, const uint8_t *bitmap, int64_t n, int64_t t,
+                            uint64_t seed)
+{
     uint64_t ts[TAGC_TABLES];
     for (int i = 0; i < TAGC_TABLES; i++)
         ts[i] = tagc_table_seed(seed, i);
-    for (int64_t b = 0; b < m; b++) {
-        bk[b].sum = ld_val(sketch, sketch_dtype, b);
-        bk[b].cnt = 0;
-        bk[b].rxor = 0;
-    }
-    /* Counts and xors come from the union bitmap itself, so they are
-     * consistent whatever it holds: a count-1 bucket always names a rank
-     * < u that is still unresolved. */
+    entry_t *ent = w->ent;
+    int32_t *pos = w->pos;
     int64_t r = 0;
     FOR_EACH_BIT(bitmap, n, p, {
         entry_t *e = &ent[r];
@@ -144,6 +149,22 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
         }
         pos[r++] = (int32_t)p;
     });
+}
+
+/* Every bucket's starting state: the sketch's sum, and the count and rank
+ * xor of the union entries hashing there.  Counts and xors come from the
+ * union bitmap itself, so they are consistent whatever it holds: a count-1
+ * bucket always names a rank < u that is still unresolved. */
+static void peel_fill_buckets(peel_ws *w, const void *sketch, tagc_dtype sketch_dtype,
+                              int64_t t, int64_t u)
+{
+    bucket_t *bk = w->bk;
+    const entry_t *ent = w->ent;
+    for (int64_t b = 0; b < TAGC_TABLES * t; b++) {
+        bk[b].sum = ld_val(sketch, sketch_dtype, b);
+        bk[b].cnt = 0;
+        bk[b].rxor = 0;
+    }
     /* Separate from hashing so the random bucket updates can be prefetched
      * a few entries ahead. */
     for (int64_t j = 0; j < u; j++) {
@@ -156,30 +177,52 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
             c->rxor ^= (uint32_t)j;
         }
     }
+}
+
+/* The peeling loop is bound by cache misses on bk and ent (random by design
+ * of the hash).  A three-stage software pipeline overlaps them: the bucket
+ * of a queue entry far ahead, then its entry, then that entry's other
+ * buckets.  Early reads may be stale (counts still change); a stale
+ * prefetch only costs a wasted hint, and every index stays in bounds. */
+TAGC_AI void peel_prefetch(const peel_ws *w, int64_t qh, int64_t qn, int64_t t, int64_t u)
+{
+    const bucket_t *bk = w->bk;
+    const int64_t *queue = w->queue;
+    const entry_t *ent = w->ent;
+    if (qh + 24 < qn)
+        __builtin_prefetch(&bk[queue[qh + 24]]);
+    if (qh + 12 < qn) {
+        uint32_t r2 = bk[queue[qh + 12]].rxor;
+        if (r2 < (uint64_t)u)
+            __builtin_prefetch(&ent[r2]);
+    }
+    if (qh + 4 < qn) {
+        uint32_t r3 = bk[queue[qh + 4]].rxor;
+        if (r3 < (uint64_t)u)
+            for (int i = 0; i < TAGC_TABLES; i++)
+                __builtin_prefetch(&bk[i * t + ent[r3].off[i]], 1);
+    }
+}
+
+/* Peels to completion: a count-1 bucket names its one unresolved rank,
+ * whose value is taken out of its other buckets, which may drop to count 1
+ * in turn.  vals[r] and done[r] of every rank peeled. */
+static void peel_run(peel_ws *w, int64_t t, int64_t u)
+{
+    /* Locals, not w->: a store through done (uint8_t) may alias anything,
+     * and would make the compiler reload w's fields in the loop. */
+    bucket_t *bk = w->bk;
+    int64_t *queue = w->queue;
+    const entry_t *ent = w->ent;
+    float *vals = w->vals;
+    uint8_t *done = w->done;
     /* A count only falls, so each bucket enters the queue at most once. */
     int64_t qn = 0, qh = 0;
-    for (int64_t b = 0; b < m; b++)
+    for (int64_t b = 0; b < TAGC_TABLES * t; b++)
         if (bk[b].cnt == 1)
             queue[qn++] = b;
-    /* The loop is bound by cache misses on bk and ent (random by design of
-     * the hash).  A three-stage software pipeline overlaps them: the bucket
-     * of a queue entry far ahead, then its entry, then that entry's other
-     * buckets.  Early reads may be stale (counts still change); a stale
-     * prefetch only costs a wasted hint, and every index stays in bounds. */
     while (qh < qn) {
-        if (qh + 24 < qn)
-            __builtin_prefetch(&bk[queue[qh + 24]]);
-        if (qh + 12 < qn) {
-            uint32_t r2 = bk[queue[qh + 12]].rxor;
-            if (r2 < (uint64_t)u)
-                __builtin_prefetch(&ent[r2]);
-        }
-        if (qh + 4 < qn) {
-            uint32_t r3 = bk[queue[qh + 4]].rxor;
-            if (r3 < (uint64_t)u)
-                for (int i = 0; i < TAGC_TABLES; i++)
-                    __builtin_prefetch(&bk[i * t + ent[r3].off[i]], 1);
-        }
+        peel_prefetch(w, qh, qn, t, u);
         int64_t b = queue[qh++];
         if (bk[b].cnt != 1)
             continue;
@@ -199,15 +242,23 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
             qn += --bk[c].cnt == 1;
         }
     }
-    /* One streaming pass over out: zeros between union positions. */
+}
+
+/* One streaming pass over out: zeros between union positions, the peeled
+ * values, and for each rank left the median estimate of its three buckets
+ * (or 0), its position listed in unpeeled while capacity lasts.  Returns
+ * how many were left. */
+static int64_t peel_write(float *out, int32_t *unpeeled, int64_t unpeeled_capacity,
+                          const peel_ws *w, int64_t n, int64_t t, int64_t u, int estimate)
+{
     int64_t nleft = 0, next = 0;
     for (int64_t j = 0; j < u; j++) {
-        int64_t p = pos[j];
+        int64_t p = w->pos[j];
         if (p > next)
             memset(out + next, 0, (size_t)(p - next) * sizeof *out);
         next = p + 1;
-        if (done[j]) {
-            out[p] = vals[j];
+        if (w->done[j]) {
+            out[p] = w->vals[j];
             continue;
         }
         if (nleft < unpeeled_capacity)
@@ -215,22 +266,41 @@ tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
         nleft++;
         out[p] = 0.0f;
         if (estimate) {
-            const entry_t *e = &ent[j];
+            const entry_t *e = &w->ent[j];
             float est[TAGC_TABLES];
             for (int i = 0; i < TAGC_TABLES; i++)
-                est[i] = entry_sign(e, i) * bk[i * t + e->off[i]].sum;
+                est[i] = entry_sign(e, i) * w->bk[i * t + e->off[i]].sum;
             out[p] = tagc_median3(est[0], est[1], est[2]);
         }
     }
     if (n > next)
         memset(out + next, 0, (size_t)(n - next) * sizeof *out);
-    *unpeeled_count = nleft;
-out:
-    free(bk);
-    free(queue);
-    free(pos);
-    free(ent);
-    free(vals);
-    free(done);
+    return nleft;
+}
+
+tagc_status tagc_peel_decode(float *out, int64_t out_capacity,
+                             int32_t *unpeeled, int64_t unpeeled_capacity,
+                             int64_t *unpeeled_count,
+                             const void *sketch, tagc_dtype sketch_dtype,
+                             const uint8_t *bitmap, int64_t n,
+                             int64_t t, uint64_t seed, int estimate)
+{
+    /* No round bound here: this decoder peels to completion (1 always passes). */
+    tagc_status st = tagc_check_peel_decode(out, out_capacity, unpeeled,
+                                            unpeeled_capacity, unpeeled_count, sketch,
+                                            (int)sketch_dtype, bitmap, n, t, 1);
+    if (st != TAGC_OK)
+        return st;
+    int64_t u = 0;
+    FOR_EACH_BIT(bitmap, n, p, { (void)p; u++; });
+    peel_ws w;
+    st = peel_alloc(&w, TAGC_TABLES * t, u);
+    if (st == TAGC_OK) {
+        peel_hash_union(&w, bitmap, n, t, seed);
+        peel_fill_buckets(&w, sketch, sketch_dtype, t, u);
+        peel_run(&w, t, u);
+        *unpeeled_count = peel_write(out, unpeeled, unpeeled_capacity, &w, n, t, u, estimate);
+    }
+    peel_free(&w);
     return st;
 }

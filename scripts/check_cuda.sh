@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Compile every cuda/*.cu with all warnings as errors (nvcc front end, host
 # compiler and ptxas) for each architecture in TAGC_CUDA_ARCHS (default
-# "80;90"), then build and run cuda/host_check.c: a plain C11 program that
-# includes cuda/tagc_cuda.h and links every launcher and the module glue
-# (cuda/tagc_cuda_module.c) through the static CUDA runtime.  Without a GPU it still runs (argument checks need none, and the
-# first real CUDA call must come back as TAGC_ERR_CUDA).  Exits non-zero on
-# the first failure.  Needs nvcc (CUDA >= 12) and gcc; no GPU, no driver.
+# "80;90"), then build and run two plain C11 programs through the static
+# CUDA runtime: cuda/host_check.c, which includes cuda/tagc_cuda.h and links
+# every launcher, and tagc/_ext/cuda_module_check.c, which links the
+# binding's CUDA glue (tagc/_ext/tagc_cuda_module.c, one layer up).  Without
+# a GPU both still run (argument checks need none, and the first real CUDA
+# call must come back as TAGC_ERR_CUDA).  Exits non-zero on the first
+# failure.  Needs nvcc (CUDA >= 12) and gcc; no GPU, no driver.
 #
 # Usage: scripts/check_cuda.sh        (env: TAGC_CUDA_ARCHS, NVCC, CC, JOBS)
 set -euo pipefail
@@ -49,12 +51,21 @@ ls cuda/*.cu | xargs -P "$JOBS" -I{} sh -c \
      || { echo "check_cuda: FAILED $f" >&2; exit 255; }; echo "  ok $f"'
 
 
-# The header is plain C: compile the host check with the C compiler, strict.
-for c in cuda/host_check.c cuda/tagc_cuda_module.c; do
-    "$CC" -std=c11 -Wall -Wextra -Wpedantic -Werror -I"$CUDA_HOME/include" \
-        -c "$c" -o "$OUT/$(basename "$c" .c).o"
-done
+# The headers are plain C: compile the checks with the C compiler, strict.
+# -Icuda: the glue in tagc/_ext/ includes tagc_cuda.h from the layer below.
+cc_strict() {
+    "$CC" -std=c11 -Wall -Wextra -Wpedantic -Werror -I"$CUDA_HOME/include" -Icuda \
+        -c "$1" -o "$2"
+}
+cc_strict cuda/host_check.c "$OUT/host_check.o"
 "$NVCC" -o "$OUT/host_check" "$OUT"/*.o -cudart static
 "$OUT/host_check"
+# The glue links without the kernels (it calls no launcher): its own program.
+mkdir "$OUT/ext"
+for c in tagc/_ext/cuda_module_check.c tagc/_ext/tagc_cuda_module.c; do
+    cc_strict "$c" "$OUT/ext/$(basename "$c" .c).o"
+done
+"$NVCC" -o "$OUT/cuda_module_check" "$OUT"/ext/*.o -cudart static
+"$OUT/cuda_module_check"
 echo "check_cuda: all $(ls cuda/*.cu | wc -l) .cu files compiled with -Werror for" \
-     "archs $ARCHS; host check passed ($(( $(date +%s) - start ))s)"
+     "archs $ARCHS; host and module glue checks passed ($(( $(date +%s) - start ))s)"

@@ -18,11 +18,8 @@ OUT="${SANITIZE_OUT:-$ROOT/build/sanitize}"
 FUZZ_SECONDS="${FUZZ_SECONDS:-40}"
 mkdir -p "$OUT"
 
-# every C file of the codec (all of csrc/ but the CPython module)
-KERNELS=()
-for f in "$ROOT"/csrc/*.c; do
-    [ "$(basename "$f")" = _tagcmodule.c ] || KERNELS+=("$f")
-done
+# every C file of the codec: all of csrc/ (the CPython module lives in tagc/_ext/)
+KERNELS=("$ROOT"/csrc/*.c)
 SAN=(-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer)
 CFLAGS=(-std=c11 -O1 -g -Wall -Wextra -Werror -I"$ROOT/csrc")
 export ASAN_OPTIONS="abort_on_error=1:detect_leaks=1:strict_string_checks=1"

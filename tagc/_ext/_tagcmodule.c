@@ -2,6 +2,10 @@
  * _tagcmodule.c - the CPython module `_tagc`: argument checks and DLPack views
  * over the C codec of tagc.h.  Contract: docs/module-api.md.
  *
+ * The top C layer: it includes the codec (csrc/) and, in CUDA builds, the
+ * kernels' launchers (cuda/) and the glue beside it; nothing below includes
+ * anything from here, so the codec and the kernels build without Python.
+ *
  * Every tensor argument is read through its legacy DLPack capsule, checked
  * (dtype, device, contiguity, size) before any memory is touched, and kept
  * alive by holding the capsule until the call returns.  The capsule is never
@@ -105,6 +109,130 @@ static void allowed_names(unsigned allowed, char *buf, size_t cap)
     }
 }
 
+/* The checks before any export: obj speaks DLPack and is not part of an
+ * autograd graph (the kernels would write or read it behind autograd's
+ * back).  A requires_grad that cannot be read counts as False: plain
+ * DLPack producers have none. */
+static int view_precheck(const views_t *vs, PyObject *obj, const char *name)
+{
+    if (!PyObject_HasAttrString(obj, "__dlpack__")) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' must be a tensor (an object with __dlpack__), "
+                     "not %.100s", vs->fn, name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
+    if (rg == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int yes = PyObject_IsTrue(rg);
+    Py_DECREF(rg);
+    if (yes < 0)
+        return -1;
+    if (yes) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' requires grad; pass tensor.detach()",
+                     vs->fn, name);
+        return -1;
+    }
+    return 0;
+}
+
+/* obj.__dlpack__() (a new reference), or NULL with the producer's error
+ * re-raised as a TypeError that names the argument. */
+static PyObject *view_export(const views_t *vs, PyObject *obj, const char *name)
+{
+    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    if (cap != NULL)
+        return cap;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *msg = value ? PyObject_Str(value) : NULL;
+    PyErr_Format(PyExc_TypeError,
+                 "%s: argument '%s' cannot be exported with DLPack "
+                 "(unsupported device or layout?): %S",
+                 vs->fn, name, msg ? msg : Py_None);
+    Py_XDECREF(msg);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return NULL;
+}
+
+/* v->kind and v->device from t: a dtype among `allowed`, memory the CPU
+ * or a CUDA device can address. */
+static int view_kind_device(const views_t *vs, view_t *v, const tagc_dl_tensor *t,
+                            unsigned allowed)
+{
+    v->kind = dl_kind(t->dtype);
+    if (!(v->kind & allowed)) {
+        char want[96];
+        allowed_names(allowed, want, sizeof want);
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' must be %s, got DLPack dtype (code %d, %d bits, %d lanes)",
+                     vs->fn, v->name, want, t->dtype.code, t->dtype.bits, t->dtype.lanes);
+        return -1;
+    }
+    switch (t->device.device_type) {
+    case TAGC_DL_CPU:
+    case TAGC_DL_CUDA_HOST:
+        v->device = DEV_CPU;
+        break;
+    case TAGC_DL_CUDA:
+    case TAGC_DL_CUDA_MANAGED:
+        v->device = DEV_CUDA;
+        break;
+    default:
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' is on an unsupported device (DLPack device type %d)",
+                     vs->fn, v->name, (int)t->device.device_type);
+        return -1;
+    }
+    v->device_id = t->device.device_id;
+    return 0;
+}
+
+/* v->numel and v->data from t: a valid shape whose element count fits in
+ * int64, laid out compactly in row-major order (the kernels index it flat;
+ * size-1 dimensions may have any stride), with data unless empty. */
+static int view_extent(const views_t *vs, view_t *v, const tagc_dl_tensor *t)
+{
+    if (t->ndim < 0 || (t->ndim > 0 && t->shape == NULL)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' has an invalid shape",
+                     vs->fn, v->name);
+        return -1;
+    }
+    int64_t numel = 1;
+    for (int32_t d = 0; d < t->ndim; d++) {
+        if (t->shape[d] < 0 ||
+            (t->shape[d] > 0 && numel > INT64_MAX / t->shape[d])) {
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' has an invalid shape",
+                         vs->fn, v->name);
+            return -1;
+        }
+        numel *= t->shape[d];
+    }
+    if (t->strides != NULL && numel > 1) {
+        int64_t expect = 1;
+        for (int32_t d = t->ndim - 1; d >= 0; d--) {
+            if (t->shape[d] != 1 && t->strides[d] != expect) {
+                PyErr_Format(PyExc_TypeError,
+                             "%s: argument '%s' must be contiguous (call .contiguous())",
+                             vs->fn, v->name);
+                return -1;
+            }
+            expect *= t->shape[d];
+        }
+    }
+    v->numel = numel;
+    v->data = t->data == NULL ? NULL : (char *)t->data + t->byte_offset;
+    if (v->data == NULL && numel > 0) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' has no data", vs->fn, v->name);
+        return -1;
+    }
+    return 0;
+}
+
 /* Exports obj through DLPack and checks everything about it but its size.
  * Returns NULL with TypeError/ValueError naming the argument on failure. */
 static view_t *view_take(views_t *vs, PyObject *obj, const char *name,
@@ -114,42 +242,13 @@ static view_t *view_take(views_t *vs, PyObject *obj, const char *name,
         PyErr_SetString(PyExc_SystemError, "_tagc: too many tensor arguments");
         return NULL;
     }
-    if (!PyObject_HasAttrString(obj, "__dlpack__")) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' must be a tensor (an object with __dlpack__), "
-                     "not %.100s", vs->fn, name, Py_TYPE(obj)->tp_name);
+    if (view_precheck(vs, obj, name) < 0)
         return NULL;
-    }
-    PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
-    if (rg == NULL) {
-        PyErr_Clear();
-    } else {
-        int yes = PyObject_IsTrue(rg);
-        Py_DECREF(rg);
-        if (yes < 0)
-            return NULL;
-        if (yes) {
-            PyErr_Format(PyExc_TypeError,
-                         "%s: argument '%s' requires grad; pass tensor.detach()",
-                         vs->fn, name);
-            return NULL;
-        }
-    }
-    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
-    if (cap == NULL) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *msg = value ? PyObject_Str(value) : NULL;
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' cannot be exported with DLPack "
-                     "(unsupported device or layout?): %S",
-                     vs->fn, name, msg ? msg : Py_None);
-        Py_XDECREF(msg);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
+    PyObject *cap = view_export(vs, obj, name);
+    if (cap == NULL)
         return NULL;
-    }
+    /* Counted in vs at once: views_release() drops the capsule whatever
+     * check fails next. */
     view_t *v = &vs->v[vs->n];
     memset(v, 0, sizeof *v);
     v->capsule = cap;
@@ -164,66 +263,9 @@ static view_t *view_take(views_t *vs, PyObject *obj, const char *name,
     tagc_dl_managed *mt = PyCapsule_GetPointer(cap, "dltensor");
     if (mt == NULL)
         return NULL;
-    const tagc_dl_tensor *t = &mt->dl_tensor;
-
-    v->kind = dl_kind(t->dtype);
-    if (!(v->kind & allowed)) {
-        char want[96];
-        allowed_names(allowed, want, sizeof want);
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' must be %s, got DLPack dtype (code %d, %d bits, %d lanes)",
-                     vs->fn, name, want, t->dtype.code, t->dtype.bits, t->dtype.lanes);
+    if (view_kind_device(vs, v, &mt->dl_tensor, allowed) < 0 ||
+        view_extent(vs, v, &mt->dl_tensor) < 0)
         return NULL;
-    }
-    switch (t->device.device_type) {
-    case TAGC_DL_CPU:
-    case TAGC_DL_CUDA_HOST:
-        v->device = DEV_CPU;
-        break;
-    case TAGC_DL_CUDA:
-    case TAGC_DL_CUDA_MANAGED:
-        v->device = DEV_CUDA;
-        break;
-    default:
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' is on an unsupported device (DLPack device type %d)",
-                     vs->fn, name, (int)t->device.device_type);
-        return NULL;
-    }
-    v->device_id = t->device.device_id;
-    if (t->ndim < 0 || (t->ndim > 0 && t->shape == NULL)) {
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' has an invalid shape",
-                     vs->fn, name);
-        return NULL;
-    }
-    int64_t numel = 1;
-    for (int32_t d = 0; d < t->ndim; d++) {
-        if (t->shape[d] < 0 ||
-            (t->shape[d] > 0 && numel > INT64_MAX / t->shape[d])) {
-            PyErr_Format(PyExc_ValueError, "%s: argument '%s' has an invalid shape",
-                         vs->fn, name);
-            return NULL;
-        }
-        numel *= t->shape[d];
-    }
-    if (t->strides != NULL && numel > 1) {
-        int64_t expect = 1;
-        for (int32_t d = t->ndim - 1; d >= 0; d--) {
-            if (t->shape[d] != 1 && t->strides[d] != expect) {
-                PyErr_Format(PyExc_TypeError,
-                             "%s: argument '%s' must be contiguous (call .contiguous())",
-                             vs->fn, name);
-                return NULL;
-            }
-            expect *= t->shape[d];
-        }
-    }
-    v->numel = numel;
-    v->data = t->data == NULL ? NULL : (char *)t->data + t->byte_offset;
-    if (v->data == NULL && numel > 0) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' has no data", vs->fn, name);
-        return NULL;
-    }
     return v;
 }
 
@@ -928,6 +970,9 @@ typedef struct {
 static const enum_name QFORMAT_NAMES[] = {
     {"sign", TAGC_Q_SIGN}, {"ternary", TAGC_Q_TERNARY}, {"int4", TAGC_Q_INT4},
     {"int8", TAGC_Q_INT8}, {NULL, 0}};
+/* The weight gather (wq_*) codes int4 and int8 only. */
+static const enum_name WQ_FORMAT_NAMES[] = {{"int4", TAGC_Q_INT4}, {"int8", TAGC_Q_INT8},
+                                            {NULL, 0}};
 static const enum_name CODING_NAMES[] = {
     {"ef", TAGC_PAIRS_EF}, {"bitmap", TAGC_PAIRS_BITMAP}, {"dense", TAGC_PAIRS_DENSE},
     {NULL, 0}};
@@ -949,10 +994,12 @@ static int arg_enum(const char *fn, PyObject *o, const char *arg, const enum_nam
     return -1;
 }
 
-static int arg_qformat(const char *fn, PyObject *o, tagc_qformat *out)
+/* A format argument: any quant format, or (wq = 1) the two wq_* codes. */
+static int arg_format(const char *fn, PyObject *o, int wq, tagc_qformat *out)
 {
     int v;
-    if (arg_enum(fn, o, "format", QFORMAT_NAMES, "'sign', 'ternary', 'int4' or 'int8'", &v) < 0)
+    if (arg_enum(fn, o, "format", wq ? WQ_FORMAT_NAMES : QFORMAT_NAMES,
+                 wq ? "'int4' or 'int8'" : "'sign', 'ternary', 'int4' or 'int8'", &v) < 0)
         return -1;
     *out = (tagc_qformat)v;
     return 0;
@@ -967,128 +1014,14 @@ static int arg_coding(const char *fn, PyObject *o, tagc_coding *out)
     return 0;
 }
 
-/* The (format, block) pair every quant_* function takes. */
-static int arg_quant(const char *fn, PyObject *ofmt, PyObject *oblock, tagc_qformat *fmt,
-                     int64_t *block)
+/* The (format, block) pair every quant_* (wq = 0) and wq_* (wq = 1)
+ * function takes. */
+static int arg_quant(const char *fn, PyObject *ofmt, PyObject *oblock, int wq,
+                     tagc_qformat *fmt, int64_t *block)
 {
-    if (arg_qformat(fn, ofmt, fmt) < 0)
+    if (arg_format(fn, ofmt, wq, fmt) < 0)
         return -1;
     return arg_range(fn, oblock, "block", 1, TAGC_QBLOCK_MAX, block);
-}
-
-/* The size functions: arguments range-checked, then tagc.h's rule. */
-static PyObject *py_quant_bytes(PyObject *m, PyObject *args, PyObject *kw)
-{
-    static char *kwl[] = {"n", "format", "block", NULL};
-    PyObject *on, *ofmt, *oblock;
-    const char *fn = "_tagc.quant_bytes";
-    int64_t n, block;
-    tagc_qformat fmt;
-    (void)m;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwl, &on, &ofmt, &oblock) ||
-        arg_range(fn, on, "n", 0, TAGC_MAX_N, &n) < 0 ||
-        arg_quant(fn, ofmt, oblock, &fmt, &block) < 0)
-        return NULL;
-    return PyLong_FromLongLong(tagc_quant_bytes(n, fmt, block));
-}
-
-static PyObject *py_bitmap_bytes(PyObject *m, PyObject *args, PyObject *kw)
-{
-    static char *kwl[] = {"n", NULL};
-    PyObject *on;
-    int64_t n;
-    (void)m;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O", kwl, &on) ||
-        arg_range("_tagc.bitmap_bytes", on, "n", 0, TAGC_MAX_N, &n) < 0)
-        return NULL;
-    return PyLong_FromLongLong(tagc_bitmap_bytes(n));
-}
-
-static PyObject *py_lanes_bytes(PyObject *m, PyObject *args, PyObject *kw)
-{
-    static char *kwl[] = {"n", "bits", NULL};
-    PyObject *on, *obits;
-    const char *fn = "_tagc.lanes_bytes";
-    int64_t n, bits;
-    (void)m;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwl, &on, &obits) ||
-        arg_range(fn, on, "n", 0, TAGC_MAX_N, &n) < 0 || arg_i64(fn, obits, "bits", &bits) < 0 ||
-        check_bits(fn, bits) < 0)
-        return NULL;
-    return PyLong_FromLongLong(tagc_lanes_bytes(n, (int)bits));
-}
-
-static PyObject *py_sketch_buckets(PyObject *m, PyObject *args, PyObject *kw)
-{
-    static char *kwl[] = {"t", NULL};
-    PyObject *ot;
-    int64_t t;
-    (void)m;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O", kwl, &ot) ||
-        arg_range("_tagc.sketch_buckets", ot, "t", 1, T_MAX, &t) < 0)
-        return NULL;
-    return PyLong_FromLongLong(tagc_sketch_buckets(t));
-}
-
-static PyObject *py_sparse_bytes(PyObject *m, PyObject *args, PyObject *kw)
-{
-    static char *kwl[] = {"k", "value_dtype", NULL};
-    PyObject *ok, *odt;
-    const char *fn = "_tagc.sparse_bytes";
-    int64_t k;
-    tagc_dtype vd;
-    (void)m;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwl, &ok, &odt) ||
-        arg_range(fn, ok, "k", 0, INT64_MAX / 8, &k) < 0 || arg_value_dtype(fn, odt, &vd) < 0)
-        return NULL;
-    return PyLong_FromLongLong(tagc_sparse_bytes(k, vd));
-}
-
-/* (n, k) of the pairs functions: 0 <= k <= n <= MAX_N. */
-static int arg_nk(const char *fn, PyObject *on, PyObject *ok, int64_t *n, int64_t *k)
-{
-    if (arg_range(fn, on, "n", 0, TAGC_MAX_N, n) < 0)
-        return -1;
-    return arg_range(fn, ok, "k", 0, *n, k);
-}
-
-/* The arguments of the pairs size functions: (n, k, value_dtype[, coding]). */
-static int pairs_size_args(const char *fn, PyObject *args, PyObject *kw, int with_coding,
-                           int64_t *n, int64_t *k, tagc_dtype *vd, tagc_coding *c)
-{
-    static char *kwl3[] = {"n", "k", "value_dtype", NULL};
-    static char *kwl4[] = {"n", "k", "value_dtype", "coding", NULL};
-    PyObject *on, *ok, *odt, *oc = NULL;
-    int parsed = with_coding
-                     ? PyArg_ParseTupleAndKeywords(args, kw, "OOOO", kwl4, &on, &ok, &odt, &oc)
-                     : PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwl3, &on, &ok, &odt);
-    if (!parsed || arg_nk(fn, on, ok, n, k) < 0 || arg_value_dtype(fn, odt, vd) < 0)
-        return -1;
-    return with_coding ? arg_coding(fn, oc, c) : 0;
-}
-
-static PyObject *py_pairs_bytes(PyObject *m, PyObject *args, PyObject *kw)
-{
-    int64_t n, k;
-    tagc_dtype vd;
-    tagc_coding c;
-    (void)m;
-    if (pairs_size_args("_tagc.pairs_bytes", args, kw, 1, &n, &k, &vd, &c) < 0)
-        return NULL;
-    return PyLong_FromLongLong(tagc_pairs_bytes(n, k, vd, c));
-}
-
-static PyObject *py_pairs_cheapest(PyObject *m, PyObject *args, PyObject *kw)
-{
-    int64_t n, k;
-    tagc_dtype vd;
-    if (pairs_size_args("_tagc.pairs_cheapest", args, kw, 0, &n, &k, &vd, NULL) < 0)
-        return NULL;
-    tagc_coding c = tagc_pairs_cheapest(n, k, vd);
-    for (const enum_name *e = CODING_NAMES; e->name != NULL; e++)
-        if (e->value == (int)c)
-            return PyUnicode_FromString(e->name);
-    return raise_status(m, "_tagc.pairs_cheapest", TAGC_ERR_RANGE, NULL);
 }
 
 static PyObject *py_pairs_pack(PyObject *m, PyObject *args, PyObject *kw)
@@ -1175,7 +1108,7 @@ static PyObject *py_quant_encode(PyObject *m, PyObject *args, PyObject *kw)
     CHECK(arg_stream(fn, ostream, &stream));
     tagc_qformat fmt;
     int64_t block;
-    CHECK(arg_quant(fn, ofmt, oblock, &fmt, &block));
+    CHECK(arg_quant(fn, ofmt, oblock, 0, &fmt, &block));
     TAKE(buf, obuf, "buf", K_U8);
     TAKE_OPT(res, has_res, ores, "residual", K_F32 | K_BF16);
     TAKE(grad, ograd, "grad", K_F32 | K_BF16);
@@ -1214,7 +1147,7 @@ static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
     CHECK(arg_stream(fn, ostream, &stream));
     tagc_qformat fmt;
     int64_t block;
-    CHECK(arg_quant(fn, ofmt, oblock, &fmt, &block));
+    CHECK(arg_quant(fn, ofmt, oblock, 0, &fmt, &block));
     TAKE(out, oout, "out", K_F32);
     TAKE(buf, obuf, "buf", K_U8);
     TAKE_STATUS(ostatus);
@@ -1237,20 +1170,6 @@ static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
 }
 
 /* ---- quantized weight gather ------------------------------------------- */
-
-static const enum_name WQ_FORMAT_NAMES[] = {{"int4", TAGC_Q_INT4}, {"int8", TAGC_Q_INT8},
-                                            {NULL, 0}};
-
-/* The (format, block) pair of the wq_* functions: int4 or int8 only. */
-static int arg_wq(const char *fn, PyObject *ofmt, PyObject *oblock, tagc_qformat *fmt,
-                  int64_t *block)
-{
-    int v;
-    if (arg_enum(fn, ofmt, "format", WQ_FORMAT_NAMES, "'int4' or 'int8'", &v) < 0)
-        return -1;
-    *fmt = (tagc_qformat)v;
-    return arg_range(fn, oblock, "block", 1, TAGC_QBLOCK_MAX, block);
-}
 
 /* The segment lengths of a wq call: an int64 tensor (a view, on the data's
  * device: the CUDA kernels read it there) or a sequence of ints (copied into
@@ -1347,32 +1266,179 @@ static int segs_for(views_t *vs, const segs_t *segs, int dev, const view_t *data
     return 0;
 }
 
-static PyObject *py_wq_bytes(PyObject *m, PyObject *args, PyObject *kw)
-{
-    static char *kwl[] = {"segs", "format", "block", NULL};
-    PyObject *osegs, *ofmt, *oblock;
-    BEGIN("wq_bytes");
-    (void)m;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwl, &osegs, &ofmt, &oblock))
-        return NULL;
+/* ---- size functions ---------------------------------------------------- */
+
+/* The eight size functions (bitmap_bytes, lanes_bytes, sketch_buckets,
+ * sparse_bytes, quant_bytes, pairs_bytes, pairs_cheapest, wq_bytes) take
+ * ints, names and at most a segment table, and touch no tensor data: one
+ * implementation, size_call(), serves them all from the table SIZE_FNS.  A
+ * row is the function's name, the tagc.h rule it binds and the kinds of its
+ * arguments in signature order; a kind fixes the keyword and the check,
+ * the same check (and message) as the entry points taking that argument. */
+typedef enum {
+    SA_N,        /* "n": [0, MAX_N] */
+    SA_K_OF_N,   /* "k": [0, n], the n checked before it */
+    SA_K,        /* "k": [0, INT64_MAX / 8], so that k * 8 cannot overflow */
+    SA_BITS,     /* "bits": 1, 2, 4 or 8 */
+    SA_T,        /* "t": [1, T_MAX] */
+    SA_VDTYPE,   /* "value_dtype": torch.float32 or torch.bfloat16 */
+    SA_QFORMAT,  /* "format": any quant format */
+    SA_WQFORMAT, /* "format": int4 or int8 */
+    SA_BLOCK,    /* "block": [1, QBLOCK_MAX] */
+    SA_CODING,   /* "coding": 'ef', 'bitmap' or 'dense' */
+    SA_SEGS,     /* "segs": a CPU table, read after every other argument */
+} size_arg;
+
+static char *const SIZE_KEYWORDS[] = {
+    [SA_N] = "n", [SA_K_OF_N] = "k", [SA_K] = "k", [SA_BITS] = "bits", [SA_T] = "t",
+    [SA_VDTYPE] = "value_dtype", [SA_QFORMAT] = "format", [SA_WQFORMAT] = "format",
+    [SA_BLOCK] = "block", [SA_CODING] = "coding", [SA_SEGS] = "segs"};
+
+/* The checked arguments; a rule reads those its row's kinds fill. */
+typedef struct {
+    int64_t n, k, bits, t, block;
+    tagc_dtype vd;
     tagc_qformat fmt;
-    int64_t block, total;
+    tagc_coding coding;
     segs_t segs;
-    CHECK(arg_wq(fn, ofmt, oblock, &fmt, &block));
-    CHECK(arg_segs(&vs_, osegs, &segs));
-    int dev = common_device(&vs_);
-    CHECK(dev);
+} size_args;
+
+#define SIZE_MAX_ARGS 4
+
+typedef struct {
+    const char *fn;
+    int64_t (*rule)(const size_args *a);
+    int names_coding; /* the result is a tagc_coding, returned by name */
+    int nargs;
+    size_arg kinds[SIZE_MAX_ARGS];
+} size_fn;
+
+/* size_<name>: tagc.h's rule over the checked arguments `a`. */
+#define SIZE_RULE(name, expr)                     \
+    static int64_t size_##name(const size_args *a) \
+    {                                             \
+        return (expr);                            \
+    }
+SIZE_RULE(bitmap_bytes, tagc_bitmap_bytes(a->n))
+SIZE_RULE(lanes_bytes, tagc_lanes_bytes(a->n, (int)a->bits))
+SIZE_RULE(sketch_buckets, tagc_sketch_buckets(a->t))
+SIZE_RULE(sparse_bytes, tagc_sparse_bytes(a->k, a->vd))
+SIZE_RULE(quant_bytes, tagc_quant_bytes(a->n, a->fmt, a->block))
+SIZE_RULE(pairs_bytes, tagc_pairs_bytes(a->n, a->k, a->vd, a->coding))
+SIZE_RULE(pairs_cheapest, (int64_t)tagc_pairs_cheapest(a->n, a->k, a->vd))
+SIZE_RULE(wq_bytes, tagc_wq_bytes(a->segs.len, a->segs.n, a->fmt, a->block))
+
+enum { SZ_BITMAP, SZ_LANES, SZ_SKETCH, SZ_SPARSE, SZ_QUANT, SZ_PAIRS, SZ_CHEAPEST, SZ_WQ };
+
+static const size_fn SIZE_FNS[] = {
+    [SZ_BITMAP] = {"_tagc.bitmap_bytes", size_bitmap_bytes, 0, 1, {SA_N}},
+    [SZ_LANES] = {"_tagc.lanes_bytes", size_lanes_bytes, 0, 2, {SA_N, SA_BITS}},
+    [SZ_SKETCH] = {"_tagc.sketch_buckets", size_sketch_buckets, 0, 1, {SA_T}},
+    [SZ_SPARSE] = {"_tagc.sparse_bytes", size_sparse_bytes, 0, 2, {SA_K, SA_VDTYPE}},
+    [SZ_QUANT] = {"_tagc.quant_bytes", size_quant_bytes, 0, 3,
+                  {SA_N, SA_QFORMAT, SA_BLOCK}},
+    [SZ_PAIRS] = {"_tagc.pairs_bytes", size_pairs_bytes, 0, 4,
+                  {SA_N, SA_K_OF_N, SA_VDTYPE, SA_CODING}},
+    [SZ_CHEAPEST] = {"_tagc.pairs_cheapest", size_pairs_cheapest, 1, 3,
+                     {SA_N, SA_K_OF_N, SA_VDTYPE}},
+    [SZ_WQ] = {"_tagc.wq_bytes", size_wq_bytes, 0, 3, {SA_SEGS, SA_WQFORMAT, SA_BLOCK}},
+};
+
+/* Checks one argument of a scalar kind into *a. */
+static int size_arg_check(const char *fn, size_arg kind, PyObject *o, size_args *a)
+{
+    switch (kind) {
+    case SA_N: return arg_range(fn, o, "n", 0, TAGC_MAX_N, &a->n);
+    case SA_K_OF_N: return arg_range(fn, o, "k", 0, a->n, &a->k);
+    case SA_K: return arg_range(fn, o, "k", 0, INT64_MAX / 8, &a->k);
+    case SA_BITS: return arg_i64(fn, o, "bits", &a->bits) < 0 ? -1 : check_bits(fn, a->bits);
+    case SA_T: return arg_range(fn, o, "t", 1, T_MAX, &a->t);
+    case SA_VDTYPE: return arg_value_dtype(fn, o, &a->vd);
+    case SA_QFORMAT: return arg_format(fn, o, 0, &a->fmt);
+    case SA_WQFORMAT: return arg_format(fn, o, 1, &a->fmt);
+    case SA_BLOCK: return arg_range(fn, o, "block", 1, TAGC_QBLOCK_MAX, &a->block);
+    case SA_CODING: return arg_coding(fn, o, &a->coding);
+    case SA_SEGS: break; /* size_segs(), once the cheap checks passed */
+    }
+    return 0;
+}
+
+/* wq_bytes' table: the size is a host number, so the table must be on the
+ * CPU, where it is checked as the CPU op checks it. */
+static int size_segs(views_t *vs, PyObject *o, segs_t *segs)
+{
+    int64_t total;
+    if (arg_segs(vs, o, segs) < 0)
+        return -1;
+    int dev = common_device(vs);
+    if (dev < 0)
+        return -1;
     if (dev == DEV_CUDA) {
         PyErr_Format(PyExc_TypeError,
-                     "%s: argument 'segs' must be on the CPU (the size is a host number)", fn);
-        goto done;
+                     "%s: argument 'segs' must be on the CPU (the size is a host number)",
+                     vs->fn);
+        return -1;
     }
-    CHECK(segs_check(&vs_, &segs, &total));
-    ret = PyLong_FromLongLong(tagc_wq_bytes(segs.len, segs.n, fmt, block));
+    return segs_check(vs, segs, &total);
+}
+
+static PyObject *coding_name(PyObject *m, const char *fn, tagc_coding c)
+{
+    for (const enum_name *e = CODING_NAMES; e->name != NULL; e++)
+        if (e->value == (int)c)
+            return PyUnicode_FromString(e->name);
+    return raise_status(m, fn, TAGC_ERR_RANGE, NULL);
+}
+
+/* The one implementation of the size functions: f's arguments, all
+ * required, positional or keyword, checked in signature order (a segment
+ * table last), then f's rule. */
+static PyObject *size_call(PyObject *m, PyObject *args, PyObject *kw, const size_fn *f)
+{
+    char *kwl[SIZE_MAX_ARGS + 1] = {NULL};
+    PyObject *o[SIZE_MAX_ARGS] = {NULL};
+    int segs_at = -1;
+    for (int i = 0; i < f->nargs; i++) {
+        kwl[i] = SIZE_KEYWORDS[f->kinds[i]];
+        if (f->kinds[i] == SA_SEGS)
+            segs_at = i;
+    }
+    /* nargs "O"s: the tail of "OOOO" */
+    if (!PyArg_ParseTupleAndKeywords(args, kw, &"OOOO"[SIZE_MAX_ARGS - f->nargs], kwl, &o[0],
+                                     &o[1], &o[2], &o[3]))
+        return NULL;
+    views_t vs;
+    memset(&vs, 0, sizeof vs);
+    vs.fn = f->fn;
+    size_args a;
+    memset(&a, 0, sizeof a);
+    PyObject *ret = NULL;
+    for (int i = 0; i < f->nargs; i++)
+        if (size_arg_check(f->fn, f->kinds[i], o[i], &a) < 0)
+            goto done;
+    if (segs_at >= 0 && size_segs(&vs, o[segs_at], &a.segs) < 0)
+        goto done;
+    int64_t r = f->rule(&a);
+    ret = f->names_coding ? coding_name(m, f->fn, (tagc_coding)r) : PyLong_FromLongLong(r);
 done:
-    views_release(&vs_);
+    views_release(&vs);
     return ret;
 }
+
+/* py_<name>: the entry point of row `row` of SIZE_FNS. */
+#define SIZE_ENTRY(name, row)                                                \
+    static PyObject *py_##name(PyObject *m, PyObject *args, PyObject *kw)    \
+    {                                                                        \
+        return size_call(m, args, kw, &SIZE_FNS[row]);                       \
+    }
+SIZE_ENTRY(bitmap_bytes, SZ_BITMAP)
+SIZE_ENTRY(lanes_bytes, SZ_LANES)
+SIZE_ENTRY(sketch_buckets, SZ_SKETCH)
+SIZE_ENTRY(sparse_bytes, SZ_SPARSE)
+SIZE_ENTRY(quant_bytes, SZ_QUANT)
+SIZE_ENTRY(pairs_bytes, SZ_PAIRS)
+SIZE_ENTRY(pairs_cheapest, SZ_CHEAPEST)
+SIZE_ENTRY(wq_bytes, SZ_WQ)
 
 /* What a refused message means for the caller. */
 static const char *wq_detail(tagc_status st)
@@ -1404,7 +1470,7 @@ static PyObject *wq_common(PyObject *m, PyObject *args, PyObject *kw, int decode
     tagc_qformat fmt;
     int64_t block;
     segs_t segs;
-    CHECK(arg_wq(fn, ofmt, oblock, &fmt, &block));
+    CHECK(arg_quant(fn, ofmt, oblock, 1, &fmt, &block));
     TAKE(first, o1, decode ? "out" : "buf", decode ? K_F32 | K_BF16 : K_U8);
     TAKE(second, o2, decode ? "buf" : "src", decode ? K_U8 : K_F32 | K_BF16);
     view_t *data = decode ? first : second, *buf = decode ? second : first;

@@ -1,5 +1,5 @@
 /*
- * tagc_cuda_module.h - what csrc/_tagcmodule.c needs to run a tagc_cuda_*
+ * tagc_cuda_module.h - what _tagcmodule.c (beside it) needs to run a tagc_cuda_*
  * launcher for CUDA tensors: device detection, and a begin/end pair that
  * makes the tensors' device current and gives the launcher a stream-ordered
  * workspace (cudaMallocAsync on the caller's stream, cudaFreeAsync after the
