@@ -99,6 +99,14 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
     assert all(0 < r.bits < 2 for r in lean)  # ternary: under 1 bit per parameter at N=2
     text = qs.write_doc(runs, wall, tmp_path / "s.md", "cmd", ((0.0,), (0.0,)), 0.02)
     assert "| regression-b256 |" in text
+    assert wall["regression-b256"] == pytest.approx(sum(r.seconds for r in runs))
+    assert all(r.seconds > 0 for r in runs)
+    # reused, nothing runs again and every run keeps the time it recorded
+    again, wall2 = qs.run_suite(["regression-b256"], ["tagc-lean"],
+                                SimpleNamespace(**{**vars(args), "reuse": True}))
+    assert [(r.seed, r.method, r.final, r.seconds) for r in again] == \
+        [(r.seed, r.method, r.final, r.seconds) for r in runs]
+    assert wall2 == wall
 
 
 def test_compare_quality_names_the_code_of_its_runs(tmp_path):
