@@ -22,7 +22,9 @@ buffers between ranks and keeps per-unit state:
 * ``tagc/fsdp1.py``, ``tagc/fsdp2.py``  the FSDP glue (all torch internals)
 * ``tagc/hsdp.py``        custom HSDP: the all-reduce between replicas, compressed
 * ``tagc/reducer.py``     UnitReducer: what FSDP holds per unit; one reduction
+* ``tagc/bypass.py``      the timing-based bypass (``bypass_every``): compress or not
 * ``tagc/transports.py``  the transports, one signature, a table by mode
+* ``tagc/gather.py``      quantized parameter all-gathers (FSDP2, ``gather``)
 * ``tagc/comm.py``, ``tagc/device.py``, ``tagc/stats.py``, ``tagc/checkpoint.py``
 
 Decisions documented here (they are visible in behaviour):

@@ -306,3 +306,16 @@ def test_bypass_timed_measures_cpu_calls():
     with bp.timed("plain", cuda=False):
         pass
     assert bp.sums["plain"] == 0.5 and bp.counts["plain"] == 1
+
+
+def test_module_lists_name_every_module():
+    """tagc_hook's and tagc/__init__'s docstrings list every module of tagc/ (the maps
+    a reader starts from; bypass.py was missing from both)."""
+    import tagc as pkg
+
+    mods = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "tagc", "*.py"))
+                  if not p.endswith("__init__.py"))
+    assert "bypass" in mods
+    missing_hook = [m for m in mods if f"``tagc/{m}.py``" not in tagc.__doc__]
+    missing_pkg = [m for m in mods if f"``{m}``" not in pkg.__doc__]
+    assert missing_hook == [] and missing_pkg == [], (missing_hook, missing_pkg)
