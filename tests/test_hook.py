@@ -322,9 +322,10 @@ def _auto_vs_sparse(rank: int, n: int, kind: str) -> Dict[str, Any]:
     """auto sends the same pairs as sparse in fewer bytes: at a sparsity where
     each coding wins (EF, bitmap, dense), 3 steps with accumulation give equal
     sharded gradients and residuals; every message has the size of the coding
-    every rank derives from (S, k, dtype); no unit sends more gradient bytes
-    than the plain reduce-scatter."""
-    import _tagc
+    every rank derives from (S, k, dtype), both taken from the independent
+    reference of tests/test_pairs.py; no unit sends more gradient bytes than the
+    plain reduce-scatter."""
+    from test_pairs import cheapest_ref, size_ref
 
     out = {}
     for theta, coding in ((0.9875, "ef"), (0.6, "bitmap"), (0.02, "dense")):
@@ -349,9 +350,9 @@ def _auto_vs_sparse(rank: int, n: int, kind: str) -> Dict[str, Any]:
             if ua.compressed:
                 s = ua.flat_numel // n
                 k = min(max(math.ceil(round((1.0 - theta) * s, 9)), 1), s)
-                assert _tagc.pairs_cheapest(s, k, torch.float32) == coding or s < 64
-                want += 3 * (n - 1) * _tagc.pairs_bytes(s, k, torch.float32,
-                                                        _tagc.pairs_cheapest(s, k, torch.float32))
+                best = cheapest_ref(s, k, torch.float32)
+                assert best == coding or s < 64, (ua.name, s, k, best)
+                want += 3 * (n - 1) * size_ref(s, k, torch.float32, best)
         st = states[1].stats()["compressed_total"]
         assert st["collectives"]["isend"]["bytes"] == want, (st["collectives"], want)
         assert st["coded_ef"] + st["coded_bitmap"] + st["coded_dense"] == n * st["calls"]
