@@ -22,7 +22,9 @@ buffers between ranks and keeps per-unit state:
 * ``tagc/fsdp1.py``, ``tagc/fsdp2.py``  the FSDP glue (all torch internals)
 * ``tagc/hsdp.py``        custom HSDP: the all-reduce between replicas, compressed
 * ``tagc/reducer.py``     UnitReducer: what FSDP holds per unit; one reduction
+* ``tagc/bypass.py``      the timing-based bypass (``bypass_every``): compress or not
 * ``tagc/transports.py``  the transports, one signature, a table by mode
+* ``tagc/gather.py``      quantized parameter all-gathers (FSDP2, ``gather``)
 * ``tagc/comm.py``, ``tagc/device.py``, ``tagc/stats.py``, ``tagc/checkpoint.py``
 
 Decisions documented here (they are visible in behaviour):
@@ -41,13 +43,17 @@ Decisions documented here (they are visible in behaviour):
   what rank ``i`` did not send of its own un-averaged gradient, so
   ``divisor * sum(outputs over owners) + sum(residuals over ranks)`` equals
   the sum of the raw gradients over ranks and steps.
-* Non-finite gradients: before compressing, ranks agree (one 4-byte
-  all-reduce per compressed call) whether any rank's unit gradient holds
-  NaN/Inf; if so every rank takes the plain reduce-scatter that call and the
-  residual is left untouched, so GradScaler sees the inf/nan.  On CUDA the
-  flag never reaches the host: every rank instead poisons every shard with a
-  NaN (``tagc.device.poison_nonfinite``), which the CUDA encoders answer by leaving
-  the residual untouched and sending NaN to every owner.
+* Non-finite gradients: before compressing, ranks agree (one small
+  all-reduce per compressed call: 4 bytes, 32 with EF21's damping or the
+  guard, which share it) whether any rank's unit gradient holds NaN/Inf.  If
+  one does, the feedback state is left untouched and the inf/nan reaches the
+  reduced gradient, so GradScaler sees it, by a path that differs per
+  device.  CPU: every rank takes the plain reduce-scatter
+  (custom HSDP: the plain all-reduce) that call.  CUDA: the flag never
+  reaches the host, so the call still compresses: every rank poisons every
+  shard with a NaN (``tagc.device.poison_nonfinite``), which the CUDA
+  encoders answer by leaving the residual untouched and sending NaN to every
+  owner.
 * CUDA: codec work runs on a side stream per device, ordered against FSDP's
   reduce-scatter stream, with no host synchronisation (timeline in
   ``UnitReducer.reduce``); counters accumulate on the device and are read by

@@ -2,6 +2,8 @@
 
 Reading order: ``config`` (the knobs), ``selection`` (which units), ``state``
 (``register``), ``fsdp1``/``fsdp2`` (the glue), ``reducer`` (one unit's reduction),
-``transports`` (what crosses the network), then ``comm``, ``device``, ``stats`` and
+``bypass`` (its timing-based choice of path), ``transports`` (what crosses the
+network), ``hsdp`` (custom HSDP's compressed all-reduce between replicas), ``gather``
+(quantized parameter all-gathers), then ``comm``, ``device``, ``stats`` and
 ``checkpoint``.
 """

@@ -21,7 +21,11 @@ import torch.nn as nn
 
 MODES = ("paper", "exact", "sparse", "auto", "quant", "dense")
 QUANT_FORMATS = ("sign", "ternary", "int4", "int8")
-# Bits on the wire per value of each quant format (scales excluded).
+# Code density of each quant format, bits per value (scales excluded): ternary packs
+# 5 codes per byte.  Each block's codes start on a fresh byte, so the wire cost per
+# value depends on the block (ternary: 1.625 at 256, since 256 codes take 52 bytes);
+# the exact size of a shard is `_tagc.quant_bytes(n, format, block)`, which every
+# transport sizes its messages by.
 QUANT_BITS = {"sign": 1.0, "ternary": 1.6, "int4": 4.0, "int8": 8.0}
 # Parameter all-gather formats (FSDP2): "none" leaves FSDP's own all-gather alone.
 GATHER_FORMATS = ("none", "int8", "int4")
@@ -150,14 +154,18 @@ class TAGCConfig:
         quant_format: quant mode's code per value (``csrc/tagc.h``):
             ``"int8"`` (255 levels of max|v|/127, 8 bits), ``"int4"`` (15
             levels of max|v|/7, 4 bits), ``"ternary"`` ({-s, 0, +s} with
-            ``s = min(2.5 mean|v|, max|v|)``, 1.6 bits) or ``"sign"``
-            (+-mean|v|, 1 bit).  Why it works where top-k struggles: every
-            coordinate reaches the optimizer every step, so AdamW's
-            per-coordinate moments see a stream like plain training, not
-            bursts every 1/density steps (docs/DESIGN.md section 8).  Cost
-            per rank and step: ``(N-1)/N * (bits + 32/quant_block)`` bits per
-            parameter of the compressed units (N=2, int4: 2.06; ternary:
-            0.86); memory: one residual per unit as every mode.
+            ``s = min(2.5 mean|v|, max|v|)``, 5 codes per byte, each
+            block's codes byte-aligned: 1.625 bits at ``quant_block`` 256) or
+            ``"sign"`` (+-mean|v|, 1 bit).  Why it works where top-k
+            struggles: every coordinate reaches the optimizer every step, so
+            AdamW's per-coordinate moments see a stream like plain training,
+            not bursts every 1/density steps (docs/DESIGN.md section 8).
+            Cost per rank and step: ``(N-1)/N * 8 * quant_bytes(S) / S`` bits
+            per parameter of the compressed units, ``quant_bytes`` being
+            ``_tagc.quant_bytes(S, quant_format, quant_block)`` (the exact
+            wire size of a shard of S, scales included; N=2, block 256,
+            int4: 2.06; ternary: 0.88; tests/test_hook_config.py checks these
+            figures against it); memory: one residual per unit as every mode.
         quant_block: entries per fp32 scale in quant mode, 1..65536 (256:
             0.125 bits per entry of scale).
         ef21: EF21 feedback (Richtarik et al. 2021) instead of the residual:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -104,10 +104,24 @@ class _Counter:
 
 def _check_equal_default(rank: int, n: int, kind: str, cfgs: List[tagc.TAGCConfig],
                          reduce_dtype: Any = None, tol: float = 1e-6,
-                         accum: int = 2) -> Dict[str, Any]:
+                         accum: int = 2, rtol: Optional[float] = None) -> Dict[str, Any]:
     """Each TAGC model's sharded gradients == plain FSDP's (one shared reference),
     through gradient accumulation; and stats() bytes == bytes handed to
-    torch.distributed (counted by wrapping it)."""
+    torch.distributed (counted by wrapping it).
+
+    Args:
+        rank: this rank.
+        n: the world size.
+        kind: "fsdp1" or "fsdp2".
+        cfgs: the TAGC configs, each on its own model.
+        reduce_dtype: FSDP's reduce dtype (None: fp32).
+        tol: bound on the largest difference of a parameter's gradient, relative
+            to this rank's largest gradient entry (used when ``rtol`` is None).
+        accum: micro-batches per step.
+        rtol: element-wise instead: ``|a - b| <= rtol |b|`` for every entry.
+    Returns:
+        per mode, the compressed units' stats.
+    """
     ref = build_fsdp(kind, None, reduce_dtype=reduce_dtype)
     mods = [build_fsdp(kind, c, reduce_dtype=reduce_dtype) for c in cfgs]
     states = [tagc.register(m, c) for m, c in zip(mods, cfgs)]
@@ -124,9 +138,13 @@ def _check_equal_default(rank: int, n: int, kind: str, cfgs: List[tagc.TAGCConfi
                 _backward(mod, rank, step, kind, accum)
                 counter.active = None
                 for i, (a, b) in enumerate(zip(local_grads(mod), gb)):
+                    where = f"{kind} {cfg.mode} N={n} step {step} param {i}"
+                    if rtol is not None:
+                        torch.testing.assert_close(a, b, rtol=rtol, atol=1e-30,
+                                                   msg=lambda m, w=where: f"{w}: {m}")
+                        continue
                     err = float((a - b).abs().max()) / scale if b.numel() else 0.0
-                    assert err <= tol, (f"{kind} {cfg.mode} N={n} step {step} param {i}: "
-                                        f"rel err {err:.3g} > {tol}")
+                    assert err <= tol, f"{where}: rel err {err:.3g} > {tol}"
                 mod.zero_grad()
             ref.zero_grad()
     out = {}
@@ -305,26 +323,82 @@ def _check_ef21(rank: int, n: int, kind: str, cfg: tagc.TAGCConfig,
     return st
 
 
+# One bf16 ulp of an element is at most 2^-7 of it (8 significant bits).
+BF16_ULP = 2.0 ** -7
+
+
 def _equal_default(rank: int, n: int, kind: str) -> Dict[str, Any]:
     """dense, and exact/sparse at theta=0, through accumulation (no_sync /
     set_requires_gradient_sync(False)) and, except at N=3 (there for padding),
-    with bf16 reduction (fp32 inside), equal to plain FSDP."""
+    with bf16 reduction (fp32 inside), equal to plain FSDP.
+
+    bf16 at N <= 2: every element within 2^-8 of plain FSDP's (they are equal: both
+    round the one sum once).  At N = 4 gloo's bf16 all-reduce rounds every partial
+    sum, so plain FSDP itself is off the once-rounded sum (measured: up to hundreds
+    of ulps where the ranks' gradients cancel, 0.74% of the rank's largest gradient):
+    that comparison keeps a bound relative to the largest gradient, and
+    :func:`_bf16_once_rounded` checks TAGC element-wise against the exact sum."""
     cfgs = [_cfg("dense"), _cfg("exact", theta=0.0), _cfg("sparse", theta=0.0),
             _cfg("auto", theta=0.0)]
     out = _check_equal_default(rank, n, kind, cfgs)
-    if n != 3:
+    if n <= 2:
+        # half an ulp at most: any rounding difference fails
         _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:],
-                             reduce_dtype=torch.bfloat16, tol=2e-2)
+                             reduce_dtype=torch.bfloat16, rtol=BF16_ULP / 2)
+    elif n == 4:
+        # plain FSDP's own rounding, measured at 0.74% (the bound was 2e-2)
+        _check_equal_default(rank, n, kind, cfgs[:1] + cfgs[2:],
+                             reduce_dtype=torch.bfloat16, tol=1e-2)
+        _bf16_once_rounded(rank, n, kind)
     return out
+
+
+def _bf16_once_rounded(rank: int, n: int, kind: str) -> int:
+    """bf16 reduction, lossless compression (sparse at theta=0): each compressed
+    unit's output is the exact sum of the ranks' bf16 inputs, divided as FSDP
+    divides, to within one bf16 ulp of every element (TAGC sums in fp32 and rounds
+    once; the plain path's bf16 collective does not).
+
+    Returns:
+        how many unit outputs were checked.
+    """
+    cfg = _cfg("sparse", theta=0.0)
+    mod = build_fsdp(kind, cfg, reduce_dtype=torch.bfloat16)
+    state = tagc.register(mod, cfg)
+    seen: Dict[str, Any] = {}
+
+    def run(u: Any, orig: Any, inp: torch.Tensor, out: torch.Tensor) -> None:
+        x = inp.detach().reshape(-1).double()
+        orig(inp, out)
+        seen[u.name] = (x, out.detach().double(), u.pre * u.post)
+
+    _wrap_reduce(state, run)
+    checked = 0
+    for step in range(2):
+        _backward(mod, rank, step, kind, accum=2)
+        for u in state.units:
+            if not u.compressed:
+                continue
+            x, got, div = seen[u.name]
+            dist.all_reduce(x)  # float64: the exact sum of the bf16 inputs
+            s = got.numel()
+            want = x[rank * s:(rank + 1) * s] / div
+            torch.testing.assert_close(got, want, rtol=BF16_ULP, atol=1e-30,
+                                       msg=lambda m, u=u: f"{kind} {u.name} step {step}: {m}")
+            checked += 1
+        mod.zero_grad()
+    assert checked
+    return checked
 
 
 def _auto_vs_sparse(rank: int, n: int, kind: str) -> Dict[str, Any]:
     """auto sends the same pairs as sparse in fewer bytes: at a sparsity where
     each coding wins (EF, bitmap, dense), 3 steps with accumulation give equal
     sharded gradients and residuals; every message has the size of the coding
-    every rank derives from (S, k, dtype); no unit sends more gradient bytes
-    than the plain reduce-scatter."""
-    import _tagc
+    every rank derives from (S, k, dtype), both taken from the independent
+    reference of tests/test_pairs.py; no unit sends more gradient bytes than the
+    plain reduce-scatter."""
+    from test_pairs import cheapest_ref, size_ref
 
     out = {}
     for theta, coding in ((0.9875, "ef"), (0.6, "bitmap"), (0.02, "dense")):
@@ -349,9 +423,9 @@ def _auto_vs_sparse(rank: int, n: int, kind: str) -> Dict[str, Any]:
             if ua.compressed:
                 s = ua.flat_numel // n
                 k = min(max(math.ceil(round((1.0 - theta) * s, 9)), 1), s)
-                assert _tagc.pairs_cheapest(s, k, torch.float32) == coding or s < 64
-                want += 3 * (n - 1) * _tagc.pairs_bytes(s, k, torch.float32,
-                                                        _tagc.pairs_cheapest(s, k, torch.float32))
+                best = cheapest_ref(s, k, torch.float32)
+                assert best == coding or s < 64, (ua.name, s, k, best)
+                want += 3 * (n - 1) * size_ref(s, k, torch.float32, best)
         st = states[1].stats()["compressed_total"]
         assert st["collectives"]["isend"]["bytes"] == want, (st["collectives"], want)
         assert st["coded_ef"] + st["coded_bitmap"] + st["coded_dense"] == n * st["calls"]

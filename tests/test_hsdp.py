@@ -4,9 +4,11 @@ a "node", the hook compresses the all-reduce between the two.
 Cases: dense equals native HSDP bit for bit; exact/sparse/quant without error feedback
 equal the independent reference (every replica's reduce-scattered shard, compressed
 per rank, summed over the replicas); error feedback conserves gradient mass; EF21's
-estimates agree; a non-finite gradient takes the plain path with the state untouched;
-a wrong mesh gets a clear error; checkpoint resume in new processes is
-bitwise (torch.save per rank and torch.distributed.checkpoint).
+estimates agree; both replicas end every step with the same sum, bit for bit, in every
+compressing mode with feedback; a non-finite gradient takes the plain path with the
+state untouched (CPU); a wrong mesh and the bypass (not implemented for HSDP) get a
+clear error; checkpoint resume in new processes is bitwise (torch.save per rank and
+torch.distributed.checkpoint).
 """
 from __future__ import annotations
 
@@ -210,6 +212,67 @@ def _bad_mesh(rank: int, n: int) -> str:
     return str(e.value)
 
 
+def _replicas_agree(rank: int, n: int, cfg: tagc.TAGCConfig, steps: int = 3) -> int:
+    """Every step, each compressed unit's hook output (the decoded sum over the
+    replicas) is the same on both replicas bit for bit, and so are the parameters
+    after the optimizer steps: the replicas must not drift apart.
+
+    Args:
+        rank: global rank.
+        n: world size (R x S).
+        cfg: a compressing config.
+        steps: optimizer steps.
+    Returns:
+        how many (step, unit) outputs were compared.
+    """
+    mesh = _mesh()
+    group = mesh.get_group("replicate")
+    model, state = _tagc_model(cfg, mesh)
+    seen = _tap(state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    compared = 0
+    for step in range(steps):
+        _step(model, rank, step)
+        opt.step()
+        opt.zero_grad()
+        for u in state.units:
+            if not u.compressed:
+                continue
+            got = seen[u.name][1]
+            every = [torch.empty_like(got) for _ in range(R)]
+            dist.all_gather(every, got, group=group)
+            assert all(torch.equal(every[0], e) for e in every[1:]), (
+                cfg.mode, step, u.name, float((every[0] - every[1]).abs().max()))
+            compared += 1
+    assert state.stats()["total"]["compressed_calls"] > 0
+    mine = torch.cat([p.reshape(-1) for p in _params(model)])
+    every = [torch.empty_like(mine) for _ in range(R)]
+    dist.all_gather(every, mine, group=group)
+    assert all(torch.equal(every[0], e) for e in every[1:]), cfg.mode
+    return compared
+
+
+def _bypass_refused(rank: int, n: int) -> str:
+    """bypass_every with custom HSDP: register refuses it on every rank before hooking
+    anything (tagc/hsdp.py), so the same model then registers without it."""
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = tagc.shard_model(ToyGPT(), _cfg("auto", theta=0.9), mesh=mesh)
+    # not pytest.raises: its failure is a BaseException, which would end the shared
+    # spawn's other cases too (run_cases isolates Exceptions)
+    try:
+        tagc.register(model, _cfg("auto", theta=0.9, bypass_every=4))
+    except NotImplementedError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("register accepted bypass_every with custom HSDP")
+    assert "bypass_every" in msg and "HSDP" in msg, msg
+    state = tagc.register(model, _cfg("auto", theta=0.9))
+    _step(model, rank, 0)
+    assert state.stats()["total"]["compressed_calls"] > 0
+    return msg
+
+
 CASES = [
     ("dense_equals_native", _dense_equals_native),
     ("exact_reference", lambda r, n: _reference(r, n, _cfg("exact", theta=0.9,
@@ -231,6 +294,15 @@ CASES = [
     ("ef21_agrees", _ef21_agrees),
     ("nonfinite", _nonfinite),
     ("bad_mesh", _bad_mesh),
+    ("bypass_refused", _bypass_refused),
+    # with feedback and lossy or peeled sums: what could differ between replicas
+    ("replicas_agree_exact", lambda r, n: _replicas_agree(
+        r, n, _cfg("exact", theta=0.5, sketch_factor=0.5))),
+    ("replicas_agree_paper", lambda r, n: _replicas_agree(
+        r, n, _cfg("paper", theta=0.8, ratio=2, index_bits=1))),
+    ("replicas_agree_auto", lambda r, n: _replicas_agree(r, n, _cfg("auto", theta=0.9))),
+    ("replicas_agree_quant_ef21", lambda r, n: _replicas_agree(
+        r, n, _cfg("quant", quant_format="ternary", ef21=True))),
 ]
 
 
