@@ -18,7 +18,7 @@ import torch.nn as nn
 from .config import TAGCConfig
 from .device import CodecStreams
 from .reducer import UnitReducer
-from .selection import clean_name, module_names, unit_selection
+from .selection import module_names, unit_spec
 
 
 def hook(reducer: UnitReducer, padded_grad: torch.Tensor,
@@ -87,12 +87,11 @@ def reducers(model: nn.Module, cfg: TAGCConfig, streams: CodecStreams
                 # use_orig_params=False removed the original; describe it by shape
                 p = torch.empty(shape, dtype=fp.dtype, device="meta")
             infos.append((pi.module, pi.param_name, p, numel))
-        total, sel = unit_selection(cfg, names, infos)
         flat = int(fp._sharded_size.numel()) * dist.get_world_size(m.process_group)
-        out.append(UnitReducer(cfg, clean_name(name) or "<root>", len(out), int(total), flat,
-                               sel, sel > 0 and 2 * sel >= total, m.process_group, rank,
-                               world, float(m._gradient_predivide_factor),
-                               float(m._gradient_postdivide_factor), handle.device, streams))
+        spec = unit_spec(cfg, names, name, len(out), infos, flat, handle.device)
+        out.append(UnitReducer(cfg, spec, m.process_group, rank, world,
+                               float(m._gradient_predivide_factor),
+                               float(m._gradient_postdivide_factor), streams))
         mods.append(m)
     return out, mods, group
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 from .config import TAGCConfig
 from .device import CodecStreams
 from .reducer import UnitReducer
-from .selection import clean_name, module_names, unit_selection
+from .selection import module_names, unit_spec
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _RSBase
@@ -93,16 +93,15 @@ def reducers(model: nn.Module, cfg: TAGCConfig, streams: CodecStreams
         infos = [(fp._module_info.module, fp._module_info.param_name,
                   getattr(fp._module_info.module, fp._module_info.param_name),
                   int(fp._orig_size.numel())) for fp in pg.fsdp_params]
-        total, sel = unit_selection(cfg, names, infos)
         factor = pg.gradient_divide_factor
         divisor = float(factor) if factor is not None else float(world)
         # foreach_reduce pads every parameter's dim 0 to a multiple of N and
         # reduces only parameters with a gradient: frozen ones never have one
         flat = world * sum(int(fp.padded_sharded_param_size.numel())
                            for fp in pg.fsdp_params if fp.sharded_param.requires_grad)
-        out.append(UnitReducer(cfg, clean_name(name) or "<root>", index, int(total), flat, sel,
-                               sel > 0 and 2 * sel >= total, pg.mesh_info.shard_process_group,
-                               rank, world, 1.0, divisor, pg.device, streams))
+        spec = unit_spec(cfg, names, name, index, infos, flat, pg.device)
+        out.append(UnitReducer(cfg, spec, pg.mesh_info.shard_process_group, rank, world,
+                               1.0, divisor, streams))
     return out, [m for _, m, _ in mods], group
 
 

@@ -20,6 +20,7 @@ from .bypass import Bypass
 from .comm import Comm
 from .config import TAGCConfig
 from .device import CodecStreams, Exec, poison_nonfinite
+from .selection import UnitSpec
 from .stats import UnitStats
 
 logger = logging.getLogger("tagc_hook")
@@ -30,31 +31,23 @@ class UnitReducer:
 
     Args:
         cfg: the config (the same on every rank).
-        name: the unit's FQN (``<root>`` for the root).
-        index: position in the FQN order of the model's units: identical on
-            every rank (same model code), which is what the hash seeds need;
-            call order is not (FSDP may reduce units in another order).
-        numel: elements of the unit's parameters.
-        flat_numel: elements of the reduce-scatter input (parameters padded to
-            N shards): the feedback state's length, known before the first
-            backward so that a checkpoint template can be built then.
-        selected_numel: elements of parameters ``cfg.layers`` selects.
-        compressed: whether the unit is compressed (selected >= half).
+        spec: the unit (:class:`~tagc.selection.UnitSpec`: name, index, sizes,
+            selection, device); its fields are this object's attributes too.
         group: the process group of the reduce-scatter.
         rank, world: this rank and the group size.
         pre, post: the default path's pre/post divide factors.
-        device: where the gradient is reduced (the feedback state's home).
         streams: the codec streams shared by the model's reducers (CUDA).
     """
 
-    def __init__(self, cfg: TAGCConfig, name: str, index: int, numel: int, flat_numel: int,
-                 selected_numel: int, compressed: bool, group: Any, rank: int, world: int,
-                 pre: float, post: float, device: torch.device,
-                 streams: CodecStreams) -> None:
-        self.cfg, self.name, self.index = cfg, name, index
-        self.numel, self.flat_numel, self.selected_numel = numel, flat_numel, selected_numel
-        self.compressed, self.group, self.rank, self.world = compressed, group, rank, world
-        self.pre, self.post, self.device, self.streams = pre, post, device, streams
+    def __init__(self, cfg: TAGCConfig, spec: UnitSpec, group: Any, rank: int, world: int,
+                 pre: float, post: float, streams: CodecStreams) -> None:
+        self.cfg, self.spec = cfg, spec
+        # the spec's fields, read on every call: plain attributes (the spec is frozen)
+        self.name, self.index, self.device = spec.name, spec.index, spec.device
+        self.numel, self.flat_numel = spec.numel, spec.flat_numel
+        self.selected_numel, self.compressed = spec.selected_numel, spec.compressed
+        self.group, self.rank, self.world = group, rank, world
+        self.pre, self.post, self.streams = pre, post, streams
         self.step = 0
         self.residual: Optional[torch.Tensor] = None
         # EF21 only: the owner's running sum of every rank's estimate of this
@@ -63,13 +56,13 @@ class UnitReducer:
         self.stats = UnitStats()
         self.warned_unpeeled = False
         # the feedback guard's threshold (0: off) and the last pooled statistic it saw
-        self.guard_ratio = cfg.guard_threshold(device) if self.keeps_feedback else 0.0
+        self.guard_ratio = cfg.guard_threshold(spec.device) if self.keeps_feedback else 0.0
         self.last_guard_stat: Optional[float] = None
         # this call's EF21 damping factor (ef21_damping; set by the vote, None: none)
         self.damp: Any = None
         # the timing-based choice of path (cfg.bypass_every; compressed units only)
         self.bypass: Optional[Bypass] = \
-            Bypass(cfg.bypass_every) if cfg.bypass_every and compressed else None
+            Bypass(cfg.bypass_every) if cfg.bypass_every and spec.compressed else None
 
     # ----------------------------------------------------------------- feedback state
     @property

@@ -9,6 +9,7 @@ its own unit (docs/DESIGN.md section 6).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -204,3 +205,62 @@ def unit_selection(cfg: TAGCConfig, names: Dict[int, str],
         if select_parameter(cfg, names.get(id(mod), ""), mod, pname, p):
             sel += numel
     return total, sel
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One FSDP unit as the hook sees it, the same on every rank (same model code).
+
+    Attributes:
+        name: the unit's FQN without wrapper components (``<root>`` for the root).
+        index: position in the model's unit order (FQN order, not call order: FSDP
+            may reduce units in another order); it goes into the hash seeds.
+        numel: elements of the unit's parameters.
+        flat_numel: elements of the reduce-scatter input (parameters padded to N
+            shards; FSDP2 leaves out frozen parameters): the feedback state's length,
+            known before the first backward so that a checkpoint template can be built.
+        selected_numel: elements of the parameters ``cfg.layers`` selects.
+        device: where the gradient is reduced (the feedback state's home).
+    """
+    name: str
+    index: int
+    numel: int
+    flat_numel: int
+    selected_numel: int
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        if self.index < 0 or self.numel < 0 or self.flat_numel < 0:
+            raise ValueError(f"UnitSpec {self.name!r}: negative index or size "
+                             f"({self.index}, {self.numel}, {self.flat_numel})")
+        if not 0 <= self.selected_numel <= self.numel:
+            raise ValueError(f"UnitSpec {self.name!r}: selected_numel {self.selected_numel} "
+                             f"not in [0, numel={self.numel}]")
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the unit is compressed: FSDP hands the hook one flat buffer per unit,
+        so it goes as a whole, and it does when selected parameters hold at least half
+        of it (the wrapping helpers make selected modules their own units)."""
+        return self.selected_numel > 0 and 2 * self.selected_numel >= self.numel
+
+
+def unit_spec(cfg: TAGCConfig, names: Dict[int, str], name: str, index: int,
+              infos: List[Tuple[nn.Module, str, torch.Tensor, int]], flat_numel: int,
+              device: torch.device) -> UnitSpec:
+    """The :class:`UnitSpec` of one unit: the one place FSDP1, FSDP2 and HSDP build it.
+
+    Args:
+        cfg: the config.
+        names: :func:`module_names` of the model.
+        name: the unit module's FQN as ``named_modules`` gives it.
+        index: the unit's position in the model's unit order.
+        infos: (owning module, parameter name, parameter, numel) per parameter.
+        flat_numel: elements of the unit's reduce-scatter input.
+        device: where the gradient is reduced.
+    Returns:
+        the spec.
+    """
+    total, sel = unit_selection(cfg, names, infos)
+    return UnitSpec(clean_name(name) or "<root>", index, int(total), int(flat_numel),
+                    int(sel), device)

@@ -35,6 +35,7 @@ import tagc_hook as tagc
 from dist_helpers import run_dist
 from tagc.device import CodecStreams
 from tagc.reducer import UnitReducer
+from tagc.selection import UnitSpec
 from test_quant import encode_ref
 
 pytest.importorskip("_tagc")
@@ -131,8 +132,8 @@ class Reference:
 def _run(rank: int, n: int, fields: Dict[str, Any]) -> Dict[str, Any]:
     torch.manual_seed(0)
     cfg = tagc.TAGCConfig(mode="quant", ef21=True, **fields)
-    u = UnitReducer(cfg, "unit", 0, N * S, N * S, N * S, True, dist.group.WORLD, rank, n,
-                    1.0, float(n), torch.device("cpu"), CodecStreams())
+    u = UnitReducer(cfg, UnitSpec("unit", 0, N * S, N * S, N * S, torch.device("cpu")),
+                    dist.group.WORLD, rank, n, 1.0, float(n), CodecStreams())
     ref = Reference(cfg, u.pre * u.post)
     damps, paths = [], []
     for step in range(STEPS):
@@ -192,8 +193,8 @@ def _device_vote(rank: int, n: int) -> Dict[str, Any]:
     from tagc.device import Exec
 
     cfg = tagc.TAGCConfig(mode="quant", quant_format="int4", ef21=True, guard_ratio=0)
-    u = UnitReducer(cfg, "unit", 0, N * S, N * S, N * S, True, dist.group.WORLD, rank, n,
-                    1.0, float(n), torch.device("cpu"), CodecStreams())
+    u = UnitReducer(cfg, UnitSpec("unit", 0, N * S, N * S, N * S, torch.device("cpu")),
+                    dist.group.WORLD, rank, n, 1.0, float(n), CodecStreams())
     for step in range(2):  # a state to damp
         u.reduce(grads(step)[rank].clone(), torch.empty(S))
     g = grads(5)[rank].clone()

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import tagc_hook as tagc
 from dist_helpers import ToyGPT
-from tagc.selection import modules_to_wrap
+from tagc.selection import UnitSpec, modules_to_wrap, module_names, unit_spec
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -319,3 +319,27 @@ def test_module_lists_name_every_module():
     missing_hook = [m for m in mods if f"``tagc/{m}.py``" not in tagc.__doc__]
     missing_pkg = [m for m in mods if f"``{m}``" not in pkg.__doc__]
     assert missing_hook == [] and missing_pkg == [], (missing_hook, missing_pkg)
+
+
+def test_unit_spec_is_compressed_from_half_of_its_parameters() -> None:
+    """unit_spec: the selection counted per parameter; compressed iff selected >= half."""
+    cpu = torch.device("cpu")
+    model = ToyGPT()
+    names = module_names(model)
+    cfg = tagc.TAGCConfig(mode="quant", layers="all", min_numel=0)
+    infos = [(m, n, p, p.numel()) for m in model.modules()
+             for n, p in m.named_parameters(recurse=False)]
+    total = sum(p.numel() for p in model.parameters())
+    spec = unit_spec(cfg, names, "_fsdp_wrapped_module.", 3, infos, total + 7, cpu)
+    assert (spec.name, spec.index, spec.numel, spec.flat_numel) == ("<root>", 3, total, total + 7)
+    assert spec.selected_numel == total and spec.compressed
+    none = unit_spec(tagc.TAGCConfig(mode="quant", layers=lambda *a: False), names, "h.0", 0,
+                     infos, total, cpu)
+    assert none.selected_numel == 0 and not none.compressed
+    assert UnitSpec("u", 0, 10, 10, 5, cpu).compressed          # exactly half
+    assert not UnitSpec("u", 0, 11, 12, 5, cpu).compressed      # just under half
+    assert not UnitSpec("u", 0, 0, 0, 0, cpu).compressed        # nothing to send
+    with pytest.raises(ValueError, match="selected_numel"):
+        UnitSpec("u", 0, 10, 10, 11, cpu)
+    with pytest.raises(ValueError, match="negative"):
+        UnitSpec("u", -1, 10, 10, 1, cpu)
