@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
