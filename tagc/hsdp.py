@@ -25,6 +25,7 @@ contribution, this rank's own included, is the compressed one):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Dict, List, Optional
 
@@ -283,9 +284,9 @@ def reducers(model: Any, cfg: TAGCConfig, mesh: Any, streams: CodecStreams,
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out = []
     for u in base:
-        out.append(ReplicaReducer(cfg, u.name, u.index, u.numel, u.flat_numel // u.world,
-                                  u.selected_numel, u.compressed, group, rank, world, 1.0,
-                                  1.0, u.device, streams))
+        # the all-reduce's input is this rank's shard of the FSDP2 unit
+        spec = dataclasses.replace(u.spec, flat_numel=u.flat_numel // u.world)
+        out.append(ReplicaReducer(cfg, spec, group, rank, world, 1.0, 1.0, streams))
         out[-1].guard_ratio = 0.0  # the default guard is FSDP1/FSDP2's only
     return out
 
