@@ -1,7 +1,8 @@
 """The collectives of one reduction: every tensor handed to ``torch.distributed``
 passes here, so ``stats()`` counts exactly what was sent (and what an ideal network
-would carry: all-to-all minus the own chunk, ring all-reduce 2(N-1)/N, reduce unless
-the destination, reduce-scatter (N-1)/N, isend all of it).
+would carry: all-to-all minus the own chunk, ring all-reduce 2(N-1)/N, ring all-gather
+N-1 times the own message, reduce unless the destination, reduce-scatter (N-1)/N, isend
+all of it).
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ class Comm:
         self.stats.record("all_reduce", nb, 2.0 * (self.world - 1) / self.world * nb, control)
         return self.dev.issue(async_op, dist.all_reduce, t, op=dist.ReduceOp.SUM,
                               group=self.group)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Every rank's ``inp`` into row r of ``out`` (a ring all-gather: this rank's
+        message travels to the N-1 others)."""
+        nb = inp.numel() * inp.element_size()
+        self.stats.record("all_gather_into_tensor", nb, (self.world - 1) * nb)
+        # gloo wants the output flat (world * numel), not stacked
+        self.dev.issue(False, dist.all_gather_into_tensor, out.view(-1), inp,
+                       group=self.group)
 
     def reduce(self, t: torch.Tensor, dst_group_rank: int, async_op: bool = False) -> Any:
         """SUM reduce of ``t`` to group rank ``dst_group_rank``."""

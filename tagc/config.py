@@ -29,6 +29,7 @@ QUANT_FORMATS = ("sign", "ternary", "int4", "int8")
 QUANT_BITS = {"sign": 1.0, "ternary": 1.6, "int4": 4.0, "int8": 8.0}
 # Parameter all-gather formats (FSDP2): "none" leaves FSDP's own all-gather alone.
 GATHER_FORMATS = ("none", "int8", "int4")
+HSDP_ALLREDUCE_FORMS = ("auto", "two_phase", "gather")
 # The paper's compression presets: ratio -> sparsity (Table/Section 4 of the paper).
 PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
 # The feedback guard's threshold when guard_ratio is left at None and EF21 is on
@@ -211,7 +212,8 @@ class TAGCConfig:
             fast fabric).  Bypassed calls send ``g + residual`` plainly and
             empty the residual, so nothing owed is lost; counted in
             ``bypassed_calls``.  CUDA: one host sync per probe.  Not in
-            ``dense`` mode nor with HSDP (NotImplementedError).
+            ``dense`` mode.  Custom HSDP: the probe times the to-the-owner
+            phase of the all-reduce (tagc/hsdp.py).
         gather: FSDP2 only: how each unit's *parameters* travel in FSDP's
             all-gathers (the forward gather and the backward re-gather, 2 of
             FSDP's 3 collectives).  ``"none"`` (default): FSDP's own exact
@@ -258,14 +260,28 @@ class TAGCConfig:
             it catches a state that has gone bad (corrupted, stale, another
             loss scale), not the steady cost of a coarse code.
             ``None`` (default): ``DEFAULT_GUARD_RATIO`` (256) with ``ef21``
-            where the guard exists (CPU, FSDP1/FSDP2), off elsewhere and with
+            where the guard exists (CPU), off elsewhere and with
             the residual feedback, whose healthy level depends on the code
             (about ``1/density`` for top-k).  ``0``: off.  A number > 0:
             that threshold; it needs error feedback and a compressing mode,
             and raises NotImplementedError on CUDA (the decision would have
-            to reach the host to pick the collective) and with custom HSDP.
+            to reach the host to pick the collective).  Custom HSDP: it
+            watches the to-the-owner phase's state.
             Cost per call: three dot products over the unit and 28 more
             control bytes, shared with ``ef21_damping``'s.
+        hsdp_allreduce: custom HSDP only: the form of the compressed all-reduce
+            between the R replicas (tagc/hsdp.py).  ``"two_phase"``: chunk j of
+            every replica's shard, coded, to replica j, which sums, codes its
+            chunk of the sum with a feedback state of its own and all-gathers
+            it: about 2(R-1)/R coded shards per rank, flat in R.
+            ``"gather"``: every replica's whole coded shard to every replica:
+            R-1 coded shards per rank, each contribution coded once; not for
+            ``exact``/``paper`` (NotImplementedError).  ``"auto"`` (default):
+            two-phase from 3 replicas on and always for ``exact``/``paper``,
+            all-gather at 2 replicas (equal bytes, one coding fewer) and for
+            ``dense`` (one plain all-reduce, bit for bit native HSDP).
+            Memory of two-phase: the owner's ``residual_out``, 1/R of the
+            shard (lossy modes with feedback), checkpointed like the rest.
     """
 
     mode: str = "exact"
@@ -290,6 +306,7 @@ class TAGCConfig:
     gather: str = "none"
     gather_block: int = 256
     guard_ratio: Optional[float] = None
+    hsdp_allreduce: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -338,6 +355,9 @@ class TAGCConfig:
         if self.gather not in GATHER_FORMATS:
             raise ValueError(f"gather: must be one of {GATHER_FORMATS}, got {self.gather!r}")
         _check_int("gather_block", self.gather_block, 1, 65536)
+        if self.hsdp_allreduce not in HSDP_ALLREDUCE_FORMS:
+            raise ValueError(f"hsdp_allreduce: must be one of {HSDP_ALLREDUCE_FORMS}, got "
+                             f"{self.hsdp_allreduce!r}")
         self._check_guard()
 
     def _check_guard(self) -> None:

@@ -60,6 +60,9 @@ class UnitReducer:
         self.last_guard_stat: Optional[float] = None
         # this call's EF21 damping factor (ef21_damping; set by the vote, None: none)
         self.damp: Any = None
+        # the path the last call took: "plain", "compress" or "settle" (the
+        # plain sum with the feedback state settled); HSDP's second phase follows it
+        self.last_path = "plain"
         # the timing-based choice of path (cfg.bypass_every; compressed units only)
         self.bypass: Optional[Bypass] = \
             Bypass(cfg.bypass_every) if cfg.bypass_every and spec.compressed else None
@@ -82,8 +85,13 @@ class UnitReducer:
             return []
         out = [("residual", self.flat_numel, self.cfg.residual_dtype)]
         if self.cfg.ef21:
-            out.append(("estimate", self.flat_numel // self.world, torch.float32))
+            out.append(("estimate", self.estimate_numel, torch.float32))
         return out
+
+    @property
+    def estimate_numel(self) -> int:
+        """EF21's estimate: the sum this rank receives (its shard of the unit)."""
+        return self.flat_numel // self.world
 
     # ----------------------------------------------------------------- one reduction
     def reduce(self, inp: torch.Tensor, out: torch.Tensor) -> None:
@@ -119,11 +127,29 @@ class UnitReducer:
 
     def _reduce(self, inp: torch.Tensor, out: torch.Tensor) -> None:
         inp = self._check(inp, out)
-        n = self.world
         dev = Exec(inp)  # the CPU/CUDA decision of this call
-        comm = Comm(self.group, self.rank, n, self.stats, dev)
+        comm = Comm(self.group, self.rank, self.world, self.stats, dev)
         self.stats.add("calls", 1)
-        self.stats.add("default_wire_bytes", (n - 1) / n * inp.numel() * inp.element_size())
+        self.stats.add("default_wire_bytes", self.default_wire_bytes(inp))
+        self.last_path = "plain"
+        step = self.step
+        self._route(comm, dev, inp, out)
+        self.after(comm, dev, out, step)
+
+    def after(self, comm: Comm, dev: Exec, out: torch.Tensor, step: int) -> None:
+        """What follows the to-the-owner phase once its path is known
+        (:attr:`last_path`): nothing here; HSDP's two-phase all-reduce sends the
+        owners' sums to everyone (tagc/hsdp.py).
+
+        Args:
+            comm: the call's collectives.
+            dev: the call's device side.
+            out: this rank's reduced shard.
+            step: the call's step (``self.step`` before the call).
+        """
+
+    def _route(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """The call's path: plain, warm-up, the vote's decision, the bypass."""
         if out.numel() == 0:
             return
         if not self.compressed:
@@ -163,13 +189,28 @@ class UnitReducer:
             self.bypass.finish(comm, inp.device)
         self.step += 1
 
+    def default_wire_bytes(self, inp: torch.Tensor) -> float:
+        """What FSDP's default reduction of ``inp`` puts on an ideal network (a
+        reduce-scatter: (N-1)/N of it)."""
+        return (self.world - 1) / self.world * inp.numel() * inp.element_size()
+
+    def transport(self, call: transports.Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
+        """The compressed exchange: the mode's to-the-owner transport."""
+        transports.TRANSPORTS[self.cfg.mode](call, inp, acc)
+
+    def plain_sum(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """The uncompressed sum of ``inp`` over the group into ``out`` (N > 1): the
+        SUM reduce-scatter."""
+        comm.reduce_scatter(out, inp)
+
     def _compressed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
+        self.last_path = "compress"
         self._apply_damping()
         acc = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
         call = transports.Call(self.cfg, self.index, self.step,
                                self.residual if self.cfg.mode != "dense" else None,
                                comm, dev, self.stats, self._warn_unpeeled)
-        transports.TRANSPORTS[self.cfg.mode](call, inp, acc)
+        self.transport(call, inp, acc)
         if self.cfg.ef21 and self.cfg.mode != "dense":
             self._ef21_update(dev, inp, acc)
         divisor = self.pre * self.post
@@ -187,6 +228,7 @@ class UnitReducer:
         owed is lost (a bypassed call, a guard reset): the residual travels with the
         gradient; EF21's estimates become the exact sums and each rank's ``h`` its
         own gradient."""
+        self.last_path = "settle"
         if not self.keeps_feedback:
             self._plain(comm, inp, out, counted=False)
             return
@@ -194,7 +236,7 @@ class UnitReducer:
             acc = inp.float() if self.world == 1 else \
                 torch.empty(out.numel(), dtype=torch.float32, device=out.device)
             if self.world > 1:
-                comm.reduce_scatter(acc, inp.float())
+                self.plain_sum(comm, acc, inp.float())
             if self.estimate is None:
                 self.estimate = torch.zeros_like(acc)
             self.estimate.copy_(dev.keep(acc, self.estimate))
@@ -211,9 +253,10 @@ class UnitReducer:
         if not inp.is_floating_point() or not out.is_floating_point():
             raise TypeError(f"TAGC: unit {self.name!r} has a non-floating gradient "
                             f"({inp.dtype}); only floating gradients can be reduced")
-        if inp.numel() != self.world * out.numel():
+        if inp.numel() != self.shards_in(inp) * out.numel():
             raise RuntimeError(f"TAGC: unit {self.name!r}: input of {inp.numel()} elements "
-                               f"does not split into {self.world} shards of {out.numel()}")
+                               f"does not split into {self.shards_in(inp)} shards of "
+                               f"{out.numel()}")
         if self.compressed and out.numel() and inp.numel() != self.flat_numel:
             # The feedback state is indexed by position in this buffer; a buffer
             # of another length (FSDP2 leaves out parameters without a gradient)
@@ -373,7 +416,7 @@ class UnitReducer:
         if self.world == 1:
             out.copy_(inp)
         else:
-            comm.reduce_scatter(out, inp)
+            self.plain_sum(comm, out, inp)
         if self.post != 1:
             out.div_(self.post)
 

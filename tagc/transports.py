@@ -161,21 +161,29 @@ def auto_value_dtype(cfg: TAGCConfig, grad_dtype: torch.dtype) -> torch.dtype:
 
 
 def pairs_wire(cfg: TAGCConfig, s: int, k: int, grad_dtype: torch.dtype,
-               kw: Dict[str, int]) -> PairsWire:
+               kw: Dict[str, int], exact_values: bool = False) -> PairsWire:
     """The message of k pairs of a shard of s: ``sparse``'s int32 offsets + values,
     or ``auto``'s coding of fewest bytes for (S, k, value dtype) (Elias-Fano
     positions, a bitmap, or dense values), which every rank derives from sizes
     alone: no extra exchange.
 
     Args:
-        cfg: the config (``mode`` sparse or auto).
+        cfg: the config (``mode`` sparse or auto; any mode with ``exact_values``).
         s: shard length.
         k: pairs per message.
         grad_dtype: the gradient's dtype.
         kw: the ``_tagc`` call keywords (the CUDA stream).
+        exact_values: ``auto``'s coding with fp32 values whatever the mode (the
+            lossless to-everyone phase of :func:`spread_union`).
     Returns:
         the wire format.
     """
+    if exact_values:
+        c = _tagc.pairs_cheapest(s, k, torch.float32)
+        return PairsWire(torch.float32, _tagc.pairs_bytes(s, k, torch.float32, c),
+                         lambda b, i, v: _tagc.pairs_pack(b, i, v, s, c, **kw),
+                         lambda a, b: _tagc.pairs_unpack_add(a, b, k, torch.float32, c, **kw),
+                         c)
     if cfg.mode == "sparse":
         vd = cfg.value_dtype
         return PairsWire(vd, _tagc.sparse_bytes(k, vd),
@@ -371,6 +379,97 @@ def paper(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
         return
     call.add("collision_dropped", int(lost.sum()))
     call.add("collision_dropped_l1", float(val.float().abs()[lost].sum()))
+
+
+# --------------------------------------------------------------------------------------
+# The to-everyone phase: every rank's message to every rank (one all-gather), decoded
+# alike on every rank, so every rank ends with the same values.  ``spread(call, x, out,
+# place)``: ``x`` is this rank's vector; with ``place`` rank j's decoded message goes
+# to row j of ``out`` (R, len(x)) (the second phase of a compressed all-reduce: x is
+# the sum this rank owns), else every message is added to ``out`` in rank order (the
+# all-gather form: x is this rank's own contribution).  ``out`` arrives zeroed.  The
+# feedback state is ``call.residual`` (x's length, None: none): whatever the code
+# leaves of x + residual is kept for the next call.
+
+def _rows(out: torch.Tensor, place: bool, world: int) -> List[torch.Tensor]:
+    return [out[j] for j in range(world)] if place else [out] * world
+
+
+def spread_dense(call: Call, x: torch.Tensor, out: torch.Tensor, place: bool) -> None:
+    """No compression: an all-gather of the owners' sums, or (all-gather form) one
+    SUM all-reduce in the gradient's dtype, bit for bit what native HSDP does."""
+    if place:
+        call.comm.all_gather(out, x.float())
+        return
+    g = x.clone()
+    call.comm.all_reduce(g)
+    out.copy_(g)
+
+
+def spread_quant(call: Call, x: torch.Tensor, out: torch.Tensor, place: bool) -> None:
+    """x + residual on ``quant_format`` codes, every rank's codes to every rank; the
+    sender decodes its own message too (every rank must hold the same values)."""
+    fmt, block, kw = call.cfg.quant_format, call.cfg.quant_block, call.dev.kw
+    nb = _tagc.quant_bytes(x.numel(), fmt, block)
+    mine = torch.empty(nb, dtype=torch.uint8, device=x.device)
+    _tagc.quant_encode(mine, call.residual, x, fmt, block, **kw)
+    every = torch.empty(call.world, nb, dtype=torch.uint8, device=x.device)
+    call.comm.all_gather(every, mine)
+    for j, row in enumerate(_rows(out, place, call.world)):  # rank order: one sum
+        _tagc.quant_decode_add(row, every[j], fmt, block, **kw)
+    if not place:
+        call.add("union_size", x.numel())
+        call.add("shard_slots", x.numel())
+
+
+def _spread_pairs(call: Call, x: torch.Tensor, out: torch.Tensor, place: bool, k: int,
+                  wire: PairsWire, residual: Optional[torch.Tensor]) -> None:
+    """The top-k of x + residual as one pairs message per rank, to every rank."""
+    kw = dict(call.dev.kw)
+    idx = torch.empty(k, dtype=torch.int32, device=x.device)
+    val = torch.empty(k, dtype=wire.value_dtype, device=x.device)
+    bm = torch.empty(_tagc.bitmap_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+    if call.dev.cuda:  # the threshold to a device scalar: no host sync
+        kw["out"] = torch.empty(1, dtype=torch.float32, device=x.device)
+    _tagc.sparsify(idx, val, bm, residual, x, k, **kw)
+    mine = torch.empty(wire.nbytes, dtype=torch.uint8, device=x.device)
+    wire.pack(mine, idx, val)
+    every = torch.empty(call.world, wire.nbytes, dtype=torch.uint8, device=x.device)
+    call.comm.all_gather(every, mine)
+    for j, row in enumerate(_rows(out, place, call.world)):
+        wire.unpack(row, every[j])
+    if not place:
+        call.add("shard_slots", x.numel())
+    if wire.coding is not None:
+        call.add("coded_" + wire.coding, call.world)
+
+
+def spread_pairs(call: Call, x: torch.Tensor, out: torch.Tensor, place: bool) -> None:
+    """``sparse`` and ``auto``: k of x + residual (an owner re-selects k of its sum;
+    what it drops stays in its residual), in the mode's pairs message."""
+    k = call.k(x.numel())
+    wire = pairs_wire(call.cfg, x.numel(), k, x.dtype, call.dev.kw)
+    _spread_pairs(call, x, out, place, k, wire, call.residual)
+
+
+def spread_union(call: Call, x: torch.Tensor, out: torch.Tensor, place: bool) -> None:
+    """``exact`` and ``paper``, owners' sums only (``place``): a sum of N ranks' k
+    kept entries has at most N*k non-zeros, so the top min(S, N*k) of it, fp32
+    values in ``auto``'s cheapest coding, is the sum itself: lossless, no state."""
+    if not place:
+        raise NotImplementedError(f"mode {call.cfg.mode!r} has no all-gather form (its "
+                                  "union needs the to-the-owner phase)")
+    k = min(x.numel(), call.world * call.k(x.numel()))
+    wire = pairs_wire(call.cfg, x.numel(), k, x.dtype, call.dev.kw, exact_values=True)
+    _spread_pairs(call, x.float(), out, place, k, wire, None)
+
+
+SPREADS: Dict[str, Callable[[Call, torch.Tensor, torch.Tensor, bool], None]] = {
+    "dense": spread_dense, "quant": spread_quant, "sparse": spread_pairs,
+    "auto": spread_pairs, "exact": spread_union, "paper": spread_union}
+
+# which to-everyone phases keep feedback state of their own (their codes lose)
+SPREAD_FEEDBACK = ("quant", "sparse", "auto")
 
 
 TRANSPORTS: Dict[str, Callable[[Call, torch.Tensor, torch.Tensor], None]] = {

@@ -17,7 +17,6 @@ from dist_helpers import SharedSpawn, build_fsdp, local_grads, run_cases, toy_ba
 
 import tagc_hook as tagc
 from tagc import config as tagc_config
-from tagc import hsdp
 
 KINDS = ("fsdp1", "fsdp2")
 CPU = torch.device("cpu")
@@ -59,11 +58,6 @@ def test_guard_threshold_defaults() -> None:
     c = _cfg(ef21=True, guard_ratio=2.5)
     assert tagc.TAGCConfig.from_dict(c.to_dict()) == c
     assert c.fingerprint() != _cfg(ef21=True).fingerprint()
-
-
-def test_guard_refused_with_hsdp() -> None:
-    with pytest.raises(NotImplementedError, match="HSDP"):
-        hsdp.reducers(None, _cfg(ef21=True, guard_ratio=4.0), None, None, [])
 
 
 # --------------------------------------------------------------------------- gloo

@@ -1,14 +1,16 @@
-"""TAGC's custom HSDP on gloo, 4 processes as 2 replicas x 2 shards: FSDP2 shards inside
-a "node", the hook compresses the all-reduce between the two.
+"""TAGC's custom HSDP on gloo: 4 processes as 2 replicas x 2 shards (FSDP2 shards inside
+a "node", the hook compresses the all-reduce between the two), and 3 or 4 replicas of
+one rank for the two-phase all-reduce.
 
-Cases: dense equals native HSDP bit for bit; exact/sparse/quant without error feedback
-equal the independent reference (every replica's reduce-scattered shard, compressed
-per rank, summed over the replicas); error feedback conserves gradient mass; EF21's
-estimates agree; both replicas end every step with the same sum, bit for bit, in every
-compressing mode with feedback; a non-finite gradient takes the plain path with the
-state untouched (CPU); a wrong mesh and the bypass (not implemented for HSDP) get a
-clear error; checkpoint resume in new processes is bitwise (torch.save per rank and
-torch.distributed.checkpoint).
+Cases: dense equals native HSDP bit for bit; every mode without error feedback equals
+the independent reference (:func:`reference_allreduce`: the test's own compress ->
+sum -> compress in pure torch, per form); error feedback conserves gradient mass (with
+two-phase, the owners' ``residual_out`` included); EF21's estimates agree; the
+replicas end every step with the same sum, bit for bit, in every compressing mode with
+feedback; the bypass works on both forms and loses nothing; the bytes per rank are
+the forms' formulas; a non-finite gradient takes the plain path with the state
+untouched (CPU); a wrong mesh gets a clear error; checkpoint resume in new processes
+is bitwise (torch.save per rank and torch.distributed.checkpoint), for both forms.
 """
 from __future__ import annotations
 
@@ -30,14 +32,37 @@ pytestmark = [pytest.mark.codec, pytest.mark.dist]
 R, S = 2, 2
 
 
-def _mesh() -> Any:
+def test_hsdp_allreduce_form() -> None:
+    from tagc import hsdp
+
+    """HSDP's all-reduce form: two-phase from 3 replicas (and always for the union
+    modes), all-gather at 2, for dense and for uncompressed units; a forced form
+    wins; exact/paper have no all-gather form; unknown names raise."""
+    form = hsdp.allreduce_form
+    q = tagc.TAGCConfig(mode="quant")
+    assert [form(q, r, True) for r in (1, 2, 3, 4, 64)] == \
+        ["gather", "gather", "two_phase", "two_phase", "two_phase"]
+    assert form(q, 8, False) == "gather"
+    assert form(tagc.TAGCConfig(mode="dense"), 8, True) == "gather"
+    assert form(tagc.TAGCConfig(mode="exact"), 2, True) == "two_phase"
+    assert form(tagc.TAGCConfig(mode="quant", hsdp_allreduce="two_phase"), 2, True) == \
+        "two_phase"
+    assert form(tagc.TAGCConfig(mode="quant", hsdp_allreduce="gather"), 8, True) == "gather"
+    with pytest.raises(NotImplementedError, match="all-gather form"):
+        form(tagc.TAGCConfig(mode="paper", ratio=4, hsdp_allreduce="gather"), 4, True)
+    with pytest.raises(ValueError, match="hsdp_allreduce"):
+        tagc.TAGCConfig(hsdp_allreduce="ring")
+
+
+def _mesh(replicas: int = R, shards: int = S) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
 
 
 def _cfg(mode: str, **kw: Any) -> tagc.TAGCConfig:
-    return tagc.TAGCConfig(mode=mode, min_numel=64, **kw)
+    kw.setdefault("min_numel", 64)
+    return tagc.TAGCConfig(mode=mode, **kw)
 
 
 def _tagc_model(cfg: tagc.TAGCConfig, mesh: Any) -> Tuple[Any, Any]:
@@ -99,7 +124,8 @@ def _tap(state: Any) -> Dict[str, List[torch.Tensor]]:
 
 
 def _compress_ref(x: torch.Tensor, cfg: tagc.TAGCConfig) -> torch.Tensor:
-    """What one rank contributes of its shard x without error feedback."""
+    """What one rank contributes of x without error feedback: its block codes
+    decoded (quant) or its top k (the others)."""
     if cfg.mode == "quant":
         from test_quant import encode_ref
 
@@ -111,8 +137,42 @@ def _compress_ref(x: torch.Tensor, cfg: tagc.TAGCConfig) -> torch.Tensor:
     return out
 
 
-def _reference(rank: int, n: int, cfg: tagc.TAGCConfig) -> int:
-    mesh = _mesh()
+def reference_allreduce(every: List[torch.Tensor], cfg: tagc.TAGCConfig,
+                        form: str) -> torch.Tensor:
+    """The sum over the replicas the hook must produce without error feedback, from
+    every replica's shard, in pure torch (test_quant's encoder for the codes).
+
+    ``gather``: every replica's shard compressed whole, summed in replica order.
+    ``two_phase``: the shards padded to R chunks of S; owner j sums chunk j of every
+    replica (compressed; its own exact in quant mode, as FULL_SHARD's transport
+    keeps it), then its sum is compressed again (quant: coded; sparse/auto: top k of
+    S; exact/paper: sent losslessly) and every replica takes owner j's chunk from it.
+    """
+    n, length = len(every), every[0].numel()
+    if form == "gather":
+        want = torch.zeros_like(every[0])
+        for e in every:  # replica order, as the hook sums
+            want += _compress_ref(e, cfg)
+        return want
+    s = math.ceil(length / n)
+    padded = [torch.nn.functional.pad(e, (0, n * s - length)) for e in every]
+    chunks = []
+    for j in range(n):
+        acc = torch.zeros(s)
+        for r in range(n):
+            c = padded[r][j * s:(j + 1) * s]
+            acc += c if cfg.mode == "quant" and r == j else _compress_ref(c, cfg)
+        chunks.append(acc if cfg.mode in ("exact", "paper") else _compress_ref(acc, cfg))
+    return torch.cat(chunks)[:length]
+
+
+def _reference(rank: int, n: int, cfg: tagc.TAGCConfig, shape: Tuple[int, int] = (R, S),
+               form: str = "") -> int:
+    """Each compressed unit's hook output against :func:`reference_allreduce` (of the
+    form the reducer took, which must be ``form`` when given)."""
+    from tagc.hsdp import TwoPhaseReducer
+
+    mesh = _mesh(*shape)
     model, state = _tagc_model(cfg, mesh)
     seen = _tap(state)
     _step(model, rank, 0)
@@ -121,12 +181,12 @@ def _reference(rank: int, n: int, cfg: tagc.TAGCConfig) -> int:
     for u in state.units:
         if not u.compressed:
             continue
+        took = "two_phase" if isinstance(u, TwoPhaseReducer) else "gather"
+        assert took == (form or took), (u.name, took, form)
         x, got = seen[u.name]
-        every = [torch.empty_like(x) for _ in range(R)]
+        every = [torch.empty_like(x) for _ in range(shape[0])]
         dist.all_gather(every, x, group=group)
-        want = torch.zeros_like(x)
-        for e in every:  # replica order, as the hook sums
-            want += _compress_ref(e, cfg)
+        want = reference_allreduce(every, cfg, took)
         if cfg.mode == "quant":
             assert torch.equal(got, want), (u.name, float((got - want).abs().max()))
         else:
@@ -136,10 +196,25 @@ def _reference(rank: int, n: int, cfg: tagc.TAGCConfig) -> int:
     return checked
 
 
-def _conservation(rank: int, n: int, cfg: tagc.TAGCConfig) -> None:
-    """Over steps: the replicas' sum of what they sent + their residuals == the sum of
-    their inputs (each hook output is that sent sum, the same on every replica)."""
-    mesh = _mesh()
+def _owed(u: Any, group: Any) -> torch.Tensor:
+    """What the replicas still owe of a unit's sum (float64, the shard's length): their
+    residuals summed, and with two-phase each owner's ``residual_out`` at its chunk."""
+    res = u.residual.double().clone()
+    dist.all_reduce(res, group=group)
+    out = getattr(u, "residual_out", None)
+    if out is not None:
+        every = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, out, group=group)
+        res += torch.cat(every).double()
+    return res[:u.shard_numel]
+
+
+def _conservation(rank: int, n: int, cfg: tagc.TAGCConfig,
+                  shape: Tuple[int, int] = (R, S), owes: bool = True) -> Dict[str, Any]:
+    """Over steps: the replicas' sum of what they sent + what they owe (residuals; with
+    two-phase also the owners' ``residual_out``) == the sum of their inputs (each
+    hook output is that sent sum, the same on every replica)."""
+    mesh = _mesh(*shape)
     model, state = _tagc_model(cfg, mesh)
     seen = _tap(state)
     group = mesh.get_group("replicate")
@@ -157,13 +232,13 @@ def _conservation(rank: int, n: int, cfg: tagc.TAGCConfig) -> None:
         if not u.compressed:
             continue
         tot = raw[u.name].clone()
-        res = u.residual.double().clone()
         dist.all_reduce(tot, group=group)
-        dist.all_reduce(res, group=group)
+        res = _owed(u, group)
         err = float((out[u.name] + res - tot).abs().max())
         assert err <= 1e-5 * float(tot.abs().max()), (cfg.mode, u.name, err)
-        if cfg.mode != "quant":
+        if cfg.mode != "quant" and owes:  # (a bypassed last step settles all)
             assert float(res.abs().max()) > 0
+    return state.stats()["total"]
 
 
 def _ef21_agrees(rank: int, n: int) -> None:
@@ -183,10 +258,10 @@ def _ef21_agrees(rank: int, n: int) -> None:
             assert float((u.estimate.double() - h).abs().max()) <= 1e-5 * float(h.abs().max())
 
 
-def _nonfinite(rank: int, n: int) -> None:
+def _nonfinite(rank: int, n: int, shape: Tuple[int, int] = (R, S)) -> None:
     """A NaN on one rank: every replica takes the plain all-reduce for every compressed
     unit, the feedback state stays as it was, and the NaN reaches the gradients."""
-    mesh = _mesh()
+    mesh = _mesh(*shape)
     model, state = _tagc_model(_cfg("sparse", theta=0.9), mesh)
     _step(model, rank, 0)
     comp = [u for u in state.units if u.compressed]
@@ -212,7 +287,8 @@ def _bad_mesh(rank: int, n: int) -> str:
     return str(e.value)
 
 
-def _replicas_agree(rank: int, n: int, cfg: tagc.TAGCConfig, steps: int = 3) -> int:
+def _replicas_agree(rank: int, n: int, cfg: tagc.TAGCConfig, steps: int = 3,
+                    shape: Tuple[int, int] = (R, S)) -> int:
     """Every step, each compressed unit's hook output (the decoded sum over the
     replicas) is the same on both replicas bit for bit, and so are the parameters
     after the optimizer steps: the replicas must not drift apart.
@@ -222,10 +298,11 @@ def _replicas_agree(rank: int, n: int, cfg: tagc.TAGCConfig, steps: int = 3) -> 
         n: world size (R x S).
         cfg: a compressing config.
         steps: optimizer steps.
+        shape: (replicas, shards).
     Returns:
         how many (step, unit) outputs were compared.
     """
-    mesh = _mesh()
+    mesh = _mesh(*shape)
     group = mesh.get_group("replicate")
     model, state = _tagc_model(cfg, mesh)
     seen = _tap(state)
@@ -239,38 +316,27 @@ def _replicas_agree(rank: int, n: int, cfg: tagc.TAGCConfig, steps: int = 3) -> 
             if not u.compressed:
                 continue
             got = seen[u.name][1]
-            every = [torch.empty_like(got) for _ in range(R)]
+            every = [torch.empty_like(got) for _ in range(shape[0])]
             dist.all_gather(every, got, group=group)
             assert all(torch.equal(every[0], e) for e in every[1:]), (
                 cfg.mode, step, u.name, float((every[0] - every[1]).abs().max()))
             compared += 1
     assert state.stats()["total"]["compressed_calls"] > 0
     mine = torch.cat([p.reshape(-1) for p in _params(model)])
-    every = [torch.empty_like(mine) for _ in range(R)]
+    every = [torch.empty_like(mine) for _ in range(shape[0])]
     dist.all_gather(every, mine, group=group)
     assert all(torch.equal(every[0], e) for e in every[1:]), cfg.mode
     return compared
 
 
-def _bypass_refused(rank: int, n: int) -> str:
-    """bypass_every with custom HSDP: register refuses it on every rank before hooking
-    anything (tagc/hsdp.py), so the same model then registers without it."""
-    mesh = _mesh()
-    torch.manual_seed(0)
-    model = tagc.shard_model(ToyGPT(), _cfg("auto", theta=0.9), mesh=mesh)
-    # not pytest.raises: its failure is a BaseException, which would end the shared
-    # spawn's other cases too (run_cases isolates Exceptions)
-    try:
-        tagc.register(model, _cfg("auto", theta=0.9, bypass_every=4))
-    except NotImplementedError as e:
-        msg = str(e)
-    else:
-        raise AssertionError("register accepted bypass_every with custom HSDP")
-    assert "bypass_every" in msg and "HSDP" in msg, msg
-    state = tagc.register(model, _cfg("auto", theta=0.9))
-    _step(model, rank, 0)
-    assert state.stats()["total"]["compressed_calls"] > 0
-    return msg
+def _bypass(rank: int, n: int, cfg: tagc.TAGCConfig, shape: Tuple[int, int] = (R, S)) -> int:
+    """bypass_every on custom HSDP (the same reducer as FULL_SHARD): both paths are
+    taken, nothing owed is lost (conservation over the steps, bypassed ones
+    included) and the replicas agree bit for bit."""
+    st = _conservation(rank, n, cfg, shape, owes=False)
+    assert st["bypassed_calls"] > 0 and st["compressed_calls"] > 0, st
+    _replicas_agree(rank, n, cfg, 4, shape)
+    return int(st["bypassed_calls"])
 
 
 CASES = [
@@ -294,7 +360,10 @@ CASES = [
     ("ef21_agrees", _ef21_agrees),
     ("nonfinite", _nonfinite),
     ("bad_mesh", _bad_mesh),
-    ("bypass_refused", _bypass_refused),
+    ("bypass_gather", lambda r, n: _bypass(r, n, _cfg("auto", theta=0.9, bypass_every=2))),
+    ("bypass_two_phase", lambda r, n: _bypass(
+        r, n, _cfg("quant", quant_format="ternary", bypass_every=2,
+                   hsdp_allreduce="two_phase"))),
     # with feedback and lossy or peeled sums: what could differ between replicas
     ("replicas_agree_exact", lambda r, n: _replicas_agree(
         r, n, _cfg("exact", theta=0.5, sketch_factor=0.5))),
@@ -324,6 +393,82 @@ def test_hsdp(case: str) -> None:
     SPAWN.case(R * S, case)
 
 
+# ------------------------------------------------------------- R = 3, 4 (1 rank per node)
+
+def _bytes(rank: int, n: int) -> Dict[str, float]:
+    """Wire bytes per rank of one compressed unit's all-reduce, counted by stats():
+    two-phase sends (R-1) coded chunks to their owners and (R-1) copies of its coded
+    chunk of the sum, the all-gather form (R-1) copies of its coded shard (quant
+    codes: sizes from ``_tagc.quant_bytes``)."""
+    from tagc.transports import _tagc
+
+    got = {}
+    for form in ("two_phase", "gather"):
+        cfg = _cfg("quant", hsdp_allreduce=form)
+        model, state = _tagc_model(cfg, _mesh(n, 1))
+        _step(model, rank, 0)
+        u = next(u for u in state.units if u.compressed)
+        st = state.stats()["units"][u.name]
+        # the control messages (the non-finite vote) are all-reduces: 2(R-1)/R on the wire
+        data = st["wire_bytes"] - 2 * (n - 1) / n * st["control_bytes"]
+        s = math.ceil(u.shard_numel / n)
+        want = 2 * (n - 1) * _tagc.quant_bytes(s, "int4", 256) if form == "two_phase" \
+            else (n - 1) * _tagc.quant_bytes(u.shard_numel, "int4", 256)
+        assert data == want, (form, data, want)
+        got[form] = data
+    return got
+
+
+def _replica_cases(n: int) -> List[Tuple[str, Any]]:
+    shape = (n, 1)
+    return [
+        ("quant_reference", lambda r, w: _reference(
+            r, w, _cfg("quant", quant_format="int4", error_feedback=False), shape,
+            "two_phase")),
+        ("quant_gather_reference", lambda r, w: _reference(
+            r, w, _cfg("quant", error_feedback=False, hsdp_allreduce="gather"), shape,
+            "gather")),
+        ("sparse_reference", lambda r, w: _reference(
+            r, w, _cfg("sparse", theta=0.9, error_feedback=False), shape, "two_phase")),
+        ("auto_reference", lambda r, w: _reference(
+            r, w, _cfg("auto", theta=0.5, error_feedback=False), shape, "two_phase")),
+        ("exact_reference", lambda r, w: _reference(
+            r, w, _cfg("exact", theta=0.9, error_feedback=False), shape, "two_phase")),
+        ("ef_quant", lambda r, w: _conservation(
+            r, w, _cfg("quant", quant_format="ternary"), shape)),
+        ("ef_sparse", lambda r, w: _conservation(r, w, _cfg("sparse", theta=0.9), shape)),
+        ("replicas_agree_quant_ef21", lambda r, w: _replicas_agree(
+            r, w, _cfg("quant", quant_format="ternary", ef21=True), 3, shape)),
+        ("replicas_agree_paper", lambda r, w: _replicas_agree(
+            r, w, _cfg("paper", theta=0.8, ratio=2, index_bits=1), 3, shape)),
+        ("bypass_two_phase", lambda r, w: _bypass(
+            r, w, _cfg("auto", theta=0.9, bypass_every=2), shape)),
+        ("nonfinite", lambda r, w: _nonfinite(r, w, shape)),
+        ("bytes", _bytes),
+    ]
+
+
+def _replica_suite(rank: int, n: int) -> Dict[str, Any]:
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("tagc_hook").setLevel(logging.ERROR)
+    return run_cases(rank, n, _replica_cases(n))
+
+
+REPLICA_SPAWN = SharedSpawn(_replica_suite, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [3, 4])
+@pytest.mark.parametrize("case", [c for c, _ in _replica_cases(3)])
+def test_hsdp_replicas(replicas: int, case: str) -> None:
+    """R = 3 and 4 nodes of 1 rank: the two-phase all-reduce against the test's own
+    compress -> sum -> compress (and the all-gather form's), conservation with both
+    feedback states, replica agreement, the bypass, and the bytes (one spawn per R)."""
+    REPLICA_SPAWN.case(replicas, case)
+
+
 # --------------------------------------------------------------------------- resume
 
 def _params(model: Any) -> List[torch.Tensor]:
@@ -338,11 +483,18 @@ def _train(rank: int, model: Any, opt: Any, steps: range) -> None:
         opt.zero_grad()
 
 
-def _resume_first(rank: int, n: int, tmp: str) -> None:
+RESUME_CFGS = {  # the all-gather form, and two-phase with all three feedback states
+    "sparse_gather": dict(mode="sparse", theta=0.9),
+    "ternary_ef21_two_phase": dict(mode="quant", quant_format="ternary", ef21=True,
+                                   hsdp_allreduce="two_phase"),
+}
+
+
+def _resume_first(rank: int, n: int, tmp: str, which: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     warnings.filterwarnings("ignore")
-    cfg = _cfg("sparse", theta=0.9)
+    cfg = _cfg(**RESUME_CFGS[which])
     model, state = _tagc_model(cfg, _mesh())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _train(rank, model, opt, range(6))
@@ -355,11 +507,11 @@ def _resume_first(rank: int, n: int, tmp: str) -> None:
     dcp.save({"tagc": state}, checkpoint_id=os.path.join(tmp, "dcp"))
 
 
-def _resume_second(rank: int, n: int, tmp: str) -> List[bool]:
+def _resume_second(rank: int, n: int, tmp: str, which: str) -> List[bool]:
     import torch.distributed.checkpoint as dcp
 
     warnings.filterwarnings("ignore")
-    cfg = _cfg("sparse", theta=0.9)
+    cfg = _cfg(**RESUME_CFGS[which])
     straight = torch.load(os.path.join(tmp, f"straight-{rank}.pt"), weights_only=True)
     same = []
     for how in ("torch", "dcp", None):
@@ -379,10 +531,11 @@ def _resume_second(rank: int, n: int, tmp: str) -> List[bool]:
 
 
 @pytest.mark.slow
-def test_hsdp_resume_in_new_processes() -> None:
+@pytest.mark.parametrize("which", list(RESUME_CFGS))
+def test_hsdp_resume_in_new_processes(which: str) -> None:
     """6 steps == 3 steps + checkpoint + new processes + load + 3 steps, bit for bit,
     both ways; without loading the TAGC state the parameters differ."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_dist(_resume_first, R * S, tmp, timeout=300)
-        res = run_dist(_resume_second, R * S, tmp, timeout=300)
+        run_dist(_resume_first, R * S, tmp, which, timeout=300)
+        res = run_dist(_resume_second, R * S, tmp, which, timeout=300)
     assert all(r == [True, True, False] for r in res), res
