@@ -26,6 +26,8 @@ Usage:
     sudo python3 scripts/bench_step.py --quick            # < 5 min
     sudo python3 scripts/bench_step.py                    # full run
     sudo python3 scripts/bench_step.py --hsdp             # 2 hosts x 2 ranks, HSDP
+    sudo python3 scripts/bench_step.py --hsdp --nodes 4 --per-node 1 --strategies HSDP
+                                                          # 4 hosts x 1 rank (R = 4)
 """
 from __future__ import annotations
 
@@ -388,8 +390,11 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     # max over ranks per step: a step ends when its slowest rank ends
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    # TAGC's own all-gathers (HSDP's to-everyone phase, over the replicas: one per
+    # host) are gradient bytes, already in the stats column: not parameter gathers
+    g_tagc = (hosts - 1) * (_tagc_gathered(s1) - _tagc_gathered(s0))
     # veth counters: sum over hosts; codec and comm time: over ranks
-    v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0, g1 - g0],
+    v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0, g1 - g0 - g_tagc],
                      dtype=torch.float64)
     dist.all_reduce(v, op=dist.ReduceOp.SUM)
     trial = {
@@ -411,6 +416,12 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
                     strategy, name, statistics.median(trial["step_s"]),
                     trial["veth_tx_per_step_per_host"] / 1e6)
     return trial
+
+
+def _tagc_gathered(stats: dict) -> int:
+    """Bytes this rank handed to TAGC's all-gathers so far (``state.stats()``)."""
+    coll = (stats.get("total") or {}).get("collectives", {})
+    return sum(coll.get(op, {}).get("bytes", 0) for op in _CommTimer.GATHERS)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -589,8 +600,8 @@ def _layout_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         args.fsdp, args.per_node = 2, args.per_node or 2
         args.strategies = args.strategies or ["FULL_SHARD", "HSDP"]
         args.configs = args.configs or list(HSDP_CONFIGS)
-        if args.per_node < 2:
-            p.error("--hsdp needs --per-node >= 2 (one rank per host is plain FSDP)")
+        if args.per_node < 1:
+            p.error("--hsdp needs --per-node >= 1")
     args.fsdp, args.per_node = args.fsdp or 1, args.per_node or 1
     args.strategies = args.strategies or list(STRATEGIES)
     args.configs = args.configs or list(CONFIGS)

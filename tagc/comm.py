@@ -59,10 +59,14 @@ class Comm:
         """Every rank's ``inp`` into row r of ``out`` (a ring all-gather: this rank's
         message travels to the N-1 others)."""
         nb = inp.numel() * inp.element_size()
-        self.stats.record("all_gather_into_tensor", nb, (self.world - 1) * nb)
         # gloo wants the output flat (world * numel), not stacked
-        self.dev.issue(False, dist.all_gather_into_tensor, out.view(-1), inp,
-                       group=self.group)
+        if hasattr(dist, "all_gather_single"):  # all_gather_into_tensor is deprecated
+            self.stats.record("all_gather_single", nb, (self.world - 1) * nb)
+            self.dev.issue(False, dist.all_gather_single, out.view(-1), inp, group=self.group)
+        else:  # pragma: no cover - older torch
+            self.stats.record("all_gather_into_tensor", nb, (self.world - 1) * nb)
+            self.dev.issue(False, dist.all_gather_into_tensor, out.view(-1), inp,
+                           group=self.group)
 
     def reduce(self, t: torch.Tensor, dst_group_rank: int, async_op: bool = False) -> Any:
         """SUM reduce of ``t`` to group rank ``dst_group_rank``."""

@@ -127,7 +127,7 @@ def test_hsdp_report_targets() -> None:
 
 @pytest.mark.parametrize("argv, msg", [
     (["--hsdp", "--fsdp", "1"], "FSDP2"),
-    (["--hsdp", "--per-node", "1"], "per-node"),
+    (["--hsdp", "--per-node", "0"], "per-node"),
     (["--strategies", "HSDP"], "needs --hsdp"),
     (["--hsdp", "--strategies", "SHARD_GRAD_OP"], "compares FULL_SHARD and HSDP"),
 ])
