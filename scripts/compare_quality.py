@@ -16,6 +16,11 @@ length of ``--steps``, against a baseline of the same length; writes ``<out_dir>
 
     python scripts/compare_quality.py --grid --methods sparse,quant-int4 --thetas 0.9875,0.9
 
+HSDP (FSDP2, R replicas of nproc/R ranks; the baseline is native HSDP of that shape):
+
+    python scripts/compare_quality.py --grid --fsdp 2 --nproc 4 \
+        --methods quant-int4-ef21,quant-ternary-ef21 -- --replicas=4
+
 Arguments after ``--`` are passed to every training run (``--key=value`` overrides).
 """
 from __future__ import annotations
@@ -62,6 +67,17 @@ METHODS: Dict[str, Dict[str, Any]] = {
     "gather-int4": {"mode": "dense", "gather": "int4"},
     "lean-gather-int8": {"mode": "quant", "quant_format": "ternary", "ef21": True,
                          "gather": "int8"},
+    # every layer compressed, attention inputs, norms and biases included (issue 23.5)
+    "quant-int4-ef21-all": {"mode": "quant", "quant_format": "int4", "ef21": True,
+                            "layers": "all"},
+    "quant-ternary-ef21-all": {"mode": "quant", "quant_format": "ternary", "ef21": True,
+                               "layers": "all"},
+    # HSDP (-- --replicas=R): the presets' codes with the all-reduce forced two-phase
+    # (the default from R = 3; at R = 2 the default is the all-gather form)
+    "quant-int4-ef21-two-phase": {"mode": "quant", "quant_format": "int4", "ef21": True,
+                                  "hsdp_allreduce": "two_phase"},
+    "quant-ternary-ef21-two-phase": {"mode": "quant", "quant_format": "ternary",
+                                     "ef21": True, "hsdp_allreduce": "two_phase"},
 }
 DEFAULT_GRID = ("sparse,sparse-ef21,quant-int8,quant-int4,quant-ternary,quant-sign,"
                 "quant-int4-ef21,quant-ternary-ef21,quant-sign-ef21")
@@ -253,6 +269,16 @@ def run_grid(args: argparse.Namespace, extra: Sequence[str]) -> Dict[int, Dict[s
     return res
 
 
+def plain_bits(summary: Dict[str, Any]) -> float:
+    """Bits per parameter and rank plain FSDP sends per step: the fp32 reduce-scatter's
+    32 (N-1)/N; native HSDP (R replicas of S ranks): the ring all-reduce of a shard
+    between nodes, 64 (R-1)/R / S."""
+    n, r = summary["world_size"], summary.get("replicas", 1) or 1
+    if r > 1:
+        return 64 * (r - 1) / r / (n // r)
+    return 32 * (n - 1) / n
+
+
 def write_grid(res: Dict[int, Dict[str, Any]], path: Path, command: str) -> str:
     """Markdown table: a row per cell, per run length its loss, change and bits/param."""
     lengths = sorted(res)
@@ -270,8 +296,7 @@ def write_grid(res: Dict[int, Dict[str, Any]], path: Path, command: str) -> str:
         for n in lengths:
             s, base = res[n][name], res[n]["baseline"]["final_val_loss"]
             bits = s.get("compressed_bits_per_param")
-            # plain fp32 reduce-scatter: 32 (N-1)/N bits per element and rank
-            bits_s = f"{32 * (s['world_size'] - 1) / s['world_size']:.2f}" if name == "baseline" else \
+            bits_s = f"{plain_bits(s):.2f}" if name == "baseline" else \
                 "-" if bits is None or (isinstance(bits, float) and math.isnan(bits)) else f"{bits:.2f}"
             gsent, steps = s.get("gather_bytes_sent") or 0, s.get("steps_this_run") or 0
             gather_s = f"{8 * gsent / (steps * s['n_params']):.2f}" if gsent and steps \

@@ -138,6 +138,9 @@ class RunConfig:
     # distributed
     fsdp: int = _opt(1, "1: FullyShardedDataParallel, 2: fully_shard")
     sharding: str = _opt("FULL_SHARD", "FULL_SHARD | SHARD_GRAD_OP")
+    replicas: int = _opt(1, "FSDP2: HSDP over this many replicas (nodes; ranks are numbered "
+                            "node by node): shard inside a replica, replicate across; "
+                            "TAGC's HSDP route with --tagc, native HSDP without")
     tagc: Optional[str] = _opt(None, "a TAGC preset (configs/tagc-*.yaml); none: plain FSDP")
     tagc_set: str = _opt("", "preset fields to override, e.g. dense_steps=2000,theta=0.9")
     wrap: str = _opt("auto", "unit layout: auto | block | tagc (tagc: the hook's layout)")
@@ -174,6 +177,11 @@ class RunConfig:
             raise ValueError("beta1 and beta2 must be in [0, 1)")
         if not 0 < self.val_percent < 100:
             raise ValueError("val_percent must be in (0, 100)")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replicas > 1 and self.fsdp != 2:
+            raise ValueError("replicas > 1 (HSDP) needs fsdp=2 (FSDP1 allows no comm hook "
+                             "on HYBRID_SHARD)")
         if self.wrap == "tagc" and not self.tagc:
             raise ValueError("wrap=tagc needs --tagc (the preset decides the unit layout)")
         if self.tagc is not None and not Path(self.tagc).is_file():
@@ -465,7 +473,14 @@ def wrap_model(model: nn.Module, cfg: RunConfig, tagc_cfg: Any, device: torch.de
                     use_orig_params=True)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if cfg.replicas > 1:
+        if world % cfg.replicas:
+            raise ValueError(f"replicas={cfg.replicas} does not divide the {world} ranks")
+        mesh = init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
     kw: Dict[str, Any] = dict(mesh=mesh, reshard_after_forward=cfg.sharding == "FULL_SHARD")
     if param_dtype != torch.float32:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
@@ -494,17 +509,23 @@ class GradBytes:
     reduce-scatter would have sent for the same calls), unpeeled/recovered entries, and
     the compressed units' wire bits per gradient element.  Plain FSDP: the ideal ring
     reduce-scatter volume, (N-1)/N of the fp32 gradient per synced step (padding
-    ignored), sent and "uncompressed" alike.
+    ignored), sent and "uncompressed" alike; native HSDP: the ring all-reduce of this
+    rank's shard over the R replicas, 2(R-1)/R of it (the bytes between nodes).
 
     Args:
         state: the TAGCState, or None for plain FSDP.
         n_params: the model's parameters.
         world: ranks.
+        replicas: HSDP replicas (1: FULL_SHARD over every rank).
     """
 
-    def __init__(self, state: Any, n_params: int, world: int) -> None:
+    def __init__(self, state: Any, n_params: int, world: int, replicas: int = 1) -> None:
         self.state = state
-        self.plain_per_step = int(n_params * 4 * (world - 1) / world)
+        if replicas > 1:
+            shard = n_params * 4 / (world // replicas)
+            self.plain_per_step = int(shard * 2 * (replicas - 1) / replicas)
+        else:
+            self.plain_per_step = int(n_params * 4 * (world - 1) / world)
         self.steps = 0
         self.start = self._totals() if state is not None else None
         self.sent = self.uncompressed = self.unpeeled = self.recovered = 0.0
@@ -876,7 +897,8 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: gpt2_data.TokenData,
     summary = train_loop(cfg, env, spec, model, optimizer, tagc_state, data, metrics,
                          iter_num, ckpt_path)
     summary.update(n_params=spec.n_params, world_size=env.world, tokenizer=tok.name,
-                   tagc=cfg.tagc, fsdp=cfg.fsdp, sharding=cfg.sharding)
+                   tagc=cfg.tagc, fsdp=cfg.fsdp, sharding=cfg.sharding,
+                   replicas=cfg.replicas)
     if env.master:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     metrics.close()
@@ -920,7 +942,7 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
     """The steps from ``iter_num`` to ``max_iters``; returns the run's numbers."""
     device, world = env.device, env.world
     tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
-    grad_bytes = GradBytes(tagc_state, spec.n_params, world)
+    grad_bytes = GradBytes(tagc_state, spec.n_params, world, cfg.replicas)
     step_times: List[float] = []
     val_loss = float("nan")
     from tqdm import tqdm

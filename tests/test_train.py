@@ -65,7 +65,8 @@ def test_config_overrides_are_typed_and_unknown_keys_raise(tmp_path: Path) -> No
         train_gpt2.parse_config([str(y)])
     for bad in (["--max_iters=1.5"], ["--fsdp=3"], ["--sharding=HYBRID_SHARD"],
                 ["--progress=maybe"], ["--min_lr=1", "--learning_rate=0.1"],
-                ["--tagc=/nonexistent.yaml"], ["--model=huge"], ["stray"]):
+                ["--tagc=/nonexistent.yaml"], ["--model=huge"], ["stray"],
+                ["--replicas=0"], ["--replicas=2", "--fsdp=1"]):
         with pytest.raises(ValueError):
             train_gpt2.parse_config(bad)
 
