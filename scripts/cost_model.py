@@ -13,11 +13,16 @@ optimizer step and how long the step takes, for:
 * ``fsdp+<preset>``: TAGC on FULL_SHARD: the compressed units' reduce-scatter becomes
   an all-to-all of compressed shards (``tagc/transports.py``), with ``full`` also
   the parameter all-gathers on int8 codes (``tagc/gather.py``);
-* ``hsdp+<preset>``: TAGC's HSDP route (``tagc/hsdp.py``): every rank all-gathers its
-  compressed shard to the ``R-1`` other replicas (implemented);
-* ``hsdp+<preset>/2phase``: a compressed reduce-scatter over the replicas followed
-  by an all-gather of the re-compressed sums (about ``2(R-1)/R`` of one compressed
-  shard per rank instead of ``R-1``): **modelled, not implemented** in the hook.
+* ``hsdp+<preset>``: TAGC's HSDP route (``tagc/hsdp.py``) with the hook's default
+  ``hsdp_allreduce="auto"`` (``allreduce_form``): the all-gather form at ``R = 2`` and
+  for ``dense``, the two-phase form from ``R = 3`` on;
+* ``hsdp+<preset>/2phase``: the two-phase form forced (``hsdp_allreduce="two_phase"``,
+  ``TwoPhaseReducer``): each replica's shard in ``R`` chunks, ``R-1`` of them compressed
+  to their owners, then every owner's re-compressed chunk of the sum all-gathered:
+  about ``2(R-1)/R`` of one compressed shard per rank, flat in ``R``;
+* ``hsdp+<preset>/gather``: the all-gather form forced (``hsdp_allreduce="gather"``,
+  ``GatherReducer``): every rank all-gathers its compressed shard to the ``R-1`` other
+  replicas, ``R-1`` compressed shards per rank.
 
 Byte counts follow the codec's own size rules (``csrc/tagc_portable.h``
 ``tagc_q_bytes``, ``csrc/tagc_checks.h`` ``tagc_check_pairs_bytes``) and count what
@@ -109,8 +114,6 @@ DEFAULT_CODEC = {op: 2 ** 24 / (ms * 1e-3) for op, ms in _MEASURED_MS_PER_2_24.i
 for _side in ("encode", "decode"):
     for _fmt in ("int8", "sign"):  # not timed: int4's figures
         DEFAULT_CODEC[f"quant_{_side}_{_fmt}"] = DEFAULT_CODEC[f"quant_{_side}_int4"]
-
-LABEL_NOT_IMPLEMENTED = "modelled, not implemented"
 
 
 # --------------------------------------------------------------------------- size rules
@@ -587,6 +590,12 @@ PRESETS: Dict[str, Compression] = {
 }
 
 
+# HSDP's all-reduce forms between replicas (tagc/hsdp.py ``hsdp_allreduce``), and the
+# name suffix that forces one: ``hsdp+P`` = auto, ``hsdp+P/2phase``, ``hsdp+P/gather``.
+HSDP_FORMS = ("auto", "all-gather", "two-phase")
+FORM_SUFFIX = {"": "auto", "2phase": "two-phase", "gather": "all-gather"}
+
+
 @dataclass(frozen=True)
 class Config:
     """One way to run a step.
@@ -596,8 +605,9 @@ class Config:
         layout: ``full_shard`` (FSDP over every rank) or ``hsdp`` (FSDP inside a node,
             replicas across nodes).
         tagc: TAGC's compression, or None for plain FSDP/HSDP.
-        cross: HSDP's exchange between replicas with TAGC: ``all-gather`` (implemented)
-            or ``two-phase`` (modelled, not implemented).
+        cross: HSDP's exchange between replicas with TAGC (``hsdp_allreduce``):
+            ``auto`` (the hook's default, :func:`hsdp_form`), ``all-gather`` or
+            ``two-phase``.
         dtype: parameter and gradient dtype on the wire, ``fp32`` or ``bf16``
             (FSDP2 MixedPrecisionPolicy param_dtype = reduce_dtype).
         fsdp: 1 or 2 (FSDP1 gathers the root once per step; no gathers hook, no HSDP).
@@ -606,15 +616,15 @@ class Config:
     name: str
     layout: str
     tagc: Optional[Compression] = None
-    cross: str = "all-gather"
+    cross: str = "auto"
     dtype: str = "fp32"
     fsdp: int = 2
 
     def __post_init__(self) -> None:
         if self.layout not in ("full_shard", "hsdp"):
             raise ValueError(f"layout must be 'full_shard' or 'hsdp', got {self.layout!r}")
-        if self.cross not in ("all-gather", "two-phase"):
-            raise ValueError(f"cross must be 'all-gather' or 'two-phase', got {self.cross!r}")
+        if self.cross not in HSDP_FORMS:
+            raise ValueError(f"cross must be one of {list(HSDP_FORMS)}, got {self.cross!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.fsdp not in (1, 2):
@@ -623,25 +633,36 @@ class Config:
             raise ValueError("FSDP1 refuses comm hooks on HYBRID_SHARD: HSDP needs fsdp=2")
         if self.fsdp == 1 and self.tagc is not None and self.tagc.gather != "none":
             raise ValueError("quantized gathers need FSDP2 (FSDP1 has no all-gather hook)")
-        if self.cross == "two-phase" and (self.layout != "hsdp" or self.tagc is None
-                                          or self.tagc.mode != "quant"):
-            raise ValueError("the two-phase exchange is modelled for HSDP with a quant "
-                             "mode only")
+        if self.cross != "auto" and (self.layout != "hsdp" or self.tagc is None):
+            raise ValueError(f"the {self.cross} form (hsdp_allreduce) is TAGC's HSDP exchange "
+                             "between replicas: hsdp+P/2phase or hsdp+P/gather only")
 
-    @property
-    def implemented(self) -> bool:
-        """False for what the hook does not do yet (the two-phase exchange)."""
-        return self.cross != "two-phase"
 
-    @property
-    def label(self) -> str:
-        """The name, marked when it is not implemented."""
-        return self.name if self.implemented else f"{self.name} ({LABEL_NOT_IMPLEMENTED})"
+def hsdp_form(cross: str, mode: str, replicas: int) -> str:
+    """The form one compressed unit's exchange takes (``tagc/hsdp.py`` ``allreduce_form``).
+
+    ``auto``: ``dense`` takes the all-gather form (one plain all-reduce); the other
+    modelled modes the all-gather form at 2 replicas and the two-phase form from 3 on.
+    (``exact``/``paper``, always two-phase in the hook, are not modelled.)
+
+    Args:
+        cross: :attr:`Config.cross`.
+        mode: the compression mode.
+        replicas: R.
+    Returns:
+        ``all-gather`` or ``two-phase``.
+    """
+    if cross != "auto":
+        return cross
+    if mode == "dense":
+        return "all-gather"
+    return "two-phase" if replicas > 2 else "all-gather"
 
 
 def make_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
     """A configuration from its name: ``fsdp``, ``hsdp``, ``fsdp+PRESET``,
-    ``hsdp+PRESET`` or ``hsdp+PRESET/2phase`` (PRESET one of :data:`PRESETS`).
+    ``hsdp+PRESET`` (the hook's default form, ``auto``), ``hsdp+PRESET/2phase`` or
+    ``hsdp+PRESET/gather`` (a form forced) (PRESET one of :data:`PRESETS`).
 
     Args:
         name: the name.
@@ -654,15 +675,15 @@ def make_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
     layout_s, _, preset = base.partition("+")
     layouts = {"fsdp": "full_shard", "hsdp": "hsdp"}
     if layout_s not in layouts or (preset and preset not in PRESETS) \
-            or topo not in ("", "2phase") or (topo and not preset):
-        raise ValueError(f"unknown configuration {name!r}: use fsdp, hsdp, fsdp+P, hsdp+P or "
-                         f"hsdp+P/2phase with P one of {sorted(PRESETS)}")
+            or topo not in FORM_SUFFIX or (topo and not preset):
+        raise ValueError(f"unknown configuration {name!r}: use fsdp, hsdp, fsdp+P, hsdp+P, "
+                         f"hsdp+P/2phase or hsdp+P/gather with P one of {sorted(PRESETS)}")
     return Config(name, layouts[layout_s], PRESETS[preset] if preset else None,
-                  "two-phase" if topo else "all-gather", dtype, fsdp)
+                  FORM_SUFFIX[topo], dtype, fsdp)
 
 
 DEFAULT_CONFIGS = ("fsdp", "hsdp", "fsdp+balanced", "fsdp+lean", "fsdp+full",
-                   "hsdp+balanced", "hsdp+lean", "hsdp+balanced/2phase", "hsdp+lean/2phase")
+                   "hsdp+balanced", "hsdp+lean", "hsdp+balanced/gather", "hsdp+lean/gather")
 
 
 # --------------------------------------------------------------------------- prediction
@@ -928,29 +949,48 @@ def _exchange(st: _Step, p: Prediction, t: Compression, g: int, s: int, eb: int,
 
 def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int, eb: int,
            cnt: int, rates: Dict[str, float]) -> None:
-    """TAGC's HSDP exchange of one rank's shard of one unit between ``r`` replicas."""
-    if t.vote_bytes:
+    """TAGC's HSDP exchange of one rank's shard of one unit between ``r`` replicas, in
+    the form :func:`hsdp_form` picks (``tagc/hsdp.py``)."""
+    if t.vote_bytes:  # the reducer's vote, once per call whatever the form
         st.ring("control", "replica", r, "all_reduce", t.vote_bytes, cnt, cnt)
-    if t.mode == "dense":  # tagc/hsdp.py _dense: dist.all_reduce
-        st.ring("cross", "replica", r, "all_reduce", s * eb, 1, cnt)
+    if hsdp_form(cross, t.mode, r) == "all-gather":
+        # GatherReducer: transports.SPREADS with place=False
+        if t.mode == "dense":  # spread_dense: one SUM all-reduce, native HSDP's
+            st.ring("cross", "replica", r, "all_reduce", s * eb, 1, cnt)
+        elif t.mode == "quant":  # spread_quant: encode the shard once, decode all r
+            fmt = t.quant_format
+            st.ring("cross", "replica", r, "all_gather", quant_bytes(s, fmt, t.quant_block),
+                    1, cnt)
+            p.codec_s += s / rates[f"quant_encode_{fmt}"] + r * s / rates[f"quant_decode_{fmt}"]
+        else:  # spread_pairs: the k pairs of the shard all-gathered, all r added
+            st.ring("cross", "replica", r, "all_gather", _pairs_msg(t, s, eb), 1, cnt)
+            p.codec_s += _pairs_codec(t, s, 1, r, rates)
+        return
+    # TwoPhaseReducer: the shard padded to r chunks; the to-the-owner phase is the mode's
+    # FULL_SHARD transport over the replicas (r - 1 point-to-point messages per rank,
+    # counted as an all-to-all of the same bytes), then each owner codes its chunk of
+    # the sum once and one all-gather brings every owner's message to every replica
+    # (transports.SPREADS with place=True), where all r are decoded.
+    chunk = -(-s // r)
+    if t.mode == "dense":  # transports.dense, then spread_dense: the fp32 sums gathered
+        st.all_to_all("cross", "replica", r, chunk * eb, 1, cnt)
+        st.ring("cross", "replica", r, "all_gather", chunk * DTYPE_BYTES["fp32"], 1, cnt)
     elif t.mode == "quant":
-        fmt, blk = t.quant_format, t.quant_block
+        fmt = t.quant_format
         enc, dec = rates[f"quant_encode_{fmt}"], rates[f"quant_decode_{fmt}"]
-        if cross == "all-gather":  # tagc/hsdp.py _quant: every replica decodes all r
-            st.ring("cross", "replica", r, "all_gather", quant_bytes(s, fmt, blk), 1, cnt)
-            p.codec_s += s / enc + r * s / dec
-        else:
-            # two-phase (modelled, not implemented): r chunks of s/r; r - 1 of them go
-            # compressed to their owners (all-to-all), each owner sums, re-encodes its
-            # chunk and all-gathers it, and every replica decodes all r chunks
-            chunk = -(-s // r)
-            msg = quant_bytes(chunk, fmt, blk)
-            st.all_to_all("cross", "replica", r, msg, 1, cnt)
-            st.ring("cross", "replica", r, "all_gather", msg, 1, cnt)
-            p.codec_s += (s + chunk) / enc + (2 * r - 1) * chunk / dec
-    else:  # tagc/hsdp.py _pairs: the k pairs all-gathered, all r added
-        st.ring("cross", "replica", r, "all_gather", _pairs_msg(t, s, eb), 1, cnt)
-        p.codec_s += _pairs_codec(t, s, 1, r, rates)
+        msg = quant_bytes(chunk, fmt, t.quant_block)
+        st.all_to_all("cross", "replica", r, msg, 1, cnt)
+        st.ring("cross", "replica", r, "all_gather", msg, 1, cnt)
+        # transports.quant: the own chunk is added exact, the r - 1 others encoded and
+        # r - 1 received messages decoded; spread_quant: one chunk encoded, r decoded
+        p.codec_s += (r - 1) * chunk * (1 / enc + 1 / dec) + chunk / enc + r * chunk / dec
+    else:
+        # transports.pairs: every chunk selected (the own one too), r messages added at
+        # the owner; spread_pairs: k of the owner's sum selected, r messages added
+        msg = _pairs_msg(t, chunk, eb)
+        st.all_to_all("cross", "replica", r, msg, 1, cnt)
+        st.ring("cross", "replica", r, "all_gather", msg, 1, cnt)
+        p.codec_s += _pairs_codec(t, chunk, r, r, rates) + _pairs_codec(t, chunk, 1, r, rates)
 
 
 # --------------------------------------------------------------------------- compute time
@@ -1001,20 +1041,16 @@ def sweep(model: ModelSpec, base: Cluster, nodes: Sequence[int], configs: Sequen
     return out
 
 
-def winners(table: Dict[str, Dict[int, Prediction]], r: int) -> Tuple[Prediction, Prediction]:
-    """The fastest configuration at R = r, and the fastest implemented one.
+def winner(table: Dict[str, Dict[int, Prediction]], r: int) -> Prediction:
+    """The fastest configuration at R = r.
 
     Args:
         table: :func:`sweep`'s result.
         r: the node count.
     Returns:
-        (fastest, fastest implemented): the same prediction when the fastest is
-        implemented.
+        its prediction (the first of the table's order on a tie).
     """
-    preds = [by_r[r] for by_r in table.values()]
-    best = min(preds, key=lambda p: p.step_s)
-    impl = [p for p in preds if p.config.implemented]
-    return best, min(impl, key=lambda p: p.step_s) if impl else best
+    return min((by_r[r] for by_r in table.values()), key=lambda p: p.step_s)
 
 
 def _fmt_mb(b: float) -> str:
@@ -1052,16 +1088,13 @@ def report(model: ModelSpec, base: Cluster, nodes: Sequence[int],
         lines += [f"**{title}**", "", f"| config | {cols} |", sep]
         for by_r in table.values():
             cfg = next(iter(by_r.values())).config
-            lines.append(f"| {cfg.label} | " + " | ".join(fn(by_r[r]) for r in nodes) + " |")
+            lines.append(f"| {cfg.name} | " + " | ".join(fn(by_r[r]) for r in nodes) + " |")
         lines.append("")
     lines.append("**fastest configuration**")
     lines.append("")
     for r in nodes:
-        best, impl = winners(table, r)
-        line = f"- R={r}: {best.config.label}, {best.step_s:.4g} s"
-        if best is not impl:
-            line += f"; implemented: {impl.config.label}, {impl.step_s:.4g} s"
-        lines.append(line)
+        best = winner(table, r)
+        lines.append(f"- R={r}: {best.config.name}, {best.step_s:.4g} s")
     return "\n".join(lines)
 
 
@@ -1272,7 +1305,7 @@ def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> Lis
             pc = predict(model, cal[0], cfg, cal[1], codec).step_s if cal else None
             hook = (p.ideal.get("cross", 0.0) if cfg.layout == "hsdp" else
                     p.ideal.get("grad", 0.0)) + p.ideal.get("control", 0.0)
-            label = cfg.label
+            label = cfg.name
             for key, pred, dec in (("stats_wire_mb", hook / 1e6, 2),
                                    ("gathers_mb", p.ideal.get("gather", 0.0) / 1e6, 2),
                                    ("veth_tx_mb", p.node_inter * TCP_FRAME_OVERHEAD / 1e6, None)):
@@ -1378,7 +1411,7 @@ def plot(path: str, base: Cluster, nodes: Sequence[int], configs: Sequence[Confi
         path: the PNG to write.
         base: the cluster.
         nodes: node counts R.
-        configs: configurations (not implemented ones dashed).
+        configs: configurations.
         models: (model, compute seconds per step) pairs, one column each.
         codec: codec throughputs.
         note: the assumptions, printed under the figure.
@@ -1393,11 +1426,10 @@ def plot(path: str, base: Cluster, nodes: Sequence[int], configs: Sequence[Confi
         table = sweep(model, base, nodes, configs, compute, codec)
         for cfg in configs:
             by_r = table[cfg.name]
-            style = "-" if cfg.implemented else "--"
-            axes[0][col].plot(nodes, [by_r[r].bytes_per_rank / 1e6 for r in nodes], style,
-                              marker="o", ms=3, label=cfg.label)
-            axes[1][col].plot(nodes, [by_r[r].step_s for r in nodes], style, marker="o",
-                              ms=3, label=cfg.label)
+            axes[0][col].plot(nodes, [by_r[r].bytes_per_rank / 1e6 for r in nodes], "-",
+                              marker="o", ms=3, label=cfg.name)
+            axes[1][col].plot(nodes, [by_r[r].step_s for r in nodes], "-", marker="o",
+                              ms=3, label=cfg.name)
         axes[0][col].set_title(f"{model.name}: bytes sent per rank per step")
         axes[1][col].set_title(f"{model.name}: step time (compute {compute:.3g} s)")
         axes[0][col].set_ylabel("MB per rank per step")
@@ -1446,7 +1478,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="configurations: fsdp, hsdp, fsdp+P, hsdp+P, hsdp+P/2phase "
+                                epilog="configurations: fsdp, hsdp, fsdp+P, hsdp+P (the hook's "
+                                       "hsdp_allreduce=auto), hsdp+P/2phase, hsdp+P/gather "
                                        f"with P in {sorted(PRESETS)}; codec ops: "
                                        f"{', '.join(sorted(DEFAULT_CODEC))}")
     m = p.add_argument_group("model")
@@ -1539,7 +1572,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     f"{args.overlap:g}; compute 6 x params x {args.tokens_per_rank} tokens at "
                     f"{args.tflops:g} TFLOP/s x MFU {args.mfu:g}; codec: this CPU's measured "
                     f"throughput x {args.codec_speedup:g}; 7B: {args.selected_fraction:.3f} "
-                    "of parameters compressed. Dashed: modelled, not implemented.")
+                    "of parameters compressed. hsdp+P: the hook's default form (all-gather "
+                    "at R = 2, two-phase from R = 3); /gather: the all-gather form forced.")
             plot(args.plot, base, args.nodes, configs, pairs, codec, note)
             print(f"wrote {args.plot}")
             return 0

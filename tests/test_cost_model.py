@@ -54,7 +54,7 @@ def test_all_gather_form_grows_as_r_minus_1_times_b() -> None:
     n, s = 4, 2 ** 22
     b = cm.quant_bytes(s // n, "int4", 256)  # one compressed shard
     for r in (2, 3, 8, 64, 256):
-        p = cm.predict(one_unit(s, True), cluster(n, r), cm.make_config("hsdp+balanced"))
+        p = cm.predict(one_unit(s, True), cluster(n, r), cm.make_config("hsdp+balanced/gather"))
         assert p.ideal["cross"] == (r - 1) * b
 
 
@@ -68,22 +68,90 @@ def test_two_phase_stays_below_2b_and_matches_its_closed_form() -> None:
         assert cross < 2 * b
         # 2 (R-1) chunks of shard/R; the per-chunk block tail adds < one record per chunk
         assert cross == pytest.approx(2 * (r - 1) / r * b, rel=0, abs=2 * (r - 1) * 132)
+        chunk = -(-shard // r)
+        assert cross == 2 * (r - 1) * cm.quant_bytes(chunk, "int4", 256)
         if r == 2:  # one chunk each way: what the all-gather form sends
-            ag = cm.predict(one_unit(s, True), cluster(n, r), cm.make_config("hsdp+balanced"))
+            ag = cm.predict(one_unit(s, True), cluster(n, r),
+                            cm.make_config("hsdp+balanced/gather"))
             assert cross == ag.ideal["cross"]
-    assert not cm.make_config("hsdp+balanced/2phase").implemented
-    assert cm.LABEL_NOT_IMPLEMENTED in cm.make_config("hsdp+lean/2phase").label
 
 
-def test_all_to_all_puts_n_times_the_compressed_bytes_on_the_node_link() -> None:
-    # a ring crosses each node boundary once; an all-to-all's cross-node chunks all do
-    n, r, s = 8, 4, 2 ** 24
-    w = n * r
-    p = cm.predict(one_unit(s, True), cluster(n, r), cm.make_config("fsdp+balanced"))
-    msg = cm.quant_bytes(s // w, "int4", 256)
-    gather_nic = 2 * (w - 1) * (s // w) * 4
-    vote_nic = 2 * (w - 1) / w * cm.VOTE_BYTES_EF21
-    assert p.node_inter == pytest.approx(gather_nic + vote_nic + n * (w - n) * msg)
+@pytest.mark.parametrize("r", [2, 3, 4, 16])
+def test_hsdp_codec_counts_follow_the_transports(r: int) -> None:
+    """transports.quant codes R-1 chunks (the own one is added exact) and decodes R-1
+    messages; spread_quant codes the owner's chunk once and decodes all R; the
+    all-gather form codes the shard once and decodes R shards."""
+    s = 3 * 2 ** 16 * r + 5  # not divisible by r: the shard is padded to r chunks
+    chunk = -(-s // r)
+    slow_enc = {"quant_encode_int4": 1.0, "quant_decode_int4": 1e30}  # seconds = values
+    slow_dec = {"quant_encode_int4": 1e30, "quant_decode_int4": 1.0}
+    two = cm.make_config("hsdp+balanced/2phase")
+    gat = cm.make_config("hsdp+balanced/gather")
+    model, cl = one_unit(s, True), cluster(1, r)
+    assert cm.predict(model, cl, two, codec=slow_enc).codec_s == pytest.approx(
+        (r - 1) * chunk + chunk)
+    assert cm.predict(model, cl, two, codec=slow_dec).codec_s == pytest.approx(
+        (r - 1) * chunk + r * chunk)
+    assert cm.predict(model, cl, gat, codec=slow_enc).codec_s == pytest.approx(s)
+    assert cm.predict(model, cl, gat, codec=slow_dec).codec_s == pytest.approx(r * s)
+
+
+def test_default_hsdp_form_follows_the_hooks_auto() -> None:
+    """hsdp+P is hsdp_allreduce="auto" (tagc/hsdp.py allreduce_form): the all-gather form
+    at R = 2, two-phase from R = 3; dense always one plain all-reduce."""
+    assert [cm.hsdp_form("auto", "quant", r) for r in (1, 2, 3, 4, 1024)] == \
+        ["all-gather", "all-gather", "two-phase", "two-phase", "two-phase"]
+    assert cm.hsdp_form("auto", "dense", 8) == "all-gather"
+    assert cm.hsdp_form("two-phase", "quant", 2) == "two-phase"
+    assert cm.hsdp_form("all-gather", "sparse", 64) == "all-gather"
+    assert cm.make_config("hsdp+lean").cross == "auto"
+    model = one_unit(2 ** 22, True)
+    for preset in ("balanced", "lean", "sparse", "auto"):
+        for r in (2, 3, 4, 64):
+            p = cm.predict(model, cluster(4, r), cm.make_config(f"hsdp+{preset}"))
+            want = "gather" if r == 2 else "2phase"
+            q = cm.predict(model, cluster(4, r), cm.make_config(f"hsdp+{preset}/{want}"))
+            assert (p.ideal, p.node_inter, p.codec_s) == (q.ideal, q.node_inter, q.codec_s)
+            if r > 2:  # the forms differ there: auto is not just the all-gather form
+                g = cm.predict(model, cluster(4, r), cm.make_config(f"hsdp+{preset}/gather"))
+                assert p.ideal["cross"] < g.ideal["cross"]
+    dense = cm.predict(model, cluster(1, 4), cm.make_config("hsdp+dense"))
+    assert dense.ideal["cross"] == pytest.approx(2 * 3 / 4 * 2 ** 22 * 4)  # the all-reduce
+
+
+def test_two_phase_of_the_other_modes() -> None:
+    n, r, s = 2, 4, 2 ** 22
+    shard, model = s // n, one_unit(s, True)
+    chunk = shard // r
+    k = cm.keep_count(0.9875, chunk)
+    sp = cm.predict(model, cluster(n, r), cm.make_config("hsdp+sparse/2phase"))
+    assert sp.ideal["cross"] == 2 * (r - 1) * k * 8     # int32 offset + fp32 value
+    au = cm.predict(model, cluster(n, r), cm.make_config("hsdp+auto/2phase"))
+    assert au.ideal["cross"] == 2 * (r - 1) * cm.pairs_bytes(chunk, k, 4)
+    de = cm.predict(model, cluster(n, r), cm.make_config("hsdp+dense/2phase"))
+    # transports.dense: the chunks in the gradient's dtype; spread_dense: fp32 sums
+    assert de.ideal["cross"] == (r - 1) * chunk * 4 + (r - 1) * chunk * 4
+    bf = cm.predict(model, cluster(n, r), cm.make_config("hsdp+dense/2phase", dtype="bf16"))
+    assert bf.ideal["cross"] == (r - 1) * chunk * 2 + (r - 1) * chunk * 4
+
+
+def test_two_phase_against_native_hsdp_between_nodes() -> None:
+    """GPT-2 124M, 8 ranks per node, fp32: between replicas native HSDP all-reduces each
+    shard (2(R-1)/R of 4 bytes per value), two-phase balanced sends 2(R-1)/R of 4.125
+    bits on the 77% in compressed units: about 3.6x fewer bytes, flat in R; the
+    all-gather form's R-1 shards pass native HSDP from R = 16 on."""
+    m = cm.gpt2_124m()
+
+    def cross(name: str, r: int) -> float:
+        p = cm.predict(m, cm.Cluster(8, r, 400.0, 25.0), cm.make_config(name))
+        return p.ideal["cross"] + p.ideal.get("control", 0.0)
+
+    ratios = {r: cross("hsdp", r) / cross("hsdp+balanced", r) for r in (4, 16, 1024)}
+    assert all(3.4 < x < 3.7 for x in ratios.values()), ratios
+    assert ratios[1024] == pytest.approx(ratios[4], rel=0.02)
+    assert cross("hsdp+balanced/gather", 4) < cross("hsdp", 4)
+    for r in (64, 1024):
+        assert cross("hsdp+balanced/gather", r) > cross("hsdp", r) > cross("hsdp+balanced", r)
 
 
 # --------------------------------------------------------------------------- N = 2 by hand
@@ -215,6 +283,14 @@ def test_bad_mode_config_and_model_raise() -> None:
         cm.make_config("fsdp+bogus")
     with pytest.raises(ValueError, match="two-phase"):
         cm.make_config("fsdp+balanced/2phase")
+    with pytest.raises(ValueError, match="all-gather form"):
+        cm.make_config("fsdp+lean/gather")
+    with pytest.raises(ValueError, match="unknown configuration"):
+        cm.make_config("hsdp/2phase")                  # no preset: native HSDP has no form
+    with pytest.raises(ValueError, match="unknown configuration"):
+        cm.make_config("hsdp+lean/ring")
+    with pytest.raises(ValueError, match="cross must be"):
+        cm.Config("x", "hsdp", cm.PRESETS["lean"], cross="two_phase")
     with pytest.raises(ValueError, match="HSDP needs fsdp=2"):
         cm.make_config("hsdp", fsdp=1)
     with pytest.raises(ValueError, match="params"):
@@ -249,8 +325,21 @@ def test_cli_table_and_winner(capsys: pytest.CaptureFixture) -> None:
                     "--inter-gbit", "25", "--intra-gbit", "400", "--compute-s", "0.1"]) == 0
     out = capsys.readouterr().out
     assert "bytes sent per rank per step" in out and "predicted step time" in out
-    assert "hsdp+balanced/2phase (modelled, not implemented)" in out
+    assert "| hsdp+balanced |" in out and "| hsdp+balanced/gather |" in out
+    assert "not implemented" not in out
     assert "- R=4:" in out
+
+
+def test_winner_is_the_fastest() -> None:
+    m = cm.gpt2_124m()
+    base = cm.Cluster(8, 1, 400.0, 25.0)
+    cfgs = [cm.make_config(n) for n in ("hsdp", "hsdp+balanced", "hsdp+balanced/gather")]
+    table = cm.sweep(m, base, [2, 64], cfgs, 0.05, cm.codec_rates({}))
+    for r in (2, 64):
+        best = cm.winner(table, r)
+        assert best.step_s == min(t[r].step_s for t in table.values())
+    # at R = 64 the all-gather form sends 63 compressed shards: it cannot win
+    assert cm.winner(table, 64).config.name != "hsdp+balanced/gather"
 
 
 # --------------------------------------------------------------------------- --check
@@ -260,8 +349,14 @@ def test_check_parses_the_runs_file_and_bytes_are_exact() -> None:
     data = cm.load_runs(str(RUNS))
     rows = cm.check(data)
     exact = [r for r in rows if r.decimals is not None]
-    assert len(exact) >= 40 and all(r.exact for r in exact), \
+    assert len(exact) >= 56 and all(r.exact for r in exact), \
         [(r.setup, r.config, r.quantity, r.predicted, r.measured) for r in exact if not r.exact]
+    # both HSDP forms measured at R = 2, 3, 4: the two-phase rows (auto from R = 3,
+    # /2phase at R = 2) and the all-gather rows (auto at R = 2, /gather from R = 3)
+    wire = {(r.setup, r.config): r.measured for r in exact if r.quantity == "stats_wire_mb"}
+    assert wire[("hsdp-r3", "hsdp+balanced")] < wire[("hsdp-r3", "hsdp+balanced/gather")]
+    assert wire[("hsdp-r4", "hsdp+lean")] < wire[("hsdp-r4", "hsdp+lean/gather")]
+    assert wire[("hsdp-r2", "hsdp+balanced")] == wire[("hsdp-r2", "hsdp+balanced/2phase")]
     steps = [r for r in rows if r.quantity == "step_s"]
     assert {r.setup for r in steps} == set(data["setups"])
     assert all(r.calibrated is not None for r in steps)
