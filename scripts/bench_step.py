@@ -242,9 +242,9 @@ class _CommTimer:
         self.gather_bytes += (w - 1) * input_tensor.numel() * input_tensor.element_size()
 
 
-def _hsdp(model: Any, cfg: Any, preset: str | None, per_node: int) -> None:
+def _hsdp(model: Any, cfg: Any, preset: str | None, per_node: int) -> Any:
     """Shard inside a host, replicate across hosts: native HSDP for plain FSDP, TAGC's
-    custom HSDP otherwise (the same units either way)."""
+    custom HSDP otherwise (the same units either way); returns the mesh."""
     import torch.distributed as dist
     import tagc_hook as tagc
     from tagc.selection import modules_to_wrap
@@ -256,11 +256,12 @@ def _hsdp(model: Any, cfg: Any, preset: str | None, per_node: int) -> None:
                             mesh_dim_names=("replicate", "shard"))
     if preset is not None:
         tagc.shard_model(model, cfg, mesh=mesh)
-        return
+        return mesh
     order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
     for mod in sorted(modules_to_wrap(model, cfg), key=lambda m: -order[id(m)]):
         fully_shard(mod, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return mesh
 
 
 def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, config_dir: Path,
@@ -288,6 +289,7 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
     gcfg = GPTConfig(n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
                      vocab_size=shape.vocab_size, block_size=shape.block_size)
     model = GPT(gcfg)
+    mesh = None  # the HSDP mesh, which register needs too
     # the wrapping depends on the layer policy only, so plain FSDP gets the same units
     # as TAGC (compressed and uncompressed parameters in different units)
     path = config_dir / (preset or CONFIGS["exact"])
@@ -304,7 +306,7 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
                      auto_wrap_policy=tagc.fsdp1_auto_wrap_policy(model, cfg),
                      device_id=torch.device("cpu"), mixed_precision=mp)
     elif strategy == "HSDP":
-        _hsdp(model, cfg, preset, per_node)
+        mesh = _hsdp(model, cfg, preset, per_node)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -312,7 +314,7 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
                                                 reduce_dtype=torch.bfloat16)} if bf16 else {}
         # FSDP2 has no strategy enum: SHARD_GRAD_OP = keep parameters gathered after forward
         tagc.shard_model(model, cfg, reshard_after_forward=(strategy == "FULL_SHARD"), **kw)
-    state = tagc.register(model, cfg) if preset is not None else None
+    state = tagc.register(model, cfg, mesh=mesh) if preset is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt, state
 

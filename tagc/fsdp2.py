@@ -105,6 +105,11 @@ def reducers(model: nn.Module, cfg: TAGCConfig, streams: CodecStreams
     return out, [m for _, m, _ in mods], group
 
 
+def shard_mesh(model: nn.Module) -> Any:
+    """The 1-D device mesh the model's FSDP2 units are sharded over."""
+    return _param_groups(model)[0][2].mesh_info.mesh
+
+
 def install(model: nn.Module, reducers_: List[UnitReducer], mods: List[nn.Module]) -> None:
     """Give each module its comm; the comm receives the plain SUM and averages itself."""
     for m, r in zip(mods, reducers_):

@@ -3,7 +3,7 @@
 ``tagc.shard_model(model, cfg, mesh=init_device_mesh(dev, (replicas, shards),
 mesh_dim_names=("replicate", "shard")))`` shards every unit over the "shard" dimension
 only (a 1-D mesh per node: its plain reduce-scatter and all-gathers stay on the fast
-links), and ``register`` gives each unit an all-reduce hook
+links), and ``register(model, cfg, mesh=mesh)`` gives each unit an all-reduce hook
 (``FSDPModule.set_all_reduce_hook``): FSDP calls it with the unit's reduce-scatter
 output, this rank's shard summed over its node, and the hook sums it over the replicas
 (the nodes) in place, compressed.  FSDP then divides by replicas x shards (the hook runs
@@ -57,6 +57,38 @@ def check_mesh(mesh: Any) -> None:
             f"shard_model: an HSDP mesh must be 2-D with mesh_dim_names {HSDP_DIMS} "
             f"(init_device_mesh(device, (replicas, shards), mesh_dim_names={HSDP_DIMS})), "
             f"got {mesh.ndim}-D with names {names or None}; a 1-D mesh is plain FSDP")
+
+
+def check_units_mesh(mesh: Any, unit_mesh: Any, units: List[UnitReducer]) -> None:
+    """Refuse, before any hook is installed, a mesh that does not match how the FSDP2
+    units are sharded.  Every rank sees the same model and mesh, so all raise alike.
+
+    Args:
+        mesh: ``register``'s mesh (None: plain FSDP2).
+        unit_mesh: the 1-D mesh the units are sharded over.
+        units: the FSDP2 glue's reducers.
+    Raises:
+        ValueError: units sharded over the "shard" dimension of a larger mesh (what
+            ``shard_model(..., mesh=)`` does) registered without that mesh: nothing
+            would sum over the replicas, which would silently drift apart; a mesh
+            that is not the HSDP layout, or whose "shard" dimension is not the
+            units' group.
+    """
+    names = tuple(getattr(unit_mesh, "mesh_dim_names", None) or ())
+    if mesh is None:
+        if names == ("shard",) and units and units[0].world != dist.get_world_size():
+            raise ValueError(
+                f"register: the model is sharded over the 'shard' dimension of an HSDP "
+                f"mesh ({units[0].world} of {dist.get_world_size()} ranks): pass that "
+                "mesh, tagc.register(model, cfg, mesh=mesh), or nothing would sum the "
+                "gradients over the replicas")
+        return
+    check_mesh(mesh)
+    want = dist.get_process_group_ranks(mesh.get_group("shard"))
+    if names != ("shard",) or dist.get_process_group_ranks(unit_mesh.get_group()) != want:
+        raise ValueError("register: the model is not sharded over this mesh's 'shard' "
+                         "dimension; shard it with tagc.shard_model(model, cfg, mesh=mesh) "
+                         "and pass the same mesh")
 
 
 def allreduce_form(cfg: TAGCConfig, replicas: int, compressed: bool) -> str:

@@ -154,7 +154,8 @@ def shard_model(model: nn.Module, cfg: TAGCConfig, **fully_shard_kwargs: Any) ->
 
     With ``mesh=`` a 2-D ``(replicate, shard)`` mesh this is TAGC's custom HSDP
     (``tagc/hsdp.py``): every unit is sharded over the "shard" dimension only (inside
-    a node) and ``register`` then compresses the all-reduce between the replicas.
+    a node) and ``register(model, cfg, mesh=mesh)`` then compresses the all-reduce
+    between the replicas.
 
     Args:
         model: the unsharded model.
@@ -172,9 +173,8 @@ def shard_model(model: nn.Module, cfg: TAGCConfig, **fully_shard_kwargs: Any) ->
         from .hsdp import check_mesh
 
         check_mesh(mesh)
+        # register(model, cfg, mesh=mesh) then hooks the all-reduce over "replicate"
         fully_shard_kwargs = dict(fully_shard_kwargs, mesh=mesh["shard"])
-        # register() finds the replicas here (an attribute, not a parameter or buffer)
-        model._tagc_hsdp_mesh = mesh
     mods = modules_to_wrap(model, cfg)
     order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
     for mod in sorted(mods, key=lambda m: -order[id(m)]):  # children before parents

@@ -261,7 +261,7 @@ def _why_little(units: List[UnitReducer], cfg: TAGCConfig) -> str:
             f"of the model (layers={cfg.layers!r}, min_numel={cfg.min_numel})")
 
 
-def register(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
+def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
     """Make an FSDP model's gradient reduce-scatter use TAGC.
 
     Args:
@@ -269,11 +269,17 @@ def register(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
             (``fully_shard``-ed root or containing ``fully_shard``-ed modules).
             Register before the first backward, once.
         cfg: the config; must be identical on every rank (checked).
+        mesh: custom HSDP only: the 2-D ``("replicate", "shard")`` mesh the model was
+            sharded with (``shard_model(model, cfg, mesh=mesh)``); the hook then
+            compresses the all-reduce over "replicate".  None: FSDP1/FSDP2 over one
+            group.
     Returns:
         the :class:`TAGCState` (stats, checkpoints).
     Raises:
         TypeError: not an FSDP model, or ``cfg`` not a TAGCConfig.
-        ValueError: unsupported sharding strategy, configs differ between ranks.
+        ValueError: unsupported sharding strategy, configs differ between ranks, a
+            mesh that is not the HSDP layout or not the model's, an HSDP model
+            without its mesh.
         RuntimeError: registered twice.
     """
     if not isinstance(cfg, TAGCConfig):
@@ -312,7 +318,11 @@ def register(model: nn.Module, cfg: TAGCConfig) -> TAGCState:
                             f"cfg) first){hint}")
     streams = CodecStreams()
     units, mods, group = glue.reducers(model, cfg, streams)
-    mesh = getattr(model, "_tagc_hsdp_mesh", None) if kind == "fsdp2" else None
+    if kind == "fsdp2":
+        hsdp.check_units_mesh(mesh, fsdp2.shard_mesh(model), units)
+    elif mesh is not None:
+        raise ValueError("register: mesh= is for TAGC's custom HSDP (FSDP2, "
+                         "tagc.shard_model(model, cfg, mesh=mesh)); FSDP1 has no HSDP hook")
     if mesh is not None:  # custom HSDP: the hook compresses the all-reduce between nodes
         shards = units[0].world
         units = hsdp.reducers(model, cfg, mesh, streams, units)

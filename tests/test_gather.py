@@ -408,11 +408,11 @@ def _case_hsdp(rank: int, n: int) -> Dict[str, Any]:
     cfg = _cfg()
     model = _build(cfg, mesh=mesh)
     full = _full(model)
-    state = tagc.register(model, cfg)
+    state = tagc.register(model, cfg, mesh=mesh)
     ref = ref_weights(full, 2, "int8", BLOCK)
     cfg_b = _cfg(gather="none")
     model_b = _build(cfg_b, init=ref, mesh=mesh)
-    tagc.register(model_b, cfg_b)
+    tagc.register(model_b, cfg_b, mesh=mesh)
     for m in (model, model_b):
         m(toy_batch(rank, 0)).backward()
     a, b = _grads(model), _grads(model_b)

@@ -68,7 +68,7 @@ def _cfg(mode: str, **kw: Any) -> tagc.TAGCConfig:
 def _tagc_model(cfg: tagc.TAGCConfig, mesh: Any) -> Tuple[Any, Any]:
     torch.manual_seed(0)
     model = tagc.shard_model(ToyGPT(), cfg, mesh=mesh)
-    return model, tagc.register(model, cfg)
+    return model, tagc.register(model, cfg, mesh=mesh)
 
 
 def _native(cfg: tagc.TAGCConfig, mesh: Any) -> Any:
@@ -275,16 +275,37 @@ def _nonfinite(rank: int, n: int, shape: Tuple[int, int] = (R, S)) -> None:
     assert not all(bool(torch.isfinite(g).all()) for g in local_grads(model))
 
 
+def _raises(exc: type, match: str, fn: Any, *args: Any, **kw: Any) -> str:
+    """``fn(*args, **kw)`` must raise ``exc`` with ``match`` in its message; returns it.
+    Not pytest.raises: its failure is a BaseException, which would end the shared
+    spawn's other cases too (run_cases isolates Exceptions)."""
+    try:
+        fn(*args, **kw)
+    except exc as e:
+        assert match in str(e), (match, str(e))
+        return str(e)
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc.__name__}")
+
+
 def _bad_mesh(rank: int, n: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
     bad = init_device_mesh("cpu", (R, S), mesh_dim_names=("shard", "replicate"))
-    with pytest.raises(ValueError, match="mesh_dim_names"):
-        tagc.shard_model(ToyGPT(), _cfg("exact"), mesh=bad)
+    _raises(ValueError, "mesh_dim_names", tagc.shard_model, ToyGPT(), _cfg("exact"), mesh=bad)
     native = _native(_cfg("exact"), _mesh())
-    with pytest.raises(ValueError, match="native HSDP") as e:
-        tagc.register(native, _cfg("exact"))
-    return str(e.value)
+    msg = _raises(ValueError, "native HSDP", tagc.register, native, _cfg("exact"))
+    # the mesh is register's argument: without it nothing would sum over the
+    # replicas; a plain FSDP2 model is not sharded over a mesh's "shard" dimension
+    torch.manual_seed(0)
+    model = tagc.shard_model(ToyGPT(), _cfg("exact"), mesh=_mesh())
+    _raises(ValueError, "mesh=mesh", tagc.register, model, _cfg("exact"))
+    plain = tagc.shard_model(ToyGPT(), _cfg("exact"))
+    _raises(ValueError, "not sharded over this mesh", tagc.register, plain, _cfg("exact"),
+            mesh=_mesh())
+    state = tagc.register(model, _cfg("exact"), mesh=_mesh())  # nothing was hooked before
+    _step(model, rank, 0)
+    assert state.stats()["total"]["compressed_calls"] > 0
+    return msg
 
 
 def _replicas_agree(rank: int, n: int, cfg: tagc.TAGCConfig, steps: int = 3,
