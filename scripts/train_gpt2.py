@@ -435,8 +435,25 @@ def import_tagc() -> Any:
     return tagc_hook
 
 
+def device_mesh(cfg: RunConfig, device: torch.device) -> Any:
+    """FSDP2's mesh: every rank on one dimension, or with ``replicas`` > 1 the HSDP
+    ``(replicate, shard)`` mesh (torchrun numbers ranks node by node, so a row is one
+    node).  None for FSDP1."""
+    if cfg.fsdp == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    if cfg.replicas == 1:
+        return init_device_mesh(device.type, (world,))
+    if world % cfg.replicas:
+        raise ValueError(f"replicas={cfg.replicas} does not divide the {world} ranks")
+    return init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
+                            mesh_dim_names=("replicate", "shard"))
+
+
 def wrap_model(model: nn.Module, cfg: RunConfig, tagc_cfg: Any, device: torch.device,
-               param_dtype: torch.dtype, blocks: Sequence[type]) -> nn.Module:
+               param_dtype: torch.dtype, blocks: Sequence[type], mesh: Any = None
+               ) -> nn.Module:
     """Shard the model with FSDP1 or FSDP2.
 
     Unit layout: ``block`` puts each transformer block (a module of a class in
@@ -451,6 +468,7 @@ def wrap_model(model: nn.Module, cfg: RunConfig, tagc_cfg: Any, device: torch.de
         device: this rank's device.
         param_dtype: compute dtype (bf16 on GPU by default); gradients are reduced in fp32.
         blocks: the transformer block classes (for the ``block`` layout).
+        mesh: FSDP2's mesh (:func:`device_mesh`).
 
     Returns:
         The FSDP1 root module, or the model itself with fully_shard applied (FSDP2).
@@ -471,16 +489,7 @@ def wrap_model(model: nn.Module, cfg: RunConfig, tagc_cfg: Any, device: torch.de
                     sharding_strategy=ShardingStrategy[cfg.sharding],
                     device_id=device,  # torch.device("cpu") is how FSDP1 runs on gloo
                     use_orig_params=True)
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    world = dist.get_world_size()
-    if cfg.replicas > 1:
-        if world % cfg.replicas:
-            raise ValueError(f"replicas={cfg.replicas} does not divide the {world} ranks")
-        mesh = init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
-                                mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device.type, (world,))
     kw: Dict[str, Any] = dict(mesh=mesh, reshard_after_forward=cfg.sharding == "FULL_SHARD")
     if param_dtype != torch.float32:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
@@ -875,9 +884,12 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: gpt2_data.TokenData,
     if cfg.tagc is not None:
         tagc = import_tagc()
         tagc_cfg = load_tagc_config(tagc, cfg)
-    model = wrap_model(spec.module, cfg, tagc_cfg, env.device, env.param_dtype, spec.blocks)
+    mesh = device_mesh(cfg, env.device)
+    model = wrap_model(spec.module, cfg, tagc_cfg, env.device, env.param_dtype, spec.blocks,
+                       mesh)
     if tagc_cfg is not None:
-        tagc_state = tagc.register(model, tagc_cfg)
+        tagc_state = tagc.register(model, tagc_cfg,
+                                   mesh=mesh if cfg.replicas > 1 else None)
     optimizer = configure_optimizer(model, spec.decayed, cfg.weight_decay, cfg.learning_rate,
                                     (cfg.beta1, cfg.beta2))
     logger.info("%s, %.2fM params; FSDP%d %s, world %d on %s (%s), %s", spec.describe,

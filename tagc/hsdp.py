@@ -197,24 +197,41 @@ class GatherReducer(ReplicaReducer):
 class TwoPhaseReducer(ReplicaReducer):
     """The two-phase form: the reducer's input is the shard padded to R chunks of S
     (``spec.flat_numel`` = R*S), its output this replica's chunk of the sum, and
-    :meth:`after` brings every owner's chunk to every replica."""
+    :meth:`after` brings every owner's chunk to every replica.
+
+    The to-everyone phase's feedback (lossy codes with ``error_feedback``):
+
+    * residual feedback: ``residual_out`` (S), what the owner's code of its chunk of
+      the sum left, sent with the next call (DoubleSqueeze);
+    * EF21: ``estimate_out`` (R*S, the same on every replica), every owner's estimate
+      as all replicas hold it; an owner codes only the change of its estimate against
+      it and everyone adds the decoded change (EF21 on the way out, as EF21-P /
+      bidirectional EF21).  The estimate moves slowly, so the code's error is a
+      fraction of that change, not of the estimate: a residual on the estimate
+      itself measured +1.8% at R = 4 after 300 steps (docs/RESULTS.md).
+    """
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.chunk = self.flat_numel // self.world
-        # the owner's feedback on its coded chunk of the sum (fp32 by residual_dtype)
         self.residual_out: Optional[torch.Tensor] = None
+        self.estimate_out: Optional[torch.Tensor] = None
         self.full: Optional[torch.Tensor] = None
 
     @property
-    def keeps_out_feedback(self) -> bool:
-        """Whether the to-everyone phase keeps state (lossy codes with feedback)."""
-        return self.keeps_feedback and self.cfg.mode in transports.SPREAD_FEEDBACK
+    def out_state(self) -> Optional[str]:
+        """The to-everyone phase's state attribute, None without one (lossless
+        codes, no feedback, ``dense``)."""
+        if not (self.keeps_feedback and self.cfg.mode in transports.SPREAD_FEEDBACK):
+            return None
+        return "estimate_out" if self.cfg.ef21 else "residual_out"
 
     def feedback_buffers(self) -> List[Any]:
         out = super().feedback_buffers()
-        if self.keeps_out_feedback:
+        if self.out_state == "residual_out":
             out.append(("residual_out", self.chunk, self.cfg.residual_dtype))
+        elif self.out_state == "estimate_out":
+            out.append(("estimate_out", self.flat_numel, torch.float32))
         return out
 
     def _all_reduce(self, t: torch.Tensor) -> None:
@@ -229,23 +246,12 @@ class TwoPhaseReducer(ReplicaReducer):
 
     def after(self, comm: Comm, dev: Exec, out: torch.Tensor, step: int) -> None:
         """The to-everyone phase: this replica's chunk of the sum to every replica,
-        coded when the to-the-owner phase was (else sent plainly, the owed
-        ``residual_out`` with it after a settling call), decoded alike everywhere."""
+        coded when the to-the-owner phase was (else sent plainly, settling the
+        state after a settling call), decoded alike everywhere."""
         if out.numel() == 0:
             return
         if self.last_path == "compress":
-            full = torch.zeros(self.world, out.numel(), dtype=torch.float32,
-                               device=out.device)
-            if self.keeps_out_feedback and self.residual_out is None:
-                self.residual_out = torch.zeros(out.numel(), dtype=self.cfg.residual_dtype,
-                                                device=out.device)
-            if dev.ok is not None and self.cfg.mode != "dense":
-                # CUDA: a poisoned call leaves residual_out alone and sends NaN on
-                poison_nonfinite(out.view(1, -1), ~dev.ok)
-            call = transports.Call(self.cfg, self.index, step, self.residual_out, comm, dev,
-                                   self.stats, self._warn_unpeeled)
-            transports.SPREADS[self.cfg.mode](call, out, full, True)
-            self.full = full
+            self._coded(comm, dev, out, step)
             return
         send = out
         if self.last_path == "settle" and self.residual_out is not None:
@@ -254,6 +260,38 @@ class TwoPhaseReducer(ReplicaReducer):
             self.residual_out.copy_((x - send.float()).to(self.residual_out.dtype))
         self.full = torch.empty(self.world, out.numel(), dtype=out.dtype, device=out.device)
         comm.all_gather(self.full, send)
+        if self.last_path == "settle" and self.estimate_out is not None:
+            self.estimate_out.copy_(self.full.reshape(-1))  # every estimate exact again
+
+    def _coded(self, comm: Comm, dev: Exec, out: torch.Tensor, step: int) -> None:
+        """The coded to-everyone phase, with the state :attr:`out_state` names."""
+        shape = (self.world, out.numel())
+        full = torch.zeros(shape, dtype=torch.float32, device=out.device)
+        x, res = out, None
+        if self.out_state == "residual_out":
+            if self.residual_out is None:
+                self.residual_out = torch.zeros(out.numel(), dtype=self.cfg.residual_dtype,
+                                                device=out.device)
+            res = self.residual_out
+        elif self.out_state == "estimate_out":
+            if self.estimate_out is None:
+                self.estimate_out = torch.zeros(self.flat_numel, dtype=torch.float32,
+                                                device=out.device)
+            held = self.estimate_out.view(shape)
+            if self.damp is not None:  # the to-the-owner estimates were damped alike
+                held.mul_(self.damp)
+            x = out.float() - held[self.rank]
+        if dev.ok is not None and self.cfg.mode != "dense":
+            # CUDA: a poisoned call leaves the state alone and sends NaN on
+            poison_nonfinite(x.view(1, -1), ~dev.ok)
+        call = transports.Call(self.cfg, self.index, step, res, comm, dev, self.stats,
+                               self._warn_unpeeled)
+        transports.SPREADS[self.cfg.mode](call, x, full, True)
+        if self.out_state == "estimate_out":
+            held = self.estimate_out.view(shape)
+            held.copy_(dev.keep(held + full, held))
+            full = held
+        self.full = full
 
 
 def reducers(model: Any, cfg: TAGCConfig, mesh: Any, streams: CodecStreams,

@@ -175,6 +175,70 @@ def test_output_matches_under_bypass() -> None:
     assert "plain" in res[0]["paths"] and "compressed" in res[0]["paths"], res[0]["paths"]
 
 
+class TwoPhaseReference(Reference):
+    """HSDP's two-phase all-reduce with EF21 (tagc/hsdp.py ``TwoPhaseReducer``): the
+    to-the-owner phase is :class:`Reference`'s recursion (no divide: FSDP divides
+    after the hook); every replica holds ``w``, every owner's estimate as sent so
+    far; owner j codes ``est_j - lam w_j`` and everyone adds the decoded change (EF21
+    on the way out); the hook's output is ``w``, the same on every replica."""
+
+    def __init__(self, cfg: tagc.TAGCConfig) -> None:
+        super().__init__(cfg, 1.0)
+        self.w = torch.zeros(N, S)
+
+    def compressed(self, g: List[torch.Tensor]) -> List[torch.Tensor]:
+        lam, started = self.damping(g), self.started
+        est = super().compressed(g)
+        if started and self.cfg.ef21_damping:
+            self.w = self.w * lam
+        fmt, block = self.cfg.quant_format, self.cfg.quant_block
+        for j in range(N):
+            self.w[j] = self.w[j] + _quantize(est[j] - self.w[j], fmt, block)
+        return [self.w.reshape(-1).clone() for _ in range(N)]
+
+    def settled(self, g: List[torch.Tensor]) -> List[torch.Tensor]:
+        est = super().settled(g)
+        self.w = torch.stack(est)
+        return [self.w.reshape(-1).clone() for _ in range(N)]
+
+
+def _run_two_phase(rank: int, n: int, fields: Dict[str, Any]) -> List[str]:
+    from tagc.hsdp import TwoPhaseReducer
+
+    cfg = tagc.TAGCConfig(mode="quant", ef21=True, **fields)
+    u = TwoPhaseReducer(cfg, UnitSpec("unit", 0, N * S, N * S, N * S, torch.device("cpu")),
+                        dist.group.WORLD, rank, n, CodecStreams(), N * S)
+    ref = TwoPhaseReference(cfg)
+    paths = []
+    for step in range(STEPS):
+        g = grads(step)
+        t = g[rank].clone()
+        before = u.stats.as_dict()
+        u.hook(t)
+        after = u.stats.as_dict()
+        settled = any(after[k] > before[k] for k in ("bypassed_calls", "guard_resets"))
+        paths.append("plain" if settled else "compressed")
+        want = (ref.settled if settled else ref.compressed)(g)[rank]
+        assert torch.equal(t, want), (step, paths[-1], float((t - want).abs().max()))
+        assert torch.equal(-u.residual, ref.h[rank]), step
+        assert torch.equal(u.estimate, ref.est[rank]), step
+        assert torch.equal(u.estimate_out, ref.w.reshape(-1)), step
+    return paths
+
+
+@pytest.mark.parametrize("fields", [
+    {"quant_format": "int4"}, {"quant_format": "ternary", "ef21_damping": False},
+    {"quant_format": "int4", "bypass_every": 2}], ids=["int4", "ternary-undamped", "bypass"])
+def test_two_phase_hsdp_output_matches_independent_recursion(fields: Dict[str, Any]) -> None:
+    """The two-phase HSDP all-reduce (2 replicas) hands FSDP the EF21-P output ``w``
+    of the recursion above, bit for bit, with every state; under the bypass the
+    settled calls make every estimate exact."""
+    paths = run_dist(_run_two_phase, N, fields)
+    assert paths[0] == paths[1]
+    if "bypass_every" in fields:
+        assert "plain" in paths[0] and "compressed" in paths[0], paths[0]
+
+
 def test_damping_needs_ef21() -> None:
     with pytest.raises(ValueError, match="ef21_damping"):
         tagc.TAGCConfig(mode="quant", ef21_damping=True)
