@@ -128,6 +128,15 @@ class Reference:
         return [e / self.divisor for e in self.est]
 
 
+def _settles(u: UnitReducer, call: Any) -> bool:
+    """Run one reduction; whether it took a plain path that settles the state (the
+    bypass or the guard), read from the unit's counters."""
+    before = u.stats.as_dict()
+    call()
+    after = u.stats.as_dict()
+    return any(after[k] > before[k] for k in ("bypassed_calls", "guard_resets"))
+
+
 def _run(rank: int, n: int, fields: Dict[str, Any]) -> Dict[str, Any]:
     torch.manual_seed(0)
     cfg = tagc.TAGCConfig(mode="quant", ef21=True, **fields)
@@ -138,10 +147,7 @@ def _run(rank: int, n: int, fields: Dict[str, Any]) -> Dict[str, Any]:
     for step in range(STEPS):
         g = grads(step)
         out = torch.full((S,), float("nan"))
-        before = u.stats.as_dict()
-        u.reduce(g[rank].clone(), out)
-        after = u.stats.as_dict()
-        settled = any(after[k] > before[k] for k in ("bypassed_calls", "guard_resets"))
+        settled = _settles(u, lambda: u.reduce(g[rank].clone(), out))
         paths.append("plain" if settled else "compressed")
         want = (ref.settled if settled else ref.compressed)(g)[rank]
         assert torch.equal(out, want), (step, paths[-1], float((out - want).abs().max()))
@@ -213,10 +219,7 @@ def _run_two_phase(rank: int, n: int, fields: Dict[str, Any]) -> List[str]:
     for step in range(STEPS):
         g = grads(step)
         t = g[rank].clone()
-        before = u.stats.as_dict()
-        u.hook(t)
-        after = u.stats.as_dict()
-        settled = any(after[k] > before[k] for k in ("bypassed_calls", "guard_resets"))
+        settled = _settles(u, lambda: u.hook(t))
         paths.append("plain" if settled else "compressed")
         want = (ref.settled if settled else ref.compressed)(g)[rank]
         assert torch.equal(t, want), (step, paths[-1], float((t - want).abs().max()))
