@@ -282,7 +282,7 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
     """
     import torch
     import tagc_hook as tagc
-    from gpt2_model import GPT, GPTConfig
+    from tagc.train.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     gcfg = GPTConfig(n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
