@@ -12,10 +12,11 @@ Modules, in reading order:
 * ``metrics``: gradient bytes per rank (:class:`GradBytes`) and metrics.csv/TensorBoard;
 * ``checkpoint``: save and bit-exact resume through torch.distributed.checkpoint;
 * ``loop``: process group, the training loop and :func:`main` (scripts/train_gpt2.py);
-* ``hf``: Hugging Face causal LMs (scripts/finetune_hf.py).
+* ``hf``: Hugging Face causal LMs (scripts/finetune_hf.py);
+* ``runs``: launching training runs as subprocesses, their provenance and reuse.
 
-The names below are imported lazily, so ``python -m tagc.train.data`` loads without
-the rest.
+The names below are imported lazily, so ``python -m tagc.train.data`` and the
+stdlib-only ``runs`` load without the rest.
 """
 from __future__ import annotations
 
