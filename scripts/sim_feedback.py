@@ -34,23 +34,21 @@ minimising the pooled ``||g - lam h||^2`` (the owners scale their estimates by t
 same lam, which the ranks could agree on in the guard's vote).  ``plain`` (exact averaging) is
 always run first.  Prints the final validation loss of each and its change vs plain,
 then the mechanism table; appends JSON lines to ``--out``.
+
+The two tasks are the research scripts' own: ``teacher_student`` and ``sim_ablation``
+are imported from beside this file (Python puts a script's folder first on its path).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 
 BLOCK = 256
 CODEC_FORMATS = ("sign", "ternary", "int4", "int8")

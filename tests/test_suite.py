@@ -3,17 +3,17 @@ and one tiny end-to-end run of the cheapest task."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from script_helpers import load_script
+from tagc.train import runs
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-import quality_suite as qs  # noqa: E402
-from tagc.train import runs  # noqa: E402
+qs = load_script("quality_suite")
 
 
 def _run(task: str, seed: int, method: str, final: float) -> qs.Run:
@@ -113,7 +113,7 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
 def test_compare_quality_names_the_code_of_its_runs(tmp_path):
     """compare_quality.py's tables name the code the runs recorded (not HEAD), say
     MIXED when cells ran different code, and give plain FSDP's bits for its N."""
-    import compare_quality as cq
+    cq = load_script("compare_quality")
 
     def cell(loss, world, commit, dirty=""):
         return {"final_val_loss": loss, "compressed_bits_per_param": 2.0, "world_size": world,

@@ -1,7 +1,7 @@
 """scripts/train_gpt2.py and the tagc.train harness: config parsing, offline data preparation,
 2-rank gloo training runs (plain FSDP and TAGC, FSDP1 and FSDP2) and bit-exact resume.
 
-The multi-rank cases share spawns (tests/dist_helpers.run_dist): each child imports torch,
+The multi-rank cases share spawns (tagc.train.launch.run_dist): each child imports torch,
 which costs seconds on 2 busy cores, while a few tiny training steps cost milliseconds.
 """
 from __future__ import annotations
@@ -50,6 +50,16 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # --------------------------------------------------------------------------- config
+
+def test_the_hook_does_not_import_the_harness() -> None:
+    """``import tagc_hook`` loads the library only, and the run drivers' helpers
+    (tagc.train.runs) load without torch."""
+    for code in ("import sys, tagc_hook; "
+                 "bad = [m for m in sys.modules if m.startswith('tagc.train')]; "
+                 "assert not bad, bad",
+                 "import sys, tagc.train.runs; assert 'torch' not in sys.modules"):
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
 
 def test_config_overrides_are_typed_and_unknown_keys_raise(tmp_path: Path) -> None:
     y = tmp_path / "c.yaml"
