@@ -176,7 +176,7 @@ setup(
     ext_modules=[tagc_extension()],
     cmdclass={"build_ext": BuildExt},
     py_modules=["tagc_hook"],
-    packages=["tagc"],
+    packages=["tagc", "tagc.train"],
     # torch itself is not listed: `pip install torch==2.13.0` first (README);
     # a bare "torch" requirement would make pip fetch a multi-GB CUDA build.
     install_requires=["PyYAML", "tqdm", "numpy"],

@@ -19,13 +19,9 @@ Accelerate applies its FSDP plugin on accelerator devices only (on a CPU-only ma
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import List, Optional
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv: Optional[List[str]] = None) -> float:

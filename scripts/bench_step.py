@@ -37,7 +37,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,10 +45,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tagc.train.runs import NETEM, free_port, netem
+
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-NETEM = ROOT / "scripts" / "netem.sh"
 
 # configuration name -> YAML preset in --config-dir (None = plain FSDP, no hook)
 CONFIGS: dict[str, str | None] = {
@@ -283,7 +283,7 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
     """
     import torch
     import tagc_hook as tagc
-    from gpt2_model import GPT, GPTConfig
+    from tagc.train.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     gcfg = GPTConfig(n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
@@ -430,8 +430,6 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "scripts"))
     torch.set_num_threads(1)  # one core per emulated host
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -465,31 +463,6 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- driver
-
-
-def free_port() -> int:
-    """A TCP port that is free in the root namespace (namespaces have their own ports)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def netem(net: list[str], *cmd: str, timeout: float = 60, check: bool = True) -> str:
-    """Run ``scripts/netem.sh NET... CMD...``; its stdout (stderr logged as a warning).
-
-    Args:
-        net: the network options (prefix, hosts, rate, delay).
-        *cmd: the netem.sh command and its arguments.
-        timeout: seconds.
-        check: raise RuntimeError when it fails.
-    """
-    r = subprocess.run(["bash", str(NETEM), *net, *cmd], capture_output=True, text=True,
-                       timeout=timeout)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"netem.sh {' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
-    if r.stderr.strip():
-        logger.warning("%s", r.stderr.strip())
-    return r.stdout
 
 
 def _launch(net: list[str], args: argparse.Namespace, configs: list[str], repeats: int,
@@ -568,10 +541,9 @@ def _driver(args: argparse.Namespace) -> int:
     report["loadavg_end"] = os.getloadavg()
     report["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
-    import bench_report  # noqa: PLC0415 - lives next to this file
-
-    md = bench_report.write_report(report, out)
-    print(md)
+    # report.md and the chart, printed: scripts/bench_report.py (which re-renders them later)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_report.py"),
+                    str(out / "results.json")], check=True)
     print(f"\nwall time {report['wall_s']:.0f} s; report in {out}/report.md, chart {out}/step_time.png")
     return 0
 
@@ -587,7 +559,6 @@ def _overrides(items: list[str]) -> dict:
             raise ValueError(f"--override: expected KEY=VALUE, got {it!r}")
         out[key] = yaml.safe_load(val)
     if out:
-        sys.path.insert(0, str(ROOT))
         import tagc_hook as tagc
 
         tagc.TAGCConfig.from_dict({**tagc.TAGCConfig().to_dict(), **out})  # unknown keys raise

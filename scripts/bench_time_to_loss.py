@@ -35,13 +35,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from tagc.train.runs import NETEM, code_id, free_port, netem, split_passthrough
+
 logger = logging.getLogger("bench_time_to_loss")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_step import NETEM, free_port, netem  # noqa: E402
-from compare_quality import split_passthrough  # noqa: E402
-from quality_suite import code_id  # noqa: E402
 
 Curve = List[Tuple[float, float]]  # (training seconds, validation loss)
 

@@ -38,11 +38,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from quality_suite import code_id, execute, reusable, run_meta
+from tagc.train.runs import REPO, code_id, execute, reusable, run_meta, split_passthrough
 
 logger = logging.getLogger("compare_quality")
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PRESETS = "tagc-balanced,tagc-lean,tagc-10x-1bit,tagc-exact,tagc-sparse"
 # Goals (README): the recommended presets must stay within these relative increases of
 # the baseline's final validation loss (the paper reports +3.6% for its 10x 1-bit).
@@ -340,7 +339,7 @@ def code_note(summaries: Sequence[Dict[str, Any]]) -> str:
     """The code the runs of a table ran, from their records (not the current HEAD).
 
     Args:
-        summaries: the runs' summaries (``_code``: :func:`quality_suite.code_id`).
+        summaries: the runs' summaries (``_code``: :func:`tagc.train.runs.code_id`).
     Returns:
         ``commit C`` (``+ uncommitted changes D`` when dirty), or every version when
         the runs differ, marked as mixed.
@@ -350,21 +349,6 @@ def code_note(summaries: Sequence[Dict[str, Any]]) -> str:
     text = ", ".join(f"commit {c}" + (f" + uncommitted changes {d}" if d else "")
                      for c, d in seen)
     return text if len(seen) == 1 else f"MIXED CODE: {text}"
-
-
-def split_passthrough(argv: Optional[Sequence[str]]) -> Tuple[List[str], List[str]]:
-    """(this script's arguments, those after ``--`` for every training run).
-
-    Args:
-        argv: the command line (default sys.argv[1:]).
-    Returns:
-        the two lists.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        return argv, []
-    i = argv.index("--")
-    return argv[:i], argv[i + 1:]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:

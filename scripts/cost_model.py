@@ -346,7 +346,7 @@ class CountedModel(ModelSpec):
 def gpt2_model(n_layer: int, n_embd: int, vocab_size: int, block_size: int,
                layers: str = "non_attention", min_numel: int = DEFAULT_MIN_NUMEL,
                name: Optional[str] = None) -> ModelSpec:
-    """A GPT-2 (``scripts/gpt2_model.py``: biases, tied head) as TAGC wraps it.
+    """A GPT-2 (``tagc/train/model.py``: biases, tied head) as TAGC wraps it.
 
     Follows ``tagc/selection.py``: a module gets its own unit if it owns a selected
     parameter or is a linear/embedding layer of at least ``min_numel`` parameters
@@ -422,7 +422,7 @@ def tiny_gpt2() -> ModelSpec:
 
 
 def gpt2_124m() -> ModelSpec:
-    """GPT-2 small (``scripts/gpt2_model.py`` GPTConfig defaults: 12x768, vocab 50304,
+    """GPT-2 small (``tagc/train/model.py`` GPTConfig defaults: 12x768, vocab 50304,
     block 1024)."""
     return gpt2_model(12, 768, 50304, 1024, name="GPT-2 124M")
 

@@ -25,17 +25,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import warnings
 from typing import Any, Dict, List
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from dist_helpers import run_dist  # noqa: E402
+from tagc.train.launch import run_dist
 
 MODES = [
     ("paper 10x 1-bit", dict(mode="paper", ratio=10, index_bits=1)),

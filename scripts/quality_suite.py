@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import json
 import logging
 import os
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,10 +39,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from tagc.train.runs import REPO, code_id, execute, reusable, run_meta
+
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parent.parent
-CODE_DIRS = ("tagc", "csrc", "cuda", "scripts", "configs", "setup.py", "tagc_hook.py")
 # Goals of issue 22 (README): final validation loss vs plain FSDP on every task, and
 # feedback "earning its memory": at most this many points above the same quantizer
 # without feedback.
@@ -129,25 +127,6 @@ def method_config(method: str) -> Optional[Dict[str, Any]]:
     return fields
 
 
-def code_id() -> Dict[str, str]:
-    """The code a run executes: the commit, the git tree of :data:`CODE_DIRS` and a hash
-    of their uncommitted changes ("" when clean).
-
-    Returns:
-        ``{"commit", "tree", "dirty"}``; ``tree`` and ``dirty`` decide reuse.
-    """
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout
-
-    trees = git("ls-tree", "HEAD", *CODE_DIRS)
-    diff = git("diff", "HEAD", "--", *CODE_DIRS)
-    untracked = git("ls-files", "--others", "--exclude-standard", "--", *CODE_DIRS)
-    dirty = diff + untracked
-    return {"commit": git("rev-parse", "--short", "HEAD").strip() or "unknown",
-            "tree": hashlib.sha256(trees.encode()).hexdigest()[:12],
-            "dirty": hashlib.sha256(dirty.encode()).hexdigest()[:12] if dirty.strip() else ""}
-
-
 @dataclass
 class Run:
     """One trained (task, seed, method): its final loss, bits and validation curve."""
@@ -161,63 +140,6 @@ class Run:
     curve: List[Tuple[int, float]]
     seconds: float
     code: Dict[str, str] = field(default_factory=dict)
-
-
-def run_meta(cmd: Sequence[str], configs: Dict[str, Any], code: Dict[str, str]) -> Dict[str, Any]:
-    """What ``suite_run.json`` records of a run (also compare_quality.py's cells).
-
-    Args:
-        cmd: the run's command line.
-        configs: everything besides the code that decides the result (reuse compares it).
-        code: :func:`code_id`.
-    Returns:
-        the record.
-    """
-    return {"command": " ".join(shlex.quote(c) for c in cmd), "configs": configs, "code": code}
-
-
-def reusable(folder: Path, meta: Dict[str, Any], done: str) -> bool:
-    """Whether ``folder`` holds a finished run of the same configs and code."""
-    path = folder / "suite_run.json"
-    if not (path.is_file() and (folder / done).is_file()):
-        return False
-    old = json.loads(path.read_text())
-    same = old.get("configs") == meta["configs"] and \
-        {k: old["code"].get(k) for k in ("tree", "dirty")} == \
-        {k: meta["code"][k] for k in ("tree", "dirty")}
-    if not same:
-        logger.warning("%s: ran other code or configs (%s); running again", folder,
-                       old.get("code"))
-    return same
-
-
-def execute(cmd: List[str], folder: Path, meta: Dict[str, Any]) -> float:
-    """Run ``cmd`` with its log in ``folder/train.log``; on success record ``meta``.
-
-    Args:
-        cmd: the command (run from the repository root).
-        folder: the run's folder (created).
-        meta: :func:`run_meta`'s record, written to ``suite_run.json`` once it ran.
-    Returns:
-        its wall time in seconds.
-    Raises:
-        RuntimeError: it failed (the log's tail in the message).
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "suite_run.json").unlink(missing_ok=True)
-    logger.info("%s", meta["command"])
-    t0 = time.perf_counter()
-    with open(folder / "train.log", "w") as log:
-        # faulthandler: a rank that dies of a signal leaves every thread's Python stack
-        # in train.log (the teardown abort, README "Known problems")
-        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                           env=dict(os.environ, PYTHONFAULTHANDLER="1"))
-    if p.returncode != 0:
-        tail = (folder / "train.log").read_text()[-3000:]
-        raise RuntimeError(f"{folder} failed (exit {p.returncode}):\n{tail}")
-    seconds = time.perf_counter() - t0
-    (folder / "suite_run.json").write_text(json.dumps({**meta, "seconds": seconds}, indent=1))
-    return seconds
 
 
 def run_lm(name: str, task: Task, seed: int, method: str, args: argparse.Namespace,

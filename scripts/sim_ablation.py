@@ -36,21 +36,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-import gpt2_data  # noqa: E402
-import tagc_hook as tagc  # noqa: E402
-from gpt2_model import GPT, GPTConfig  # noqa: E402
-from train_gpt2 import configure_optimizer, decayed_parameter_names  # noqa: E402
+import tagc_hook as tagc
+from tagc.train import data as token_data
+from tagc.train.model import GPT, GPTConfig
+from tagc.train.optim import configure_optimizer, decayed_parameter_names
 
 FORMAT_BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.0, "int4": 4.0}
 
@@ -165,7 +160,7 @@ class Reducer:
         return sum(outs) / self.ranks, bits / self.ranks
 
 
-def run(spec: str, args: argparse.Namespace, data: gpt2_data.TokenData,
+def run(spec: str, args: argparse.Namespace, data: token_data.TokenData,
         vocab: int) -> Dict[str, Any]:
     """Train once with one method; returns loss, bits and the mechanism measurements."""
     name, opts = parse_method(spec)
@@ -246,7 +241,7 @@ def _lr(it: int, args: argparse.Namespace) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: gpt2_data.TokenData, args: argparse.Namespace) -> float:
+def evaluate(model: torch.nn.Module, data: token_data.TokenData, args: argparse.Namespace) -> float:
     """Mean validation loss over 16 fixed batches."""
     return sum(float(model(*data.get_batch("val", args.batch_size, args.block_size,
                                            (args.seed, 1, k, 0)))[1])
@@ -302,9 +297,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     # the tokenizer and token cache train_gpt2.py uses
-    meta = gpt2_data.prepare(gpt2_data.get_source(args.data, 5.0),
-                             gpt2_data.get_tokenizer("auto"), Path("data_cache"))
-    data = gpt2_data.TokenData(meta)
+    meta = token_data.prepare(token_data.get_source(args.data, 5.0),
+                              token_data.get_tokenizer("auto"), Path("data_cache"))
+    data = token_data.TokenData(meta)
     specs = ["dense"] + [m for m in args.methods if m != "dense"]
     for s in specs:
         parse_method(s)

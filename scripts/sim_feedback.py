@@ -34,23 +34,21 @@ minimising the pooled ``||g - lam h||^2`` (the owners scale their estimates by t
 same lam, which the ranks could agree on in the guard's vote).  ``plain`` (exact averaging) is
 always run first.  Prints the final validation loss of each and its change vs plain,
 then the mechanism table; appends JSON lines to ``--out``.
+
+The two tasks are the research scripts' own: ``teacher_student`` and ``sim_ablation``
+are imported from beside this file (Python puts a script's folder first on its path).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 
 BLOCK = 256
 CODEC_FORMATS = ("sign", "ternary", "int4", "int8")
@@ -298,19 +296,19 @@ class TinyGPT2:
     the modules the default selection compresses (MLP, attention output, embedding)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        import gpt2_data
         import sim_ablation
+        from tagc.train import data as token_data
 
         self.sa, self.args = sim_ablation, argparse.Namespace(
             steps=args.steps, seed=args.seed if args.seed else 1337, batch_size=args.batch or 8,
             block_size=128, lr=args.lr or 1e-3, data="stdlib")
-        meta = gpt2_data.prepare(gpt2_data.get_source("stdlib", 5.0),
-                                 gpt2_data.get_tokenizer("auto"), Path("data_cache"))
-        self.data, self.vocab = gpt2_data.TokenData(meta), meta["vocab_size"]
+        meta = token_data.prepare(token_data.get_source("stdlib", 5.0),
+                                  token_data.get_tokenizer("auto"), Path("data_cache"))
+        self.data, self.vocab = token_data.TokenData(meta), meta["vocab_size"]
 
     def model(self) -> Tuple[nn.Module, List[Tuple[str, List[nn.Parameter]]]]:
         import tagc_hook as tagc
-        from gpt2_model import GPT, GPTConfig
+        from tagc.train.model import GPT, GPTConfig
 
         torch.manual_seed(self.args.seed)
         m = GPT(GPTConfig(block_size=128, vocab_size=(self.vocab + 63) // 64 * 64,
@@ -326,7 +324,7 @@ class TinyGPT2:
         return m, units
 
     def optimizer(self, m: nn.Module) -> torch.optim.Optimizer:
-        from train_gpt2 import configure_optimizer, decayed_parameter_names
+        from tagc.train.optim import configure_optimizer, decayed_parameter_names
 
         return configure_optimizer(m, decayed_parameter_names(m), 0.1, self.args.lr, (0.9, 0.95))
 

@@ -40,7 +40,6 @@ import csv
 import datetime
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,8 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # tagc_hook at the repository root
+REPO = Path(__file__).resolve().parent.parent  # configs/ holds the presets
 
 # Named configs not in configs/: the ternary code with each kind of feedback.
 ALIASES: Dict[str, Dict[str, Any]] = {

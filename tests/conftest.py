@@ -1,4 +1,9 @@
-"""Shared test setup: import paths, markers, and visible skips for missing pieces.
+"""Shared test setup: markers, and visible skips for missing pieces.
+
+Imports: ``tagc``, ``tagc_hook`` and ``tagc.train`` from the installed project (or the
+checkout, first on the path under ``python -m pytest``); the helper modules beside
+this file (pytest puts tests/ on the path); a script of ``scripts/`` through
+``script_helpers.load_script``.
 
 Markers (registered in setup.cfg):
   slow   multi-process suites beyond N=2, process restarts, builds; the fast tier is
@@ -10,16 +15,9 @@ Markers (registered in setup.cfg):
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import List, Optional
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT / "tests", ROOT / "scripts", ROOT):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

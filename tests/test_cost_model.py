@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_helpers import load_script
 
-import cost_model as cm
+cm = load_script("cost_model")
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "docs" / "cost_model_runs.json"
@@ -384,6 +385,7 @@ def test_bad_runs_file_raises(tmp_path: Path) -> None:
 
 
 def test_stdlib_only_at_import() -> None:
-    code = ("import sys; sys.path.insert(0, 'scripts'); import cost_model; "
+    # python -c imports from its working directory: scripts/
+    code = ("import sys; import cost_model; "
             "bad = {'torch', 'numpy', 'matplotlib'} & set(sys.modules); assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT / "scripts", check=True)

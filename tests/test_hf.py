@@ -172,7 +172,7 @@ def test_hf(case: str) -> None:
     SPAWN.case(2, case)
 
 
-# --------------------------------------------------------------------------- finetune_hf.py
+# ------------------------------------------------------------- finetune_hf.py (tagc.train.hf)
 
 FAST = ["--progress=false", "--tokenizer=byte", "--batch_size=2", "--block_size=32",
         "--eval_iters=2", "--eval_interval=1000", "--log_interval=2", "--warmup_iters=0",
@@ -182,10 +182,10 @@ LLAMA = ("llama:hidden_size=64,intermediate_size=128,num_hidden_layers=2,"
 
 
 def _finetune(rank: int, world: int, argvs: List[List[str]]) -> List[Dict[str, Any]]:
-    import finetune_hf
+    from tagc.train.hf import main
 
     warnings.filterwarnings("ignore")
-    return [finetune_hf.main(argv) for argv in argvs]
+    return [main(argv) for argv in argvs]
 
 
 def _first_val_loss(out_dir: Any) -> float:

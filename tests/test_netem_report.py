@@ -2,14 +2,14 @@
 speed-ups, target verdicts, stats deltas and the chart, on hand-made results."""
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
 import pytest
+from script_helpers import load_script
 
-bench_report = importlib.import_module("bench_report")
-bench_step = importlib.import_module("bench_step")
+bench_report = load_script("bench_report")
+bench_step = load_script("bench_step")
 
 
 def _trial(strategy: str, config: str, steps: list[float], rep: int = 0, wire: float | None = None,
@@ -82,7 +82,7 @@ def test_model_shape_validates():
         bench_step.ModelShape(batch=0)
 
 
-bench_time = importlib.import_module("bench_time_to_loss")
+bench_time = load_script("bench_time_to_loss")
 
 
 def test_time_to_loss_interpolates_between_evaluations() -> None:

@@ -3,16 +3,17 @@ and one tiny end-to-end run of the cheapest task."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from script_helpers import load_script
+from tagc.train import runs
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-import quality_suite as qs  # noqa: E402
+qs = load_script("quality_suite")
 
 
 def _run(task: str, seed: int, method: str, final: float) -> qs.Run:
@@ -69,23 +70,23 @@ def test_methods_follow_the_preset_files() -> None:
 
 def test_reuse_needs_the_same_code_and_configs(tmp_path: Path) -> None:
     code = {"commit": "c1", "tree": "t1", "dirty": ""}
-    meta = qs.run_meta(["x"], {"tagc": {"mode": "quant"}}, code)
+    meta = runs.run_meta(["x"], {"tagc": {"mode": "quant"}}, code)
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "suite_run.json").write_text(json.dumps(meta))
-    assert qs.reusable(tmp_path, meta, "summary.json")
+    assert runs.reusable(tmp_path, meta, "summary.json")
     # another commit of the same code trees (e.g. a docs change) is the same code
-    assert qs.reusable(tmp_path, qs.run_meta(["x"], meta["configs"], {**code, "commit": "c2"}),
+    assert runs.reusable(tmp_path, runs.run_meta(["x"], meta["configs"], {**code, "commit": "c2"}),
                         "summary.json")
-    for other in (qs.run_meta(["x"], meta["configs"], {**code, "tree": "t2"}),
-                  qs.run_meta(["x"], meta["configs"], {**code, "dirty": "d"}),
-                  qs.run_meta(["x"], {"tagc": {"mode": "sparse"}}, code)):
-        assert not qs.reusable(tmp_path, other, "summary.json")
+    for other in (runs.run_meta(["x"], meta["configs"], {**code, "tree": "t2"}),
+                  runs.run_meta(["x"], meta["configs"], {**code, "dirty": "d"}),
+                  runs.run_meta(["x"], {"tagc": {"mode": "sparse"}}, code)):
+        assert not runs.reusable(tmp_path, other, "summary.json")
     (tmp_path / "summary.json").unlink()
-    assert not qs.reusable(tmp_path, meta, "summary.json")  # unfinished
+    assert not runs.reusable(tmp_path, meta, "summary.json")  # unfinished
 
 
 def test_code_id_sees_uncommitted_changes() -> None:
-    c = qs.code_id()
+    c = runs.code_id()
     assert set(c) == {"commit", "tree", "dirty"} and len(c["tree"]) == 12
 
 
@@ -112,7 +113,7 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
 def test_compare_quality_names_the_code_of_its_runs(tmp_path):
     """compare_quality.py's tables name the code the runs recorded (not HEAD), say
     MIXED when cells ran different code, and give plain FSDP's bits for its N."""
-    import compare_quality as cq
+    cq = load_script("compare_quality")
 
     def cell(loss, world, commit, dirty=""):
         return {"final_val_loss": loss, "compressed_bits_per_param": 2.0, "world_size": world,

@@ -1,7 +1,7 @@
-"""scripts/train_gpt2.py and scripts/gpt2_data.py: config parsing, offline data preparation,
+"""scripts/train_gpt2.py and the tagc.train harness: config parsing, offline data preparation,
 2-rank gloo training runs (plain FSDP and TAGC, FSDP1 and FSDP2) and bit-exact resume.
 
-The multi-rank cases share spawns (tests/dist_helpers.run_dist): each child imports torch,
+The multi-rank cases share spawns (tagc.train.launch.run_dist): each child imports torch,
 which costs seconds on 2 busy cores, while a few tiny training steps cost milliseconds.
 """
 from __future__ import annotations
@@ -21,10 +21,12 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
-import gpt2_data
-import gpt2_model
-import train_gpt2
+import tagc.train.data as token_data
+import tagc.train.model as gpt_model
 from dist_helpers import run_dist
+from tagc.train.config import load_tagc_config, parse_config
+from tagc.train.loop import main
+from tagc.train.optim import get_lr
 
 PRESETS = REPO / "configs"
 
@@ -43,32 +45,42 @@ needs_tagc = pytest.mark.codec
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Token cache shared by the module's runs (stdlib corpus, byte tokenizer)."""
     d = tmp_path_factory.mktemp("token-cache")
-    gpt2_data.prepare(gpt2_data.get_source("stdlib"), gpt2_data.byte_tokenizer(), d)
+    token_data.prepare(token_data.get_source("stdlib"), token_data.byte_tokenizer(), d)
     return d
 
 
 # --------------------------------------------------------------------------- config
 
+def test_the_hook_does_not_import_the_harness() -> None:
+    """``import tagc_hook`` loads the library only, and the run drivers' helpers
+    (tagc.train.runs) load without torch."""
+    for code in ("import sys, tagc_hook; "
+                 "bad = [m for m in sys.modules if m.startswith('tagc.train')]; "
+                 "assert not bad, bad",
+                 "import sys, tagc.train.runs; assert 'torch' not in sys.modules"):
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
 def test_config_overrides_are_typed_and_unknown_keys_raise(tmp_path: Path) -> None:
     y = tmp_path / "c.yaml"
     y.write_text("max_iters: 7\nlearning_rate: 3.0e-4\nfsdp: 2\n")
-    cfg = train_gpt2.parse_config([str(y), "--batch_size=3", "--sharding", "SHARD_GRAD_OP",
+    cfg = parse_config([str(y), "--batch_size=3", "--sharding", "SHARD_GRAD_OP",
                                    "--tensorboard", "--progress=false", "--tagc=none"])
     assert (cfg.max_iters, cfg.learning_rate, cfg.fsdp) == (7, 3e-4, 2)
     assert (cfg.batch_size, cfg.sharding, cfg.tensorboard, cfg.progress, cfg.tagc) == \
         (3, "SHARD_GRAD_OP", True, False, None)
-    assert train_gpt2.parse_config(["--config", str(y), "--max_iters=9"]).max_iters == 9
+    assert parse_config(["--config", str(y), "--max_iters=9"]).max_iters == 9
     with pytest.raises(ValueError, match="unknown config key"):
-        train_gpt2.parse_config(["--max_iter=5"])
+        parse_config(["--max_iter=5"])
     y.write_text("not_a_key: 1\n")
     with pytest.raises(ValueError, match="unknown config key"):
-        train_gpt2.parse_config([str(y)])
+        parse_config([str(y)])
     for bad in (["--max_iters=1.5"], ["--fsdp=3"], ["--sharding=HYBRID_SHARD"],
                 ["--progress=maybe"], ["--min_lr=1", "--learning_rate=0.1"],
                 ["--tagc=/nonexistent.yaml"], ["--model=huge"], ["stray"],
                 ["--replicas=0"], ["--replicas=2", "--fsdp=1"]):
         with pytest.raises(ValueError):
-            train_gpt2.parse_config(bad)
+            parse_config(bad)
 
 
 @needs_tagc
@@ -76,32 +88,32 @@ def test_tagc_set_overrides_preset_fields() -> None:
     import tagc_hook
 
     preset = str(PRESETS / "tagc-exact-warmup.yaml")
-    cfg = train_gpt2.parse_config(["--tagc", preset,
+    cfg = parse_config(["--tagc", preset,
                                    "--tagc_set", "dense_steps=2000, warmup_steps=10000,theta=0.9"])
-    t = train_gpt2.load_tagc_config(tagc_hook, cfg)
+    t = load_tagc_config(tagc_hook, cfg)
     base = tagc_hook.TAGCConfig.from_yaml(preset)
     assert (t.dense_steps, t.warmup_steps, t.theta) == (2000, 10000, 0.9)
     assert (t.mode, t.warmup_theta, t.sketch_factor) == (base.mode, base.warmup_theta,
                                                          base.sketch_factor)
-    assert train_gpt2.load_tagc_config(tagc_hook, train_gpt2.parse_config(
+    assert load_tagc_config(tagc_hook, parse_config(
         ["--tagc", preset])) == base
     with pytest.raises(ValueError, match="dense_stepz"):  # TAGCConfig: unknown field
-        train_gpt2.load_tagc_config(tagc_hook, train_gpt2.parse_config(
+        load_tagc_config(tagc_hook, parse_config(
             ["--tagc", preset, "--tagc_set", "dense_stepz=5"]))
     with pytest.raises(ValueError, match="^dense_steps"):  # TAGCConfig: bad value
-        train_gpt2.load_tagc_config(tagc_hook, train_gpt2.parse_config(
+        load_tagc_config(tagc_hook, parse_config(
             ["--tagc", preset, "--tagc_set", "dense_steps=-1"]))
     for bad in (["--tagc_set", "dense_steps=5"],                      # no --tagc
                 ["--tagc", preset, "--tagc_set", "dense_steps"],       # no '='
                 ["--tagc", preset, "--tagc_set", "theta=0.9,theta=0.8"]):
         with pytest.raises(ValueError, match="tagc_set"):
-            train_gpt2.parse_config(bad)
+            parse_config(bad)
 
 
 def test_lr_schedule_warmup_then_cosine() -> None:
-    cfg = train_gpt2.parse_config(["--warmup_iters=10", "--max_iters=110",
+    cfg = parse_config(["--warmup_iters=10", "--max_iters=110",
                                    "--learning_rate=1.0", "--min_lr=0.1"])
-    lrs = [train_gpt2.get_lr(i, cfg) for i in range(120)]
+    lrs = [get_lr(i, cfg) for i in range(120)]
     assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))          # warmup rises
     assert lrs[10] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[10:110], lrs[11:111]))     # cosine falls
@@ -111,7 +123,7 @@ def test_lr_schedule_warmup_then_cosine() -> None:
 
 def test_model_layout_and_sizes() -> None:
     """Names the hook's non_attention policy relies on; GPT-2 small has 124M parameters."""
-    m = gpt2_model.GPT(gpt2_model.GPTConfig(block_size=16, vocab_size=320, n_layer=1,
+    m = gpt_model.GPT(gpt_model.GPTConfig(block_size=16, vocab_size=320, n_layer=1,
                                             n_head=2, n_embd=32))
     names = {n for n, _ in m.named_modules()}
     assert {"transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
@@ -120,27 +132,27 @@ def test_model_layout_and_sizes() -> None:
     logits, loss = m(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))
     assert logits.shape == (2, 16, 320) and loss.ndim == 0
     with torch.device("meta"):
-        assert gpt2_model.GPT(gpt2_model.GPTConfig()).num_params() == 124_475_904
+        assert gpt_model.GPT(gpt_model.GPTConfig()).num_params() == 124_475_904
 
 
 # --------------------------------------------------------------------------- data
 
 def test_stdlib_preparation_is_deterministic(tmp_path: Path, cache_dir: Path) -> None:
-    tok = gpt2_data.byte_tokenizer()
-    src = gpt2_data.get_source("stdlib")
-    assert gpt2_data.list_files(gpt2_data.stdlib_root(), ".py") == \
-        gpt2_data.list_files(gpt2_data.stdlib_root(), ".py")
-    meta_a = gpt2_data.prepare(src, tok, tmp_path)
-    meta_b = gpt2_data.prepare(gpt2_data.get_source("stdlib"), tok, cache_dir)
+    tok = token_data.byte_tokenizer()
+    src = token_data.get_source("stdlib")
+    assert token_data.list_files(token_data.stdlib_root(), ".py") == \
+        token_data.list_files(token_data.stdlib_root(), ".py")
+    meta_a = token_data.prepare(src, tok, tmp_path)
+    meta_b = token_data.prepare(token_data.get_source("stdlib"), tok, cache_dir)
     for split in ("train", "val"):
         digest = [hashlib.sha256(Path(m[split]).read_bytes()).hexdigest()
                   for m in (meta_a, meta_b)]
         assert digest[0] == digest[1], split
     assert 0 < meta_a["tokens"]["val"] < meta_a["tokens"]["train"]
     # the split is a property of each file's name, not of the file list
-    assert gpt2_data._in_val("json/decoder.py", 5.0) == gpt2_data._in_val("json/decoder.py", 5.0)
+    assert token_data._in_val("json/decoder.py", 5.0) == token_data._in_val("json/decoder.py", 5.0)
     # batches are a pure function of their key
-    data = gpt2_data.TokenData(meta_a)
+    data = token_data.TokenData(meta_a)
     x1, y1 = data.get_batch("train", 4, 16, (1, 2, 3))
     x2, y2 = data.get_batch("train", 4, 16, (1, 2, 3))
     assert torch.equal(x1, x2) and torch.equal(y1[:, :-1], x1[:, 1:])
@@ -152,38 +164,38 @@ def test_folder_source_and_split(tmp_path: Path) -> None:
     root.mkdir()
     for i in range(60):
         (root / f"doc{i:02d}.txt").write_text(f"document {i} " * 20)
-    meta = gpt2_data.prepare(gpt2_data.get_source(str(root), val_percent=20.0),
-                             gpt2_data.byte_tokenizer(), tmp_path / "cache")
+    meta = token_data.prepare(token_data.get_source(str(root), val_percent=20.0),
+                             token_data.byte_tokenizer(), tmp_path / "cache")
     counts = meta["tokens"]
     assert counts["val"] > 0 and counts["train"] > counts["val"]
     raw = Path(meta["train"]).read_bytes()
     assert len(raw) == 2 * counts["train"]  # uint16
     with pytest.raises(FileNotFoundError):
-        gpt2_data.get_source(str(tmp_path / "missing"))
+        token_data.get_source(str(tmp_path / "missing"))
 
 
 def test_tokenizer_falls_back_offline_without_waiting(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty cache: BPE missing
     t0 = time.monotonic()
-    tok = gpt2_data.get_tokenizer("auto")
+    tok = token_data.get_tokenizer("auto")
     assert time.monotonic() - t0 < 10
     assert tok.name == "byte" and tok.encode("hé") == [104, 195, 169]
     with pytest.raises(RuntimeError, match="not cached"):
-        gpt2_data.get_tokenizer("gpt2")
+        token_data.get_tokenizer("gpt2")
 
 
 def test_openwebtext_offline_error_says_how_to_prepare(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", "/nonexistent-hf-home")
     with pytest.raises(RuntimeError, match="--data openwebtext needs"):
-        gpt2_data.get_source("openwebtext")
+        token_data.get_source("openwebtext")
 
 
 # --------------------------------------------------------------------------- 2-rank runs
 
 def _run_mains(rank: int, world: int, argvs: List[List[str]]) -> List[Dict[str, Any]]:
-    return [train_gpt2.main(argv) for argv in argvs]
+    return [main(argv) for argv in argvs]
 
 
 def _base(tmp: Path, cache: Path, name: str, *extra: str) -> List[str]:

@@ -1,5 +1,7 @@
 """Token data for scripts/train_gpt2.py: sources, tokenizer, on-disk cache, batches.
 
+``python -m tagc.train.data --data ...`` prepares the token cache ahead of training.
+
 Sources (``--data``):
   * ``stdlib`` (default, offline): the ``.py`` files of the running interpreter's standard
     library, in sorted order; a file goes to validation when ``crc32(relative path) % 100``

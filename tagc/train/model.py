@@ -1,5 +1,5 @@
 """GPT-2 (nanoGPT layout: transformer.{wte,wpe,h,ln_f}, lm_head), the model of
-scripts/train_gpt2.py, the benchmarks and the tests.
+scripts/train_gpt2.py (:mod:`tagc.train.loop`), the benchmarks and the tests.
 
 Module names matter to TAGC's default selection: the attention QKV projection is
 ``attn.c_attn`` (never compressed), the output projection ``attn.c_proj`` and the MLP's

@@ -1,0 +1,330 @@
+"""Run configuration: the config dataclasses and their command line.
+
+Settings come from the dataclass defaults, then YAML files (a bare ``.yaml`` argument or
+``--config PATH``), then ``--key=value`` / ``--key value`` overrides, converted to the
+field's type; an unknown key raises (with the nearest known one).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from tagc.train.model import MODEL_SIZES, GPTConfig
+
+# the --help description of scripts/train_gpt2.py (the default of build_parser)
+DESCRIPTION = "Train GPT-2 with PyTorch FSDP, with or without TAGC gradient compression."
+
+
+def option(default: Any, help: str) -> Any:
+    """A config dataclass field with its --help text.
+
+    Args:
+        default: the field's default.
+        help: its line in --help.
+
+    Returns:
+        The dataclasses.field.
+    """
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class RunConfig:
+    """The knobs of any run (data, optimisation, distribution, logging); the model's
+    own knobs live in a subclass (TrainConfig here, FinetuneConfig in finetune_hf.py)."""
+
+    # I/O
+    out_dir: str = option("out/gpt2", "run folder: metrics.csv, summary.json, ckpt/, tb/")
+    init_from: str = option("scratch", "scratch | resume (from out_dir/ckpt)")
+    eval_interval: int = option(50, "steps between validation estimates")
+    eval_iters: int = option(8, "batches per rank in a validation estimate")
+    log_interval: int = option(10, "steps between log lines and metrics rows")
+    ckpt_interval: int = option(0, "steps between checkpoints; 0: only at the end")
+    save_checkpoint: bool = option(True, "save a checkpoint at the end of the run")
+    progress: bool = option(True, "tqdm progress bar on rank 0")
+    tensorboard: bool = option(True, "TensorBoard logs in out_dir/tb (if installed)")
+    # data
+    data: str = option("stdlib", "stdlib (built-in, offline) | openwebtext | a folder of "
+                                 "text files")
+    tokenizer: str = option("auto", "auto (GPT-2 BPE if tiktoken's files are cached, else "
+                                    "bytes) | gpt2 | byte")
+    cache_dir: str = option("data_cache", "token cache folder")
+    val_percent: float = option(5.0, "share of the documents kept for validation")
+    block_size: int = option(128, "context length (tokens)")
+    # optimisation
+    batch_size: int = option(8, "sequences per rank per micro step")
+    grad_accum: int = option(1, "micro steps per optimizer step")
+    max_iters: int = option(150, "optimizer steps")
+    learning_rate: float = option(1e-3, "peak learning rate (AdamW)")
+    min_lr: float = option(1e-4, "learning rate at the end of the cosine decay")
+    warmup_iters: int = option(20, "linear learning-rate warm-up steps")
+    lr_decay_iters: int = option(0, "steps of the cosine decay; 0: max_iters")
+    weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float = option(1.0, "gradient-norm clip; 0: off")
+    seed: int = option(1337, "seed of the model init and the batches")
+    # distributed
+    fsdp: int = option(1, "1: FullyShardedDataParallel, 2: fully_shard")
+    sharding: str = option("FULL_SHARD", "FULL_SHARD | SHARD_GRAD_OP")
+    replicas: int = option(1, "FSDP2: HSDP over this many replicas (nodes; ranks are numbered "
+                              "node by node): shard inside a replica, replicate across; "
+                              "TAGC's HSDP route with --tagc, native HSDP without")
+    tagc: Optional[str] = option(None, "a TAGC preset (configs/tagc-*.yaml); none: plain FSDP")
+    tagc_set: str = option("", "preset fields to override, e.g. dense_steps=2000,theta=0.9")
+    wrap: str = option("auto", "unit layout: auto | block | tagc (tagc: the hook's layout)")
+    device: str = option("auto", "auto | cpu | cuda")
+    dtype: str = option("auto", "auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16")
+    threads: int = option(0, "CPU threads per rank; 0: cores / local ranks")
+
+    def validate(self) -> None:
+        """Raise ValueError on any inconsistent setting."""
+        def one_of(name: str, allowed: Sequence[Any]) -> None:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+        one_of("init_from", ("scratch", "resume"))
+        one_of("tokenizer", ("auto", "gpt2", "byte"))
+        one_of("fsdp", (1, 2))
+        one_of("sharding", ("FULL_SHARD", "SHARD_GRAD_OP"))
+        one_of("wrap", ("auto", "block", "tagc"))
+        one_of("device", ("auto", "cpu", "cuda"))
+        one_of("dtype", ("auto", "float32", "bfloat16"))
+        for name in ("eval_interval", "eval_iters", "log_interval", "block_size",
+                     "batch_size", "grad_accum", "max_iters"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("ckpt_interval", "warmup_iters", "lr_decay_iters", "threads", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.min_lr > self.learning_rate:
+            raise ValueError("min_lr must not exceed learning_rate")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError("beta1 and beta2 must be in [0, 1)")
+        if not 0 < self.val_percent < 100:
+            raise ValueError("val_percent must be in (0, 100)")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replicas > 1 and self.fsdp != 2:
+            raise ValueError("replicas > 1 (HSDP) needs fsdp=2 (FSDP1 allows no comm hook "
+                             "on HYBRID_SHARD)")
+        if self.wrap == "tagc" and not self.tagc:
+            raise ValueError("wrap=tagc needs --tagc (the preset decides the unit layout)")
+        if self.tagc is not None and not Path(self.tagc).is_file():
+            raise ValueError(f"--tagc {self.tagc}: no such file")
+        if self.tagc_set and self.tagc is None:
+            raise ValueError("--tagc_set needs --tagc (it overrides fields of the preset)")
+        parse_tagc_set(self.tagc_set)
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    """Every knob of a GPT-2 run. Defaults: the tiny model on the built-in corpus,
+    ~1-2 min on 2 cores."""
+
+    model: str = option("tiny", f"model size: {' | '.join(MODEL_SIZES)}")
+    n_layer: int = option(0, "transformer blocks; 0: from --model")
+    n_head: int = option(0, "attention heads; 0: from --model")
+    n_embd: int = option(0, "model width; 0: from --model")
+    dropout: float = option(0.0, "dropout probability (0 keeps runs deterministic)")
+    bias: bool = option(True, "biases in Linear and LayerNorm layers")
+    tie_weights: bool = option(True, "share the token embedding with the LM head")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.model not in MODEL_SIZES:
+            raise ValueError(f"model must be one of {list(MODEL_SIZES)}, got {self.model!r}")
+        for name in ("n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        """The model architecture for a tokenizer of vocab_size ids (padded to 64)."""
+        n_layer, n_head, n_embd = MODEL_SIZES[self.model]
+        return GPTConfig(block_size=self.block_size, vocab_size=(vocab_size + 63) // 64 * 64,
+                         n_layer=self.n_layer or n_layer, n_head=self.n_head or n_head,
+                         n_embd=self.n_embd or n_embd, dropout=self.dropout, bias=self.bias,
+                         tie_weights=self.tie_weights)
+
+
+def parse_tagc_set(spec: str) -> Dict[str, Any]:
+    """Parse ``--tagc_set``: comma-separated ``field=value`` pairs, values read as YAML.
+
+    Args:
+        spec: e.g. ``"dense_steps=2000,warmup_steps=10000,theta=0.9"`` (may be empty).
+    Returns:
+        the overrides; TAGCConfig.from_dict checks the names and values.
+    Raises:
+        ValueError: a pair without ``=`` or a field given twice.
+    """
+    import yaml
+
+    out: Dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--tagc_set: expected field=value, got {part!r}")
+        if key in out:
+            raise ValueError(f"--tagc_set: {key} given twice")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def load_tagc_config(tagc: Any, cfg: "RunConfig") -> Any:
+    """The TAGCConfig of ``--tagc`` with ``--tagc_set`` applied (unknown fields raise).
+
+    The warm-up lengths of the presets are sized for train-tiny; a longer run
+    scales them here, e.g. ``--tagc_set dense_steps=2000,warmup_steps=10000``.
+    """
+    base = tagc.TAGCConfig.from_yaml(cfg.tagc)
+    overrides = parse_tagc_set(cfg.tagc_set)
+    return tagc.TAGCConfig.from_dict({**base.to_dict(), **overrides}) if overrides else base
+
+
+def _convert(name: str, tp: Any, raw: Any) -> Any:
+    """Convert a YAML or command-line value to the field's declared type."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", "")):
+            return None
+        return _convert(name, args[0], raw)
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        s = str(raw).lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"--{name}: expected a boolean, got {raw!r}")
+    if tp is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError(f"--{name}: expected an integer, got {raw!r}")
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"--{name}: expected an integer, got {raw!r}") from None
+    if tp is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"--{name}: expected a number, got {raw!r}") from None
+    if tp is str:
+        return str(raw)
+    raise TypeError(f"unsupported field type {tp} for {name}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ValueError instead of exiting (--help still exits 0)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ValueError(message)
+
+
+def _option_type(name: str, tp: Any) -> Any:
+    """The argparse ``type`` of a field: _convert, its errors in argparse's words."""
+    def convert(raw: str) -> Any:
+        try:
+            return _convert(name, tp, raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(tp, "__name__", str(tp))
+    return convert
+
+
+def build_parser(cls: type = None, prog: str = "train_gpt2.py",
+                 description: str = "") -> argparse.ArgumentParser:
+    """The command line of a config dataclass: one option per field (type, default and
+    help from the dataclass), plus YAML files (positional or ``--config``).
+
+    Args:
+        cls: the config dataclass (default TrainConfig).
+        prog, description: for --help.
+    """
+    cls = cls or TrainConfig
+    hints = typing.get_type_hints(cls)
+    p = _Parser(prog=prog, description=description or DESCRIPTION,
+                epilog="Settings: the defaults, then YAML files in order, then the options "
+                       "given. Booleans take true/false/1/0/yes/no or stand alone (true).",
+                argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    p.add_argument("yaml", nargs="*", help="YAML files of settings (configs/train-*.yaml)")
+    p.add_argument("--config", action="append", dest="yaml_opt", metavar="PATH",
+                   help="a YAML file of settings (same as a positional one)")
+    for f in dataclasses.fields(cls):
+        tp, flags = hints[f.name], [f"--{f.name}"]
+        if "_" in f.name:
+            flags.append(f"--{f.name.replace('_', '-')}")
+        tname = "str or none" if typing.get_origin(tp) is typing.Union else tp.__name__
+        kw: Dict[str, Any] = {"dest": f.name, "metavar": f.name.upper(),
+                              "type": _option_type(f.name, tp),
+                              "help": f"{f.metadata['help']} ({tname}; default: {f.default})"}
+        if tp is bool:
+            kw.update(nargs="?", const=True)
+        p.add_argument(*flags, **kw)
+    return p
+
+
+def parse_config(argv: Optional[Sequence[str]] = None, cls: type = None,
+                 prog: str = "train_gpt2.py", description: str = "") -> Any:
+    """Build a config (default TrainConfig) from defaults, YAML files and options.
+
+    Args:
+        argv: arguments without the program name (default sys.argv[1:]). Accepted forms:
+            ``file.yaml``, ``--config file.yaml``, ``--key=value``, ``--key value``, and a
+            bare ``--flag`` for booleans.
+        cls: the config dataclass.
+        prog, description: the script's name in messages, its --help text.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ValueError: unknown key (with the nearest known one), bad value, or inconsistent
+            settings.
+    """
+    cls = cls or TrainConfig
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(cls, prog, description)
+    args, unknown = parser.parse_known_args(argv)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for arg in unknown:
+        key = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else arg
+        near = difflib.get_close_matches(key, names, n=1)
+        raise ValueError(f"unknown config key {arg!r}"
+                         + (f"; did you mean --{near[0]}?" if near else "")
+                         + f" ({prog} --help lists them)")
+    given = vars(args)
+    yaml_files = list(given.pop("yaml", [])) + list(given.pop("yaml_opt", None) or [])
+    hints = typing.get_type_hints(cls)
+    values: Dict[str, Any] = {}
+    for path in yaml_files:
+        if not path.endswith((".yaml", ".yml")):
+            raise ValueError(f"unexpected argument {path!r} (settings files end in .yaml; "
+                             "options are --key=value)")
+        import yaml
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of config keys")
+        for key, value in loaded.items():
+            if key not in hints:
+                near = difflib.get_close_matches(str(key), names, n=1)
+                raise ValueError(f"{path}: unknown config key {key!r}"
+                                 + (f"; did you mean {near[0]}?" if near else ""))
+            values[key] = _convert(key, hints[key], value)
+    values.update(given)  # already converted by the options' types
+    cfg = cls(**values)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,143 @@
+"""Training runs as subprocesses, for the scripts that compare them (quality_suite.py,
+compare_quality.py, bench_step.py, bench_time_to_loss.py): the code a run executes, its
+record and reuse, its execution with a log, and the emulated network of scripts/netem.sh.
+
+These tools launch the scripts of a source checkout (:data:`REPO`), from its root.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+logger = logging.getLogger(__name__)
+
+# the source checkout this package sits in (tagc/train/runs.py: two levels below it)
+REPO = Path(__file__).resolve().parents[2]
+# what decides a run's result besides its configs (code_id hashes these paths)
+CODE_DIRS = ("tagc", "csrc", "cuda", "scripts", "configs", "setup.py", "tagc_hook.py")
+NETEM = REPO / "scripts" / "netem.sh"
+
+
+def code_id() -> Dict[str, str]:
+    """The code a run executes: the commit, the git tree of :data:`CODE_DIRS` and a hash
+    of their uncommitted changes ("" when clean).
+
+    Returns:
+        ``{"commit", "tree", "dirty"}``; ``tree`` and ``dirty`` decide reuse.
+    """
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout
+
+    trees = git("ls-tree", "HEAD", *CODE_DIRS)
+    diff = git("diff", "HEAD", "--", *CODE_DIRS)
+    untracked = git("ls-files", "--others", "--exclude-standard", "--", *CODE_DIRS)
+    dirty = diff + untracked
+    return {"commit": git("rev-parse", "--short", "HEAD").strip() or "unknown",
+            "tree": hashlib.sha256(trees.encode()).hexdigest()[:12],
+            "dirty": hashlib.sha256(dirty.encode()).hexdigest()[:12] if dirty.strip() else ""}
+
+
+def run_meta(cmd: Sequence[str], configs: Dict[str, Any], code: Dict[str, str]) -> Dict[str, Any]:
+    """What ``suite_run.json`` records of a run (quality_suite.py, compare_quality.py).
+
+    Args:
+        cmd: the run's command line.
+        configs: everything besides the code that decides the result (reuse compares it).
+        code: :func:`code_id`.
+    Returns:
+        the record.
+    """
+    return {"command": " ".join(shlex.quote(c) for c in cmd), "configs": configs, "code": code}
+
+
+def reusable(folder: Path, meta: Dict[str, Any], done: str) -> bool:
+    """Whether ``folder`` holds a finished run of the same configs and code."""
+    path = folder / "suite_run.json"
+    if not (path.is_file() and (folder / done).is_file()):
+        return False
+    old = json.loads(path.read_text())
+    same = old.get("configs") == meta["configs"] and \
+        {k: old["code"].get(k) for k in ("tree", "dirty")} == \
+        {k: meta["code"][k] for k in ("tree", "dirty")}
+    if not same:
+        logger.warning("%s: ran other code or configs (%s); running again", folder,
+                       old.get("code"))
+    return same
+
+
+def execute(cmd: List[str], folder: Path, meta: Dict[str, Any]) -> float:
+    """Run ``cmd`` with its log in ``folder/train.log``; on success record ``meta``.
+
+    Args:
+        cmd: the command (run from the repository root).
+        folder: the run's folder (created).
+        meta: :func:`run_meta`'s record, written to ``suite_run.json`` once it ran.
+    Returns:
+        its wall time in seconds.
+    Raises:
+        RuntimeError: it failed (the log's tail in the message).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "suite_run.json").unlink(missing_ok=True)
+    logger.info("%s", meta["command"])
+    t0 = time.perf_counter()
+    with open(folder / "train.log", "w") as log:
+        # faulthandler: a rank that dies of a signal leaves every thread's Python stack
+        # in train.log (the teardown abort, README "Known problems")
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                           env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    if p.returncode != 0:
+        tail = (folder / "train.log").read_text()[-3000:]
+        raise RuntimeError(f"{folder} failed (exit {p.returncode}):\n{tail}")
+    seconds = time.perf_counter() - t0
+    (folder / "suite_run.json").write_text(json.dumps({**meta, "seconds": seconds}, indent=1))
+    return seconds
+
+
+def split_passthrough(argv: Optional[Sequence[str]]) -> Tuple[List[str], List[str]]:
+    """(this script's arguments, those after ``--`` for every training run).
+
+    Args:
+        argv: the command line (default sys.argv[1:]).
+    Returns:
+        the two lists.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def free_port() -> int:
+    """A TCP port that is free in the root namespace (namespaces have their own ports)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def netem(net: list[str], *cmd: str, timeout: float = 60, check: bool = True) -> str:
+    """Run ``scripts/netem.sh NET... CMD...``; its stdout (stderr logged as a warning).
+
+    Args:
+        net: the network options (prefix, hosts, rate, delay).
+        *cmd: the netem.sh command and its arguments.
+        timeout: seconds.
+        check: raise RuntimeError when it fails.
+    """
+    r = subprocess.run(["bash", str(NETEM), *net, *cmd], capture_output=True, text=True,
+                       timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"netem.sh {' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
+    if r.stderr.strip():
+        logger.warning("%s", r.stderr.strip())
+    return r.stdout

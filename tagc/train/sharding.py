@@ -1,0 +1,105 @@
+"""Sharding a model with FSDP1 or FSDP2, with TAGC's unit layout or one unit per block."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tagc.train.config import RunConfig
+
+
+def import_tagc() -> Any:
+    """Import tagc_hook (at the repository root), with a clear error if it is missing."""
+    try:
+        import tagc_hook
+    except ImportError as exc:
+        raise RuntimeError(f"--tagc needs tagc_hook.py and the _tagc extension "
+                           f"(pip install -e . at the repository root): {exc}") from exc
+    return tagc_hook
+
+
+def device_mesh(cfg: RunConfig, device: torch.device) -> Any:
+    """FSDP2's mesh: every rank on one dimension, or with ``replicas`` > 1 the HSDP
+    ``(replicate, shard)`` mesh (torchrun numbers ranks node by node, so a row is one
+    node).  None for FSDP1.
+
+    Args:
+        cfg: run config.
+        device: this rank's device.
+    Returns:
+        the mesh, or None.
+    """
+    if cfg.fsdp == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    if cfg.replicas == 1:
+        return init_device_mesh(device.type, (world,))
+    if world % cfg.replicas:
+        raise ValueError(f"replicas={cfg.replicas} does not divide the {world} ranks")
+    return init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def wrap_model(model: nn.Module, cfg: RunConfig, tagc_cfg: Any, device: torch.device,
+               param_dtype: torch.dtype, blocks: Sequence[type], mesh: Any = None
+               ) -> nn.Module:
+    """Shard the model with FSDP1 or FSDP2.
+
+    Unit layout: ``block`` puts each transformer block (a module of a class in
+    ``blocks``) in its own unit (embeddings, final norm and a tied head stay in the root
+    unit). ``tagc`` asks tagc_hook for its layout, which separates the parameters the
+    preset compresses from the others.
+
+    Args:
+        model: the model on `device`.
+        cfg: run config.
+        tagc_cfg: a tagc_hook.TAGCConfig or None.
+        device: this rank's device.
+        param_dtype: compute dtype (bf16 on GPU by default); gradients are reduced in fp32.
+        blocks: the transformer block classes (for the ``block`` layout).
+        mesh: FSDP2's mesh (:func:`device_mesh`; None: made here).
+
+    Returns:
+        The FSDP1 root module, or the model itself with fully_shard applied (FSDP2).
+    """
+    wrap = cfg.wrap if cfg.wrap != "auto" else ("tagc" if tagc_cfg is not None else "block")
+    tagc = import_tagc() if wrap == "tagc" else None
+    if cfg.fsdp == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        mp = None
+        if param_dtype != torch.float32:
+            mp = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                buffer_dtype=param_dtype)
+        policy = (tagc.fsdp1_auto_wrap_policy(model, tagc_cfg) if tagc is not None
+                  else ModuleWrapPolicy(set(blocks)))
+        return FSDP(model, auto_wrap_policy=policy, mixed_precision=mp,
+                    sharding_strategy=ShardingStrategy[cfg.sharding],
+                    device_id=device,  # torch.device("cpu") is how FSDP1 runs on gloo
+                    use_orig_params=True)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if mesh is None:
+        mesh = device_mesh(cfg, device)
+    kw: Dict[str, Any] = dict(mesh=mesh, reshard_after_forward=cfg.sharding == "FULL_SHARD")
+    if param_dtype != torch.float32:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                               reduce_dtype=torch.float32)
+    if tagc is not None:
+        return tagc.shard_model(model, tagc_cfg, **kw)
+    for block in [m for m in model.modules() if isinstance(m, tuple(blocks))]:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def grad_sync(model: nn.Module, fsdp: int, sync: bool) -> contextlib.AbstractContextManager:
+    """Context for one micro step: gradients are reduced only when sync is True."""
+    if fsdp == 1:
+        return contextlib.nullcontext() if sync else model.no_sync()
+    model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
