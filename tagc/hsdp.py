@@ -43,7 +43,7 @@ from . import transports
 from .comm import Comm
 from .config import TAGCConfig
 from .device import CodecStreams, Exec, poison_nonfinite
-from .reducer import UnitReducer
+from .reducer import UnitReducer, send_owed
 from .selection import UnitSpec
 
 HSDP_DIMS = ("replicate", "shard")
@@ -255,9 +255,7 @@ class TwoPhaseReducer(ReplicaReducer):
             return
         send = out
         if self.last_path == "settle" and self.residual_out is not None:
-            x = out.float() + self.residual_out.float()
-            send = x.to(out.dtype)
-            self.residual_out.copy_((x - send.float()).to(self.residual_out.dtype))
+            send = send_owed(dev, out, self.residual_out)
         self.full = torch.empty(self.world, out.numel(), dtype=out.dtype, device=out.device)
         comm.all_gather(self.full, send)
         if self.last_path == "settle" and self.estimate_out is not None:

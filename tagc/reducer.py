@@ -26,6 +26,23 @@ from .stats import UnitStats
 logger = logging.getLogger("tagc_hook")
 
 
+def send_owed(dev: Exec, g: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """What a plain send of ``g`` carries when a residual is owed: ``g + residual`` in
+    ``g``'s dtype; the residual keeps only that rounding, so nothing owed is lost.
+
+    Args:
+        dev: the call's device side (a poisoned CUDA call leaves the residual as it was).
+        g: the gradient (or sum) to send.
+        residual: the feedback owed on it (updated in place).
+    Returns:
+        the tensor to send.
+    """
+    v = g.float() + residual.float()
+    send = v.to(g.dtype)
+    residual.copy_(dev.keep((v - send.float()).to(residual.dtype), residual))
+    return send
+
+
 class UnitReducer:
     """One FSDP unit's reduce-scatter, compressed or plain.
 
@@ -243,10 +260,7 @@ class UnitReducer:
             self.residual.copy_(dev.keep(-inp.float(), self.residual))
             out.copy_(acc / (self.pre * self.post))
             return
-        v = inp.float() + self.residual.float()
-        send = v.to(inp.dtype)
-        self.residual.copy_(dev.keep((v - send.float()).to(self.residual.dtype), self.residual))
-        self._plain(comm, send, out, counted=False)
+        self._plain(comm, send_owed(dev, inp, self.residual), out, counted=False)
 
     def _check(self, inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Refuse what cannot be reduced; the flat contiguous input."""
