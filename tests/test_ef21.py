@@ -24,14 +24,14 @@ the unit's counters and the reference follows it.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import tagc_hook as tagc
-from dist_helpers import run_dist
+from dist_helpers import SharedSpawn, run_cases
 from tagc.device import CodecStreams
 from tagc.reducer import UnitReducer
 from tagc.selection import UnitSpec
@@ -161,7 +161,7 @@ def _run(rank: int, n: int, fields: Dict[str, Any]) -> Dict[str, Any]:
 @pytest.mark.parametrize("fmt", ["int4", "ternary"])
 @pytest.mark.parametrize("damping", [True, False])
 def test_output_matches_independent_recursion(fmt: str, damping: bool) -> None:
-    res = run_dist(_run, N, {"quant_format": fmt, "ef21_damping": damping})
+    res = SPAWN.case(N, f"recursion/{fmt}/{damping}")
     assert res[0] == res[1]  # the same factors and paths on both ranks
     damps = res[0]["damps"]
     if damping:
@@ -176,7 +176,7 @@ def test_output_matches_independent_recursion(fmt: str, damping: bool) -> None:
 def test_output_matches_under_bypass() -> None:
     """bypass_every=2: the calls that went plain settle the state; the others follow
     the damped recursion from there."""
-    res = run_dist(_run, N, {"quant_format": "int4", "bypass_every": 2})
+    res = SPAWN.case(N, "recursion/bypass")
     assert res[0]["paths"] == res[1]["paths"]
     assert "plain" in res[0]["paths"] and "compressed" in res[0]["paths"], res[0]["paths"]
 
@@ -229,16 +229,19 @@ def _run_two_phase(rank: int, n: int, fields: Dict[str, Any]) -> List[str]:
     return paths
 
 
-@pytest.mark.parametrize("fields", [
-    {"quant_format": "int4"}, {"quant_format": "ternary", "ef21_damping": False},
-    {"quant_format": "int4", "bypass_every": 2}], ids=["int4", "ternary-undamped", "bypass"])
-def test_two_phase_hsdp_output_matches_independent_recursion(fields: Dict[str, Any]) -> None:
+TWO_PHASE = {"int4": {"quant_format": "int4"},
+             "ternary-undamped": {"quant_format": "ternary", "ef21_damping": False},
+             "bypass": {"quant_format": "int4", "bypass_every": 2}}
+
+
+@pytest.mark.parametrize("which", list(TWO_PHASE))
+def test_two_phase_hsdp_output_matches_independent_recursion(which: str) -> None:
     """The two-phase HSDP all-reduce (2 replicas) hands FSDP the EF21-P output ``w``
     of the recursion above, bit for bit, with every state; under the bypass the
     settled calls make every estimate exact."""
-    paths = run_dist(_run_two_phase, N, fields)
+    paths = SPAWN.case(N, f"two_phase/{which}")
     assert paths[0] == paths[1]
-    if "bypass_every" in fields:
+    if "bypass_every" in TWO_PHASE[which]:
         assert "plain" in paths[0] and "compressed" in paths[0], paths[0]
 
 
@@ -280,6 +283,22 @@ def _device_vote(rank: int, n: int) -> Dict[str, Any]:
     return {"lam": lam}
 
 
+def _suite(rank: int, n: int) -> Dict[str, Tuple[str, Any]]:
+    cases: List[Tuple[str, Callable[..., Any]]] = [
+        (f"recursion/{fmt}/{damping}",
+         lambda r, w, f=fmt, d=damping: _run(r, w, {"quant_format": f, "ef21_damping": d}))
+        for fmt in ("int4", "ternary") for damping in (True, False)]
+    cases.append(("recursion/bypass",
+                  lambda r, w: _run(r, w, {"quant_format": "int4", "bypass_every": 2})))
+    cases += [(f"two_phase/{k}", lambda r, w, f=f: _run_two_phase(r, w, f))
+              for k, f in TWO_PHASE.items()]
+    cases.append(("device_vote", _device_vote))
+    return run_cases(rank, n, cases)
+
+
+SPAWN = SharedSpawn(_suite, timeout=300)  # every case above in one 2-rank spawn
+
+
 def test_device_vote_agrees_with_host_vote() -> None:
-    res = run_dist(_device_vote, N)
+    res = SPAWN.case(N, "device_vote")
     assert res[0] == res[1]

@@ -564,27 +564,30 @@ def _quant_formats(rank: int, n: int, kind: str) -> Dict[str, Any]:
 
 # (name, function(rank, n, kind), the world sizes it runs at[, the kinds]); a case runs
 # for FSDP1 and FSDP2 unless it names one.  With one rank nothing is exchanged, so only
-# the equality runs.
+# the equality runs.  N = 4 (4 processes on CI's 2 cores, the costliest spawn) runs the
+# cases whose outcome depends on the rank count beyond N = 3's odd split: the equality,
+# peeling recovery, the paper's lane carries, global stats and the 4-rank quant sums; the
+# conservation and EF21 laws are checked at N = 2 and 3.
 CASES: List[Tuple[Any, ...]] = [
     ("equal_default", _equal_default, (1, 2, 3, 4)),
     # 20 steps at theta=0.9875; sparse also accumulates 2 micro-batches per step
     ("ef_exact", lambda r, n, k: _check_conservation(r, n, k, _cfg("exact", theta=0.9875),
-                                                     steps=20), (2, 3, 4)),
+                                                     steps=20), (2, 3)),
     ("ef_sparse", lambda r, n, k: _check_conservation(r, n, k, _cfg("sparse", theta=0.9875),
-                                                      steps=20, accum=2), (2, 3, 4)),
-    ("auto_vs_sparse", _auto_vs_sparse, (2, 3, 4)),
+                                                      steps=20, accum=2), (2, 3)),
+    ("auto_vs_sparse", _auto_vs_sparse, (2, 3)),
     ("bypass", _bypass, (2, 3)),
     ("recovery", _recovery, (2, 3, 4)),
     ("paper", lambda r, n, k: _paper_stats(r, n, k), (2, 4)),
     ("warmup", lambda r, n, k: _check_warmup(r, n, k), (2,)),
     ("quant_reference", _quant_formats, (2, 3, 4)),
     ("ef21_quant", lambda r, n, k: _check_ef21(
-        r, n, k, _cfg("quant", quant_format="ternary", ef21=True)), (2, 3, 4)),
+        r, n, k, _cfg("quant", quant_format="ternary", ef21=True)), (2, 3)),
     ("ef21_sparse", lambda r, n, k: _check_ef21(
-        r, n, k, _cfg("sparse", theta=0.9, ef21=True)), (2, 3, 4)),
+        r, n, k, _cfg("sparse", theta=0.9, ef21=True)), (2, 3)),
     # quant: error feedback of the rounding conserves mass, with accumulation
     ("ef_quant", lambda r, n, k: _check_conservation(
-        r, n, k, _cfg("quant", quant_format="sign"), steps=10, accum=2), (2, 3, 4)),
+        r, n, k, _cfg("quant", quant_format="sign"), steps=10, accum=2), (2, 3)),
     ("frozen", lambda r, n, k: _check_frozen(r, n), (2,), ("fsdp2",)),
     ("little_compressed_warns", _little_compressed_warns, (2,)),
     ("global_stats", _global_stats, (2, 4)),
