@@ -24,6 +24,11 @@ optimizer step and how long the step takes, for:
   ``GatherReducer``): every rank all-gathers its compressed shard to the ``R-1`` other
   replicas, ``R-1`` compressed shards per rank.
 
+Which units are compressed follows the selection policy: ``--layers all`` (the
+default: what tagc-balanced, tagc-lean and tagc-full use, every parameter of at least
+``min_numel`` elements) or ``non_attention`` (the attention QKV inputs uncompressed, as
+the presets were until that change and as the measured runs of ``--check`` ran).
+
 Byte counts follow the codec's own size rules (``csrc/tagc_portable.h``
 ``tagc_q_bytes``, ``csrc/tagc_checks.h`` ``tagc_check_pairs_bytes``) and count what
 the hook's ``stats()`` and ``scripts/bench_step.py`` count; ``--check`` compares them
@@ -44,7 +49,7 @@ import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 # --------------------------------------------------------------------------- constants
 # Every number below says where it comes from.
@@ -83,12 +88,15 @@ TCP_FRAME_OVERHEAD = 1514 / 1448
 # at least 2^16 elements are candidates.
 DEFAULT_MIN_NUMEL = 2 ** 16
 
-# Fraction of the parameters in compressed units for a model given only by its size:
-# the tiny GPT-2 of the quality runs (configs/train-tiny.yaml: 2 layers, width 256,
-# block 128, byte tokenizer padded to 320 ids) under the default `non_attention`
-# policy: everything but the two attention QKV units (2 x 197,376 of 1,694,720
-# parameters) is compressed; `tiny_gpt2().compressed_fraction()` recomputes it.
-DEFAULT_SELECTED_FRACTION = 1_299_968 / 1_694_720  # 0.767
+# The selection policies (tagc/selection.py select_parameter) the layouts below follow:
+# `non_attention` leaves the attention QKV input projections uncompressed, `all` takes
+# every parameter of at least min_numel elements.
+LAYER_POLICIES = ("non_attention", "all")
+
+# The policy the recommended presets use (configs/tagc-balanced.yaml, tagc-lean.yaml,
+# tagc-full.yaml: `layers: all` since the presets-all change).  The measured runs in
+# docs/cost_model_runs.json predate it and name their own layout (RUN_MODELS).
+DEFAULT_LAYERS = "all"
 
 # FSDP units for a model given only by its size: GPT-2 124M under TAGC's wrapping
 # (tagc/selection.py `modules_to_wrap`: per block c_attn, attn.c_proj, mlp.c_fc,
@@ -281,7 +289,7 @@ class ModelSpec:
         return len(self.units)
 
 
-def generic_model(params: float, selected_fraction: float = DEFAULT_SELECTED_FRACTION,
+def generic_model(params: float, selected_fraction: Optional[float] = None,
                   units: int = DEFAULT_UNITS, name: Optional[str] = None) -> ModelSpec:
     """A model known by its size: one compressed and one plain aggregate unit.
 
@@ -290,7 +298,8 @@ def generic_model(params: float, selected_fraction: float = DEFAULT_SELECTED_FRA
 
     Args:
         params: parameters (> 0).
-        selected_fraction: fraction of them in compressed units, in [0, 1].
+        selected_fraction: fraction of them in compressed units, in [0, 1] (default
+            :data:`DEFAULT_SELECTED_FRACTION`, the presets' selection).
         units: FSDP units (>= 1): the compressed ones get ``round(fraction * units)``
             of them (at least one when the fraction is above 0).
         name: for reports.
@@ -299,6 +308,8 @@ def generic_model(params: float, selected_fraction: float = DEFAULT_SELECTED_FRA
     """
     if not params > 0 or not math.isfinite(params):
         raise ValueError(f"params must be a positive number, got {params!r}")
+    if selected_fraction is None:
+        selected_fraction = DEFAULT_SELECTED_FRACTION
     if not 0.0 <= selected_fraction <= 1.0:
         raise ValueError(f"selected fraction must be in [0, 1], got {selected_fraction!r}")
     total = int(round(params))
@@ -344,7 +355,7 @@ class CountedModel(ModelSpec):
 
 
 def gpt2_model(n_layer: int, n_embd: int, vocab_size: int, block_size: int,
-               layers: str = "non_attention", min_numel: int = DEFAULT_MIN_NUMEL,
+               layers: str = DEFAULT_LAYERS, min_numel: int = DEFAULT_MIN_NUMEL,
                name: Optional[str] = None) -> ModelSpec:
     """A GPT-2 (``tagc/train/model.py``: biases, tied head) as TAGC wraps it.
 
@@ -356,7 +367,7 @@ def gpt2_model(n_layer: int, n_embd: int, vocab_size: int, block_size: int,
 
     Args:
         n_layer, n_embd, vocab_size, block_size: the shape.
-        layers: ``non_attention`` (default) or ``all``.
+        layers: ``all`` (default, the presets') or ``non_attention``.
         min_numel: smallest parameter compressed.
         name: for reports.
     Returns:
@@ -366,8 +377,7 @@ def gpt2_model(n_layer: int, n_embd: int, vocab_size: int, block_size: int,
                  ("block_size", block_size)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{k} must be a positive int, got {v!r}")
-    if layers not in ("non_attention", "all"):
-        raise ValueError(f"layers must be 'non_attention' or 'all', got {layers!r}")
+    _check_layers(layers)
     e = n_embd
 
     def sel(numel: int, weight: bool, qkv: bool) -> bool:
@@ -410,38 +420,123 @@ def gpt2_model(n_layer: int, n_embd: int, vocab_size: int, block_size: int,
     return ModelSpec(label, tuple(units))
 
 
-def bench_gpt2() -> ModelSpec:
-    """The step benchmark's model (``scripts/bench_step.py`` ModelShape defaults)."""
-    return gpt2_model(2, 512, 16384, 64, name="bench GPT-2 (2x512, vocab 16384)")
+def _check_layers(layers: str) -> None:
+    """Refuse a selection policy the layouts do not model.
+
+    Args:
+        layers: ``non_attention`` or ``all``.
+    Raises:
+        ValueError: any other value (a callable policy has no layout here).
+    """
+    if layers not in LAYER_POLICIES:
+        raise ValueError(f"layers must be one of {LAYER_POLICIES}, got {layers!r}")
 
 
-def tiny_gpt2() -> ModelSpec:
-    """The quality runs' tiny GPT-2 (``configs/train-tiny.yaml``: model tiny = 2 layers,
-    width 256, block 128; byte tokenizer of 257 ids padded to a multiple of 64)."""
-    return gpt2_model(2, 256, 320, 128, name="tiny GPT-2")
+# The GPT-2 shapes of this repository: (n_layer, n_embd, vocab_size, block_size, label).
+GPT2_SHAPES: Dict[str, Tuple[int, int, int, int, str]] = {
+    # the step benchmark's model (scripts/bench_step.py ModelShape defaults)
+    "bench": (2, 512, 16384, 64, "bench GPT-2 (2x512, vocab 16384)"),
+    # the quality runs' (configs/train-tiny.yaml: model tiny = 2 layers, width 256,
+    # block 128; byte tokenizer of 257 ids padded to a multiple of 64)
+    "tiny": (2, 256, 320, 128, "tiny GPT-2"),
+    # GPT-2 small (tagc/train/model.py GPTConfig defaults)
+    "gpt2-124m": (12, 768, 50304, 1024, "GPT-2 124M"),
+}
 
 
-def gpt2_124m() -> ModelSpec:
-    """GPT-2 small (``tagc/train/model.py`` GPTConfig defaults: 12x768, vocab 50304,
-    block 1024)."""
-    return gpt2_model(12, 768, 50304, 1024, name="GPT-2 124M")
+def named_gpt2(shape: str, layers: str = DEFAULT_LAYERS) -> ModelSpec:
+    """One of :data:`GPT2_SHAPES` as TAGC wraps it under a selection policy.
+
+    Args:
+        shape: a key of :data:`GPT2_SHAPES`.
+        layers: the selection policy (default the presets').
+    Returns:
+        the layout, named with its policy (reports and plots tell them apart).
+    """
+    n_layer, n_embd, vocab_size, block_size, label = GPT2_SHAPES[shape]
+    return gpt2_model(n_layer, n_embd, vocab_size, block_size, layers=layers,
+                      name=f"{label}, layers={layers}")
 
 
-def linear_pair_model(width: int = 512) -> ModelSpec:
+def bench_gpt2(layers: str = DEFAULT_LAYERS) -> ModelSpec:
+    """The step benchmark's model: ``named_gpt2("bench", layers)``."""
+    return named_gpt2("bench", layers)
+
+
+def tiny_gpt2(layers: str = DEFAULT_LAYERS) -> ModelSpec:
+    """The quality runs' tiny GPT-2: ``named_gpt2("tiny", layers)``."""
+    return named_gpt2("tiny", layers)
+
+
+def gpt2_124m(layers: str = DEFAULT_LAYERS) -> ModelSpec:
+    """GPT-2 small: ``named_gpt2("gpt2-124m", layers)``."""
+    return named_gpt2("gpt2-124m", layers)
+
+
+def linear_pair_model(width: int = 512, layers: str = DEFAULT_LAYERS) -> ModelSpec:
     """``scripts/measure_bytes.py``'s model: Linear(w, 4w) and Linear(4w, w), no bias,
-    ``layers: all``, ``min_numel`` 4096: two compressed units and an empty root."""
+    ``layers: all``, ``min_numel`` 4096: two compressed units and an empty root.
+
+    Args:
+        width: w.
+        layers: accepted for a uniform :data:`MODELS` call; both policies select both
+            weights (linear weights, no attention input projection), so the layout is
+            the same.
+    Returns:
+        the layout.
+    """
+    _check_layers(layers)
     return ModelSpec(f"Linear {width}x{4 * width} pair",
                      (Unit("fc1", ((4 * width, width),), True),
                       Unit("fc2", ((width, 4 * width),), True)))
 
 
-def bench_gpt2_all() -> ModelSpec:
-    """The step benchmark's model under ``--override layers=all``."""
-    return gpt2_model(2, 512, 16384, 64, layers="all", name="bench GPT-2, layers=all")
+# The layouts ``--model`` offers, each built for a selection policy (``--layers``).
+MODELS: Dict[str, Callable[..., ModelSpec]] = {
+    "bench": bench_gpt2, "tiny": tiny_gpt2, "gpt2-124m": gpt2_124m,
+    "linear-pair": linear_pair_model}
+
+# The layouts the measured runs used, by the name docs/cost_model_runs.json gives them:
+# (layout, policy).  Every run there predates the presets' move to `layers: all`, so a
+# bare name is the policy they had then (non_attention); "bench-all" is bench_step.py's
+# `--override layers=all`.  Fixed here, not taken from --layers, so that --check
+# compares each run with the layout it ran.
+RUN_MODELS: Dict[str, Tuple[str, str]] = {
+    "bench": ("bench", "non_attention"), "bench-all": ("bench", "all"),
+    "tiny": ("tiny", "non_attention"), "linear-pair": ("linear-pair", "all")}
 
 
-MODELS = {"bench": bench_gpt2, "bench-all": bench_gpt2_all, "tiny": tiny_gpt2,
-          "gpt2-124m": gpt2_124m, "linear-pair": linear_pair_model}
+def run_model(name: str) -> ModelSpec:
+    """The layout a runs-file model name stands for.
+
+    Args:
+        name: a key of :data:`RUN_MODELS`.
+    Returns:
+        the layout, under the policy that run used.
+    """
+    layout, layers = RUN_MODELS[name]
+    return MODELS[layout](layers=layers)
+
+
+def default_selected_fraction(layers: str = DEFAULT_LAYERS) -> float:
+    """Fraction of the parameters in compressed units for a model given only by its size.
+
+    Taken from the tiny GPT-2 of the quality runs under ``layers`` (recomputed from its
+    layout, so it follows the selection rules above): under ``non_attention``
+    everything but the two attention QKV units (2 x 197,376 of 1,694,720 parameters),
+    0.767; under ``all`` every unit (the root holds the tied wte, which is more than
+    half of it), 1.0.
+
+    Args:
+        layers: the selection policy.
+    Returns:
+        the fraction, in [0, 1].
+    """
+    return tiny_gpt2(layers).compressed_fraction()
+
+
+# --params' default: the presets' selection on the tiny GPT-2.
+DEFAULT_SELECTED_FRACTION = default_selected_fraction(DEFAULT_LAYERS)
 
 
 def unit_counts(model: ModelSpec) -> List[int]:
@@ -1173,9 +1268,9 @@ def load_runs(path: str) -> Dict[str, Any]:
                   "inter_mbit", "compute"):
             if k not in st:
                 raise ValueError(f"runs file {path}: setup {name!r} lacks {k!r}")
-        if st["model"] not in MODELS:
+        if st["model"] not in RUN_MODELS:
             raise ValueError(f"runs file {path}: setup {name!r}: unknown model "
-                             f"{st['model']!r}; known: {sorted(MODELS)}")
+                             f"{st['model']!r}; known: {sorted(RUN_MODELS)}")
         c = st["compute"]
         if "rest_s" not in c and not ("plain_fast_step_s" in c and "fast_mbit" in c):
             raise ValueError(f"runs file {path}: setup {name!r}: compute needs rest_s, or "
@@ -1186,7 +1281,7 @@ def load_runs(path: str) -> Dict[str, Any]:
         if "config" not in run or "step_s" not in run:
             raise ValueError(f"runs file {path}: run {i} needs 'config' and 'step_s'")
     for sec in data.get("bits_per_param", []):
-        if sec.get("model") not in MODELS or sec.get("kind") not in ("grad", "gather") \
+        if sec.get("model") not in RUN_MODELS or sec.get("kind") not in ("grad", "gather") \
                 or not isinstance(sec.get("rows"), list):
             raise ValueError(f"runs file {path}: a bits_per_param section needs a known "
                              "model, kind grad|gather and rows")
@@ -1292,7 +1387,7 @@ def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> Lis
     """
     rows: List[CheckRow] = []
     for name, st in data["setups"].items():
-        model = MODELS[st["model"]]()
+        model = run_model(st["model"])
         cl, compute = _setup_state(st, model, codec)
         runs = [r for r in data["runs"] if r["setup"] == name]
         meas_plain = next((r["step_s"] for r in runs if r["config"] == "fsdp"), None)
@@ -1319,7 +1414,7 @@ def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> Lis
             if "codec_s" in run:
                 rows.append(CheckRow(name, label, "codec_s", p.codec_s, run["codec_s"]))
     for sec in data.get("bits_per_param", []):
-        model = MODELS[sec["model"]]()
+        model = run_model(sec["model"])
         dec = int(sec.get("decimals", 2))
         for row in sec["rows"]:
             comp = Compression(**row["compression"]) if row["compression"] else None
@@ -1486,10 +1581,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--params", type=float, help="parameters (e.g. 124e6, 7e9)")
     m.add_argument("--model", choices=sorted(MODELS),
                    help="a GPT-2 layout of this repository instead of --params")
-    m.add_argument("--selected-fraction", type=float, default=DEFAULT_SELECTED_FRACTION,
-                   help="with --params: fraction of parameters in compressed units (default "
-                        f"{DEFAULT_SELECTED_FRACTION:.3f}, the tiny GPT-2's under the default "
-                        "non_attention policy)")
+    m.add_argument("--layers", choices=LAYER_POLICIES, default=DEFAULT_LAYERS,
+                   help=f"selection policy of --model, of --plot's GPT-2 124M and of "
+                        f"--params' default fraction (default {DEFAULT_LAYERS}, the one "
+                        "tagc-balanced/lean/full use; non_attention: the attention QKV "
+                        "inputs uncompressed, as before the presets changed and as "
+                        "tagc-sparse/auto/dense still do).  It applies to every "
+                        "configuration of the run; --check ignores it (each measured run "
+                        "names its own layout)")
+    m.add_argument("--selected-fraction", type=float, default=None,
+                   help="with --params (and the 7B of --plot): fraction of parameters in "
+                        "compressed units (default: the tiny GPT-2's under --layers, "
+                        f"{default_selected_fraction('all'):.3f} for all, "
+                        f"{default_selected_fraction('non_attention'):.3f} for "
+                        "non_attention)")
     m.add_argument("--units", type=int, default=DEFAULT_UNITS,
                    help=f"with --params: FSDP units (default {DEFAULT_UNITS}, GPT-2 124M's)")
     c = p.add_argument_group("cluster")
@@ -1559,30 +1664,33 @@ def main(argv: Optional[List[str]] = None) -> int:
                    for n in args.configs.split(",") if n.strip()]
         if not configs:
             raise ValueError("--configs: no configuration given")
+        fraction = (default_selected_fraction(args.layers) if args.selected_fraction is None
+                    else args.selected_fraction)
         if args.plot:
             if args.tflops is None:
                 raise ValueError("--plot draws two models: give --tflops (and --mfu, "
                                  "--tokens-per-rank) for their compute time")
-            m124 = gpt2_124m()
-            m7 = generic_model(7e9, args.selected_fraction, args.plot_7b_units, name="7B")
+            m124 = gpt2_124m(args.layers)
+            m7 = generic_model(7e9, fraction, args.plot_7b_units, name="7B")
             pairs = [(m, flops_compute_s(m.params, args.tokens_per_rank, args.tflops, args.mfu))
                      for m in (m124, m7)]
             note = (f"{base.ranks_per_node} ranks/node; intra {base.intra_gbit:g} Gbit/s/rank, "
                     f"inter {base.inter_gbit:g} Gbit/s/node; {args.backend}, {args.dtype}; overlap "
                     f"{args.overlap:g}; compute 6 x params x {args.tokens_per_rank} tokens at "
                     f"{args.tflops:g} TFLOP/s x MFU {args.mfu:g}; codec: this CPU's measured "
-                    f"throughput x {args.codec_speedup:g}; 7B: {args.selected_fraction:.3f} "
-                    "of parameters compressed. hsdp+P: the hook's default form (all-gather "
-                    "at R = 2, two-phase from R = 3); /gather: the all-gather form forced.")
+                    f"throughput x {args.codec_speedup:g}; layers={args.layers}; 7B: "
+                    f"{fraction:.3f} of parameters compressed. hsdp+P: the hook's default "
+                    "form (all-gather at R = 2, two-phase from R = 3); /gather: the "
+                    "all-gather form forced.")
             plot(args.plot, base, args.nodes, configs, pairs, codec, note)
             print(f"wrote {args.plot}")
             return 0
         if args.model and args.params:
             raise ValueError("give --params or --model, not both")
         if args.model:
-            model = MODELS[args.model]()
+            model = MODELS[args.model](layers=args.layers)
         elif args.params:
-            model = generic_model(args.params, args.selected_fraction, args.units)
+            model = generic_model(args.params, fraction, args.units)
         else:
             raise ValueError("give --params N (or --model NAME)")
         if args.compute_s is not None:

@@ -136,20 +136,28 @@ def test_two_phase_of_the_other_modes() -> None:
     assert bf.ideal["cross"] == (r - 1) * chunk * 2 + (r - 1) * chunk * 4
 
 
-def test_two_phase_against_native_hsdp_between_nodes() -> None:
+@pytest.mark.parametrize("layers, lo, hi", [("all", 7.5, 32 / 4.125),
+                                            ("non_attention", 3.4, 3.7)])
+def test_two_phase_against_native_hsdp_between_nodes(layers: str, lo: float,
+                                                     hi: float) -> None:
     """GPT-2 124M, 8 ranks per node, fp32: between replicas native HSDP all-reduces each
     shard (2(R-1)/R of 4 bytes per value), two-phase balanced sends 2(R-1)/R of 4.125
-    bits on the 77% in compressed units: about 3.6x fewer bytes, flat in R; the
-    all-gather form's R-1 shards pass native HSDP from R = 16 on."""
-    m = cm.gpt2_124m()
+    bits on the compressed units, flat in R.  Under the presets' layers=all every unit
+    is compressed: close to 32 / 4.125 = 7.76x fewer bytes (the votes and per-chunk
+    block tails keep it below); under non_attention the 17% in the QKV units go plain
+    and it is about 3.6x.  The all-gather form's R-1 shards pass native HSDP from
+    R = 16 on."""
+    m = cm.gpt2_124m(layers)
 
     def cross(name: str, r: int) -> float:
         p = cm.predict(m, cm.Cluster(8, r, 400.0, 25.0), cm.make_config(name))
         return p.ideal["cross"] + p.ideal.get("control", 0.0)
 
     ratios = {r: cross("hsdp", r) / cross("hsdp+balanced", r) for r in (4, 16, 1024)}
-    assert all(3.4 < x < 3.7 for x in ratios.values()), ratios
-    assert ratios[1024] == pytest.approx(ratios[4], rel=0.02)
+    assert all(lo < x < hi for x in ratios.values()), ratios
+    # flat up to the block tails: at R = 1024 a chunk is a few hundred values, and its
+    # partial last block (its own 4-byte scale) costs about 2% more
+    assert ratios[1024] == pytest.approx(ratios[4], rel=0.03)
     assert cross("hsdp+balanced/gather", 4) < cross("hsdp", 4)
     for r in (64, 1024):
         assert cross("hsdp+balanced/gather", r) > cross("hsdp", r) > cross("hsdp+balanced", r)
@@ -176,14 +184,14 @@ def test_tagc_full_shard_bytes_at_n2_equal_the_hand_count() -> None:
     plain = 2 * (c_attn // 2 * 4)
     votes = 7 * 32                                      # EF21 + damping: four float64
     assert (int4, plain) == (3_390_552, 3_151_872)
-    model = cm.bench_gpt2()
+    model = cm.bench_gpt2("non_attention")              # the presets when it was measured
     p = cm.predict(model, cluster(1, 2), cm.make_config("fsdp+balanced", fsdp=1))
     assert p.ideal["grad"] + p.ideal["control"] == int4 + plain + votes
     assert round((int4 + plain + votes) / 1e6, 2) == 6.54   # RESULTS.md, stats wire
 
 
 def test_sparse_and_gathers_at_n2_equal_the_hand_count() -> None:
-    model = cm.bench_gpt2()
+    model = cm.bench_gpt2("non_attention")              # tagc-sparse.yaml's selection
     p = cm.predict(model, cluster(1, 2), cm.make_config("fsdp+sparse", fsdp=1))
     # k = ceil(0.0125 S) int32 + fp32 pairs per compressed unit; 4-byte votes
     ks = [math.ceil(0.0125 * s) for s in (4213248,) + (131328, 525312, 524544) * 2]
@@ -228,14 +236,56 @@ def test_size_rules_match_the_built_codec() -> None:
 
 
 def test_models() -> None:
-    assert cm.tiny_gpt2().compressed_fraction() == pytest.approx(cm.DEFAULT_SELECTED_FRACTION)
     g = cm.gpt2_124m()
     assert g.params == 124_475_904 and g.unit_count == cm.DEFAULT_UNITS
     m = cm.generic_model(7e9, 0.75, 227)
     assert m.params == 7_000_000_000 and m.unit_count == 227
     assert m.compressed_fraction() == pytest.approx(0.75)
     # layers=all compresses the attention QKV units too
-    assert all(u.compressed for u in cm.bench_gpt2_all().units)
+    assert all(u.compressed for u in cm.bench_gpt2("all").units)
+    assert [u.name for u in cm.bench_gpt2("non_attention").units if not u.compressed] == \
+        ["h0.attn.c_attn", "h1.attn.c_attn"]
+    with pytest.raises(ValueError, match="layers must be one of"):
+        cm.tiny_gpt2("attention")
+
+
+def test_defaults_follow_the_presets_selection() -> None:
+    """The presets compress every layer (layers: all): the defaults model that, and
+    non_attention still gives the old figures."""
+    assert cm.DEFAULT_LAYERS == "all"
+    # --params' default fraction is recomputed from the tiny GPT-2's layout: under all
+    # every unit is compressed (the root: the tied wte is 81,920 of its 117,248)
+    assert cm.DEFAULT_SELECTED_FRACTION == cm.tiny_gpt2("all").compressed_fraction() == 1.0
+    assert cm.default_selected_fraction("non_attention") == 1_299_968 / 1_694_720
+    assert round(cm.default_selected_fraction("non_attention"), 3) == 0.767
+    assert cm.generic_model(7e9).compressed_fraction() == 1.0
+    # every default layout is the presets' one, and the policy changes the layout
+    for name, build in cm.MODELS.items():
+        assert build() == build(layers="all"), name
+    assert cm.gpt2_124m() != cm.gpt2_124m("non_attention")
+    assert cm.gpt2_124m().compressed_fraction() == 1.0
+    assert cm.gpt2_124m("non_attention").compressed_fraction() == pytest.approx(0.829, abs=1e-3)
+
+
+@pytest.mark.parametrize("layers, fraction", [("all", "1.000"), ("non_attention", "0.767")])
+def test_cli_layers_option(layers: str, fraction: str, capsys: pytest.CaptureFixture) -> None:
+    """--layers picks the --params default fraction and the --model layout."""
+    assert cm.main(["--params", "1e6", "--nodes", "2", "--layers", layers]) == 0
+    assert f"{float(fraction):.1%} in compressed units" in capsys.readouterr().out
+    assert cm.main(["--model", "tiny", "--nodes", "2", "--layers", layers]) == 0
+    out = capsys.readouterr().out
+    assert f"layers={layers}" in out
+    assert f"{float(fraction):.1%} in compressed units" in out
+
+
+def test_check_uses_each_runs_own_layout() -> None:
+    """The measured runs predate layers: all: their names pin the layout they ran, so
+    --check does not follow the new default."""
+    assert cm.run_model("bench") == cm.bench_gpt2("non_attention")
+    assert cm.run_model("bench-all") == cm.bench_gpt2("all")
+    assert cm.run_model("tiny") == cm.tiny_gpt2("non_attention")
+    data = cm.load_runs(str(RUNS))
+    assert {st["model"] for st in data["setups"].values()} <= set(cm.RUN_MODELS)
 
 
 # --------------------------------------------------------------------------- time
