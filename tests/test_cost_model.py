@@ -379,6 +379,14 @@ def test_cli_table_and_winner(capsys: pytest.CaptureFixture) -> None:
     assert "| hsdp+balanced |" in out and "| hsdp+balanced/gather |" in out
     assert "not implemented" not in out
     assert "- R=4:" in out
+    # native HSDP's inter-node bytes over each configuration's: 1 for itself, nothing
+    # between nodes at R = 1, and int4 cuts fp32 by at most 32 / 4.125
+    ratio = out.split("**native HSDP's inter-node bytes / the configuration's (x)**")[1]
+    rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:]
+            for line in ratio.split("\n\n")[1].splitlines()[2:]}
+    assert rows["hsdp"] == ["-", "1", "1"]
+    assert rows["hsdp+balanced"][0] == "-"
+    assert all(7.5 < float(x) < 32 / 4.125 for x in rows["hsdp+balanced"][1:])
 
 
 def test_winner_is_the_fastest() -> None:
