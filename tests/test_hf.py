@@ -232,7 +232,13 @@ def test_finetune_hf_from_config_and_checkpoint(tmp_path: Any) -> None:
     assert llama["iters"] == 4
     start = _first_val_loss(tmp_path / "llama")
     assert llama["final_val_loss"] < 0.85 * start, (start, llama["final_val_loss"])
-    assert 0 < llama["compressed_bits_per_param"] < 1.0  # ternary: 0.88 at N=2
+    # at 1e-2 the Llama's loss falls 20% in one step, and the guard may send a unit plain
+    # for that call (16 bits/param, counted in guard_resets): the ternary budget is
+    # checked on the GPT-2 run at the default rate, where nothing resets
+    assert llama["compressed_bits_per_param"] > 0
+    straight = first[3]
+    assert straight["guard_resets"] == 0, straight
+    assert 0 < straight["compressed_bits_per_param"] < 1.0  # ternary: 0.88 at N=2
     assert plain["iters"] == 4 and plain["saved_pct"] == 0
 
     def resume(run: str) -> List[str]:
