@@ -638,6 +638,8 @@ class Compression:
         ef21: EF21 feedback (its vote is 32 bytes, not 4).
         gather: parameter all-gather codes, ``none``, ``int8`` or ``int4`` (FSDP2 only).
         gather_block: values per fp32 scale of the gather codes.
+        out_format: two-phase HSDP's to-everyone code (``hsdp_out_format``); ``auto``:
+            ``int4`` after ``sign``/``ternary``, else ``quant_format``.
     """
 
     mode: str
@@ -648,6 +650,7 @@ class Compression:
     ef21: bool = False
     gather: str = "none"
     gather_block: int = 256
+    out_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in GRAD_MODES:
@@ -656,6 +659,9 @@ class Compression:
         if self.quant_format not in QUANT_CODES_PER_BYTE:
             raise ValueError(f"unknown quant format {self.quant_format!r}; known: "
                              f"{sorted(QUANT_CODES_PER_BYTE)}")
+        if self.out_format != "auto" and self.out_format not in QUANT_CODES_PER_BYTE:
+            raise ValueError(f"unknown out format {self.out_format!r}; known: auto, "
+                             f"{', '.join(sorted(QUANT_CODES_PER_BYTE))}")
         if not 1 <= self.quant_block <= 65536 or not 1 <= self.gather_block <= 65536:
             raise ValueError("quant_block and gather_block must be in 1..65536 "
                              "(TAGC_QBLOCK_MAX)")
@@ -666,6 +672,13 @@ class Compression:
         if self.gather not in ("none",) + GATHER_FORMATS:
             raise ValueError(f"unknown gather format {self.gather!r}; known: none, "
                              f"{', '.join(GATHER_FORMATS)}")
+
+    @property
+    def owner_format(self) -> str:
+        """The code of an owner's sum (``TAGCConfig.out_format``)."""
+        if self.out_format != "auto":
+            return self.out_format
+        return "int4" if self.quant_format in ("sign", "ternary") else self.quant_format
 
     @property
     def vote_bytes(self) -> int:
@@ -734,31 +747,43 @@ class Config:
                              "between replicas: hsdp+P/2phase or hsdp+P/gather only")
 
 
-def hsdp_form(cross: str, mode: str, replicas: int) -> str:
+def hsdp_form(cross: str, t: Compression, replicas: int, s: int) -> str:
     """The form one compressed unit's exchange takes (``tagc/hsdp.py`` ``allreduce_form``).
 
-    ``auto``: ``dense`` takes the all-gather form (one plain all-reduce); the other
-    modelled modes the all-gather form at 2 replicas and the two-phase form from 3 on.
-    (``exact``/``paper``, always two-phase in the hook, are not modelled.)
+    ``auto``: ``dense`` takes the all-gather form (one plain all-reduce); ``quant``
+    the two-phase form where its bytes are fewer ((R-1) chunk codes plus (R-1) of
+    the owner's code against (R-1) shard codes; at equal bytes the all-gather form);
+    ``sparse``/``auto`` the all-gather form at 2 replicas and the two-phase form
+    from 3 on.  (``exact``/``paper``, always two-phase in the hook, are not modelled.)
 
     Args:
         cross: :attr:`Config.cross`.
-        mode: the compression mode.
+        t: the compression.
         replicas: R.
+        s: the unit's shard (elements).
     Returns:
         ``all-gather`` or ``two-phase``.
     """
     if cross != "auto":
         return cross
-    if mode == "dense":
+    if t.mode == "dense" or replicas <= 2:
         return "all-gather"
-    return "two-phase" if replicas > 2 else "all-gather"
+    if t.mode == "quant":
+        chunk = -(-s // replicas)
+        two = quant_bytes(chunk, t.quant_format, t.quant_block) \
+            + quant_bytes(chunk, t.owner_format, t.quant_block)
+        return "two-phase" if two < quant_bytes(s, t.quant_format, t.quant_block) \
+            else "all-gather"
+    return "two-phase"
 
 
 def make_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
     """A configuration from its name: ``fsdp``, ``hsdp``, ``fsdp+PRESET``,
     ``hsdp+PRESET`` (the hook's default form, ``auto``), ``hsdp+PRESET/2phase`` or
-    ``hsdp+PRESET/gather`` (a form forced) (PRESET one of :data:`PRESETS`).
+    ``hsdp+PRESET/gather`` (a form forced) (PRESET one of :data:`PRESETS`); an HSDP
+    name may end in ``@FMT``, the owner's code of the two-phase form
+    (``hsdp_out_format``; runs measured before its default became ``int4`` after
+    ternary are ``hsdp+lean/2phase@ternary``).
 
     Args:
         name: the name.
@@ -767,15 +792,20 @@ def make_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
     Returns:
         the configuration.
     """
-    base, _, topo = name.partition("/")
+    head, _, out = name.partition("@")
+    base, _, topo = head.partition("/")
     layout_s, _, preset = base.partition("+")
     layouts = {"fsdp": "full_shard", "hsdp": "hsdp"}
     if layout_s not in layouts or (preset and preset not in PRESETS) \
-            or topo not in FORM_SUFFIX or (topo and not preset):
+            or topo not in FORM_SUFFIX or (topo and not preset) \
+            or ("@" in name and (layout_s != "hsdp" or not preset)):
         raise ValueError(f"unknown configuration {name!r}: use fsdp, hsdp, fsdp+P, hsdp+P, "
-                         f"hsdp+P/2phase or hsdp+P/gather with P one of {sorted(PRESETS)}")
-    return Config(name, layouts[layout_s], PRESETS[preset] if preset else None,
-                  FORM_SUFFIX[topo], dtype, fsdp)
+                         f"hsdp+P/2phase or hsdp+P/gather with P one of {sorted(PRESETS)}, "
+                         "an HSDP one optionally ending in @FMT (the owner's code)")
+    comp = PRESETS[preset] if preset else None
+    if comp is not None and out:
+        comp = replace(comp, out_format=out)
+    return Config(name, layouts[layout_s], comp, FORM_SUFFIX[topo], dtype, fsdp)
 
 
 DEFAULT_CONFIGS = ("fsdp", "hsdp", "fsdp+balanced", "fsdp+lean", "fsdp+full",
@@ -1049,7 +1079,7 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
     the form :func:`hsdp_form` picks (``tagc/hsdp.py``)."""
     if t.vote_bytes:  # the reducer's vote, once per call whatever the form
         st.ring("control", "replica", r, "all_reduce", t.vote_bytes, cnt, cnt)
-    if hsdp_form(cross, t.mode, r) == "all-gather":
+    if hsdp_form(cross, t, r, s) == "all-gather":
         # GatherReducer: transports.SPREADS with place=False
         if t.mode == "dense":  # spread_dense: one SUM all-reduce, native HSDP's
             st.ring("cross", "replica", r, "all_reduce", s * eb, 1, cnt)
@@ -1072,14 +1102,16 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
         st.all_to_all("cross", "replica", r, chunk * eb, 1, cnt)
         st.ring("cross", "replica", r, "all_gather", chunk * DTYPE_BYTES["fp32"], 1, cnt)
     elif t.mode == "quant":
-        fmt = t.quant_format
+        fmt, out = t.quant_format, t.owner_format
         enc, dec = rates[f"quant_encode_{fmt}"], rates[f"quant_decode_{fmt}"]
-        msg = quant_bytes(chunk, fmt, t.quant_block)
-        st.all_to_all("cross", "replica", r, msg, 1, cnt)
-        st.ring("cross", "replica", r, "all_gather", msg, 1, cnt)
+        st.all_to_all("cross", "replica", r, quant_bytes(chunk, fmt, t.quant_block), 1, cnt)
+        st.ring("cross", "replica", r, "all_gather", quant_bytes(chunk, out, t.quant_block),
+                1, cnt)
         # transports.quant: the own chunk is added exact, the r - 1 others encoded and
-        # r - 1 received messages decoded; spread_quant: one chunk encoded, r decoded
-        p.codec_s += (r - 1) * chunk * (1 / enc + 1 / dec) + chunk / enc + r * chunk / dec
+        # r - 1 received messages decoded; spread_quant: one chunk encoded, r decoded,
+        # on the owner's code
+        p.codec_s += (r - 1) * chunk * (1 / enc + 1 / dec) + chunk / rates[f"quant_encode_{out}"] \
+            + r * chunk / rates[f"quant_decode_{out}"]
     else:
         # transports.pairs: every chunk selected (the own one too), r messages added at
         # the owner; spread_pairs: k of the owner's sum selected, r messages added

@@ -177,7 +177,8 @@ class Exchange:
     """
 
     def __init__(self, unit: Unit, feedback: str, q: str, guard: float,
-                 response: str = "exact", damp: bool = False) -> None:
+                 response: str = "exact", damp: bool = False, down: str = "",
+                 down_fb: str = "") -> None:
         self.unit, self.fb, self.qname, self.guard = unit, feedback, q, guard
         self.response, self.damp = response, damp
         self.C = quantizer(q)
@@ -185,6 +186,13 @@ class Exchange:
         # EF21: h (per rank, all rows) and the owners' estimates; res: the residuals
         self.state = torch.zeros(n, n, s)
         self.est = torch.zeros(n, s)
+        # HSDP two-phase's to-everyone phase: each owner's row of the sum coded again
+        # (``down``) with EF21 (est_out, held alike by every replica) or residual
+        # feedback (res_out, the owner's)
+        self.down = quantizer(down) if down else None
+        self.down_fb = down_fb or feedback
+        self.est_out = torch.zeros(n, s)
+        self.res_out = torch.zeros(n, s)
         self.resets = 0
         self.log: Dict[str, List[float]] = {"est_err": [], "out_err": [], "lam": []}
         self.alphas: Dict[str, List[torch.Tensor]] = {c: [] for c in ALPHA_CODES}
@@ -218,6 +226,8 @@ class Exchange:
             else:
                 out = (g + self.state).sum(0)
                 self.state.zero_()
+            self.est_out.copy_(out)
+            self.res_out.zero_()
             self.log["out_err"].append(float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30))
             return out / n
         if self.damp and self.fb == "ef21":
@@ -229,6 +239,8 @@ class Exchange:
             self.log["lam"].append(lam)
             self.state.mul_(lam)
             self.est.mul_(lam)
+            if self.down_fb != "ef21d":  # ef21d damps the to-everyone phase by its own lam
+                self.est_out.mul_(lam)
         out = torch.zeros_like(true)
         for i in range(n):
             v_all = g[i] - self.state[i] if self.fb == "ef21" else \
@@ -251,8 +263,32 @@ class Exchange:
         if self.fb == "ef21":
             self.est += out
             out = self.est.clone()
+        if self.down is not None:
+            out = self._down(out)
         self.log["out_err"].append(float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30))
         return out / n
+
+
+    def _down(self, out: torch.Tensor) -> torch.Tensor:
+        """Two-phase's to-everyone phase: every owner's row ``out[r]`` of the sum,
+        coded with the downlink feedback, as every replica decodes it."""
+        if self.down_fb in ("ef21", "ef21d"):
+            for r in range(self.unit.n):
+                held = self.est_out[r]
+                if self.down_fb == "ef21d":
+                    # the owner's own lam for its row, sent beside its codes
+                    hh = float(held.pow(2).sum())
+                    lam = min(max(float((out[r] * held).sum()) / hh, 0.0), 1.0) if hh > 0 else 1.0
+                    held.mul_(lam)
+                held += self.down(out[r] - held)
+            return self.est_out.clone()
+        dec = torch.zeros_like(out)
+        for r in range(self.unit.n):
+            v = out[r] + self.res_out[r] if self.down_fb == "res" else out[r]
+            dec[r] = self.down(v)
+            if self.down_fb == "res":
+                self.res_out[r] = v - dec[r]
+        return dec
 
 
 # --------------------------------------------------------------------------- tasks
@@ -302,6 +338,7 @@ class TinyGPT2:
         self.sa, self.args = sim_ablation, argparse.Namespace(
             steps=args.steps, seed=args.seed if args.seed else 1337, batch_size=args.batch or 8,
             block_size=128, lr=args.lr or 1e-3, data="stdlib")
+        self.layers_all = args.layers == "all"
         meta = token_data.prepare(token_data.get_source("stdlib", 5.0),
                                   token_data.get_tokenizer("auto"), Path("data_cache"))
         self.data, self.vocab = token_data.TokenData(meta), meta["vocab_size"]
@@ -313,7 +350,7 @@ class TinyGPT2:
         torch.manual_seed(self.args.seed)
         m = GPT(GPTConfig(block_size=128, vocab_size=(self.vocab + 63) // 64 * 64,
                           n_layer=2, n_head=4, n_embd=256))
-        cfg = tagc.TAGCConfig(mode="dense")
+        cfg = tagc.TAGCConfig(mode="dense", layers="all" if self.layers_all else "non_attention")
         units, seen = [], set()
         for mn, mod in m.named_modules():
             ps = [(pn, p) for pn, p in mod.named_parameters(recurse=False)]
@@ -362,7 +399,8 @@ def run(spec: str, task: Any, args: argparse.Namespace) -> Dict[str, Any]:
     opt = task.optimizer(m)
     n = args.ranks
     ex = {name: Exchange(Unit(name, ps, n), fb, opts["q"], float(opts.get("guard", 0)),
-                         opts.get("resp", "exact"), opts.get("damp") == "1")
+                         opts.get("resp", "exact"), opts.get("damp") == "1",
+                         opts.get("down", ""), opts.get("downfb", ""))
           for name, ps in units} if fb != "plain" else {}
     params = list(m.parameters())
     curve = []
@@ -449,8 +487,12 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     p.add_argument("--eval_every", type=int, default=25)
     p.add_argument("--alpha_every", type=int, default=10, help="steps between alpha samples; 0: off")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--layers", choices=("non_attention", "all"), default="non_attention",
+                   help="gpt2 task: the selection that picks the units")
     p.add_argument("--task_args", nargs=argparse.REMAINDER, default=[],
                    help="teacher_student.py options (ts task), e.g. --width 512")
+    p.add_argument("--plain_loss", type=float, default=None,
+                   help="plain's loss from an earlier run of the same task: plain is not run again")
     p.add_argument("--out", default="out/sim_feedback.jsonl")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -459,7 +501,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     for s in specs:
         parse_method(s)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    results = []
+    results: List[Dict[str, Any]] = []
+    if args.plain_loss is not None:
+        results.append({"method": "plain (given)", "val_loss": args.plain_loss})
+        specs = specs[1:]
     for s in specs:
         t0 = time.time()
         r = run(s, task, args)

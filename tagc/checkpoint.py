@@ -82,6 +82,17 @@ def state_dict(reducers: List[UnitReducer], cfg: TAGCConfig, kind: str, world: i
     }
 
 
+def _saved_config(saved: Dict[str, Any], cfg: TAGCConfig) -> Dict[str, Any]:
+    """The saved config with the knobs added since it was written: a key it lacks
+    counts as the current value when that is the knob's default (a checkpoint older
+    than ``hsdp_out_format`` resumes under the default, not under another value)."""
+    defaults = TAGCConfig().to_dict()
+    current = cfg.to_dict()
+    missing = {k: current[k] for k in current
+               if k not in saved and current[k] == defaults.get(k)}
+    return {**saved, **missing}
+
+
 def validate(sd: Dict[str, Any], reducers: List[UnitReducer], cfg: TAGCConfig, world: int,
              rank: int) -> Dict[Tuple[str, str], Optional[torch.Tensor]]:
     """Every check of :meth:`TAGCState.load_state_dict` before anything changes.
@@ -93,7 +104,7 @@ def validate(sd: Dict[str, Any], reducers: List[UnitReducer], cfg: TAGCConfig, w
     """
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         raise ValueError(f"load_state_dict: not a TAGC state dict (format {FORMAT})")
-    if sd["config"] != cfg.to_dict():
+    if _saved_config(sd["config"], cfg) != cfg.to_dict():
         raise ValueError(f"load_state_dict: config differs: saved {sd['config']}, "
                          f"current {cfg.to_dict()}")
     saved_rank = int(local_part(sd["rank"]).reshape(-1)[0])

@@ -281,7 +281,21 @@ class TAGCConfig:
             all-gather at 2 replicas (equal bytes, one coding fewer) and for
             ``dense`` (one plain all-reduce, bit for bit native HSDP).
             Memory of two-phase: the owner's ``residual_out``, 1/R of the
-            shard (lossy modes with feedback), checkpointed like the rest.
+            shard (residual feedback), or with ``ef21`` ``estimate_out``, every
+            owner's estimate (one shard), checkpointed like the rest.
+        hsdp_out_format: quant mode, two-phase HSDP only: the code of each
+            owner's chunk of the sum in the to-everyone phase (what every
+            replica decodes), one of ``QUANT_FORMATS`` or ``"auto"`` (default):
+            ``int4`` when ``quant_format`` is ``sign`` or ``ternary``, else
+            ``quant_format``.  Why: the owner's chunk is a sum of R decoded
+            codes plus its own exact share, a many-level signal that a second
+            ternary code cuts to three levels; with ternary both ways the
+            optimizer's gradient at R = 4 was 0.50 of the true sum's norm off
+            (squared), against 0.18-0.20 with this phase on int4 (the
+            to-the-owner phase's error alone) and +2.6% against +0.45% on the
+            tiny GPT-2 (sim_feedback.py, 1000 steps; docs/DESIGN.md section
+            9).  Cost: about (R-1)/R * (b + b_out) bits per element of the
+            shard, b and b_out the two codes' bits.
     """
 
     mode: str = "exact"
@@ -307,6 +321,7 @@ class TAGCConfig:
     gather_block: int = 256
     guard_ratio: Optional[float] = None
     hsdp_allreduce: str = "auto"
+    hsdp_out_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -358,6 +373,9 @@ class TAGCConfig:
         if self.hsdp_allreduce not in HSDP_ALLREDUCE_FORMS:
             raise ValueError(f"hsdp_allreduce: must be one of {HSDP_ALLREDUCE_FORMS}, got "
                              f"{self.hsdp_allreduce!r}")
+        if self.hsdp_out_format != "auto" and self.hsdp_out_format not in QUANT_FORMATS:
+            raise ValueError(f"hsdp_out_format: must be 'auto' or one of {QUANT_FORMATS}, "
+                             f"got {self.hsdp_out_format!r}")
         self._check_guard()
 
     def _check_guard(self) -> None:
@@ -372,6 +390,14 @@ class TAGCConfig:
         if self.guard_ratio > 0 and (self.mode == "dense" or not self.error_feedback):
             raise ValueError("guard_ratio: the guard watches the error-feedback state; it "
                              "needs error_feedback=True and a compressing mode (set 0 or None)")
+
+    def out_format(self) -> str:
+        """The quant code of two-phase HSDP's to-everyone phase (``hsdp_out_format``
+        resolved): ``"auto"`` is ``int4`` after ``sign``/``ternary``, else
+        ``quant_format``."""
+        if self.hsdp_out_format != "auto":
+            return self.hsdp_out_format
+        return "int4" if self.quant_format in ("sign", "ternary") else self.quant_format
 
     def guard_threshold(self, device: torch.device) -> float:
         """The feedback guard's threshold for a unit reduced on ``device`` (0: off).

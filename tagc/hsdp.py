@@ -91,19 +91,26 @@ def check_units_mesh(mesh: Any, unit_mesh: Any, units: List[UnitReducer]) -> Non
                          "and pass the same mesh")
 
 
-def allreduce_form(cfg: TAGCConfig, replicas: int, compressed: bool) -> str:
+def allreduce_form(cfg: TAGCConfig, replicas: int, compressed: bool,
+                   shard_numel: int) -> str:
     """The all-reduce form of one unit: ``"two_phase"`` or ``"gather"``.
 
     ``auto``: uncompressed units and ``dense`` take the all-gather form (one plain
     all-reduce); ``exact``/``paper`` are two-phase (their union needs the owner);
-    the others are two-phase from 3 replicas on, where it sends fewer bytes, and
-    all-gather at 2, where the bytes are equal and the all-gather form codes each
-    contribution once instead of twice.
+    ``quant`` is two-phase where it sends fewer bytes than the all-gather form,
+    counted on this shard's codes: (R-1) codes of a chunk and (R-1) of the owner's
+    code (``cfg.out_format()``) against (R-1) codes of the shard.  With one code
+    both ways that is from 3 replicas on; ``ternary`` with its owners on ``int4``
+    (``hsdp_out_format`` auto) from 4.  At equal bytes the all-gather form wins:
+    it codes each contribution once instead of twice.  ``sparse``/``auto``:
+    two-phase from 3 replicas on.
 
     Args:
         cfg: the config.
         replicas: R, the size of the replicate group.
         compressed: whether the unit is compressed.
+        shard_numel: the unit's shard, this rank's all-reduce input (quant's choice;
+            the same on every replica: FSDP2 pads every rank's shard alike).
     Returns:
         the form.
     Raises:
@@ -113,9 +120,16 @@ def allreduce_form(cfg: TAGCConfig, replicas: int, compressed: bool) -> str:
         return "gather"
     form = cfg.hsdp_allreduce
     if form == "auto":
-        if cfg.mode == "dense":
-            return "gather"
-        return "two_phase" if replicas > 2 or cfg.mode in ("exact", "paper") else "gather"
+        if cfg.mode == "dense" or replicas <= 2:
+            return "two_phase" if cfg.mode in ("exact", "paper") else "gather"
+        if cfg.mode == "quant":
+            size = transports._tagc.quant_bytes
+            chunk = math.ceil(shard_numel / replicas)
+            two = size(chunk, cfg.quant_format, cfg.quant_block) \
+                + size(chunk, cfg.out_format(), cfg.quant_block)
+            return "two_phase" if two < size(shard_numel, cfg.quant_format,
+                                              cfg.quant_block) else "gather"
+        return "two_phase"
     if form == "gather" and cfg.mode in ("exact", "paper"):
         raise NotImplementedError(f"hsdp_allreduce='gather': mode {cfg.mode!r} has no "
                                   "all-gather form; use 'two_phase' or 'auto'")
@@ -311,7 +325,7 @@ def reducers(model: Any, cfg: TAGCConfig, mesh: Any, streams: CodecStreams,
     out: List[ReplicaReducer] = []
     for u in base:
         shard = u.flat_numel // u.world  # the reduce-scatter output: the hook's input
-        if allreduce_form(cfg, world, u.compressed) == "gather":
+        if allreduce_form(cfg, world, u.compressed, shard) == "gather":
             spec = dataclasses.replace(u.spec, flat_numel=shard)
             out.append(GatherReducer(cfg, spec, group, rank, world, streams, shard))
         else:

@@ -407,9 +407,11 @@ def spread_dense(call: Call, x: torch.Tensor, out: torch.Tensor, place: bool) ->
 
 
 def spread_quant(call: Call, x: torch.Tensor, out: torch.Tensor, place: bool) -> None:
-    """x + residual on ``quant_format`` codes, every rank's codes to every rank; the
-    sender decodes its own message too (every rank must hold the same values)."""
-    fmt, block, kw = call.cfg.quant_format, call.cfg.quant_block, call.dev.kw
+    """x + residual on ``quant_format`` codes (an owner's sum: ``cfg.out_format()``),
+    every rank's codes to every rank; the sender decodes its own message too (every
+    rank must hold the same values)."""
+    fmt = call.cfg.out_format() if place else call.cfg.quant_format
+    block, kw = call.cfg.quant_block, call.dev.kw
     nb = _tagc.quant_bytes(x.numel(), fmt, block)
     mine = torch.empty(nb, dtype=torch.uint8, device=x.device)
     _tagc.quant_encode(mine, call.residual, x, fmt, block, **kw)

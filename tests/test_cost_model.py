@@ -99,21 +99,37 @@ def test_hsdp_codec_counts_follow_the_transports(r: int) -> None:
 
 def test_default_hsdp_form_follows_the_hooks_auto() -> None:
     """hsdp+P is hsdp_allreduce="auto" (tagc/hsdp.py allreduce_form): the all-gather form
-    at R = 2, two-phase from R = 3; dense always one plain all-reduce."""
-    assert [cm.hsdp_form("auto", "quant", r) for r in (1, 2, 3, 4, 1024)] == \
+    at R = 2, two-phase from R = 3 (lean, its owners on int4: from R = 4), as the hook
+    decides; dense always one plain all-reduce."""
+    from tagc import hsdp
+    import tagc_hook as tagc
+
+    s = 2 ** 20
+    balanced, lean = cm.PRESETS["balanced"], cm.PRESETS["lean"]
+    assert [cm.hsdp_form("auto", balanced, r, s) for r in (1, 2, 3, 4, 1024)] == \
         ["all-gather", "all-gather", "two-phase", "two-phase", "two-phase"]
-    assert cm.hsdp_form("auto", "dense", 8) == "all-gather"
-    assert cm.hsdp_form("two-phase", "quant", 2) == "two-phase"
-    assert cm.hsdp_form("all-gather", "sparse", 64) == "all-gather"
+    assert [cm.hsdp_form("auto", lean, r, s) for r in (2, 3, 4, 1024)] == \
+        ["all-gather", "all-gather", "two-phase", "two-phase"]
+    for preset, fmt in (("balanced", "int4"), ("lean", "ternary")):
+        for r in (2, 3, 4, 5, 16, 1024):
+            for n in (1, 1000, s, 3 * s + 7):
+                mine = cm.hsdp_form("auto", cm.PRESETS[preset], r, n)
+                hook = hsdp.allreduce_form(tagc.TAGCConfig(mode="quant", quant_format=fmt),
+                                           r, True, n)
+                assert mine == hook.replace("_", "-").replace("gather", "all-gather"), \
+                    (preset, r, n, mine, hook)
+    assert cm.hsdp_form("auto", cm.PRESETS["dense"], 8, s) == "all-gather"
+    assert cm.hsdp_form("two-phase", balanced, 2, s) == "two-phase"
+    assert cm.hsdp_form("all-gather", cm.PRESETS["sparse"], 64, s) == "all-gather"
     assert cm.make_config("hsdp+lean").cross == "auto"
     model = one_unit(2 ** 22, True)
     for preset in ("balanced", "lean", "sparse", "auto"):
         for r in (2, 3, 4, 64):
             p = cm.predict(model, cluster(4, r), cm.make_config(f"hsdp+{preset}"))
-            want = "gather" if r == 2 else "2phase"
+            want = "gather" if r == 2 or (preset == "lean" and r == 3) else "2phase"
             q = cm.predict(model, cluster(4, r), cm.make_config(f"hsdp+{preset}/{want}"))
             assert (p.ideal, p.node_inter, p.codec_s) == (q.ideal, q.node_inter, q.codec_s)
-            if r > 2:  # the forms differ there: auto is not just the all-gather form
+            if want == "2phase":  # the forms differ there: auto is not just the all-gather form
                 g = cm.predict(model, cluster(4, r), cm.make_config(f"hsdp+{preset}/gather"))
                 assert p.ideal["cross"] < g.ideal["cross"]
     dense = cm.predict(model, cluster(1, 4), cm.make_config("hsdp+dense"))
@@ -414,7 +430,7 @@ def test_check_parses_the_runs_file_and_bytes_are_exact() -> None:
     # /2phase at R = 2) and the all-gather rows (auto at R = 2, /gather from R = 3)
     wire = {(r.setup, r.config): r.measured for r in exact if r.quantity == "stats_wire_mb"}
     assert wire[("hsdp-r3", "hsdp+balanced")] < wire[("hsdp-r3", "hsdp+balanced/gather")]
-    assert wire[("hsdp-r4", "hsdp+lean")] < wire[("hsdp-r4", "hsdp+lean/gather")]
+    assert wire[("hsdp-r4", "hsdp+lean/2phase@ternary")] < wire[("hsdp-r4", "hsdp+lean/gather")]
     assert wire[("hsdp-r2", "hsdp+balanced")] == wire[("hsdp-r2", "hsdp+balanced/2phase")]
     steps = [r for r in rows if r.quantity == "step_s"]
     assert {r.setup for r in steps} == set(data["setups"])

@@ -344,3 +344,17 @@ def test_unit_spec_is_compressed_from_half_of_its_parameters() -> None:
         UnitSpec("u", 0, 10, 10, 11, cpu)
     with pytest.raises(ValueError, match="negative"):
         UnitSpec("u", -1, 10, 10, 1, cpu)
+
+
+def test_a_checkpoint_from_before_a_knob_resumes_under_its_default() -> None:
+    """A saved config lacking a knob added later (``hsdp_out_format``) matches a
+    config holding that knob's default, and no other value of it."""
+    from tagc.checkpoint import _saved_config
+
+    cfg = tagc.TAGCConfig(mode="quant", quant_format="ternary")
+    old = cfg.to_dict()
+    del old["hsdp_out_format"]
+    assert _saved_config(old, cfg) == cfg.to_dict()
+    other = tagc.TAGCConfig(mode="quant", quant_format="ternary", hsdp_out_format="ternary")
+    assert _saved_config(old, other) != other.to_dict()
+    assert _saved_config(cfg.to_dict(), other) != other.to_dict()

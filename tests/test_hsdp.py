@@ -33,25 +33,40 @@ R, S = 2, 2
 
 
 def test_hsdp_allreduce_form() -> None:
+    """HSDP's all-reduce form: two-phase where it sends fewer bytes (quant: counted on
+    the shard's codes; the others from 3 replicas) and always for the union modes,
+    all-gather at 2, for dense and for uncompressed units; a forced form wins;
+    exact/paper have no all-gather form; unknown names raise."""
     from tagc import hsdp
 
-    """HSDP's all-reduce form: two-phase from 3 replicas (and always for the union
-    modes), all-gather at 2, for dense and for uncompressed units; a forced form
-    wins; exact/paper have no all-gather form; unknown names raise."""
     form = hsdp.allreduce_form
+    s = 2 ** 16
     q = tagc.TAGCConfig(mode="quant")
-    assert [form(q, r, True) for r in (1, 2, 3, 4, 64)] == \
+    assert [form(q, r, True, s) for r in (1, 2, 3, 4, 64)] == \
         ["gather", "gather", "two_phase", "two_phase", "two_phase"]
-    assert form(q, 8, False) == "gather"
-    assert form(tagc.TAGCConfig(mode="dense"), 8, True) == "gather"
-    assert form(tagc.TAGCConfig(mode="exact"), 2, True) == "two_phase"
-    assert form(tagc.TAGCConfig(mode="quant", hsdp_allreduce="two_phase"), 2, True) == \
+    # ternary with its owners on int4: (R-1)/R (1.75 + 4.125) bits against (R-1) 1.75
+    t = tagc.TAGCConfig(mode="quant", quant_format="ternary")
+    assert t.out_format() == "int4"
+    assert [form(t, r, True, s) for r in (2, 3, 4, 64)] == \
+        ["gather", "gather", "two_phase", "two_phase"]
+    t1 = tagc.TAGCConfig(mode="quant", quant_format="ternary", hsdp_out_format="ternary")
+    assert [form(t1, r, True, s) for r in (2, 3)] == ["gather", "two_phase"]
+    assert form(tagc.TAGCConfig(mode="sparse", theta=0.9), 3, True, s) == "two_phase"
+    assert form(q, 8, False, s) == "gather"
+    assert form(tagc.TAGCConfig(mode="dense"), 8, True, s) == "gather"
+    assert form(tagc.TAGCConfig(mode="exact"), 2, True, s) == "two_phase"
+    assert form(tagc.TAGCConfig(mode="quant", hsdp_allreduce="two_phase"), 2, True, s) == \
         "two_phase"
-    assert form(tagc.TAGCConfig(mode="quant", hsdp_allreduce="gather"), 8, True) == "gather"
+    assert form(tagc.TAGCConfig(mode="quant", hsdp_allreduce="gather"), 8, True, s) == "gather"
     with pytest.raises(NotImplementedError, match="all-gather form"):
-        form(tagc.TAGCConfig(mode="paper", ratio=4, hsdp_allreduce="gather"), 4, True)
+        form(tagc.TAGCConfig(mode="paper", ratio=4, hsdp_allreduce="gather"), 4, True, s)
     with pytest.raises(ValueError, match="hsdp_allreduce"):
         tagc.TAGCConfig(hsdp_allreduce="ring")
+    assert tagc.TAGCConfig(mode="quant", quant_format="int8").out_format() == "int8"
+    assert tagc.TAGCConfig(mode="quant", quant_format="sign").out_format() == "int4"
+    assert tagc.TAGCConfig(mode="quant", hsdp_out_format="ternary").out_format() == "ternary"
+    with pytest.raises(ValueError, match="hsdp_out_format"):
+        tagc.TAGCConfig(hsdp_out_format="int2")
 
 
 def _mesh(replicas: int = R, shards: int = S) -> Any:
@@ -123,13 +138,14 @@ def _tap(state: Any) -> Dict[str, List[torch.Tensor]]:
     return seen
 
 
-def _compress_ref(x: torch.Tensor, cfg: tagc.TAGCConfig) -> torch.Tensor:
+def _compress_ref(x: torch.Tensor, cfg: tagc.TAGCConfig, fmt: str = "") -> torch.Tensor:
     """What one rank contributes of x without error feedback: its block codes
-    decoded (quant) or its top k (the others)."""
+    decoded (quant, on ``fmt``, default ``quant_format``) or its top k (the others)."""
     if cfg.mode == "quant":
         from test_quant import encode_ref
 
-        return torch.from_numpy(encode_ref(x.numpy(), cfg.quant_format, cfg.quant_block)[1])
+        return torch.from_numpy(encode_ref(x.numpy(), fmt or cfg.quant_format,
+                                           cfg.quant_block)[1])
     k = min(max(math.ceil(round((1 - cfg.theta) * x.numel(), 9)), 1), x.numel())
     keep = torch.sort(torch.sort(x.abs(), descending=True, stable=True).indices[:k]).values
     out = torch.zeros_like(x)
@@ -145,8 +161,9 @@ def reference_allreduce(every: List[torch.Tensor], cfg: tagc.TAGCConfig,
     ``gather``: every replica's shard compressed whole, summed in replica order.
     ``two_phase``: the shards padded to R chunks of S; owner j sums chunk j of every
     replica (compressed; its own exact in quant mode, as FULL_SHARD's transport
-    keeps it), then its sum is compressed again (quant: coded; sparse/auto: top k of
-    S; exact/paper: sent losslessly) and every replica takes owner j's chunk from it.
+    keeps it), then its sum is compressed again (quant: coded on the owner's code,
+    ``hsdp_out_format``: ``int4`` after ternary/sign; sparse/auto: top k of S;
+    exact/paper: sent losslessly) and every replica takes owner j's chunk from it.
     """
     n, length = len(every), every[0].numel()
     if form == "gather":
@@ -162,7 +179,11 @@ def reference_allreduce(every: List[torch.Tensor], cfg: tagc.TAGCConfig,
         for r in range(n):
             c = padded[r][j * s:(j + 1) * s]
             acc += c if cfg.mode == "quant" and r == j else _compress_ref(c, cfg)
-        chunks.append(acc if cfg.mode in ("exact", "paper") else _compress_ref(acc, cfg))
+        out = {"quant": "int4" if cfg.quant_format in ("sign", "ternary") else cfg.quant_format,
+               "auto": ""}.get(cfg.mode, "")
+        if cfg.mode == "quant" and cfg.hsdp_out_format != "auto":
+            out = cfg.hsdp_out_format
+        chunks.append(acc if cfg.mode in ("exact", "paper") else _compress_ref(acc, cfg, out))
     return torch.cat(chunks)[:length]
 
 
@@ -424,8 +445,8 @@ def _bytes(rank: int, n: int) -> Dict[str, float]:
     from tagc.transports import _tagc
 
     got = {}
-    for form in ("two_phase", "gather"):
-        cfg = _cfg("quant", hsdp_allreduce=form)
+    for form, fmt in (("two_phase", "int4"), ("gather", "int4"), ("two_phase", "ternary")):
+        cfg = _cfg("quant", quant_format=fmt, hsdp_allreduce=form)
         model, state = _tagc_model(cfg, _mesh(n, 1))
         _step(model, rank, 0)
         u = next(u for u in state.units if u.compressed)
@@ -433,10 +454,12 @@ def _bytes(rank: int, n: int) -> Dict[str, float]:
         # the control messages (the non-finite vote) are all-reduces: 2(R-1)/R on the wire
         data = st["wire_bytes"] - 2 * (n - 1) / n * st["control_bytes"]
         s = math.ceil(u.shard_numel / n)
-        want = 2 * (n - 1) * _tagc.quant_bytes(s, "int4", 256) if form == "two_phase" \
-            else (n - 1) * _tagc.quant_bytes(u.shard_numel, "int4", 256)
-        assert data == want, (form, data, want)
-        got[form] = data
+        # two-phase: chunks to their owners on quant_format, the owner's sum on its
+        # code (int4 after ternary)
+        want = (n - 1) * (_tagc.quant_bytes(s, fmt, 256) + _tagc.quant_bytes(s, "int4", 256)) \
+            if form == "two_phase" else (n - 1) * _tagc.quant_bytes(u.shard_numel, fmt, 256)
+        assert data == want, (form, fmt, data, want)
+        got[f"{form}_{fmt}"] = data
     return got
 
 
@@ -446,6 +469,11 @@ def _replica_cases(n: int) -> List[Tuple[str, Any]]:
         ("quant_reference", lambda r, w: _reference(
             r, w, _cfg("quant", quant_format="int4", error_feedback=False), shape,
             "two_phase")),
+        ("quant_ternary_reference", lambda r, w: _reference(
+            r, w, _cfg("quant", quant_format="ternary", error_feedback=False,
+                       hsdp_allreduce="two_phase"), shape, "two_phase")),
+        ("quant_ternary_auto_reference", lambda r, w: _reference(
+            r, w, _cfg("quant", quant_format="ternary", error_feedback=False), shape)),
         ("quant_gather_reference", lambda r, w: _reference(
             r, w, _cfg("quant", error_feedback=False, hsdp_allreduce="gather"), shape,
             "gather")),
