@@ -72,7 +72,7 @@ METHODS: Dict[str, Dict[str, Any]] = {
     "quant-ternary-ef21-all": {"mode": "quant", "quant_format": "ternary", "ef21": True,
                                "layers": "all"},
     # HSDP (-- --replicas=R): the presets' codes with the all-reduce forced two-phase
-    # (the default from R = 3; at R = 2 the default is the all-gather form)
+    # (auto's choice from R = 3 with one code; at R = 2 the default is the all-gather form)
     "quant-int4-ef21-two-phase": {"mode": "quant", "quant_format": "int4", "ef21": True,
                                   "hsdp_allreduce": "two_phase"},
     "quant-ternary-ef21-two-phase": {"mode": "quant", "quant_format": "ternary",

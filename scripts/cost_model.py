@@ -15,11 +15,13 @@ optimizer step and how long the step takes, for:
   the parameter all-gathers on int8 codes (``tagc/gather.py``);
 * ``hsdp+<preset>``: TAGC's HSDP route (``tagc/hsdp.py``) with the hook's default
   ``hsdp_allreduce="auto"`` (``allreduce_form``): the all-gather form at ``R = 2`` and
-  for ``dense``, the two-phase form from ``R = 3`` on;
+  for ``dense``, the two-phase form where it sends fewer bytes (from ``R = 3``; ``lean``,
+  whose owners code on int4, from ``R = 4``);
 * ``hsdp+<preset>/2phase``: the two-phase form forced (``hsdp_allreduce="two_phase"``,
   ``TwoPhaseReducer``): each replica's shard in ``R`` chunks, ``R-1`` of them compressed
-  to their owners, then every owner's re-compressed chunk of the sum all-gathered:
-  about ``2(R-1)/R`` of one compressed shard per rank, flat in ``R``;
+  to their owners, then every owner's re-compressed chunk of the sum (on the owner's
+  code, ``hsdp_out_format``; a name ending ``@FMT`` sets it) all-gathered: about
+  ``(R-1)/R`` of the two codes of one shard per rank, flat in ``R``;
 * ``hsdp+<preset>/gather``: the all-gather form forced (``hsdp_allreduce="gather"``,
   ``GatherReducer``): every rank all-gathers its compressed shard to the ``R-1`` other
   replicas, ``R-1`` compressed shards per rank.
@@ -1734,7 +1736,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     f"{args.tflops:g} TFLOP/s x MFU {args.mfu:g}; codec: this CPU's measured "
                     f"throughput x {args.codec_speedup:g}; layers={args.layers}; 7B: "
                     f"{fraction:.3f} of parameters compressed. hsdp+P: the hook's default "
-                    "form (all-gather at R = 2, two-phase from R = 3); /gather: the "
+                    "form (all-gather at R = 2, two-phase from R = 3, lean from 4); /gather: the "
                     "all-gather form forced.")
             plot(args.plot, base, args.nodes, configs, pairs, codec, note)
             print(f"wrote {args.plot}")

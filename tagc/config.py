@@ -277,7 +277,10 @@ class TAGCConfig:
             ``"gather"``: every replica's whole coded shard to every replica:
             R-1 coded shards per rank, each contribution coded once; not for
             ``exact``/``paper`` (NotImplementedError).  ``"auto"`` (default):
-            two-phase from 3 replicas on and always for ``exact``/``paper``,
+            always two-phase for ``exact``/``paper``; for ``quant`` two-phase
+            where it sends fewer bytes, counted on the unit's codes (from 3
+            replicas with one code, from 4 for ternary with int4 owners, see
+            ``hsdp_out_format``), for ``sparse``/``auto`` from 3 replicas on;
             all-gather at 2 replicas (equal bytes, one coding fewer) and for
             ``dense`` (one plain all-reduce, bit for bit native HSDP).
             Memory of two-phase: the owner's ``residual_out``, 1/R of the
@@ -289,13 +292,12 @@ class TAGCConfig:
             ``int4`` when ``quant_format`` is ``sign`` or ``ternary``, else
             ``quant_format``.  Why: the owner's chunk is a sum of R decoded
             codes plus its own exact share, a many-level signal that a second
-            ternary code cuts to three levels; with ternary both ways the
-            optimizer's gradient at R = 4 was 0.50 of the true sum's norm off
-            (squared), against 0.18-0.20 with this phase on int4 (the
-            to-the-owner phase's error alone) and +2.6% against +0.45% on the
-            tiny GPT-2 (sim_feedback.py, 1000 steps; docs/DESIGN.md section
-            9).  Cost: about (R-1)/R * (b + b_out) bits per element of the
-            shard, b and b_out the two codes' bits.
+            ternary code cuts to three levels.  Measured at R = 4 on the tiny
+            GPT-2 after 1000 steps (docs/DESIGN.md section 9): the ``lean``
+            preset +4.63% against native HSDP with ternary owners, +2.12%
+            with int4 owners.  Cost: about (R-1)/R * (b + b_out) bits per
+            element of the shard, b and b_out the two codes' bits, which
+            ``hsdp_allreduce="auto"`` weighs against the all-gather form's.
     """
 
     mode: str = "exact"

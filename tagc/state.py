@@ -225,9 +225,12 @@ def _log_units(state: TAGCState) -> None:
     units, cfg = state.units, state.cfg
     for u in units:
         if u.compressed and u.selected_numel < u.numel:
+            # under layers="all" what is left out is only tensors below min_numel
+            # (biases, norms): splitting them into units of their own would not pay
+            advice = "they are below min_numel" if cfg.layers == "all" else \
+                "use fsdp1_auto_wrap_policy/shard_model to separate"
             logger.info("TAGC unit %r: %d of %d elements selected; the whole unit is "
-                        "compressed (use fsdp1_auto_wrap_policy/shard_model to separate)",
-                        u.name, u.selected_numel, u.numel)
+                        "compressed (%s)", u.name, u.selected_numel, u.numel, advice)
     total = sum(u.numel for u in units)
     comp = sum(u.numel for u in units if u.compressed) if cfg.mode != "dense" else 0
     logger.info("TAGC registered (%s, mode=%s): %d units, %d compressed, %.1f%% of the "
