@@ -25,14 +25,20 @@ scale differs) and ``tmax`` (ternary at s = max|x|).
     python3 scripts/sim_feedback.py --task ts ef21:q=ternary ef21:q=tl2 res:q=ternary
     python3 scripts/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
 
-Methods ``FEEDBACK:q=Q[,guard=R][,resp=zero][,damp=1]``: FEEDBACK is ``none``, ``res``
+Methods ``FEEDBACK:q=Q[,guard=R][,resp=zero][,damp=1][,down=Q2[,downfb=F]]``: FEEDBACK is ``none``, ``res``
 (residual) or ``ef21``; ``guard=R`` resets a unit through the exact path when its
 pooled ``est_err`` exceeds R (the hook's ``guard_ratio``), or with ``resp=zero``
 restarts EF21 from h = 0 instead (that call sends C(g), as without feedback, at the
 same bytes); ``damp=1``: every rank compresses ``g - lam h`` with the lam in [0, 1]
 minimising the pooled ``||g - lam h||^2`` (the owners scale their estimates by the
-same lam, which the ranks could agree on in the guard's vote).  ``plain`` (exact averaging) is
-always run first.  Prints the final validation loss of each and its change vs plain,
+same lam, which the ranks could agree on in the guard's vote).  ``down=Q2``: HSDP's
+two-phase form with one rank per node (``--ranks`` = R): after the to-the-owner
+exchange every owner codes its row of the sum on ``Q2`` again, with ``downfb`` ``ef21``
+(the default with EF21: the change of an estimate every replica holds, damped by the
+ranks' lam), ``ef21d`` (the owner's own lam for its row), ``res`` or ``none``; what the
+optimizer gets is every owner's decoded row (DESIGN section 9).  ``--layers all``
+takes the presets' selection for the gpt2 task.  ``plain`` (exact averaging) is
+always run first, unless ``--plain_loss`` gives its loss from an earlier run.  Prints the final validation loss of each and its change vs plain,
 then the mechanism table; appends JSON lines to ``--out``.
 
 The two tasks are the research scripts' own: ``teacher_student`` and ``sim_ablation``
