@@ -185,7 +185,8 @@ class TwoPhaseReference(Reference):
     """HSDP's two-phase all-reduce with EF21 (tagc/hsdp.py ``TwoPhaseReducer``): the
     to-the-owner phase is :class:`Reference`'s recursion (no divide: FSDP divides
     after the hook); every replica holds ``w``, every owner's estimate as sent so
-    far; owner j codes ``est_j - lam w_j`` and everyone adds the decoded change (EF21
+    far; owner j codes ``est_j - lam w_j`` (on ``hsdp_out_format``; auto: int4 after
+    ternary/sign, else the uplink's code) and everyone adds the decoded change (EF21
     on the way out); the hook's output is ``w``, the same on every replica."""
 
     def __init__(self, cfg: tagc.TAGCConfig) -> None:
@@ -197,7 +198,9 @@ class TwoPhaseReference(Reference):
         est = super().compressed(g)
         if started and self.cfg.ef21_damping:
             self.w = self.w * lam
-        fmt, block = self.cfg.quant_format, self.cfg.quant_block
+        fmt, block = self.cfg.hsdp_out_format, self.cfg.quant_block
+        if fmt == "auto":
+            fmt = "int4" if self.cfg.quant_format in ("ternary", "sign") else self.cfg.quant_format
         for j in range(N):
             self.w[j] = self.w[j] + _quantize(est[j] - self.w[j], fmt, block)
         return [self.w.reshape(-1).clone() for _ in range(N)]
@@ -231,6 +234,7 @@ def _run_two_phase(rank: int, n: int, fields: Dict[str, Any]) -> List[str]:
 
 TWO_PHASE = {"int4": {"quant_format": "int4"},
              "ternary-undamped": {"quant_format": "ternary", "ef21_damping": False},
+             "ternary-owners": {"quant_format": "ternary", "hsdp_out_format": "ternary"},
              "bypass": {"quant_format": "int4", "bypass_every": 2}}
 
 
