@@ -16,9 +16,10 @@ tagc/transports.py) over the replicate group, in one of two forms (docs/DESIGN.m
   through the mode's to-the-owner transport (chunk j, coded with this replica's
   feedback, to replica j), then each owner codes its chunk of the sum with a feedback
   state of its own (``residual_out``: two-sided error feedback, DoubleSqueeze, arXiv
-  1905.05957) and one all-gather brings every owner's code to every replica, where
-  all decode it alike (``transports.SPREADS``).  Bytes per rank about 2(R-1)/R times
-  one coded shard: flat in R.  ``exact``/``paper`` send the owners' sums losslessly
+  1905.05957; with EF21 ``estimate_out``), on the owner's code (``hsdp_out_format``:
+  int4 after ternary/sign), and one all-gather brings every owner's code to every
+  replica, where all decode it alike (``transports.SPREADS``).  Bytes per rank about
+  (R-1)/R times the two codes of one shard: flat in R.  ``exact``/``paper`` send the owners' sums losslessly
   (a sum of R kept sets has at most R*k non-zeros).
 * **all-gather** (:class:`GatherReducer`): every replica's whole shard, coded with its
   feedback, to every replica, each summing the R decoded messages in replica order.
@@ -26,8 +27,8 @@ tagc/transports.py) over the replicate group, in one of two forms (docs/DESIGN.m
   fewer per contribution; it grows with R.  ``dense`` in this form is one SUM
   all-reduce, bit for bit native HSDP.
 
-:func:`allreduce_form` picks the form from (``hsdp_allreduce``, R, mode), the same on
-every rank.
+:func:`allreduce_form` picks the form from (``hsdp_allreduce``, R, mode, the shard's
+size), the same on every rank.
 """
 
 from __future__ import annotations
