@@ -800,7 +800,7 @@ def make_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
     layouts = {"fsdp": "full_shard", "hsdp": "hsdp"}
     if layout_s not in layouts or (preset and preset not in PRESETS) \
             or topo not in FORM_SUFFIX or (topo and not preset) \
-            or ("@" in name and (layout_s != "hsdp" or not preset)):
+            or ("@" in name and (layout_s != "hsdp" or not preset or not out)):
         raise ValueError(f"unknown configuration {name!r}: use fsdp, hsdp, fsdp+P, hsdp+P, "
                          f"hsdp+P/2phase or hsdp+P/gather with P one of {sorted(PRESETS)}, "
                          "an HSDP one optionally ending in @FMT (the owner's code)")

@@ -25,8 +25,8 @@ scale differs) and ``tmax`` (ternary at s = max|x|).
     python3 scripts/sim_feedback.py --task ts ef21:q=ternary ef21:q=tl2 res:q=ternary
     python3 scripts/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
 
-Methods ``FEEDBACK:q=Q[,guard=R][,resp=zero][,damp=1][,down=Q2[,downfb=F]]``: FEEDBACK is ``none``, ``res``
-(residual) or ``ef21``; ``guard=R`` resets a unit through the exact path when its
+Methods ``FEEDBACK:q=Q[,guard=R][,resp=zero][,damp=1][,down=Q2[,downfb=F]]``: FEEDBACK
+is ``none``, ``res`` (residual) or ``ef21``; ``guard=R`` resets a unit through the exact path when its
 pooled ``est_err`` exceeds R (the hook's ``guard_ratio``), or with ``resp=zero``
 restarts EF21 from h = 0 instead (that call sends C(g), as without feedback, at the
 same bytes); ``damp=1``: every rank compresses ``g - lam h`` with the lam in [0, 1]
@@ -38,8 +38,9 @@ exchange every owner codes its row of the sum on ``Q2`` again, with ``downfb`` `
 ranks' lam), ``ef21d`` (the owner's own lam for its row), ``res`` or ``none``; what the
 optimizer gets is every owner's decoded row (DESIGN section 9).  ``--layers all``
 takes the presets' selection for the gpt2 task.  ``plain`` (exact averaging) is
-always run first, unless ``--plain_loss`` gives its loss from an earlier run.  Prints the final validation loss of each and its change vs plain,
-then the mechanism table; appends JSON lines to ``--out``.
+always run first, unless ``--plain_loss`` gives its loss from an earlier run.  Prints
+the final validation loss of each and its change vs plain, then the mechanism table;
+appends JSON lines to ``--out``.
 
 The two tasks are the research scripts' own: ``teacher_student`` and ``sim_ablation``
 are imported from beside this file (Python puts a script's folder first on its path).
@@ -123,6 +124,12 @@ def quantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name in CODEC_FORMATS:
         return lambda x: codec(name, x)
     return {"tl2": ternary_l2, "tmax": ternary_max}[name]
+
+
+def best_lam(g: torch.Tensor, h: torch.Tensor) -> float:
+    """The lam in [0, 1] minimising ``||g - lam h||^2`` (1 when h is zero)."""
+    hh = float(h.pow(2).sum())
+    return min(max(float((g * h).sum()) / hh, 0.0), 1.0) if hh > 0 else 1.0
 
 
 def block_alpha(x: torch.Tensor, cx: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -240,8 +247,7 @@ class Exchange:
             # damped EF21: every rank compresses g - lam h with the lam minimising the
             # pooled ||g - lam h||^2 (clipped to [0, 1]); the owners scale their
             # estimates by the same lam, so est == sum of h stays exact
-            hh = float(self.state.pow(2).sum())
-            lam = min(max(float((g * self.state).sum()) / hh, 0.0), 1.0) if hh > 0 else 1.0
+            lam = best_lam(g, self.state)
             self.log["lam"].append(lam)
             self.state.mul_(lam)
             self.est.mul_(lam)
@@ -274,7 +280,6 @@ class Exchange:
         self.log["out_err"].append(float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30))
         return out / n
 
-
     def _down(self, out: torch.Tensor) -> torch.Tensor:
         """Two-phase's to-everyone phase: every owner's row ``out[r]`` of the sum,
         coded with the downlink feedback, as every replica decodes it."""
@@ -283,9 +288,7 @@ class Exchange:
                 held = self.est_out[r]
                 if self.down_fb == "ef21d":
                     # the owner's own lam for its row, sent beside its codes
-                    hh = float(held.pow(2).sum())
-                    lam = min(max(float((out[r] * held).sum()) / hh, 0.0), 1.0) if hh > 0 else 1.0
-                    held.mul_(lam)
+                    held.mul_(best_lam(out[r], held))
                 held += self.down(out[r] - held)
             return self.est_out.clone()
         dec = torch.zeros_like(out)
@@ -344,7 +347,7 @@ class TinyGPT2:
         self.sa, self.args = sim_ablation, argparse.Namespace(
             steps=args.steps, seed=args.seed if args.seed else 1337, batch_size=args.batch or 8,
             block_size=128, lr=args.lr or 1e-3, data="stdlib")
-        self.layers_all = args.layers == "all"
+        self.layers = args.layers
         meta = token_data.prepare(token_data.get_source("stdlib", 5.0),
                                   token_data.get_tokenizer("auto"), Path("data_cache"))
         self.data, self.vocab = token_data.TokenData(meta), meta["vocab_size"]
@@ -356,7 +359,7 @@ class TinyGPT2:
         torch.manual_seed(self.args.seed)
         m = GPT(GPTConfig(block_size=128, vocab_size=(self.vocab + 63) // 64 * 64,
                           n_layer=2, n_head=4, n_embd=256))
-        cfg = tagc.TAGCConfig(mode="dense", layers="all" if self.layers_all else "non_attention")
+        cfg = tagc.TAGCConfig(mode="dense", layers=self.layers)
         units, seen = [], set()
         for mn, mod in m.named_modules():
             ps = [(pn, p) for pn, p in mod.named_parameters(recurse=False)]
@@ -393,8 +396,14 @@ def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
     opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
     if fb not in ("plain", "none", "res", "ef21"):
         raise SystemExit(f"unknown feedback {fb!r}")
-    if fb != "plain" and opts.get("q") not in CODEC_FORMATS + ("tl2", "tmax"):
-        raise SystemExit(f"{spec}: give q= one of {CODEC_FORMATS + ('tl2', 'tmax')}")
+    codes = CODEC_FORMATS + ("tl2", "tmax")
+    if fb != "plain" and opts.get("q") not in codes:
+        raise SystemExit(f"{spec}: give q= one of {codes}")
+    if "down" in opts and opts["down"] not in codes:
+        raise SystemExit(f"{spec}: down= must be one of {codes}")
+    if "downfb" in opts and (opts["downfb"] not in ("none", "res", "ef21", "ef21d")
+                             or "down" not in opts):
+        raise SystemExit(f"{spec}: downfb= must be none, res, ef21 or ef21d, with down=")
     return fb, opts
 
 

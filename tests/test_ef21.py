@@ -35,7 +35,7 @@ from dist_helpers import SharedSpawn, run_cases
 from tagc.device import CodecStreams
 from tagc.reducer import UnitReducer
 from tagc.selection import UnitSpec
-from test_quant import encode_ref
+from test_quant import encode_ref, owner_format_ref
 
 pytest.importorskip("_tagc")
 
@@ -198,9 +198,8 @@ class TwoPhaseReference(Reference):
         est = super().compressed(g)
         if started and self.cfg.ef21_damping:
             self.w = self.w * lam
-        fmt, block = self.cfg.hsdp_out_format, self.cfg.quant_block
-        if fmt == "auto":
-            fmt = "int4" if self.cfg.quant_format in ("ternary", "sign") else self.cfg.quant_format
+        fmt = owner_format_ref(self.cfg.quant_format, self.cfg.hsdp_out_format)
+        block = self.cfg.quant_block
         for j in range(N):
             self.w[j] = self.w[j] + _quantize(est[j] - self.w[j], fmt, block)
         return [self.w.reshape(-1).clone() for _ in range(N)]

@@ -165,6 +165,8 @@ def reference_allreduce(every: List[torch.Tensor], cfg: tagc.TAGCConfig,
     ``hsdp_out_format``: ``int4`` after ternary/sign; sparse/auto: top k of S;
     exact/paper: sent losslessly) and every replica takes owner j's chunk from it.
     """
+    from test_quant import owner_format_ref
+
     n, length = len(every), every[0].numel()
     if form == "gather":
         want = torch.zeros_like(every[0])
@@ -179,10 +181,8 @@ def reference_allreduce(every: List[torch.Tensor], cfg: tagc.TAGCConfig,
         for r in range(n):
             c = padded[r][j * s:(j + 1) * s]
             acc += c if cfg.mode == "quant" and r == j else _compress_ref(c, cfg)
-        out = {"quant": "int4" if cfg.quant_format in ("sign", "ternary") else cfg.quant_format,
-               "auto": ""}.get(cfg.mode, "")
-        if cfg.mode == "quant" and cfg.hsdp_out_format != "auto":
-            out = cfg.hsdp_out_format
+        out = owner_format_ref(cfg.quant_format, cfg.hsdp_out_format) \
+            if cfg.mode == "quant" else ""
         chunks.append(acc if cfg.mode in ("exact", "paper") else _compress_ref(acc, cfg, out))
     return torch.cat(chunks)[:length]
 

@@ -102,6 +102,14 @@ def encode_ref(v: np.ndarray, fmt: str, block: int) -> Tuple[bytes, np.ndarray]:
     return bytes(out), deq
 
 
+def owner_format_ref(quant_format: str, hsdp_out_format: str) -> str:
+    """The code two-phase HSDP's owners use for their sums, restated for the
+    references (``TAGCConfig.out_format``): ``auto`` is int4 after ternary/sign."""
+    if hsdp_out_format != "auto":
+        return hsdp_out_format
+    return "int4" if quant_format in ("ternary", "sign") else quant_format
+
+
 def gradient(n: int, seed: int, kind: str = "randn") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if kind == "randn":
