@@ -25,14 +25,16 @@ scale differs) and ``tmax`` (ternary at s = max|x|).
     python3 scripts/sim_feedback.py --task ts ef21:q=ternary ef21:q=tl2 res:q=ternary
     python3 scripts/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
 
-Methods ``FEEDBACK:q=Q[,guard=R][,resp=zero][,damp=1][,down=Q2[,downfb=F]]``: FEEDBACK
+Methods ``FEEDBACK:q=Q[,guard=R][,resp=zero][,damp=1[,cut=T]][,down=Q2[,downfb=F]]``: FEEDBACK
 is ``none``, ``res`` (residual) or ``ef21``; ``guard=R`` resets a unit through the exact path when its
 pooled ``est_err`` exceeds R (the hook's ``guard_ratio``), or with ``resp=zero``
 restarts EF21 from h = 0 instead (that call sends C(g), as without feedback, at the
 same bytes); ``damp=1``: every rank compresses ``g - lam h`` with the lam in [0, 1]
 minimising the pooled ``||g - lam h||^2`` (the owners scale their estimates by the
-same lam, which the ranks could agree on in the guard's vote).  ``down=Q2``: HSDP's
-two-phase form with one rank per node (``--ranks`` = R): after the to-the-owner
+same lam, which the ranks could agree on in the guard's vote), logging the pooled
+``rho2 = <g, h>^2 / (||g||^2 ||h||^2)``, the fraction of the gradient's energy the
+estimate predicts; with ``cut=T`` lam is 0 (no feedback this call) when rho2 < T.
+``down=Q2``: HSDP's two-phase form with one rank per node (``--ranks`` = R): after the to-the-owner
 exchange every owner codes its row of the sum on ``Q2`` again, with ``downfb`` ``ef21``
 (the default with EF21: the change of an estimate every replica holds, damped by the
 ranks' lam), ``ef21d`` (the owner's own lam for its row), ``res`` or ``none``; what the
@@ -191,8 +193,9 @@ class Exchange:
 
     def __init__(self, unit: Unit, feedback: str, q: str, guard: float,
                  response: str = "exact", damp: bool = False, down: str = "",
-                 down_fb: str = "") -> None:
+                 down_fb: str = "", cut: float = 0.0) -> None:
         self.unit, self.fb, self.qname, self.guard = unit, feedback, q, guard
+        self.cut = cut
         self.response, self.damp = response, damp
         self.C = quantizer(q)
         n, s = unit.n, unit.row
@@ -207,7 +210,7 @@ class Exchange:
         self.est_out = torch.zeros(n, s)
         self.res_out = torch.zeros(n, s)
         self.resets = 0
-        self.log: Dict[str, List[float]] = {"est_err": [], "out_err": [], "lam": []}
+        self.log: Dict[str, List[float]] = {"est_err": [], "out_err": [], "lam": [], "rho2": []}
         self.alphas: Dict[str, List[torch.Tensor]] = {c: [] for c in ALPHA_CODES}
 
     def reduce(self, g: torch.Tensor, measure_alpha: bool) -> torch.Tensor:
@@ -248,6 +251,11 @@ class Exchange:
             # pooled ||g - lam h||^2 (clipped to [0, 1]); the owners scale their
             # estimates by the same lam, so est == sum of h stays exact
             lam = best_lam(g, self.state)
+            gh, gg, hh = float((g * self.state).sum()), float(g.pow(2).sum()), float(self.state.pow(2).sum())
+            rho2 = gh * gh / (gg * hh) if gh > 0 and gg > 0 and hh > 0 else 0.0
+            self.log["rho2"].append(rho2)
+            if rho2 < self.cut:
+                lam = 0.0
             self.log["lam"].append(lam)
             self.state.mul_(lam)
             self.est.mul_(lam)
@@ -399,6 +407,8 @@ def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
     codes = CODEC_FORMATS + ("tl2", "tmax")
     if fb != "plain" and opts.get("q") not in codes:
         raise SystemExit(f"{spec}: give q= one of {codes}")
+    if "cut" in opts and (fb != "ef21" or opts.get("damp") != "1"):
+        raise SystemExit(f"{spec}: cut= thresholds the damped EF21 (ef21:...,damp=1)")
     if "down" in opts and opts["down"] not in codes:
         raise SystemExit(f"{spec}: down= must be one of {codes}")
     if "downfb" in opts and (opts["downfb"] not in ("none", "res", "ef21", "ef21d")
@@ -415,7 +425,8 @@ def run(spec: str, task: Any, args: argparse.Namespace) -> Dict[str, Any]:
     n = args.ranks
     ex = {name: Exchange(Unit(name, ps, n), fb, opts["q"], float(opts.get("guard", 0)),
                          opts.get("resp", "exact"), opts.get("damp") == "1",
-                         opts.get("down", ""), opts.get("downfb", ""))
+                         opts.get("down", ""), opts.get("downfb", ""),
+                         float(opts.get("cut", 0)))
           for name, ps in units} if fb != "plain" else {}
     params = list(m.parameters())
     curve = []
@@ -465,7 +476,7 @@ def run(spec: str, task: Any, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def table(results: List[Dict[str, Any]]) -> str:
-    """Markdown: loss vs plain; per unit the estimate error and the alphas."""
+    """Markdown: loss vs plain; per unit the estimate error, lam / rho2 and the alphas."""
     base = results[0]["val_loss"]
     lines = ["| method | val loss | vs plain | resets |", "|---|---|---|---|"]
     for r in results:
@@ -473,17 +484,18 @@ def table(results: List[Dict[str, Any]]) -> str:
                      f"{100 * (r['val_loss'] / base - 1):+.1f}% | "
                      f"{sum(r.get('resets', {}).values()) if 'resets' in r else '-'} |")
     lines += ["", "| method | unit | est_err median (thirds) / p95 / max | out_err median / max | "
-              "alpha ternary med / p5 / min | alpha tl2 med / p5 / min | alpha int4 med / p5 / min |",
-              "|---|---|---|---|---|---|---|"]
+              "lam / rho2 median | alpha ternary med / p5 / min | alpha tl2 med / p5 / min | "
+              "alpha int4 med / p5 / min |", "|---|---|---|---|---|---|---|---|"]
     for r in results[1:]:
         for k, u in r["units"].items():
             e, o = u["est_err"], u["out_err"]
             al = [" / ".join(f"{u[f'alpha_{c}'][s]:.3f}" for s in ("median", "p5", "min"))
                   if f"alpha_{c}" in u else "-" for c in ALPHA_CODES]
+            damp = f"{u['lam']['median']:.3f} / {u['rho2']['median']:.3f}" if "lam" in u else "-"
             lines.append(f"| {r['method']} | {k} | {e['median']:.3f} "
                          f"({', '.join(f'{x:.2f}' for x in e['thirds_median'])}) / "
                          f"{e['p95']:.2f} / {e['max']:.2f} | {o['median']:.3f} / {o['max']:.2f} | "
-                         + " | ".join(al) + " |")
+                         f"{damp} | " + " | ".join(al) + " |")
     return "\n".join(lines) + "\n"
 
 
