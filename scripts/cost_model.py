@@ -696,7 +696,9 @@ PRESETS: Dict[str, Compression] = {
     "sparse": Compression("sparse", theta=0.9875),                     # tagc-sparse.yaml
     "auto": Compression("auto", theta=0.9875),                         # tagc-auto.yaml
     "balanced": Compression("quant", "int4", ef21=True),               # tagc-balanced.yaml
-    "lean": Compression("quant", "ternary", ef21=True),                # tagc-lean.yaml
+    "lean": Compression("quant", "ternary"),                           # tagc-lean.yaml
+    # tagc-lean until it dropped its feedback: the runs file's lean rows ran it
+    "lean-ef21": Compression("quant", "ternary", ef21=True),
     "full": Compression("quant", "int4", ef21=True, gather="int8"),    # tagc-full.yaml
 }
 
@@ -785,7 +787,7 @@ def make_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
     ``hsdp+PRESET/gather`` (a form forced) (PRESET one of :data:`PRESETS`); an HSDP
     name may end in ``@FMT``, the owner's code of the two-phase form
     (``hsdp_out_format``; runs measured before its default became ``int4`` after
-    ternary are ``hsdp+lean/2phase@ternary``).
+    ternary are ``hsdp+lean-ef21/2phase@ternary``).
 
     Args:
         name: the name.

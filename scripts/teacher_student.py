@@ -1,6 +1,6 @@
 """Teacher-student regression: a student MLP learns a fixed random teacher MLP, on FSDP2.
 
-The small task on which issue 22 found ``tagc-lean`` (ternary codes + EF21) diverging
+The small task on which issue 22 found ``tagc-lean`` (then ternary codes + EF21) diverging
 from plain FSDP while ``tagc-balanced`` (int4 + EF21) kept up.  Unlike the tiny GPT-2 it
 has no data to download, trains in seconds, and its loss can keep falling for as long
 as one runs it (the teacher is in the student's class), so a compressor that stops
@@ -22,7 +22,7 @@ Run (2 gloo ranks on the CPU, spawned here; or under torchrun, which sets RANK):
     python3 scripts/teacher_student.py plain tagc-lean tagc-balanced
     python3 scripts/teacher_student.py plain tagc-lean ternary ternary-res \\
         --batch 256 --steps 100
-    python3 scripts/teacher_student.py plain "tagc-lean,guard_ratio=8"
+    python3 scripts/teacher_student.py plain "tagc-balanced,guard_ratio=8"
 
 A variant is ``plain`` (FSDP2's own reduce-scatter) or ``BASE[,field=value...]``:
 BASE is a preset name in ``configs/`` (``tagc-lean``), a YAML path, or one of

@@ -2,7 +2,7 @@
 
 Which preset to start from (``configs/``): ``tagc-balanced`` (mode ``quant``, int4
 codes, EF21: about 8x fewer gradient bytes than FSDP's reduce-scatter for the same
-model) or ``tagc-lean`` (ternary codes, EF21: about 18x fewer).  The top-k modes
+model) or ``tagc-lean`` (ternary codes, no feedback state: about 18x fewer).  The top-k modes
 (``exact``, ``sparse``, ``paper``) send far fewer bytes at the paper's sparsity but
 train AdamW models measurably worse; docs/DESIGN.md section 8 has the numbers.
 """

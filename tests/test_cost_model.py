@@ -430,7 +430,7 @@ def test_check_parses_the_runs_file_and_bytes_are_exact() -> None:
     # /2phase at R = 2) and the all-gather rows (auto at R = 2, /gather from R = 3)
     wire = {(r.setup, r.config): r.measured for r in exact if r.quantity == "stats_wire_mb"}
     assert wire[("hsdp-r3", "hsdp+balanced")] < wire[("hsdp-r3", "hsdp+balanced/gather")]
-    assert wire[("hsdp-r4", "hsdp+lean/2phase@ternary")] < wire[("hsdp-r4", "hsdp+lean/gather")]
+    assert wire[("hsdp-r4", "hsdp+lean-ef21/2phase@ternary")] < wire[("hsdp-r4", "hsdp+lean-ef21/gather")]
     assert wire[("hsdp-r2", "hsdp+balanced")] == wire[("hsdp-r2", "hsdp+balanced/2phase")]
     steps = [r for r in rows if r.quantity == "step_s"]
     assert {r.setup for r in steps} == set(data["setups"])

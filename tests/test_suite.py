@@ -43,14 +43,16 @@ def test_a_run_without_its_plain_baseline_is_refused() -> None:
 
 def test_goals_and_feedback_check_in_the_doc(tmp_path: Path) -> None:
     runs = [_run("a", 0, "plain", 2.0), _run("a", 0, "tagc-lean", 2.05),
-            _run("a", 0, "ternary-nofb", 2.03), _run("a", 0, "tagc-balanced", 2.01),
-            _run("a", 0, "int4-nofb", 2.01)]
+            _run("a", 0, "ternary-ef21", 2.05), _run("a", 0, "ternary-nofb", 2.03),
+            _run("a", 0, "tagc-balanced", 2.01), _run("a", 0, "int4-nofb", 2.01)]
     text = qs.write_doc(runs, {"a": 60.0}, tmp_path / "s.md", "cmd", ((1.0,), (2.0,)), 1.0)
-    row = [ln for ln in text.splitlines() if ln.startswith("| tagc-lean |")][0]
-    # +2.5% misses the +2% goal; 1.0 point above no feedback misses the 0.5 margin
-    assert "+2.50% (a) | NOT met | +1.00 points (a) | NO" in row
-    row = [ln for ln in text.splitlines() if ln.startswith("| tagc-balanced |")][0]
-    assert "+0.50% (a) | met | +0.00 points (a) | yes" in row
+    rows = {ln.split(" |")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| ")}
+    # +2.5% misses the +2% goal; lean has no feedback to earn anything with
+    assert "+2.50% (a) | NOT met | - | no feedback" in rows["tagc-lean"]
+    # 1.0 point above no feedback misses the 0.5 margin; it has no goal of its own
+    assert "+2.50% (a) | - | +1.00 points (a) | NO" in rows["ternary-ef21"]
+    assert "+0.50% (a) | met | +0.00 points (a) | yes" in rows["tagc-balanced"]
+    assert "int4-res" not in rows  # not run: no row
     assert "Scale" not in text
     text = qs.write_doc(runs, {"a": 60.0}, tmp_path / "s.md", "cmd", ((1.0,), (2.0,)), 0.1)
     assert "Scale 0.1" in text
@@ -63,6 +65,9 @@ def test_methods_follow_the_preset_files() -> None:
     assert nofb["quant_format"] == lean["quant_format"] and nofb["error_feedback"] is False
     assert nofb["ef21"] is False and "ef21_damping" not in nofb
     assert qs.method_config("int4-res")["error_feedback"] is True
+    ef21 = qs.method_config("ternary-ef21")
+    assert ef21["error_feedback"] is True and ef21["ef21"] is True
+    assert ef21["quant_format"] == lean["quant_format"] and "ef21_damping" not in ef21
     assert qs.method_config("plain") is None
     with pytest.raises(SystemExit):
         qs.method_config("nope")

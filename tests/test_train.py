@@ -269,7 +269,7 @@ def _flat(d: Dict[str, Any], prefix: str = "") -> Dict[str, torch.Tensor]:
 
 # FSDP1 and FSDP2 each with a stateful preset, plus plain FSDP (no TAGC state at all).
 # The other pairings add no script-side path; they cost ~20 s each on 2 busy cores.
-RESUME_CASES = [("1", "tagc-exact.yaml"), ("2", "tagc-sparse.yaml"), ("1", "tagc-lean.yaml"),
+RESUME_CASES = [("1", "tagc-exact.yaml"), ("2", "tagc-sparse.yaml"), ("1", "tagc-balanced.yaml"),
                 ("2", None), ("2", "tagc-full.yaml")]
 
 
