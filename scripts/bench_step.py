@@ -293,9 +293,8 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
     # the wrapping depends on the layer policy only, so plain FSDP gets the same units
     # as TAGC (compressed and uncompressed parameters in different units)
     path = config_dir / (preset or CONFIGS["exact"])
-    cfg = tagc.TAGCConfig.from_yaml(str(path)) if preset or path.exists() else tagc.TAGCConfig()
-    if override:
-        cfg = tagc.TAGCConfig.from_dict({**cfg.to_dict(), **override})
+    cfg = tagc.TAGCConfig.from_yaml(str(path), override) if preset or path.exists() \
+        else tagc.TAGCConfig.from_dict(dict(override or {}))
     if fsdp == 1:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
         from torch.distributed.fsdp import ShardingStrategy

@@ -544,11 +544,15 @@ class TAGCConfig:
         return cls(**d)
 
     @classmethod
-    def from_yaml(cls, path: str) -> "TAGCConfig":
+    def from_yaml(cls, path: str, overrides: Optional[Dict[str, Any]] = None) -> "TAGCConfig":
         """Load a YAML preset (e.g. ``configs/tagc-10x-1bit.yaml``); unknown keys raise.
 
         Args:
             path: YAML file holding a mapping of field names to values.
+            overrides: fields replacing the file's.  They apply before the defaults
+                resolve, so a knob whose default follows another follows the override
+                (``ef21_damping`` follows ``ef21``): ``{"ef21": False}`` on an EF21
+                preset gives a config without EF21, not a conflict.
         Returns:
             the validated config.
         """
@@ -556,7 +560,9 @@ class TAGCConfig:
 
         with open(path, "r", encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
-        return cls.from_dict(data)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping, got {type(data).__name__}")
+        return cls.from_dict({**data, **(overrides or {})})
 
     def fingerprint(self) -> str:
         """Stable digest of the config, compared across ranks at register()."""

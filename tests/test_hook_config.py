@@ -201,6 +201,16 @@ def test_presets_load_and_unknown_keys_raise(tmp_path):
         tagc.TAGCConfig.from_yaml(str(bad))
     c = tagc.TAGCConfig(mode="sparse", theta=0.5, value_dtype=torch.bfloat16)
     assert tagc.TAGCConfig.from_dict(c.to_dict()) == c
+    # overrides apply before defaults resolve: ef21_damping follows an overridden ef21
+    balanced = os.path.join(ROOT, "configs", "tagc-balanced.yaml")
+    assert tagc.TAGCConfig.from_yaml(balanced).ef21_damping
+    off = tagc.TAGCConfig.from_yaml(balanced, {"ef21": False})
+    assert off.error_feedback and not (off.ef21 or off.ef21_damping)
+    with pytest.raises(ValueError, match="thetta"):
+        tagc.TAGCConfig.from_yaml(balanced, {"thetta": 0.8})
+    bad.write_text("- mode\n- exact\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        tagc.TAGCConfig.from_yaml(str(bad))
 
 
 def test_non_attention_policy():

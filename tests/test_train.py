@@ -97,6 +97,12 @@ def test_tagc_set_overrides_preset_fields() -> None:
                                                          base.sketch_factor)
     assert load_tagc_config(tagc_hook, parse_config(
         ["--tagc", preset])) == base
+    # a knob whose default follows another follows the override (ef21_damping <- ef21)
+    balanced = str(PRESETS / "tagc-balanced.yaml")
+    t = load_tagc_config(tagc_hook, parse_config(["--tagc", balanced, "--tagc_set",
+                                                  "error_feedback=false,ef21=false"]))
+    assert not (t.error_feedback or t.ef21 or t.ef21_damping or t.guard_ratio)
+    assert t.quant_format == tagc_hook.TAGCConfig.from_yaml(balanced).quant_format
     with pytest.raises(ValueError, match="dense_stepz"):  # TAGCConfig: unknown field
         load_tagc_config(tagc_hook, parse_config(
             ["--tagc", preset, "--tagc_set", "dense_stepz=5"]))

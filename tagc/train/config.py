@@ -184,11 +184,12 @@ def load_tagc_config(tagc: Any, cfg: "RunConfig") -> Any:
     """The TAGCConfig of ``--tagc`` with ``--tagc_set`` applied (unknown fields raise).
 
     The warm-up lengths of the presets are sized for train-tiny; a longer run
-    scales them here, e.g. ``--tagc_set dense_steps=2000,warmup_steps=10000``.
+    scales them here, e.g. ``--tagc_set dense_steps=2000,warmup_steps=10000``.  The
+    overrides apply to the fields the preset file writes, so a knob whose default
+    follows another (``ef21_damping`` follows ``ef21``, ``guard_ratio`` the feedback)
+    follows the override too: ``--tagc_set ef21=false`` on an EF21 preset works.
     """
-    base = tagc.TAGCConfig.from_yaml(cfg.tagc)
-    overrides = parse_tagc_set(cfg.tagc_set)
-    return tagc.TAGCConfig.from_dict({**base.to_dict(), **overrides}) if overrides else base
+    return tagc.TAGCConfig.from_yaml(cfg.tagc, parse_tagc_set(cfg.tagc_set))
 
 
 def _convert(name: str, tp: Any, raw: Any) -> Any:
