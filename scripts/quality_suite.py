@@ -14,8 +14,9 @@ Llama-style model built from a config (RMSNorm, SwiGLU, GQA; ``finetune_hf.py``)
 the teacher-student regression (``teacher_student.py``) at a small and a large batch,
 whose single seeds move by a few percent with rounding alone, hence several seeds.
 Methods (:data:`METHODS`): ``plain`` and the presets as ``configs/`` holds them at run
-time, plus the same quantizers with no feedback (``*-nofb``) and with the residual
-feedback (``*-res``), derived from the preset files so that they follow them.
+time, plus the same quantizers with no feedback (``*-nofb``), with the residual
+feedback (``*-res``) and ternary with EF21 (``ternary-ef21``, the former
+``tagc-lean``), derived from the preset files so that they follow them.
 
 Each run keeps its folder under ``--out_dir`` with ``suite_run.json``: the command, the
 resolved TAGC config, and the code it ran (the git tree of the code directories, plus a
