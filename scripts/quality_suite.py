@@ -325,9 +325,10 @@ def write_doc(runs: Sequence[Run], wall: Dict[str, float], path: Path, command: 
             continue
         worst, wt = max(mine)
         goal = "-" if m not in GOALS else "met" if worst <= GOALS[m] else "NOT met"
-        gap_s, earns = "-", "no feedback" if m not in NO_FEEDBACK else "-"
-        gap = [(cells[(t, m)]["pct"] - cells[(t, NO_FEEDBACK[m])]["pct"], t) for t in tasks
-               if m in NO_FEEDBACK and (t, m) in cells and (t, NO_FEEDBACK[m]) in cells]
+        nofb = NO_FEEDBACK.get(m)
+        gap_s, earns = "-", "-" if nofb else "no feedback"
+        gap = [(cells[(t, m)]["pct"] - cells[(t, nofb)]["pct"], t) for t in tasks
+               if nofb and (t, m) in cells and (t, nofb) in cells]
         if gap:
             g, gt = max(gap)
             gap_s, earns = f"{g:+.2f} points ({gt})", "yes" if g <= FEEDBACK_MARGIN else "NO"

@@ -128,10 +128,15 @@ def quantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return {"tl2": ternary_l2, "tmax": ternary_max}[name]
 
 
+def lam_of(gh: float, hh: float) -> float:
+    """The lam in [0, 1] minimising ``||g - lam h||^2`` from ``<g, h>`` and ``||h||^2``
+    (1 when h is zero)."""
+    return min(max(gh / hh, 0.0), 1.0) if hh > 0 else 1.0
+
+
 def best_lam(g: torch.Tensor, h: torch.Tensor) -> float:
-    """The lam in [0, 1] minimising ``||g - lam h||^2`` (1 when h is zero)."""
-    hh = float(h.pow(2).sum())
-    return min(max(float((g * h).sum()) / hh, 0.0), 1.0) if hh > 0 else 1.0
+    """:func:`lam_of` of the tensors."""
+    return lam_of(float((g * h).sum()), float(h.pow(2).sum()))
 
 
 def block_alpha(x: torch.Tensor, cx: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -250,9 +255,10 @@ class Exchange:
             # damped EF21: every rank compresses g - lam h with the lam minimising the
             # pooled ||g - lam h||^2 (clipped to [0, 1]); the owners scale their
             # estimates by the same lam, so est == sum of h stays exact
-            lam = best_lam(g, self.state)
-            gh, gg, hh = float((g * self.state).sum()), float(g.pow(2).sum()), float(self.state.pow(2).sum())
-            rho2 = gh * gh / (gg * hh) if gh > 0 and gg > 0 and hh > 0 else 0.0
+            # one pass of sums for both lam and rho2 (den is ||g||^2)
+            gh, hh = float((g * self.state).sum()), float(self.state.pow(2).sum())
+            lam = lam_of(gh, hh)
+            rho2 = gh * gh / (den * hh) if gh > 0 and den > 0 and hh > 0 else 0.0
             self.log["rho2"].append(rho2)
             if rho2 < self.cut:
                 lam = 0.0

@@ -293,9 +293,9 @@ class TAGCConfig:
             ``quant_format``.  Why: the owner's chunk is a sum of R decoded
             codes plus its own exact share, a many-level signal that a second
             ternary code cuts to three levels.  Measured at R = 4 on the tiny
-            GPT-2 after 1000 steps (docs/DESIGN.md section 9): the ``lean``
-            preset +4.63% against native HSDP with ternary owners, +2.12%
-            with int4 owners.  Cost: about (R-1)/R * (b + b_out) bits per
+            GPT-2 after 1000 steps (docs/DESIGN.md section 9): ternary with
+            EF21 (the ``lean`` preset then) +4.63% against native HSDP with
+            ternary owners, +2.12% with int4 owners.  Cost: about (R-1)/R * (b + b_out) bits per
             element of the shard, b and b_out the two codes' bits, which
             ``hsdp_allreduce="auto"`` weighs against the all-gather form's.
     """
