@@ -37,9 +37,8 @@ def main(argv: Optional[List[str]] = None) -> float:
 
     import tagc_hook as tagc
 
-    cfg = tagc.TAGCConfig.from_yaml(args.tagc)
-    if args.min_numel is not None:
-        cfg = tagc.TAGCConfig.from_dict({**cfg.to_dict(), "min_numel": args.min_numel})
+    overrides = {} if args.min_numel is None else {"min_numel": args.min_numel}
+    cfg = tagc.TAGCConfig.from_yaml(args.tagc, overrides)
     torch.manual_seed(0)  # the same initial weights on every rank
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=256,
                                          intermediate_size=688, num_attention_heads=4,
