@@ -33,7 +33,8 @@ same bytes); ``damp=1``: every rank compresses ``g - lam h`` with the lam in [0,
 minimising the pooled ``||g - lam h||^2`` (the owners scale their estimates by the
 same lam, which the ranks could agree on in the guard's vote), logging the pooled
 ``rho2 = <g, h>^2 / (||g||^2 ||h||^2)``, the fraction of the gradient's energy the
-estimate predicts; with ``cut=T`` lam is 0 (no feedback this call) when rho2 < T.
+estimate predicts (0 when ``<g, h> <= 0``: lam is clipped to 0 there, so it predicts
+nothing); with ``cut=T`` lam is 0 (no feedback this call) when rho2 < T.
 ``down=Q2``: HSDP's two-phase form with one rank per node (``--ranks`` = R): after the to-the-owner
 exchange every owner codes its row of the sum on ``Q2`` again, with ``downfb`` ``ef21``
 (the default with EF21: the change of an estimate every replica holds, damped by the
