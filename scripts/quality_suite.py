@@ -231,7 +231,7 @@ def run_suite(tasks: Sequence[str], methods: Sequence[str],
     for name in tasks:
         task = TASKS[name]
         task_runs: List[Run] = []
-        for seed in task.seeds:
+        for seed in (args.seeds or task.seeds):
             if task.trainer == "regression":
                 task_runs += run_regression(name, task, seed, methods, args, code)
             else:
@@ -385,6 +385,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Tuple[str, str], Dict[str
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiplies every task's steps (a smoke run; the doc says so)")
     p.add_argument("--nproc", type=int, default=2, help="ranks")
+    p.add_argument("--seeds", default="",
+                   help="comma list of seeds run on every task instead of each task's own")
     p.add_argument("--out_dir", default="out/suite", help="the runs' folders")
     p.add_argument("--reuse", action="store_true",
                    help="take finished runs of the same code and configs from out_dir")
@@ -401,6 +403,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Tuple[str, str], Dict[str
         method_config(m)
     if not args.scale > 0:
         p.error("--scale must be > 0")
+    try:
+        args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--seeds must be a comma list of integers, got {args.seeds!r}")
     command = "python3 scripts/quality_suite.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     start = os.getloadavg()

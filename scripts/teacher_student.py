@@ -40,6 +40,7 @@ import csv
 import datetime
 import json
 import os
+import queue
 import tempfile
 import time
 from pathlib import Path
@@ -264,10 +265,21 @@ def launch(args: argparse.Namespace) -> List[Dict[str, Any]]:
              for r in range(args.nproc)]
     for p in procs:
         p.start()
-    res = q.get()
+    res = None
+    # a rank that dies before rank 0 puts its results would leave a bare q.get() waiting
+    # forever: poll, and stop waiting once a rank has failed or every rank has ended
+    while res is None:
+        try:
+            res = q.get(timeout=1.0)
+        except queue.Empty:
+            if any(p.exitcode for p in procs) or all(p.exitcode is not None for p in procs):
+                break
     for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
+        p.join(timeout=None if res is not None else 30)
+        if p.is_alive():
+            p.terminate()
+            p.join()
+    if res is None or any(p.exitcode for p in procs):
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     return res
 
@@ -331,6 +343,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--out_dir", default="out/teacher_student")
     args = p.parse_args(argv)
+    for name in ("steps", "batch", "d_in", "d_out", "width", "depth", "teacher_width",
+                 "eval_every", "nproc", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
     for v in args.variants:
         parse_variant(v)  # fail before spawning
     return args

@@ -97,7 +97,7 @@ def test_code_id_sees_uncommitted_changes() -> None:
 
 def test_tiny_end_to_end(tmp_path: Path) -> None:
     """The regression task at 2 steps, plain vs lean: every seed's runs and the doc."""
-    args = SimpleNamespace(out_dir=str(tmp_path), scale=0.02, nproc=2, reuse=False)
+    args = SimpleNamespace(out_dir=str(tmp_path), scale=0.02, nproc=2, reuse=False, seeds=[])
     runs, wall = qs.run_suite(["regression-b256"], ["tagc-lean"], args)
     assert {(r.seed, r.method) for r in runs} == {(s, m) for s in (0, 1, 2)
                                                   for m in ("plain", "tagc-lean")}
@@ -113,6 +113,27 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
     assert [(r.seed, r.method, r.final, r.seconds) for r in again] == \
         [(r.seed, r.method, r.final, r.seconds) for r in runs]
     assert wall2 == wall
+    # --seeds replaces the task's own seeds
+    other, _ = qs.run_suite(["regression-b256"], ["tagc-lean"],
+                            SimpleNamespace(**{**vars(args), "seeds": [7]}))
+    assert {(r.seed, r.method) for r in other} == {(7, "plain"), (7, "tagc-lean")}
+
+
+def test_bad_seeds_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        qs.main(["--seeds=1,x", "--tasks=regression"])
+
+
+def test_teacher_student_refuses_bad_sizes_and_does_not_wait_for_dead_ranks() -> None:
+    """Bad sizes are refused before spawning; ranks that die before rank 0 hands over
+    its results end the launch with an error instead of a wait with no end."""
+    ts = load_script("teacher_student")
+    with pytest.raises(SystemExit):
+        ts.parse_args(["plain", "--steps=0"])
+    args = ts.parse_args(["plain", "--steps=1"])
+    args.threads = 0  # torch.set_num_threads(0) raises in both ranks
+    with pytest.raises(SystemExit, match="a rank failed"):
+        ts.launch(args)
 
 
 def test_compare_quality_names_the_code_of_its_runs(tmp_path):
