@@ -29,6 +29,26 @@ def gate(value: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, value, torch.zeros_like(value))
 
 
+def nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` holds a NaN or an Inf, as a 0-dim bool tensor on ``t``'s device.
+
+    One pass of a sum instead of ``~isfinite(t).all()`` (a bool tensor of ``t``'s
+    size, then a reduction: about 30x slower on the CPU, where it was a tenth of an
+    HSDP step's host time): any NaN or Inf makes the sum NaN or Inf, so nothing
+    non-finite passes.  The sum runs in float32 (float64 for float64 ``t``), so
+    half-precision values cannot overflow it; a float32 gradient whose magnitudes
+    sum past 3.4e38 is called non-finite too and takes the plain path, which is
+    always correct.
+
+    Args:
+        t: a floating tensor.
+    Returns:
+        the flag.
+    """
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return ~torch.isfinite(t.sum(dtype=acc))
+
+
 def poison_nonfinite(grad2d: torch.Tensor, bad: torch.Tensor) -> None:
     """If ``bad``, write NaN into element 0 of every shard (row) of ``grad2d``, in place.
 

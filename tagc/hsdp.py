@@ -279,7 +279,13 @@ class TwoPhaseReducer(ReplicaReducer):
     def _coded(self, comm: Comm, dev: Exec, out: torch.Tensor, step: int) -> None:
         """The coded to-everyone phase, with the state :attr:`out_state` names."""
         shape = (self.world, out.numel())
-        full = torch.zeros(shape, dtype=torch.float32, device=out.device)
+        # EF21 on the CPU: the spreads add every decoded change into their output,
+        # so they add straight into the held estimates (no zeroed copy, no sum, no
+        # copy back: three passes over R chunks); a CUDA call decodes apart, since
+        # a poisoned call must keep the old estimates (dev.keep)
+        in_place = self.out_state == "estimate_out" and dev.ok is None
+        full = None if in_place else torch.zeros(shape, dtype=torch.float32,
+                                                 device=out.device)
         x, res = out, None
         if self.out_state == "residual_out":
             if self.residual_out is None:
@@ -294,13 +300,15 @@ class TwoPhaseReducer(ReplicaReducer):
             if self.damp is not None:  # the to-the-owner estimates were damped alike
                 held.mul_(self.damp)
             x = out.float() - held[self.rank]
+            if in_place:
+                full = held
         if dev.ok is not None and self.cfg.mode != "dense":
             # CUDA: a poisoned call leaves the state alone and sends NaN on
             poison_nonfinite(x.view(1, -1), ~dev.ok)
         call = transports.Call(self.cfg, self.index, step, res, comm, dev, self.stats,
                                self._warn_unpeeled)
         transports.SPREADS[self.cfg.mode](call, x, full, True)
-        if self.out_state == "estimate_out":
+        if self.out_state == "estimate_out" and not in_place:
             held = self.estimate_out.view(shape)
             held.copy_(dev.keep(held + full, held))
             full = held

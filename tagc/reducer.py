@@ -19,7 +19,7 @@ from . import transports
 from .bypass import Bypass
 from .comm import Comm
 from .config import TAGCConfig
-from .device import CodecStreams, Exec, poison_nonfinite
+from .device import CodecStreams, Exec, nonfinite, poison_nonfinite
 from .selection import UnitSpec
 from .stats import UnitStats
 
@@ -310,7 +310,7 @@ class UnitReducer:
         if comm.dev.cuda:
             return self._agree_device(comm, inp)
         vec = torch.zeros(4, dtype=torch.float64, device=inp.device)
-        if bool(torch.isfinite(inp).all()):
+        if not bool(nonfinite(inp)):
             vec[1:] = self._feedback_terms(inp)
         else:
             vec[0] = 1.0
@@ -338,7 +338,7 @@ class UnitReducer:
         the device; the flag gates the call as in :meth:`_agree_finite` and the
         damping factor stays a device scalar (1 on a poisoned call, so the
         state is left as it was)."""
-        bad_here = ~torch.isfinite(inp).all()
+        bad_here = nonfinite(inp)
         terms = self._feedback_terms(inp)
         vec = torch.cat([bad_here.to(torch.float64).reshape(1), terms])
         comm.all_reduce(vec, control=True)
@@ -396,7 +396,7 @@ class UnitReducer:
         (identically on every rank, so the seeds still agree)."""
         dev = comm.dev
         if dev.cuda:
-            flag = (~torch.isfinite(inp).all()).to(torch.int32).reshape(1)
+            flag = nonfinite(inp).to(torch.int32).reshape(1)
             comm.all_reduce(flag, control=True)
             bad = flag > 0
             self.stats.add("nonfinite_fallbacks", bad)
@@ -406,7 +406,7 @@ class UnitReducer:
                 poison_nonfinite(inp.view(self.shards_in(inp), -1), bad)
             return True
         flag = torch.zeros(1, dtype=torch.int32, device=inp.device)
-        if not bool(torch.isfinite(inp).all()):
+        if bool(nonfinite(inp)):
             flag.fill_(1)
         comm.all_reduce(flag, control=True)
         if int(flag.item()) != 0:

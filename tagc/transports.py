@@ -387,7 +387,9 @@ def paper(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
 # place)``: ``x`` is this rank's vector; with ``place`` rank j's decoded message goes
 # to row j of ``out`` (R, len(x)) (the second phase of a compressed all-reduce: x is
 # the sum this rank owns), else every message is added to ``out`` in rank order (the
-# all-gather form: x is this rank's own contribution).  ``out`` arrives zeroed.  The
+# all-gather form: x is this rank's own contribution).  Every spread but dense's adds
+# into ``out``, which arrives zeroed (two-phase EF21 on the CPU: holding the owners'
+# estimates, which the decoded changes update in place; tagc/hsdp.py).  The
 # feedback state is ``call.residual`` (x's length, None: none): whatever the code
 # leaves of x + residual is kept for the next call.
 

@@ -311,3 +311,29 @@ def test_resume_in_new_processes() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dist(_resume_first, 2, tmp, timeout=400)
         run_dist(_resume_load, 2, tmp, timeout=300)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [0, 1, 7, 4099, 1 << 20])
+def test_nonfinite_agrees_with_the_elementwise_check(dtype: torch.dtype, n: int) -> None:
+    """The vote's flag (one sum) against ``~isfinite(t).all()`` on every NaN/Inf
+    placement and mix; float16 at its largest is not flagged (its sum runs in
+    float32), while a sum past the accumulator's range is (the documented
+    conservative side: the plain path)."""
+    from tagc.device import nonfinite
+
+    gen = torch.Generator().manual_seed(n)
+    base = torch.randn(n, generator=gen).to(dtype)
+    cases = [base]
+    if n:
+        for vals in ([float("nan")], [float("inf")], [float("-inf")],
+                     [float("inf"), float("-inf")]):
+            t = base.clone()
+            for i, v in enumerate(vals):
+                t[(i * 7919) % n if i else n - 1] = v
+            cases.append(t)
+    for t in cases:
+        assert bool(nonfinite(t)) == bool(~torch.isfinite(t).all()), (t.dtype, t.numel())
+    if n > 1:
+        big = torch.full((n,), torch.finfo(dtype).max, dtype=dtype)
+        assert bool(nonfinite(big)) == (dtype != torch.float16)
