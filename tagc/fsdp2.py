@@ -105,9 +105,10 @@ def reducers(model: nn.Module, cfg: TAGCConfig, streams: CodecStreams
     return out, [m for _, m, _ in mods], group
 
 
-def shard_mesh(model: nn.Module) -> Any:
-    """The 1-D device mesh the model's FSDP2 units are sharded over."""
-    return _param_groups(model)[0][2].mesh_info.mesh
+def shard_mesh(mods: List[nn.Module]) -> Any:
+    """The 1-D device mesh the FSDP2 units ``mods`` (:func:`reducers`' modules, whose
+    parameter groups it has checked) are sharded over."""
+    return mods[0]._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh
 
 
 def install(model: nn.Module, reducers_: List[UnitReducer], mods: List[nn.Module]) -> None:

@@ -322,7 +322,7 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
     streams = CodecStreams()
     units, mods, group = glue.reducers(model, cfg, streams)
     if kind == "fsdp2":
-        hsdp.check_units_mesh(mesh, fsdp2.shard_mesh(model), units)
+        hsdp.check_units_mesh(mesh, fsdp2.shard_mesh(mods), units)
     elif mesh is not None:
         raise ValueError("register: mesh= is for TAGC's custom HSDP (FSDP2, "
                          "tagc.shard_model(model, cfg, mesh=mesh)); FSDP1 has no HSDP hook")
