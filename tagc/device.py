@@ -36,9 +36,9 @@ def nonfinite(t: torch.Tensor) -> torch.Tensor:
     size, then a reduction: about 30x slower on the CPU, where it was a tenth of an
     HSDP step's host time): any NaN or Inf makes the sum NaN or Inf, so nothing
     non-finite passes.  The sum runs in float32 (float64 for float64 ``t``), so
-    half-precision values cannot overflow it; a float32 gradient whose magnitudes
-    sum past 3.4e38 is called non-finite too and takes the plain path, which is
-    always correct.
+    float16 values cannot overflow it; a bfloat16/float32 gradient whose
+    magnitudes sum past 3.4e38 (float64: 1.8e308) is called non-finite too and
+    takes the plain path, which is always correct.
 
     Args:
         t: a floating tensor.
