@@ -151,15 +151,21 @@ class ReplicaReducer(UnitReducer):
                  streams: CodecStreams, shard_numel: int) -> None:
         super().__init__(cfg, spec, group, rank, world, 1.0, 1.0, streams)
         self.shard_numel = shard_numel
+        # set by install(): the divide the hook applies itself (None: FSDP's)
+        self.divide: Optional[float] = None
 
     def hook(self, t: torch.Tensor) -> None:
         """FSDP's all-reduce hook: ``t`` (this rank's shard, summed over its node) is
-        replaced by its sum over the replicas."""
+        replaced by its sum over the replicas (divided by :attr:`divide` if set)."""
         if not t.is_cuda:
             self._all_reduce(t)
+            if self.divide is not None:
+                t.div_(self.divide)
             return
         with self.streams.around(t):
             self._all_reduce(t)
+            if self.divide is not None:
+                t.div_(self.divide)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         raise NotImplementedError
@@ -344,9 +350,21 @@ def reducers(model: Any, cfg: TAGCConfig, mesh: Any, streams: CodecStreams,
 
 
 def install(mods: List[Any], reducers_: List[ReplicaReducer], shards: int) -> None:
-    """The hook on every unit; SUM reductions and one divide by replicas x shards."""
+    """The hook on every unit; SUM reductions and one divide by replicas x shards.
+
+    With one rank per node (``shards`` 1) FSDP2's ``foreach_reduce`` skips the
+    reduce-scatter and copies its input divided by the gradient divide factor, then
+    divides by the factor again after the hook (torch 2.13), so a factor of R would
+    apply twice (gradients R times too small: under ``grad_clip`` a different run,
+    not just a scaled one).  There the factor is 1 (both divides are no-ops) and the
+    hook divides the replicas' sum by R itself, after it: native HSDP's SUM-then-divide.
+    """
     for m, r in zip(mods, reducers_):
         m.set_all_reduce_hook(lambda t, r=r: r.hook(t))  # looked up per call
         m.set_force_sum_reduction_for_comms(True)
-        m.set_gradient_divide_factor(float(r.world * shards))
+        if shards == 1:
+            m.set_gradient_divide_factor(1.0)
+            r.divide = float(r.world)
+        else:
+            m.set_gradient_divide_factor(float(r.world * shards))
 

@@ -108,8 +108,10 @@ def _step(model: Any, rank: int, step: int) -> None:
     model(toy_batch(rank, step)).backward()
 
 
-def _dense_equals_native(rank: int, n: int) -> None:
-    mesh = _mesh()
+def _dense_equals_native(rank: int, n: int, shape: Tuple[int, int] = (R, S)) -> None:
+    """Dense TAGC HSDP's gradients equal native HSDP's bit for bit (FSDP's averaging
+    included: with one rank per node, shape (R, 1), FSDP2 skips the reduce-scatter)."""
+    mesh = _mesh(*shape)
     ref = _native(_cfg("dense"), mesh)
     model, state = _tagc_model(_cfg("dense"), mesh)
     for step in range(2):
@@ -466,6 +468,7 @@ def _bytes(rank: int, n: int) -> Dict[str, float]:
 def _replica_cases(n: int) -> List[Tuple[str, Any]]:
     shape = (n, 1)
     return [
+        ("dense_equals_native", lambda r, w: _dense_equals_native(r, w, shape)),
         ("quant_reference", lambda r, w: _reference(
             r, w, _cfg("quant", quant_format="int4", error_feedback=False), shape,
             "two_phase")),
