@@ -295,7 +295,9 @@ class TAGCConfig:
             ternary code cuts to three levels.  Measured at R = 4 on the tiny
             GPT-2 after 1000 steps (docs/DESIGN.md section 9): ternary with
             EF21 (the ``lean`` preset then) +4.63% against native HSDP with
-            ternary owners, +2.12% with int4 owners.  Cost: about (R-1)/R * (b + b_out) bits per
+            ternary owners, +2.12% with int4 owners (hook runs made before the
+            one-rank-per-node divide fix, RESULTS.md; the probe's 0.50 vs 0.20
+            squared error, DESIGN section 9, is unaffected).  Cost: about (R-1)/R * (b + b_out) bits per
             element of the shard, b and b_out the two codes' bits, which
             ``hsdp_allreduce="auto"`` weighs against the all-gather form's.
     """
