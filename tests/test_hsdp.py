@@ -126,17 +126,18 @@ def _dense_equals_native(rank: int, n: int, shape: Tuple[int, int] = (R, S)) -> 
 
 
 def _tap(state: Any) -> Dict[str, List[torch.Tensor]]:
-    """Record each unit's hook input and output (the sum over the replicas)."""
+    """Record each unit's all-reduce input and output (the sum over the replicas,
+    before the divide the hook applies itself with one rank per node)."""
     seen: Dict[str, List[torch.Tensor]] = {}
     for u in state.units:
-        orig = u.hook
+        orig = u._all_reduce
 
-        def hook(t: torch.Tensor, u: Any = u, orig: Any = orig) -> None:
+        def all_reduce(t: torch.Tensor, u: Any = u, orig: Any = orig) -> None:
             x = t.detach().reshape(-1).clone()
             orig(t)
             seen[u.name] = [x, t.detach().reshape(-1).clone()]
 
-        u.hook = hook
+        u._all_reduce = all_reduce
     return seen
 
 
