@@ -6,8 +6,8 @@ only (a 1-D mesh per node: its plain reduce-scatter and all-gathers stay on the 
 links), and ``register(model, cfg, mesh=mesh)`` gives each unit an all-reduce hook
 (``FSDPModule.set_all_reduce_hook``): FSDP calls it with the unit's reduce-scatter
 output, this rank's shard summed over its node, and the hook sums it over the replicas
-(the nodes) in place, compressed.  FSDP then divides by replicas x shards (the hook runs
-with SUM reductions forced and that divide factor set), which is native HSDP's average.
+(the nodes) in place, compressed, then divides it by replicas x shards (SUM reductions
+forced, FSDP's divide factor 1: :func:`install`), which is native HSDP's average.
 
 The all-reduce is FULL_SHARD's reducer and transports (tagc/reducer.py,
 tagc/transports.py) over the replicate group, in one of two forms (docs/DESIGN.md):
@@ -151,21 +151,22 @@ class ReplicaReducer(UnitReducer):
                  streams: CodecStreams, shard_numel: int) -> None:
         super().__init__(cfg, spec, group, rank, world, 1.0, 1.0, streams)
         self.shard_numel = shard_numel
-        # set by install(): the divide the hook applies itself (None: FSDP's)
-        self.divide: Optional[float] = None
+        # replicas x shards, set by install(): the hook averages, FSDP does not
+        self.divide = 1.0
 
     def hook(self, t: torch.Tensor) -> None:
         """FSDP's all-reduce hook: ``t`` (this rank's shard, summed over its node) is
-        replaced by its sum over the replicas (divided by :attr:`divide` if set)."""
+        replaced by its sum over the replicas, divided by :attr:`divide`."""
         if not t.is_cuda:
-            self._all_reduce(t)
-            if self.divide is not None:
-                t.div_(self.divide)
+            self._average(t)
             return
         with self.streams.around(t):
-            self._all_reduce(t)
-            if self.divide is not None:
-                t.div_(self.divide)
+            self._average(t)
+
+    def _average(self, t: torch.Tensor) -> None:
+        self._all_reduce(t)
+        if self.divide != 1.0:
+            t.div_(self.divide)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         raise NotImplementedError
@@ -290,8 +291,6 @@ class TwoPhaseReducer(ReplicaReducer):
         # copy back: three passes over R chunks); a CUDA call decodes apart, since
         # a poisoned call must keep the old estimates (dev.keep)
         in_place = self.out_state == "estimate_out" and dev.ok is None
-        full = None if in_place else torch.zeros(shape, dtype=torch.float32,
-                                                 device=out.device)
         x, res = out, None
         if self.out_state == "residual_out":
             if self.residual_out is None:
@@ -306,8 +305,8 @@ class TwoPhaseReducer(ReplicaReducer):
             if self.damp is not None:  # the to-the-owner estimates were damped alike
                 held.mul_(self.damp)
             x = out.float() - held[self.rank]
-            if in_place:
-                full = held
+        full = held if in_place else torch.zeros(shape, dtype=torch.float32,
+                                                 device=out.device)
         if dev.ok is not None and self.cfg.mode != "dense":
             # CUDA: a poisoned call leaves the state alone and sends NaN on
             poison_nonfinite(x.view(1, -1), ~dev.ok)
@@ -350,21 +349,18 @@ def reducers(model: Any, cfg: TAGCConfig, mesh: Any, streams: CodecStreams,
 
 
 def install(mods: List[Any], reducers_: List[ReplicaReducer], shards: int) -> None:
-    """The hook on every unit; SUM reductions and one divide by replicas x shards.
+    """The hook on every unit; SUM reductions, and the hook's one divide by replicas x
+    shards after its sum (native HSDP's SUM-then-divide), FSDP's divide factor 1.
 
-    With one rank per node (``shards`` 1) FSDP2's ``foreach_reduce`` skips the
-    reduce-scatter and copies its input divided by the gradient divide factor, then
-    divides by the factor again after the hook (torch 2.13), so a factor of R would
-    apply twice (gradients R times too small: under ``grad_clip`` a different run,
-    not just a scaled one).  There the factor is 1 (both divides are no-ops) and the
-    hook divides the replicas' sum by R itself, after it: native HSDP's SUM-then-divide.
+    FSDP's own factor would not do: with one rank per node (``shards`` 1) FSDP2's
+    ``foreach_reduce`` skips the reduce-scatter and copies its input divided by the
+    factor, then divides by it again after the hook (torch 2.13), so R would apply
+    twice (gradients R times too small: under ``grad_clip`` a different run, not a
+    scaled one).  A factor of 1 is a no-op in both places, as for FULL_SHARD (fsdp2.py).
     """
     for m, r in zip(mods, reducers_):
         m.set_all_reduce_hook(lambda t, r=r: r.hook(t))  # looked up per call
         m.set_force_sum_reduction_for_comms(True)
-        if shards == 1:
-            m.set_gradient_divide_factor(1.0)
-            r.divide = float(r.world)
-        else:
-            m.set_gradient_divide_factor(float(r.world * shards))
+        m.set_gradient_divide_factor(1.0)
+        r.divide = float(r.world * shards)
 

@@ -127,7 +127,7 @@ def _dense_equals_native(rank: int, n: int, shape: Tuple[int, int] = (R, S)) -> 
 
 def _tap(state: Any) -> Dict[str, List[torch.Tensor]]:
     """Record each unit's all-reduce input and output (the sum over the replicas,
-    before the divide the hook applies itself with one rank per node)."""
+    before the divide the hook applies after it)."""
     seen: Dict[str, List[torch.Tensor]] = {}
     for u in state.units:
         orig = u._all_reduce
