@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tagc import teardown
 from tagc.train.runs import NETEM, free_port, netem
 
 logger = logging.getLogger(__name__)
@@ -431,6 +432,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # one core per emulated host
     dist.init_process_group("gloo")
+    teardown.install()  # the plain trials register no hook (tagc/teardown.py)
     rank, world = dist.get_rank(), dist.get_world_size()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
     # a host's ranks share its veth: its first rank alone reads the counters
@@ -456,7 +458,6 @@ def _worker(args: argparse.Namespace) -> int:
                "wall_s": time.perf_counter() - t_start, "trials": trials,
                "torch": torch.__version__}
         Path(args.result).write_text(json.dumps(out, indent=1, default=str))
-    dist.barrier()
     dist.destroy_process_group()
     return 0
 

@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tagc import teardown
+
 REPO = Path(__file__).resolve().parent.parent  # configs/ holds the presets
 
 # Named configs not in configs/: the ternary code with each kind of feedback.
@@ -221,26 +223,15 @@ def run_all(rank: int, world: int, args: argparse.Namespace) -> List[Dict[str, A
     return out
 
 
-def _quiesce() -> None:
-    """Every rank past its last collective before any tears the group down.
-
-    Without it a rank of a process that ends right after training can die of
-    SIGABRT ("terminate called without an active exception") at exit, with or
-    without TAGC: torch/gloo's teardown, measured by ``tests/test_teardown.py``
-    (README, "Known problems").
-    """
-    dist.barrier()
-
-
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, q: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
+    teardown.install()  # the plain variant registers no hook (tagc/teardown.py)
     try:
         res = run_all(rank, world, args)
         if rank == 0:
             q.put(res)
-        _quiesce()
     finally:
         dist.destroy_process_group()
 
@@ -250,9 +241,9 @@ def launch(args: argparse.Namespace) -> List[Dict[str, Any]]:
     else in spawned processes.  Returns rank 0's results (None on other ranks)."""
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
+        teardown.install()
         try:
             res = run_all(dist.get_rank(), dist.get_world_size(), args)
-            _quiesce()
         finally:
             dist.destroy_process_group()
         return res if int(os.environ["RANK"]) == 0 else None

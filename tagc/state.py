@@ -10,7 +10,7 @@ from typing import Any, ContextManager, Dict, List, Optional
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint, fsdp1, fsdp2, gather, hsdp, stats, transports
+from . import checkpoint, fsdp1, fsdp2, gather, hsdp, stats, teardown, transports
 from .config import TAGCConfig
 from .device import CodecStreams
 from .reducer import UnitReducer
@@ -277,7 +277,9 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
             compresses the all-reduce over "replicate".  None: FSDP1/FSDP2 over one
             group.
     Returns:
-        the :class:`TAGCState` (stats, checkpoints).
+        the :class:`TAGCState` (stats, checkpoints).  Registering also installs
+        :func:`tagc.teardown.install`'s exit drain (once per process), so a program
+        that ends right after training does not lose a rank to gloo's exit race.
     Raises:
         TypeError: not an FSDP model, or ``cfg`` not a TAGCConfig.
         ValueError: unsupported sharding strategy, configs differ between ranks, a
@@ -341,4 +343,6 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
         state.gathers = gather.install(cfg, mods, [u.stats for u in units],
                                        [u.name for u in units], state._switch)
     _log_units(state)
+    # a program that ends right after training must not lose a rank to gloo's exit race
+    teardown.install()
     return state

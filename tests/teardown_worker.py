@@ -4,7 +4,8 @@ What a user's script does at its end, with nothing added: train a few steps,
 save a checkpoint, ``dist.destroy_process_group()`` with **no barrier**, exit.
 The parent counts processes that die (SIGABRT, "terminate called without an
 active exception") or print that message.  ``--tagc none`` is plain FSDP, the
-control: whatever it shows is torch/gloo's, not TAGC's.
+control: whatever it shows is torch/gloo's, not TAGC's.  TAGC's ``register`` installs
+the exit drain (``tagc/teardown.py``); ``--drain`` installs it on a plain run.
 
 Usage (environment from the parent: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)::
 
@@ -30,8 +31,13 @@ def main() -> None:
     ap.add_argument("--tagc", default="none", help="a TAGC mode, or none (plain FSDP)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True, help="folder for the per-rank checkpoint")
+    ap.add_argument("--drain", action="store_true", help="tagc.teardown.install()")
     args = ap.parse_args()
     import tagc_hook as tagc
+    from tagc import teardown
+
+    if args.drain:
+        teardown.install()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

@@ -1,19 +1,19 @@
-"""Teardown stress: a 2-rank run that ends right after training must not abort.
+"""Teardown: a 2-rank gloo program that ends right after training must not abort.
 
-Each run is two fresh processes (``tests/teardown_worker.py``) that train, save
-and call ``dist.destroy_process_group()`` with no barrier, as a user's script
-does.  A run *fails* when a rank exits non-zero, dies of a signal, or prints
-"terminate called" (the C++ runtime's message before SIGABRT).  Plain FSDP is
-the control: the same teardown with no hook.
+The cause of the abort ("terminate called without an active exception", SIGABRT at
+exit) is gloo's exit race, explained in ``tagc/teardown.py``: a gloo worker thread
+lets go of a finished collective's Python-owned tensors after the interpreter began
+finalizing.  ``tests/teardown_repro.py`` shows it with plain ``torch.distributed``
+and a window widened by many small tensors; ``tests/teardown_worker.py`` is what a
+user's FSDP script does at its end (train, save, destroy the group, no barrier).
 
-The abort is rare (a few runs in a hundred, with or without TAGC) and comes
-from torch/gloo's teardown (README, "Known problems"), so the test is opt-in:
-``TAGC_STRESS_RUNS=N pytest -m slow tests/test_teardown.py`` runs every case N
-times and fails on any aborted run, saying whether the plain control aborted
-too.  The full stress, with CPU burners as under the loaded runs where it was
-seen, and a count per case::
+Fast tests: the drain's pieces, and the widened repro ending cleanly with the drain.
+The stress (opt-in; the race is rare in real programs) runs every case ``N`` times
+and fails when a run with the drain (TAGC registers it; ``+drain`` cases install it
+on plain runs) aborts; plain runs without it are the control, reported, not judged::
 
-    python tests/test_teardown.py --runs 20 --load 8
+    TAGC_STRESS_RUNS=N pytest -m slow tests/test_teardown.py
+    python tests/test_teardown.py --runs 20 --load 8     # counts per case, CPU burners
 """
 
 from __future__ import annotations
@@ -30,9 +30,24 @@ from typing import Dict, List, Tuple
 
 import pytest
 
+from tagc import teardown
+
 HERE = Path(__file__).resolve().parent
-CASES = [("fsdp1", "none"), ("fsdp2", "none"), ("fsdp1", "exact"), ("fsdp2", "exact"),
-         ("fsdp1", "quant"), ("fsdp2", "quant")]
+# case name -> (worker script, its arguments, judged: the drain is installed)
+CASES: Dict[str, Tuple[str, List[str], bool]] = {
+    "fsdp1 plain": ("teardown_worker.py", ["--fsdp", "fsdp1"], False),
+    "fsdp2 plain": ("teardown_worker.py", ["--fsdp", "fsdp2"], False),
+    "fsdp1 plain+drain": ("teardown_worker.py", ["--fsdp", "fsdp1", "--drain"], True),
+    "fsdp2 plain+drain": ("teardown_worker.py", ["--fsdp", "fsdp2", "--drain"], True),
+    "fsdp1 exact": ("teardown_worker.py", ["--fsdp", "fsdp1", "--tagc", "exact"], True),
+    "fsdp2 exact": ("teardown_worker.py", ["--fsdp", "fsdp2", "--tagc", "exact"], True),
+    "fsdp1 quant": ("teardown_worker.py", ["--fsdp", "fsdp1", "--tagc", "quant"], True),
+    "fsdp2 quant": ("teardown_worker.py", ["--fsdp", "fsdp2", "--tagc", "quant"], True),
+    "repro global": ("teardown_repro.py", ["--hold", "global"], False),
+    "repro cycle": ("teardown_repro.py", ["--hold", "cycle"], False),
+    "repro global+drain": ("teardown_repro.py", ["--hold", "global", "--drain"], True),
+    "repro cycle+drain": ("teardown_repro.py", ["--hold", "cycle", "--drain"], True),
+}
 
 
 def _free_port() -> int:
@@ -41,17 +56,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_once(fsdp: str, mode: str, timeout: float = 120.0) -> Tuple[bool, str]:
-    """One 2-rank run of the worker.
+def run_once(case: str, timeout: float = 120.0) -> Tuple[bool, str]:
+    """One 2-rank run of a case's worker script.
 
     Args:
-        fsdp: ``"fsdp1"`` or ``"fsdp2"``.
-        mode: a TAGC mode, or ``"none"`` for plain FSDP.
+        case: a key of :data:`CASES`.
         timeout: seconds before both ranks are killed (counted as a failure).
     Returns:
         ``(ok, detail)``: ok when both ranks exit 0 and neither prints
         "terminate called"; detail names each rank's exit code and the message.
     """
+    script, extra, _ = CASES[case]
     port = _free_port()
     with tempfile.TemporaryDirectory() as out:
         procs = []
@@ -59,9 +74,9 @@ def run_once(fsdp: str, mode: str, timeout: float = 120.0) -> Tuple[bool, str]:
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+            args = extra + (["--out", out] if script == "teardown_worker.py" else [])
             procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / "teardown_worker.py"), "--fsdp", fsdp,
-                 "--tagc", mode, "--out", out],
+                [sys.executable, str(HERE / script), *args],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + timeout
         results = []
@@ -80,20 +95,69 @@ def run_once(fsdp: str, mode: str, timeout: float = 120.0) -> Tuple[bool, str]:
     return ok, detail
 
 
+def test_drain_refuses_bad_arguments() -> None:
+    for kw in ({"timeout": 0}, {"interval": -1.0}, {"quiet_rounds": 0}):
+        with pytest.raises(ValueError, match="drain"):
+            teardown.drain(**kw)
+
+
+def test_install_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
+    registered: List[object] = []
+    monkeypatch.setattr(teardown, "_installed", False)
+    monkeypatch.setattr(teardown.atexit, "register", registered.append)
+    teardown.install()
+    teardown.install()
+    assert registered == [teardown.drain]
+
+
+_ONE_RANK = """
+import os, tempfile, torch, torch.distributed as dist
+from tagc import teardown
+assert teardown.gloo_workers() == {}
+assert teardown.drain()                        # nothing to wait for
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0,
+                        world_size=1)
+t = torch.ones(8); dist.all_reduce(t)
+w = teardown.gloo_workers()
+assert len(w) == 2, w                          # ProcessGroupGloo's two workers
+assert all(state in "RSD" and sw >= 0 for state, sw in w.values()), w
+assert teardown.drain(timeout=30.0)            # idle workers are seen parked
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+@pytest.mark.dist
+def test_drain_sees_gloo_workers_and_finds_them_parked() -> None:
+    """In a fresh process: no workers before a group, two after, idle ones parked."""
+    p = subprocess.run([sys.executable, "-c", _ONE_RANK], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["repro global+drain", "repro cycle+drain"])
+def test_widened_race_ends_cleanly_with_the_drain(case: str) -> None:
+    """Without the drain this program aborts in most runs (README, "Known problems")."""
+    ok, detail = run_once(case)
+    assert ok, detail
+
+
 RUNS = int(os.environ.get("TAGC_STRESS_RUNS", "0"))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(RUNS <= 0, reason="teardown stress is opt-in: set TAGC_STRESS_RUNS=N "
-                    "(a rare torch/gloo abort, README 'Known problems')")
-@pytest.mark.parametrize("fsdp,mode", CASES)
-def test_ends_without_barrier(fsdp: str, mode: str) -> None:
-    """``RUNS`` runs of each case end cleanly; on a failure the plain control runs as
-    often, so the message says whether plain FSDP shows the same on this machine."""
-    failures = [d for ok, d in (run_once(fsdp, mode) for _ in range(RUNS)) if not ok]
-    if failures and mode != "none":
-        control = [d for ok, d in (run_once(fsdp, "none") for _ in range(RUNS)) if not ok]
-        failures.append(f"plain {fsdp} control: {len(control)}/{RUNS} failed {control}")
+@pytest.mark.skipif(RUNS <= 0, reason="teardown stress is opt-in: set TAGC_STRESS_RUNS=N")
+@pytest.mark.parametrize("case", [c for c, (_, _, judged) in CASES.items() if judged])
+def test_ends_without_barrier(case: str) -> None:
+    """``RUNS`` runs of a drained case end cleanly; on a failure its plain control runs
+    as often, so the message says whether the undrained program fails here too."""
+    failures = [d for ok, d in (run_once(case) for _ in range(RUNS)) if not ok]
+    if failures:
+        control = case.replace("+drain", "") if case.startswith("repro") else (
+            case.split(" ")[0] + " plain")
+        bad = [d for ok, d in (run_once(control) for _ in range(RUNS)) if not ok]
+        failures.append(f"control {control!r}: {len(bad)}/{RUNS} failed {bad}")
     assert not failures, failures
 
 
@@ -107,25 +171,27 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--load", type=int, default=0, help="busy-loop processes beside the runs")
-    ap.add_argument("--cases", default=",".join(f"{f}:{m}" for f, m in CASES),
-                    help="comma list of fsdp:mode")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma list of case names")
     args = ap.parse_args()
-    cases = [tuple(c.split(":")) for c in args.cases.split(",")]
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; known: {list(CASES)}")
     burn = _burners(args.load)
-    counts: Dict[Tuple[str, str], int] = {c: 0 for c in cases}
+    counts: Dict[str, int] = {c: 0 for c in cases}
     try:
         for i in range(args.runs):
             for case in cases:  # interleaved, so load drifts hit every case alike
-                ok, detail = run_once(*case)
+                ok, detail = run_once(case)
                 if not ok:
                     counts[case] += 1
-                    print(f"run {i} {case[0]} {case[1]}: FAILED {detail}", flush=True)
+                    print(f"run {i} {case}: FAILED {detail}", flush=True)
     finally:
         for p in burn:
             p.kill()
     print(f"load burners {args.load}, load average now {os.getloadavg()[0]:.1f}")
-    for (fsdp, mode), n in counts.items():
-        print(f"{fsdp:6s} {mode:6s} failed {n}/{args.runs}")
+    for case, n in counts.items():
+        print(f"{case:20s} failed {n}/{args.runs}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tagc import teardown
+
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
             args: tuple, out: Any) -> None:
@@ -33,6 +35,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
         dist.init_process_group(
             "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=60))
+        teardown.install()  # gloo's workers may touch Python at exit (tagc/teardown.py)
         res = fn(rank, world_size, *args)
         out.put((rank, "ok", res))
     except BaseException:  # report everything, including assertion failures

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tagc import teardown
 from tagc.train.checkpoint import load_checkpoint, save_checkpoint
 from tagc.train.data import TokenData, prepare_distributed
 from tagc.train.config import RunConfig, TrainConfig, build_parser, load_tagc_config, parse_config
@@ -124,6 +125,8 @@ def setup(cfg: RunConfig, script: str) -> Env:
     if own_pg:
         require_launcher(script)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        # plain runs too: gloo's workers may touch Python at exit (tagc/teardown.py)
+        teardown.install()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if use_cuda:
@@ -239,10 +242,6 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: TokenData,
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     metrics.close()
     if env.own_pg:
-        # every rank past its last collective before any tears the group down: a
-        # gloo peer that closes its pairs while the other still reads from them
-        # can abort the other process at exit
-        dist.barrier()
         dist.destroy_process_group()
     return summary
 
