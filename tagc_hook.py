@@ -26,6 +26,7 @@ buffers between ranks and keeps per-unit state:
 * ``tagc/transports.py``  the transports, one signature, a table by mode
 * ``tagc/gather.py``      quantized parameter all-gathers (FSDP2, ``gather``)
 * ``tagc/comm.py``, ``tagc/device.py``, ``tagc/stats.py``, ``tagc/checkpoint.py``
+* ``tagc/teardown.py``    the exit drain: gloo's workers done with Python before exit
 
 Decisions documented here (they are visible in behaviour):
 

@@ -4,6 +4,6 @@ Reading order: ``config`` (the knobs), ``selection`` (which units), ``state``
 (``register``), ``fsdp1``/``fsdp2`` (the glue), ``reducer`` (one unit's reduction),
 ``bypass`` (its timing-based choice of path), ``transports`` (what crosses the
 network), ``hsdp`` (custom HSDP's compressed all-reduce between replicas), ``gather``
-(quantized parameter all-gathers), then ``comm``, ``device``, ``stats`` and
-``checkpoint``.
+(quantized parameter all-gathers), then ``comm``, ``device``, ``stats``,
+``checkpoint`` and ``teardown`` (the exit drain for gloo's workers).
 """
