@@ -138,9 +138,12 @@ def test_drain_sees_gloo_workers_and_finds_them_parked() -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("case", ["repro global+drain", "repro cycle+drain"])
 def test_widened_race_ends_cleanly_with_the_drain(case: str) -> None:
-    """Without the drain this program aborts in most runs (README, "Known problems")."""
-    ok, detail = run_once(case)
-    assert ok, detail
+    """Three runs end cleanly.  Without the drain this program aborts in about 6 runs of
+    10 (README, "Known problems"), so a broken drain fails here in all but ~0.4% of CI
+    runs (0.4^6 over both cases)."""
+    for _ in range(3):
+        ok, detail = run_once(case)
+        assert ok, detail
 
 
 RUNS = int(os.environ.get("TAGC_STRESS_RUNS", "0"))
