@@ -200,6 +200,7 @@ def train(spec: str, task: Task, rank: int, world: int,
 
 def run_all(rank: int, world: int, args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Every variant on this rank (ranks run the same sequence)."""
+    teardown.install()  # the plain variant registers no hook (tagc/teardown.py)
     torch.set_num_threads(args.threads)
     task = Task(args)
     out = []
@@ -227,7 +228,6 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, q: Any)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
-    teardown.install()  # the plain variant registers no hook (tagc/teardown.py)
     try:
         res = run_all(rank, world, args)
         if rank == 0:
@@ -241,7 +241,6 @@ def launch(args: argparse.Namespace) -> List[Dict[str, Any]]:
     else in spawned processes.  Returns rank 0's results (None on other ranks)."""
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
-        teardown.install()
         try:
             res = run_all(dist.get_rank(), dist.get_world_size(), args)
         finally:
