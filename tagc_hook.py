@@ -21,6 +21,7 @@ buffers between ranks and keeps per-unit state:
 * ``tagc/state.py``       register() and TAGCState (stats, checkpoints)
 * ``tagc/fsdp1.py``, ``tagc/fsdp2.py``  the FSDP glue (all torch internals)
 * ``tagc/hsdp.py``        custom HSDP: the all-reduce between replicas, compressed
+* ``tagc/overlap.py``     custom HSDP on the CPU: that all-reduce beside the backward
 * ``tagc/reducer.py``     UnitReducer: what FSDP holds per unit; one reduction
 * ``tagc/bypass.py``      the timing-based bypass (``bypass_every``): compress or not
 * ``tagc/transports.py``  the transports, one signature, a table by mode

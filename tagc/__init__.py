@@ -3,7 +3,8 @@
 Reading order: ``config`` (the knobs), ``selection`` (which units), ``state``
 (``register``), ``fsdp1``/``fsdp2`` (the glue), ``reducer`` (one unit's reduction),
 ``bypass`` (its timing-based choice of path), ``transports`` (what crosses the
-network), ``hsdp`` (custom HSDP's compressed all-reduce between replicas), ``gather``
+network), ``hsdp`` (custom HSDP's compressed all-reduce between replicas; ``overlap``
+runs it beside the backward on the CPU), ``gather``
 (quantized parameter all-gathers), then ``comm``, ``device``, ``stats``,
 ``checkpoint`` and ``teardown`` (the exit drain for gloo's workers).
 """

@@ -82,6 +82,15 @@ def state_dict(reducers: List[UnitReducer], cfg: TAGCConfig, kind: str, world: i
     }
 
 
+# knobs that change how the hook runs, not what it computes (hsdp_overlap gives the
+# blocking hook's values bit for bit): a checkpoint resumes under any value of them
+HOW_ONLY = ("hsdp_overlap",)
+
+
+def _comparable(config: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in config.items() if k not in HOW_ONLY}
+
+
 def _saved_config(saved: Dict[str, Any], cfg: TAGCConfig) -> Dict[str, Any]:
     """The saved config with the knobs added since it was written: a key it lacks
     counts as the current value when that is the knob's default (a checkpoint older
@@ -104,7 +113,7 @@ def validate(sd: Dict[str, Any], reducers: List[UnitReducer], cfg: TAGCConfig, w
     """
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         raise ValueError(f"load_state_dict: not a TAGC state dict (format {FORMAT})")
-    if _saved_config(sd["config"], cfg) != cfg.to_dict():
+    if _comparable(_saved_config(sd["config"], cfg)) != _comparable(cfg.to_dict()):
         raise ValueError(f"load_state_dict: config differs: saved {sd['config']}, "
                          f"current {cfg.to_dict()}")
     saved_rank = int(local_part(sd["rank"]).reshape(-1)[0])

@@ -300,6 +300,20 @@ class TAGCConfig:
             squared error, DESIGN section 9, is unaffected).  Cost: about (R-1)/R * (b + b_out) bits per
             element of the shard, b and b_out the two codes' bits, which
             ``hsdp_allreduce="auto"`` weighs against the all-gather form's.
+        hsdp_overlap: custom HSDP on the CPU: run each unit's all-reduce between
+            the nodes on a worker thread while the backward computes the next
+            units (tagc/overlap.py), as FSDP's all-reduce stream does on a GPU;
+            the backward still returns with every gradient summed, bit for bit
+            the values of a blocking hook.  A unit whose gradient FSDP reads
+            right after the hook (accumulation into an existing ``.grad``, a
+            reduce dtype other than the parameters', CPU offload,
+            post-accumulate-grad hooks) blocks, as with ``False``.  Measured on
+            the step benchmark's 200 Mbit link (docs/RESULTS.md, three A/B
+            pairs): steps 10% (``balanced``) and 6% (``lean``) shorter at 2 nodes
+            with a core per rank; level within the noise (3% shorter on
+            average) at 4 nodes sharing 2 cores, where the exchange needs the
+            cores the backward holds.  No effect on CUDA tensors (FSDP's
+            streams overlap them) or without HSDP.
     """
 
     mode: str = "exact"
@@ -326,6 +340,7 @@ class TAGCConfig:
     guard_ratio: Optional[float] = None
     hsdp_allreduce: str = "auto"
     hsdp_out_format: str = "auto"
+    hsdp_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -377,6 +392,7 @@ class TAGCConfig:
         if self.hsdp_allreduce not in HSDP_ALLREDUCE_FORMS:
             raise ValueError(f"hsdp_allreduce: must be one of {HSDP_ALLREDUCE_FORMS}, got "
                              f"{self.hsdp_allreduce!r}")
+        _check_bool("hsdp_overlap", self.hsdp_overlap)
         if self.hsdp_out_format != "auto" and self.hsdp_out_format not in QUANT_FORMATS:
             raise ValueError(f"hsdp_out_format: must be 'auto' or one of {QUANT_FORMATS}, "
                              f"got {self.hsdp_out_format!r}")

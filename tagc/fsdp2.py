@@ -111,6 +111,12 @@ def shard_mesh(mods: List[nn.Module]) -> Any:
     return mods[0]._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh
 
 
+def unit_params(mod: nn.Module) -> List[Any]:
+    """The ``FSDPParam``s of an FSDP2 unit :func:`reducers` accepted (one parameter
+    group per module)."""
+    return list(mod._get_fsdp_state()._fsdp_param_groups[0].fsdp_params)
+
+
 def install(model: nn.Module, reducers_: List[UnitReducer], mods: List[nn.Module]) -> None:
     """Give each module its comm; the comm receives the plain SUM and averages itself."""
     for m, r in zip(mods, reducers_):

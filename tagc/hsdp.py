@@ -40,10 +40,11 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import transports
+from . import fsdp2, transports
 from .comm import Comm
 from .config import TAGCConfig
 from .device import CodecStreams, Exec, poison_nonfinite
+from .overlap import Overlap, deferrable
 from .reducer import UnitReducer, send_owed
 from .selection import UnitSpec
 
@@ -348,9 +349,35 @@ def reducers(model: Any, cfg: TAGCConfig, mesh: Any, streams: CodecStreams,
     return out
 
 
-def install(mods: List[Any], reducers_: List[ReplicaReducer], shards: int) -> None:
-    """The hook on every unit; SUM reductions, and the hook's one divide by replicas x
-    shards after its sum (native HSDP's SUM-then-divide), FSDP's divide factor 1.
+class Hook:
+    """One unit's all-reduce hook: overlapped with the backward where FSDP allows it
+    (tagc/overlap.py), else run in place after every overlapped unit before it.
+
+    Args:
+        reducer: the unit's replica reducer.
+        params: the unit's ``FSDPParam``s (what :func:`~tagc.overlap.deferrable` checks).
+        overlap: the model's worker, None to always block (``hsdp_overlap`` off).
+    """
+
+    def __init__(self, reducer: ReplicaReducer, params: List[Any],
+                 overlap: Optional[Overlap]) -> None:
+        self.reducer, self.params, self.overlap = reducer, params, overlap
+
+    def __call__(self, t: torch.Tensor) -> None:
+        ov = self.overlap
+        if ov is not None and deferrable(t, self.params):
+            ov.submit(lambda: self.reducer.hook(t))
+            return
+        if ov is not None:
+            ov.wait()  # the earlier units' collectives first: the peers' order
+        self.reducer.hook(t)
+
+
+def install(mods: List[Any], reducers_: List[ReplicaReducer], shards: int,
+            overlap: Optional[Overlap]) -> None:
+    """The hook on every unit (:class:`Hook`, overlapped by ``overlap`` unless None);
+    SUM reductions, and the hook's one divide by replicas x shards after its sum
+    (native HSDP's SUM-then-divide), FSDP's divide factor 1.
 
     FSDP's own factor would not do: with one rank per node (``shards`` 1) FSDP2's
     ``foreach_reduce`` skips the reduce-scatter and copies its input divided by the
@@ -359,7 +386,7 @@ def install(mods: List[Any], reducers_: List[ReplicaReducer], shards: int) -> No
     scaled one).  A factor of 1 is a no-op in both places, as for FULL_SHARD (fsdp2.py).
     """
     for m, r in zip(mods, reducers_):
-        m.set_all_reduce_hook(lambda t, r=r: r.hook(t))  # looked up per call
+        m.set_all_reduce_hook(Hook(r, fsdp2.unit_params(m), overlap))
         m.set_force_sum_reduction_for_comms(True)
         m.set_gradient_divide_factor(1.0)
         r.divide = float(r.world * shards)

@@ -10,7 +10,7 @@ from typing import Any, ContextManager, Dict, List, Optional
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint, fsdp1, fsdp2, gather, hsdp, stats, teardown, transports
+from . import checkpoint, fsdp1, fsdp2, gather, hsdp, overlap, stats, teardown, transports
 from .config import TAGCConfig
 from .device import CodecStreams
 from .reducer import UnitReducer
@@ -26,10 +26,12 @@ class TAGCState:
 
     def __init__(self, cfg: TAGCConfig, kind: str, units: List[UnitReducer], rank: int,
                  world_size: int, streams: CodecStreams,
-                 modules: Optional[List[nn.Module]] = None) -> None:
+                 modules: Optional[List[nn.Module]] = None,
+                 overlap_: Optional[overlap.Overlap] = None) -> None:
         self.cfg, self.kind, self.units = cfg, kind, units
         self.rank, self.world_size = rank, world_size
         self._streams = streams
+        self._overlap = overlap_  # custom HSDP on the CPU: the units still in flight
         self._meshes = checkpoint.RowMeshes()
         self._modules = modules or []
         self._switch = gather.GatherSwitch()
@@ -106,7 +108,7 @@ class TAGCState:
             mode's ``unpeeled`` entries are estimated, not recovered
             (``recovered`` stays 0).
         """
-        self._streams.join()
+        self._join()
         units = {u.name: u.stats_dict() for u in self.units}
         out = {"units": units,
                "total": stats.total(list(units.values())),
@@ -140,8 +142,16 @@ class TAGCState:
             res[key] = d
         return res
 
+    def _join(self) -> None:
+        """Wait for every unit's work still in flight: the codec streams (CUDA) and
+        the overlapped HSDP all-reduces (CPU; a backward already waits for its own)."""
+        self._streams.join()
+        if self._overlap is not None:
+            self._overlap.wait()
+
     def reset_stats(self) -> None:
         """Zero every counter (feedback state and step counters are kept)."""
+        self._join()
         for u in self.units:
             u.stats.reset()
 
@@ -158,7 +168,7 @@ class TAGCState:
         """
         if not math.isfinite(factor) or factor <= 0:
             raise ValueError(f"scale_residuals: factor must be finite and > 0, got {factor!r}")
-        self._streams.join()
+        self._join()
         for u in self.units:
             for name, _, _ in u.feedback_buffers():
                 t = getattr(u, name)
@@ -183,7 +193,7 @@ class TAGCState:
             a dict of plain data and DTensors over CPU copies (``to_local()``
             gives this rank's ``(1, length)`` row).
         """
-        self._streams.join()
+        self._join()
         return checkpoint.state_dict(self.units, self.cfg, self.kind, self.world_size,
                                      self.rank, self._meshes)
 
@@ -198,7 +208,7 @@ class TAGCState:
                 state's size differ; nothing is changed then.
         """
         rows = checkpoint.validate(sd, self.units, self.cfg, self.world_size, self.rank)
-        self._streams.join()  # the old state may still be in use on a codec stream
+        self._join()  # the old state may still be in use on a codec stream or the worker
         checkpoint.restore(sd, self.units, rows)
 
 
@@ -334,11 +344,13 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
         group, kind = None, "fsdp2-hsdp"
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     _check_agreement(cfg, units, world, group)
+    ov = overlap.Overlap() if mesh is not None and cfg.hsdp_overlap else None
     if mesh is not None:
-        hsdp.install(mods, units, shards)
+        hsdp.install(mods, units, shards, ov)
     else:
         glue.install(model, units, mods)
-    state = TAGCState(cfg, kind, units, rank, world, streams, mods if kind != "fsdp1" else None)
+    state = TAGCState(cfg, kind, units, rank, world, streams,
+                      mods if kind != "fsdp1" else None, ov)
     if cfg.gather != "none":
         state.gathers = gather.install(cfg, mods, [u.stats for u in units],
                                        [u.name for u in units], state._switch)

@@ -371,3 +371,18 @@ def test_a_checkpoint_from_before_a_knob_resumes_under_its_default() -> None:
     other = tagc.TAGCConfig(mode="quant", quant_format="ternary", hsdp_out_format="ternary")
     assert _saved_config(old, other) != other.to_dict()
     assert _saved_config(cfg.to_dict(), other) != other.to_dict()
+
+
+def test_a_checkpoint_resumes_under_either_hsdp_overlap() -> None:
+    """``hsdp_overlap`` changes how the hook runs, not its values: a checkpoint saved
+    with it on loads with it off and back; a knob that changes values still refuses."""
+    from tagc.checkpoint import _comparable, _saved_config
+
+    on = tagc.TAGCConfig(mode="quant", hsdp_overlap=True)
+    off = tagc.TAGCConfig(mode="quant", hsdp_overlap=False)
+    for saved, now in ((on, off), (off, on)):
+        assert _comparable(_saved_config(saved.to_dict(), now)) == _comparable(now.to_dict())
+    other = tagc.TAGCConfig(mode="quant", quant_format="ternary", hsdp_overlap=False)
+    assert _comparable(_saved_config(on.to_dict(), other)) != _comparable(other.to_dict())
+    with pytest.raises(ValueError, match="hsdp_overlap: must be a bool"):
+        tagc.TAGCConfig(hsdp_overlap="yes")

@@ -384,6 +384,85 @@ def _bypass(rank: int, n: int, cfg: tagc.TAGCConfig, shape: Tuple[int, int] = (R
     return int(st["bypassed_calls"])
 
 
+def _overlap_pair(cfg: tagc.TAGCConfig, shape: Tuple[int, int]) -> Tuple[Any, Any, Any, Any]:
+    """The same model registered twice on one mesh: overlapped (the default) and
+    blocking (``hsdp_overlap=False``)."""
+    mesh = _mesh(*shape)
+    ov, ov_state = _tagc_model(cfg, mesh)
+    cfg_b = tagc.TAGCConfig.from_dict({**cfg.to_dict(), "hsdp_overlap": False})
+    blk, blk_state = _tagc_model(cfg_b, mesh)
+    assert ov_state._overlap is not None and blk_state._overlap is None
+    return ov, ov_state, blk, blk_state
+
+
+def _overlap_equals_blocking(rank: int, n: int, cfg: tagc.TAGCConfig,
+                             shape: Tuple[int, int] = (R, S)) -> int:
+    """With the all-reduce overlapped, every step's gradients (as backward() returns
+    them), the parameters after the optimizer and the feedback state are the blocking
+    hook's bit for bit; the units really ran on the worker and none is in flight
+    when backward() returns.  Then gradient accumulation (a second backward into
+    existing ``.grad``s) blocks every unit and still equals the blocking hook.
+
+    Returns:
+        units the worker ran.
+    """
+    ov, ov_state, blk, blk_state = _overlap_pair(cfg, shape)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ov, blk)]
+    for step in range(3):
+        for m in (ov, blk):
+            _step(m, rank, step)
+            assert ov_state._overlap.pending == 0
+        for i, (a, b) in enumerate(zip(local_grads(ov), local_grads(blk))):
+            assert torch.equal(a, b), (cfg.mode, step, i, float((a - b).abs().max()))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    deferred = ov_state._overlap.deferred
+    assert deferred == 3 * len(ov_state.units), (deferred, len(ov_state.units))
+    for a, b in zip(_params(ov), _params(blk)):
+        assert torch.equal(a, b), cfg.mode
+    for ua, ub in zip(ov_state.units, blk_state.units):
+        for name, _, _ in ua.feedback_buffers():
+            x, y = getattr(ua, name), getattr(ub, name)
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name
+    for step in (3, 4):  # accumulate: the second backward finds every .grad set
+        for m in (ov, blk):
+            _step(m, rank, step)
+    assert ov_state._overlap.deferred == deferred + len(ov_state.units)
+    for i, (a, b) in enumerate(zip(local_grads(ov), local_grads(blk))):
+        assert torch.equal(a, b), ("accumulated", i, float((a - b).abs().max()))
+    assert ov_state.stats()["total"]["calls"] == blk_state.stats()["total"]["calls"]
+    return deferred
+
+
+def _overlap_error(rank: int, n: int) -> None:
+    """A unit failing on the worker fails that backward with a clear error, on every
+    rank alike; the other units still ran, and the next step is whole again."""
+    cfg = _cfg("quant", quant_format="int4")
+    model, state = _tagc_model(cfg, _mesh())
+    victim = state.units[0]
+    orig = victim._all_reduce
+
+    def broken(t: torch.Tensor) -> None:
+        raise ValueError("injected")
+
+    victim._all_reduce = broken
+    try:
+        _step(model, rank, 0)
+    except RuntimeError as e:
+        assert "overlapped HSDP all-reduce failed" in str(e)
+        assert isinstance(e.__cause__, ValueError), repr(e.__cause__)
+    else:
+        raise AssertionError("backward() returned despite a failed all-reduce")
+    assert state._overlap.pending == 0
+    others = [u.stats_dict()["calls"] for u in state.units[1:]]
+    assert others == [1] * len(others), others
+    victim._all_reduce = orig
+    model.zero_grad()
+    _step(model, rank, 1)
+    assert state.stats()["total"]["calls"] == 2 * len(state.units) - 1
+
+
 CASES = [
     ("dense_equals_native", _dense_equals_native),
     ("exact_reference", lambda r, n: _reference(r, n, _cfg("exact", theta=0.9,
@@ -417,6 +496,12 @@ CASES = [
     ("replicas_agree_auto", lambda r, n: _replicas_agree(r, n, _cfg("auto", theta=0.9))),
     ("replicas_agree_quant_ef21", lambda r, n: _replicas_agree(
         r, n, _cfg("quant", quant_format="ternary", ef21=True))),
+    # hsdp_overlap: the worker thread gives the blocking hook's values
+    ("overlap_quant_ef21", lambda r, n: _overlap_equals_blocking(
+        r, n, _cfg("quant", quant_format="ternary", ef21=True, hsdp_allreduce="two_phase"))),
+    ("overlap_exact", lambda r, n: _overlap_equals_blocking(
+        r, n, _cfg("exact", theta=0.5, sketch_factor=0.5))),
+    ("overlap_error", _overlap_error),
 ]
 
 

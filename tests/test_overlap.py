@@ -1,0 +1,109 @@
+"""tagc/overlap.py without a process group: when a unit may be deferred, the worker's
+order, the backward waiting for it, errors.  The distributed checks (overlapped HSDP
+equals the blocking hook bit for bit, accumulation blocks, a failing unit) are cases
+of tests/test_hsdp.py."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any, List
+
+import pytest
+import torch
+
+from tagc.overlap import Overlap, deferrable
+
+
+def _fp(grad: Any = None, offload: bool = False, dtype: torch.dtype = torch.float32,
+        hooks: Any = None) -> Any:
+    p = SimpleNamespace(grad=grad)
+    if hooks is not None:
+        p._post_accumulate_grad_hooks = hooks
+    return SimpleNamespace(sharded_param=p, offload_to_cpu=offload, orig_dtype=dtype)
+
+
+def _in_backward(fn: Any) -> Any:
+    """Call ``fn()`` from inside a backward (a tensor hook); return what it returned."""
+    out: List[Any] = []
+    x = torch.ones(3, requires_grad=True)
+
+    def hook(g: torch.Tensor) -> None:
+        out.append(fn())
+
+    x.register_hook(hook)
+    (x * 2).sum().backward()
+    return out[0]
+
+
+def test_deferrable_only_inside_a_backward_and_when_fsdp_leaves_the_tensor_alone() -> None:
+    t = torch.zeros(8)
+    assert not deferrable(t, [_fp()])  # outside a backward: nothing would wait
+    assert _in_backward(lambda: deferrable(t, [_fp(), _fp()]))
+    assert _in_backward(lambda: deferrable(t, []))
+    for bad in (_fp(grad=torch.zeros(8)),          # accumulates right after the hook
+                _fp(offload=True),                 # copied to the host right after
+                _fp(dtype=torch.bfloat16),         # cast into a new tensor right after
+                _fp(hooks={0: lambda p: None})):   # user code reads .grad
+        assert not _in_backward(lambda bad=bad: deferrable(t, [_fp(), bad]))
+    assert _in_backward(lambda: deferrable(t, [_fp(hooks={})]))  # an empty dict: none
+
+
+def test_jobs_run_in_order_and_the_backward_waits_for_them() -> None:
+    ov = Overlap()
+    done: List[int] = []
+    x = torch.ones(4, requires_grad=True)
+
+    def hook(g: torch.Tensor) -> None:
+        for i in range(5):
+            # later jobs are faster: only a FIFO worker keeps the order
+            ov.submit(lambda i=i: (time.sleep(0.02 * (5 - i)), done.append(i)))
+
+    x.register_hook(hook)
+    (x * 3).sum().backward()
+    assert done == [0, 1, 2, 3, 4]  # all of them, before backward() returned
+    assert ov.pending == 0 and ov.deferred == 5
+    ov.close()
+    ov.close()  # idempotent
+
+
+def test_a_failed_job_fails_the_backward_and_the_rest_still_run() -> None:
+    ov = Overlap()
+    done: List[str] = []
+    x = torch.ones(2, requires_grad=True)
+
+    def boom() -> None:
+        raise ValueError("injected")
+
+    def hook(g: torch.Tensor) -> None:
+        ov.submit(boom)
+        ov.submit(lambda: done.append("after"))
+
+    x.register_hook(hook)
+    with pytest.raises(RuntimeError, match="overlapped HSDP all-reduce failed") as e:
+        (x * 3).sum().backward()
+    assert isinstance(e.value.__cause__, ValueError) and done == ["after"]
+    ov.wait()  # the error was reported once
+    ov.close()
+
+
+def test_each_backward_gets_its_own_wait() -> None:
+    """A backward that follows another queues its own final callback (the first one's
+    was used up), so its jobs are waited for too."""
+    ov = Overlap()
+    release = threading.Event()
+    done: List[int] = []
+    for k in range(2):
+        x = torch.ones(2, requires_grad=True)
+        x.register_hook(lambda g, k=k: ov.submit(
+            lambda: (release.wait(5), done.append(k))))
+        threading.Timer(0.05, release.set).start()
+        (x * 2).sum().backward()
+        assert done == list(range(k + 1))
+        release.clear()
+    ov.close()
+
+
+def test_submit_outside_a_backward_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="outside a backward"):
+        Overlap().submit(lambda: None)
