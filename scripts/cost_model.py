@@ -568,7 +568,8 @@ class Cluster:
         backend: ``nccl`` (ring reduce-scatter) or ``gloo`` (its reduce-scatter is an
             all-reduce: twice the bytes, DESIGN section 4).
         overlap: fraction of the compute time that can hide communication, in [0, 1]
-            (0: nothing hidden, as measured with gloo on the CPU; 1: a step takes
+            (0: nothing hidden, as plain FSDP with gloo on the CPU, and every run
+            ``--check`` compares with; 1: a step takes
             ``max(compute, communication)`` plus the codec).
         link_efficiency: fraction of the bandwidth collectives reach, in (0, 1]
             (1: first principles; ``--check`` can fit it to a measured plain step).

@@ -133,12 +133,22 @@ class Overlap:
         if err is not None:
             raise RuntimeError("TAGC: an overlapped HSDP all-reduce failed") from err
 
-    def close(self) -> None:
-        """Finish the submitted units and end the worker (idempotent; at exit too)."""
+    def close(self, timeout: float = 10.0) -> None:
+        """End the worker after the units already submitted (idempotent; at exit too).
+
+        Args:
+            timeout: seconds to wait for them.  A normal program has none in flight
+                here (every backward waits for its own); after an error a unit may
+                be stuck in a collective with a peer that is gone, and the exit must
+                not hang on it (the worker is a daemon thread).
+        """
         if self._thread is None:
             return
         self._jobs.put(None)
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("TAGC: %d overlapped HSDP all-reduce(s) still running after "
+                           "%.0f s; leaving them", self.pending, timeout)
         self._thread = None
 
     def _run(self) -> None:

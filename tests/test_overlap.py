@@ -107,3 +107,25 @@ def test_each_backward_gets_its_own_wait() -> None:
 def test_submit_outside_a_backward_is_refused() -> None:
     with pytest.raises(RuntimeError, match="outside a backward"):
         Overlap().submit(lambda: None)
+
+
+
+def test_close_does_not_hang_on_a_stuck_unit(caplog: Any) -> None:
+    """A unit stuck (say, in a collective whose peer is gone) must not hold the exit:
+    close() gives up after its timeout, with a warning."""
+    ov = Overlap()
+    release, started = threading.Event(), threading.Event()
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(lambda g: ov.submit(lambda: (started.set(), release.wait(30))))
+    # the backward waits for its unit: run it beside the test
+    bwd = threading.Thread(target=lambda: (x * 2).sum().backward())
+    bwd.start()
+    assert started.wait(10)
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING", logger="tagc.overlap"):
+        ov.close(timeout=0.2)
+    assert time.perf_counter() - t0 < 5
+    assert "still running" in caplog.text and ov.pending == 1
+    release.set()
+    bwd.join(10)
+    assert not bwd.is_alive() and ov.pending == 0
