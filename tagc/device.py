@@ -10,7 +10,7 @@ stream, and data-dependent decisions never reach the host (:func:`gate`,
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, Optional, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -69,6 +69,57 @@ def poison_nonfinite(grad2d: torch.Tensor, bad: torch.Tensor) -> None:
     col.copy_(torch.where(bad, torch.full_like(col, float("nan")), col))
 
 
+class Scratch:
+    """CPU buffers a model's reducers reuse from call to call, one per name and dtype.
+
+    Why: a fresh CPU tensor is fresh pages.  glibc serves blocks above 32 MiB with
+    ``mmap`` and hands them back on free, so a unit's shard-sized buffers were faulted
+    in, page by page, on every call (34 MB fresh and filled: 15 ms against 1.5 ms
+    reused, 8230 faults, on this machine), and so were the receive buffers gloo's
+    threads write into; an HSDP step of the benchmark model took 20-35 thousand more
+    page faults than native HSDP's (docs/RESULTS.md).  A buffer here is faulted in
+    once and kept: at most the largest request of each name, about two fp32 shards of
+    the largest unit and their codes per model.  CUDA tensors never come from here
+    (the caching allocator already keeps blocks, and streams would need events).
+
+    Reuse is safe because a model's units are reduced one at a time (FSDP calls the
+    hooks in turn; ``hsdp_overlap``'s worker runs them in turn, and a blocking call
+    waits for it first) and a buffer never outlives the call that took it.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def empty(self, name: str, shape: Sequence[int], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor, as ``torch.empty``; on the CPU a view of the
+        buffer ``name`` (grown when too small), valid until the next request of
+        ``name``.
+
+        Args:
+            name: the buffer (distinct for buffers a call uses at the same time).
+            shape: the tensor's shape.
+            dtype: its dtype.
+            device: its device.
+        Returns:
+            the tensor.
+        """
+        if torch.device(device).type != "cpu":
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
+        n = 1
+        for d in shape:
+            n *= int(d)
+        buf = self._bufs.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[(name, dtype)] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(tuple(shape))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
 class Exec:
     """The device side of one call, decided once from its input tensor.
 
@@ -78,10 +129,12 @@ class Exec:
             stream on CUDA; the reducer makes that stream current first).
         ok: CUDA only: the call's "every rank finite" device flag once agreed
             (gates device counters and feedback updates); None on the CPU.
+        scratch: the model's reused CPU buffers (None: fresh tensors).
     """
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, scratch: Optional[Scratch] = None) -> None:
         self.cuda = t.is_cuda
+        self.scratch = scratch
         self.kw: Dict[str, int] = (
             {"stream": torch.cuda.current_stream(t.device).cuda_stream} if self.cuda else {})
         self.ok: Optional[torch.Tensor] = None
@@ -119,6 +172,13 @@ class Exec:
         work.wait()
         return None
 
+    def empty(self, name: str, shape: Sequence[int], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        """A buffer for this call only (:meth:`Scratch.empty`)."""
+        if self.scratch is None:
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
+        return self.scratch.empty(name, shape, dtype, device)
+
     def keep(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         """``new`` unless this call's gradients were not finite on some rank
         (CUDA; a CPU call with non-finite values never gets this far)."""
@@ -126,10 +186,12 @@ class Exec:
 
 
 class CodecStreams:
-    """One codec stream per CUDA device, shared by the reducers of a model."""
+    """What the reducers of a model share on the device: one codec stream per CUDA
+    device, and the reused CPU buffers (:attr:`scratch`)."""
 
     def __init__(self) -> None:
         self._streams: Dict[int, Any] = {}
+        self.scratch = Scratch()
 
     def get(self, device: torch.device) -> "torch.cuda.Stream":
         """The codec stream of ``device`` (created on first use)."""

@@ -197,7 +197,7 @@ class GatherReducer(ReplicaReducer):
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         flat = self._flat(t)
-        out = torch.empty_like(flat)
+        out = self.streams.scratch.empty("out", flat.shape, flat.dtype, flat.device)
         self._reduce(flat, out)
         t.copy_(out.view_as(t))
 
@@ -259,9 +259,13 @@ class TwoPhaseReducer(ReplicaReducer):
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         flat = self._flat(t)
-        pad = self.flat_numel - flat.numel()
-        inp = flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
-        out = torch.empty(self.chunk, dtype=flat.dtype, device=flat.device)
+        scratch = self.streams.scratch
+        inp = flat
+        if self.flat_numel != flat.numel():  # padded to R chunks
+            inp = scratch.empty("padded", (self.flat_numel,), flat.dtype, flat.device)
+            inp[:flat.numel()].copy_(flat)
+            inp[flat.numel():].zero_()
+        out = scratch.empty("out", (self.chunk,), flat.dtype, flat.device)
         self.full = None
         self._reduce(inp, out)
         if self.full is not None:
@@ -306,8 +310,8 @@ class TwoPhaseReducer(ReplicaReducer):
             if self.damp is not None:  # the to-the-owner estimates were damped alike
                 held.mul_(self.damp)
             x = out.float() - held[self.rank]
-        full = held if in_place else torch.zeros(shape, dtype=torch.float32,
-                                                 device=out.device)
+        full = held if in_place else dev.empty("full", shape, torch.float32,
+                                               out.device).zero_()
         if dev.ok is not None and self.cfg.mode != "dense":
             # CUDA: a poisoned call leaves the state alone and sends NaN on
             poison_nonfinite(x.view(1, -1), ~dev.ok)

@@ -144,7 +144,7 @@ class UnitReducer:
 
     def _reduce(self, inp: torch.Tensor, out: torch.Tensor) -> None:
         inp = self._check(inp, out)
-        dev = Exec(inp)  # the CPU/CUDA decision of this call
+        dev = Exec(inp, self.streams.scratch)  # the CPU/CUDA decision of this call
         comm = Comm(self.group, self.rank, self.world, self.stats, dev)
         self.stats.add("calls", 1)
         self.stats.add("default_wire_bytes", self.default_wire_bytes(inp))
@@ -223,7 +223,7 @@ class UnitReducer:
     def _compressed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
         self.last_path = "compress"
         self._apply_damping()
-        acc = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
+        acc = dev.empty("acc", (out.numel(),), torch.float32, out.device)
         call = transports.Call(self.cfg, self.index, self.step,
                                self.residual if self.cfg.mode != "dense" else None,
                                comm, dev, self.stats, self._warn_unpeeled)

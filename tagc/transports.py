@@ -230,9 +230,9 @@ def quant(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
     the own shard is added exact (it never leaves the rank)."""
     n, s, rank, kw = call.world, acc.numel(), call.rank, call.dev.kw
     fmt, block = call.cfg.quant_format, call.cfg.quant_block
-    buf = torch.empty(n, _tagc.quant_bytes(s, fmt, block), dtype=torch.uint8,
-                      device=inp.device)
-    recv = torch.empty_like(buf)
+    nb = _tagc.quant_bytes(s, fmt, block)
+    buf = call.dev.empty("quant_send", (n, nb), torch.uint8, inp.device)
+    recv = call.dev.empty("quant_recv", (n, nb), torch.uint8, inp.device)
     works = call.comm.post_recvs(recv)
     for r in call.comm.ring()[:-1]:
         _tagc.quant_encode(buf[r], call.res(r, s), inp[r * s:(r + 1) * s], fmt, block, **kw)
@@ -415,9 +415,9 @@ def spread_quant(call: Call, x: torch.Tensor, out: torch.Tensor, place: bool) ->
     fmt = call.cfg.out_format() if place else call.cfg.quant_format
     block, kw = call.cfg.quant_block, call.dev.kw
     nb = _tagc.quant_bytes(x.numel(), fmt, block)
-    mine = torch.empty(nb, dtype=torch.uint8, device=x.device)
+    mine = call.dev.empty("spread_mine", (nb,), torch.uint8, x.device)
     _tagc.quant_encode(mine, call.residual, x, fmt, block, **kw)
-    every = torch.empty(call.world, nb, dtype=torch.uint8, device=x.device)
+    every = call.dev.empty("spread_every", (call.world, nb), torch.uint8, x.device)
     call.comm.all_gather(every, mine)
     for j, row in enumerate(_rows(out, place, call.world)):  # rank order: one sum
         _tagc.quant_decode_add(row, every[j], fmt, block, **kw)

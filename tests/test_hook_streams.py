@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tagc.device import Exec, gate, poison_nonfinite
+from tagc.device import Exec, Scratch, gate, poison_nonfinite
 from tagc.stats import UnitStats
 
 
@@ -125,3 +125,23 @@ def test_issue_on_cuda_is_async_and_waits_on_the_work() -> None:
     dev.cuda = True  # the branch's logic, without a GPU
     assert dev.issue(False, fake) is None and waited == [True]
     assert isinstance(dev.issue(True, fake), Work) and waited == [True]
+
+
+def test_scratch_reuses_one_buffer_per_name_and_dtype() -> None:
+    """A name's buffer is faulted in once: later requests of the same or a smaller
+    size view the same memory; a larger one grows it; names and dtypes are apart."""
+    sc = Scratch()
+    a = sc.empty("acc", (3, 5), torch.float32, torch.device("cpu"))
+    assert a.shape == (3, 5) and a.dtype == torch.float32 and a.is_contiguous()
+    assert sc.empty("acc", (15,), torch.float32, "cpu").data_ptr() == a.data_ptr()
+    assert sc.empty("acc", (4,), torch.float32, "cpu").data_ptr() == a.data_ptr()
+    assert sc.empty("out", (4,), torch.float32, "cpu").data_ptr() != a.data_ptr()
+    assert sc.empty("acc", (4,), torch.uint8, "cpu").dtype == torch.uint8
+    assert sc.nbytes == 15 * 4 + 4 * 4 + 4
+    big = sc.empty("acc", (100,), torch.float32, "cpu")
+    assert big.numel() == 100 and sc.nbytes == 100 * 4 + 4 * 4 + 4
+    assert sc.empty("acc", (0,), torch.float32, "cpu").numel() == 0
+    t = torch.zeros(2)
+    assert Exec(t).scratch is None  # a call without a pool gets torch.empty
+    dev = Exec(t, sc)
+    assert dev.empty("acc", (7,), torch.float32, t.device).data_ptr() == big.data_ptr()

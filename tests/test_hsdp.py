@@ -417,6 +417,8 @@ def _overlap_equals_blocking(rank: int, n: int, cfg: tagc.TAGCConfig,
         for o in opts:
             o.step()
             o.zero_grad()
+        if step == 0:
+            held0 = ov_state._streams.scratch.nbytes
     deferred = ov_state._overlap.deferred
     assert deferred == 3 * len(ov_state.units), (deferred, len(ov_state.units))
     for a, b in zip(_params(ov), _params(blk)):
@@ -425,6 +427,9 @@ def _overlap_equals_blocking(rank: int, n: int, cfg: tagc.TAGCConfig,
         for name, _, _ in ua.feedback_buffers():
             x, y = getattr(ua, name), getattr(ub, name)
             assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name
+    # the reused CPU buffers (tagc.device.Scratch) stop growing after the first step
+    held = ov_state._streams.scratch.nbytes
+    assert held0 > 0 and held == held0 == blk_state._streams.scratch.nbytes, (held0, held)
     for step in (3, 4):  # accumulate: the second backward finds every .grad set
         for m in (ov, blk):
             _step(m, rank, step)
