@@ -117,6 +117,13 @@ def unit_params(mod: nn.Module) -> List[Any]:
     return list(mod._get_fsdp_state()._fsdp_param_groups[0].fsdp_params)
 
 
+def clear_divide_factor(mod: nn.Module) -> None:
+    """Unset an FSDP2 unit's gradient divide factor (``set_gradient_divide_factor`` has
+    no way back to the default, None: divide by the data-parallel size)."""
+    for pg in mod._get_fsdp_state()._fsdp_param_groups:
+        pg.gradient_divide_factor = None
+
+
 def install(model: nn.Module, reducers_: List[UnitReducer], mods: List[nn.Module]) -> None:
     """Give each module its comm; the comm receives the plain SUM and averages itself."""
     for m, r in zip(mods, reducers_):

@@ -7,7 +7,7 @@ links), and ``register(model, cfg, mesh=mesh)`` gives each unit an all-reduce ho
 (``FSDPModule.set_all_reduce_hook``): FSDP calls it with the unit's reduce-scatter
 output, this rank's shard summed over its node, and the hook sums it over the replicas
 (the nodes) in place, compressed, then divides it by replicas x shards (SUM reductions
-forced, FSDP's divide factor 1: :func:`install`), which is native HSDP's average.
+forced, FSDP dividing by nothing: :func:`install`), which is native HSDP's average.
 
 The all-reduce is FULL_SHARD's reducer and transports (tagc/reducer.py,
 tagc/transports.py) over the replicate group, in one of two forms (docs/DESIGN.md):
@@ -381,17 +381,24 @@ def install(mods: List[Any], reducers_: List[ReplicaReducer], shards: int,
             overlap: Optional[Overlap]) -> None:
     """The hook on every unit (:class:`Hook`, overlapped by ``overlap`` unless None);
     SUM reductions, and the hook's one divide by replicas x shards after its sum
-    (native HSDP's SUM-then-divide), FSDP's divide factor 1.
+    (native HSDP's SUM-then-divide), FSDP dividing by nothing.
 
     FSDP's own factor would not do: with one rank per node (``shards`` 1) FSDP2's
     ``foreach_reduce`` skips the reduce-scatter and copies its input divided by the
     factor, then divides by it again after the hook (torch 2.13), so R would apply
     twice (gradients R times too small: under ``grad_clip`` a different run, not a
-    scaled one).  A factor of 1 is a no-op in both places, as for FULL_SHARD (fsdp2.py).
+    scaled one).  With several shards a factor of 1 is a no-op, as for FULL_SHARD
+    (fsdp2.py).  With one shard no factor at all: FSDP then copies its input plainly
+    and its post-divide is by the shard group's size, 1; a factor of 1 would make it
+    copy ``input / 1.0``, a fresh unit-sized tensor per call (page faults, one more
+    pass; the same values).
     """
     for m, r in zip(mods, reducers_):
         m.set_all_reduce_hook(Hook(r, fsdp2.unit_params(m), overlap))
         m.set_force_sum_reduction_for_comms(True)
-        m.set_gradient_divide_factor(1.0)
+        if shards > 1:
+            m.set_gradient_divide_factor(1.0)
+        else:
+            fsdp2.clear_divide_factor(m)
         r.divide = float(r.world * shards)
 
