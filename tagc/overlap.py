@@ -13,7 +13,7 @@ returns, FSDP only views the hook's tensor as the parameters' ``.grad`` (no read
 copy) when (a) no ``.grad`` is there to accumulate into, (b) the reduce dtype is the
 parameters' own (no cast into a new tensor), (c) the gradient is not offloaded and (d)
 no post-accumulate-grad hook reads it; FSDP's divide after the hook is a no-op (TAGC
-sets the factor to 1 and divides in the hook).  :func:`deferrable` checks (a)-(d) on
+sets FSDP's divide factors so, and divides in the hook: tagc/hsdp.py ``install``).  :func:`deferrable` checks (a)-(d) on
 every call; a call that fails them first waits for every deferred unit, then runs on
 the calling thread.  Nothing may read a gradient before its exchange ends: the first
 deferred call of a backward queues :meth:`Overlap.wait` as an autograd final callback,
