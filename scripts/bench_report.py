@@ -121,6 +121,7 @@ def summarize(report: dict) -> dict:
                 "link_wait_s": (med - med_u) if med is not None and med_u is not None else None,
                 "codec_s": _mean(tr, "codec_s_per_step_per_rank"),
                 "comm_s": _mean(tr, "comm_s_per_step_per_rank"),
+                "peer_wait_s": _mean(tr, "peer_wait_s_per_step_per_rank"),
                 "comm_unshaped_s": _mean(tu, "comm_s_per_step_per_rank"),
                 "mean_s": _mean([{"m": sum(t["step_s"]) / len(t["step_s"])} for t in tr if t["step_s"]], "m"),
                 "veth_tx": _mean(tr, "veth_tx_per_step_per_host"),
@@ -181,7 +182,9 @@ def _header(report: dict) -> list[str]:
               "against `fsdp-bf16`",
               "- time split per rank and step (means): `in collectives` = inside torch.distributed "
               "collectives (FSDP's and TAGC's; sync calls whole, async issue + wait; includes waiting "
-              "for the slower peer), `codec` = inside `_tagc` calls, `rest` = everything else "
+              "for the slower peer), `of it, peer wait` = the part before the last rank entered "
+              "each collective (ranks' calls matched by position; `-` when they differ), "
+              "`codec` = inside `_tagc` calls, `rest` = everything else "
               "(forward/backward compute, optimizer, FSDP bookkeeping); `unshaped s` = median step "
               "with the tc limit removed", ""]
     return lines
@@ -214,8 +217,8 @@ def render_markdown(report: dict, summary: dict) -> str:
         lines += [f"## {strat}", "",
                   "| config | median step s | spread | vs FSDP | vs dense | stats wire/step "
                   "(plain RS) | veth tx/step | gathers/step | rest/step | in collectives s "
-                  "| codec s | rest s | unshaped s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| of it, peer wait s | codec s | rest s | unshaped s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for cfg, r in rows.items():
             sp = "-" if r["spread"] is None else f"{r['spread'][0]:.3f}..{r['spread'][1]:.3f}"
             vf = "-" if r["speedup_vs_fsdp"] is None else f"{r['speedup_vs_fsdp']:.2f}x"
@@ -225,7 +228,8 @@ def render_markdown(report: dict, summary: dict) -> str:
             lines.append(f"| {cfg} | {_fmt_s(r['median_s'])} | {sp} | {vf} | {vd} | "
                          f"{_fmt_bytes(r['stats_bytes'])}{plain} | {_fmt_bytes(r['veth_tx'])} | "
                          f"{_fmt_bytes(r['gather_tx'])} | {_fmt_bytes(_minus(r['veth_tx'], r['gather_tx']))} | "
-                         f"{_fmt_s(r['comm_s'])} | {_fmt_s(r['codec_s'])} | {_fmt_s(rest)} | "
+                         f"{_fmt_s(r['comm_s'])} | {_fmt_s(r['peer_wait_s'])} | "
+                         f"{_fmt_s(r['codec_s'])} | {_fmt_s(rest)} | "
                          f"{_fmt_s(r['median_unshaped_s'])} |")
         lines.append("")
     lines += _hsdp_targets(summary) if "HSDP" in summary else _targets(summary)

@@ -181,7 +181,7 @@ class _WorkTimer:
         try:
             return self._work.wait(*args, **kwargs)
         finally:
-            self._timer.seconds += time.perf_counter() - t0
+            self._timer.record("wait", t0, time.perf_counter())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
@@ -192,7 +192,9 @@ class _CommTimer:
 
     Synchronous calls are timed whole; for ``async_op=True`` the issue and the later
     ``wait()`` are timed. This includes waiting for the slower peer, as any
-    in-collective measurement does.
+    in-collective measurement does; :attr:`events` (each call and wait: name, entry,
+    exit, on the host's monotonic clock, which every rank of this machine shares) let
+    :func:`peer_wait` split that part off.
     """
 
     # the package-level names FSDP1/FSDP2 and TAGC call; nested calls inside
@@ -207,6 +209,12 @@ class _CommTimer:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.gather_bytes = 0
+        self.events: list[tuple[str, float, float]] = []
+
+    def record(self, name: str, t0: float, t1: float) -> None:
+        """One timed call or wait."""
+        self.seconds += t1 - t0
+        self.events.append((name, t0, t1))
 
     def install(self) -> None:
         """Wrap the collectives in ``torch.distributed`` (FSDP and TAGC call them by attribute)."""
@@ -227,7 +235,7 @@ class _CommTimer:
             try:
                 work = fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
+                self.record(fn.__name__, t0, time.perf_counter())
             return _WorkTimer(work, self) if work is not None and hasattr(work, "wait") else work
 
         timed.__name__ = getattr(fn, "__name__", "timed")
@@ -241,6 +249,33 @@ class _CommTimer:
 
         w = dist.get_world_size(group)
         self.gather_bytes += (w - 1) * input_tensor.numel() * input_tensor.element_size()
+
+
+def peer_wait(events: list[list[tuple[str, float, float]]]) -> list[float] | None:
+    """Per rank, the seconds of its timed collectives spent before the last rank arrived.
+
+    The ranks issue the same collectives in the same order (one program, symmetric
+    layouts), so call k of every rank is one collective; a rank that enters it before
+    the last one waits for that one (at most the call's own duration), and the rest of
+    its time in the call is the transfer.  On this machine the ranks of the emulated
+    hosts share the cores, so that wait is mostly the skew of time-sliced ranks.
+
+    Args:
+        events: per rank, its (name, entry, exit) in call order, on one shared clock.
+    Returns:
+        the seconds per rank, or None when the ranks' sequences differ (names or
+        lengths: then calls cannot be matched by position).
+    """
+    if not events or any(len(e) != len(events[0]) for e in events):
+        return None
+    waits = [0.0] * len(events)
+    for calls in zip(*events):
+        if any(c[0] != calls[0][0] for c in calls):
+            return None
+        last = max(c[1] for c in calls)
+        for r, (_, t0, t1) in enumerate(calls):
+            waits[r] += min(max(last - t0, 0.0), t1 - t0)
+    return waits
 
 
 def _hsdp(model: Any, cfg: Any, preset: str | None, per_node: int) -> Any:
@@ -381,6 +416,7 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     s0 = state.stats() if state is not None else {}
     c0 = _read_counters(ifname) if ifname else (0, 0)
     k0, m0, g0 = timer.seconds, comm.seconds, comm.gather_bytes
+    comm.events.clear()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -388,6 +424,9 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
         times.append(time.perf_counter() - t0)
     c1 = _read_counters(ifname) if ifname else (0, 0)
     k1, m1, g1 = timer.seconds, comm.seconds, comm.gather_bytes
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, list(comm.events))  # not a wrapped name: not counted
+    waits = peer_wait(every)
     s1 = state.stats() if state is not None else {}
     # max over ranks per step: a step ends when its slowest rank ends
     t = torch.tensor(times, dtype=torch.float64)
@@ -406,6 +445,9 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
         "veth_rx_per_step_per_host": v[1].item() / args.steps / hosts,
         "codec_s_per_step_per_rank": v[2].item() / args.steps / world,
         "comm_s_per_step_per_rank": v[3].item() / args.steps / world,
+        # of it, waiting for the last rank to enter each collective (None: unmatched)
+        "peer_wait_s_per_step_per_rank": None if waits is None else
+        sum(waits) / args.steps / world,
         # ideal ring bytes of the parameter all-gathers, per host as the veth counters
         "gather_tx_per_step_per_host": v[4].item() / args.steps / hosts,
         "stats_delta_per_step": _scale(_numeric_delta(s1, s0), 1.0 / args.steps),

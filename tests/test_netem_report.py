@@ -135,3 +135,30 @@ def test_bench_step_refuses_bad_layouts(argv: list, msg: str, capsys: Any) -> No
     with pytest.raises(SystemExit) as e:
         bench_step.main(argv)
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_peer_wait_splits_the_wait_for_the_last_rank_off() -> None:
+    """Call k of every rank is one collective: a rank that entered before the last one
+    waited for it, at most for its own time in the call; sequences that differ cannot
+    be matched and give None."""
+    pw = bench_step.peer_wait
+    ev = [[("all_reduce", 0.0, 1.0), ("wait", 2.0, 2.1)],
+          [("all_reduce", 0.4, 1.0), ("wait", 2.5, 2.6)]]
+    w = pw(ev)
+    assert w == pytest.approx([0.4 + 0.1, 0.0])  # the second call capped at its 0.1 s
+    assert pw([[("all_reduce", 0.0, 1.0)], [("wait", 0.0, 1.0)]]) is None
+    assert pw([[("all_reduce", 0.0, 1.0)], []]) is None
+    assert pw([]) is None
+    assert pw([[], []]) == [0.0, 0.0]
+
+
+def test_report_shows_the_peer_wait_column() -> None:
+    rep = _report()
+    for t in rep["shaped"]["trials"]:
+        t["peer_wait_s_per_step_per_rank"] = 0.25
+    rep["shaped"]["trials"][-1]["peer_wait_s_per_step_per_rank"] = None  # unmatched: left out
+    summary = bench_report.summarize(rep)
+    assert summary["FULL_SHARD"]["fsdp"]["peer_wait_s"] == pytest.approx(0.25)
+    assert summary["FULL_SHARD"]["sparse"]["peer_wait_s"] is None
+    md = bench_report.render_markdown(rep, summary)
+    assert "of it, peer wait s" in md and "| 0.250 |" in md
