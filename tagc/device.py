@@ -10,6 +10,7 @@ stream, and data-dependent decisions never reach the host (:func:`gate`,
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
@@ -106,9 +107,7 @@ class Scratch:
         """
         if torch.device(device).type != "cpu":
             return torch.empty(tuple(shape), dtype=dtype, device=device)
-        n = 1
-        for d in shape:
-            n *= int(d)
+        n = math.prod(int(d) for d in shape)
         buf = self._bufs.get((name, dtype))
         if buf is None or buf.numel() < n:
             buf = self._bufs[(name, dtype)] = torch.empty(n, dtype=dtype)

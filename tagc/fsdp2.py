@@ -4,8 +4,8 @@
 per unit (the identity error feedback needs).  FSDP2 calls it synchronously on its
 reduce-scatter stream with ``(output, input, group, op)``; ``input.view(N, -1)`` row r
 goes to rank r and holds chunk r of every parameter (dim 0 padded with zeros).  TAGC
-asks for the plain SUM (``set_force_sum_reduction_for_comms``) and a divide factor of
-1, and averages itself.
+asks for the plain SUM (``set_force_sum_reduction_for_comms``) and FSDP's own divide
+to be a no-op (:func:`sum_reductions`), and averages itself.
 """
 
 from __future__ import annotations
@@ -117,9 +117,50 @@ def unit_params(mod: nn.Module) -> List[Any]:
     return list(mod._get_fsdp_state()._fsdp_param_groups[0].fsdp_params)
 
 
-def clear_divide_factor(mod: nn.Module) -> None:
-    """Unset an FSDP2 unit's gradient divide factor (``set_gradient_divide_factor`` has
-    no way back to the default, None: divide by the data-parallel size)."""
+def output_left_alone(params: List[Any], dtype: torch.dtype) -> bool:
+    """Whether FSDP2 (torch 2.13, ``foreach_reduce``) only views a unit's reduce output
+    as the parameters' ``.grad`` after the reduce hooks, reading nothing: no parameter
+    accumulates into an existing ``.grad``, casts from the reduce ``dtype``, offloads
+    to the host, or has a post-accumulate-grad hook (each reads the output at once).
+
+    Args:
+        params: the unit's ``FSDPParam``s (:func:`unit_params`).
+        dtype: the reduce output's dtype.
+    Returns:
+        the answer.
+    """
+    for fp in params:
+        p = fp.sharded_param
+        if p.grad is not None or getattr(fp, "offload_to_cpu", False):
+            return False
+        if getattr(fp, "orig_dtype", dtype) != dtype:
+            return False
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            return False
+    return True
+
+
+def sum_reductions(mod: nn.Module, shards: int) -> None:
+    """Make FSDP2 sum a unit's gradients and divide by nothing: TAGC's hook averages.
+
+    With several ranks in the unit's group a divide factor of 1 is a no-op.  With one,
+    no factor at all: FSDP2 (torch 2.13 ``foreach_reduce``) then skips the
+    reduce-scatter and copies its input plainly, and its post-divide is by the group's
+    size, 1; any factor, even 1, makes it copy ``input / factor`` into a fresh
+    unit-sized tensor every call (page faults and one more pass, the same values).
+    ``set_gradient_divide_factor`` has no way back to the default, None, so that is
+    set on the parameter group.
+
+    Args:
+        mod: the FSDP2 unit.
+        shards: the size of the group it is sharded over.
+    """
+    if hasattr(mod, "set_force_sum_reduction_for_comms"):
+        mod.set_force_sum_reduction_for_comms(True)
+    if shards > 1:
+        if hasattr(mod, "set_gradient_divide_factor"):
+            mod.set_gradient_divide_factor(1.0)
+        return
     for pg in mod._get_fsdp_state()._fsdp_param_groups:
         pg.gradient_divide_factor = None
 
@@ -128,7 +169,4 @@ def install(model: nn.Module, reducers_: List[UnitReducer], mods: List[nn.Module
     """Give each module its comm; the comm receives the plain SUM and averages itself."""
     for m, r in zip(mods, reducers_):
         m.set_custom_reduce_scatter(ReduceScatterComm(r))
-        if hasattr(m, "set_gradient_divide_factor"):
-            m.set_gradient_divide_factor(1.0)
-        if hasattr(m, "set_force_sum_reduction_for_comms"):
-            m.set_force_sum_reduction_for_comms(True)
+        sum_reductions(m, r.world)

@@ -387,18 +387,11 @@ def install(mods: List[Any], reducers_: List[ReplicaReducer], shards: int,
     ``foreach_reduce`` skips the reduce-scatter and copies its input divided by the
     factor, then divides by it again after the hook (torch 2.13), so R would apply
     twice (gradients R times too small: under ``grad_clip`` a different run, not a
-    scaled one).  With several shards a factor of 1 is a no-op, as for FULL_SHARD
-    (fsdp2.py).  With one shard no factor at all: FSDP then copies its input plainly
-    and its post-divide is by the shard group's size, 1; a factor of 1 would make it
-    copy ``input / 1.0``, a fresh unit-sized tensor per call (page faults, one more
-    pass; the same values).
+    scaled one).  So FSDP sums and divides by nothing (:func:`fsdp2.sum_reductions`,
+    as for FULL_SHARD).
     """
     for m, r in zip(mods, reducers_):
         m.set_all_reduce_hook(Hook(r, fsdp2.unit_params(m), overlap))
-        m.set_force_sum_reduction_for_comms(True)
-        if shards > 1:
-            m.set_gradient_divide_factor(1.0)
-        else:
-            fsdp2.clear_divide_factor(m)
+        fsdp2.sum_reductions(m, shards)
         r.divide = float(r.world * shards)
 

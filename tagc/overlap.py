@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from . import fsdp2
+
 logger = logging.getLogger(__name__)
 
 # the running backward's graph task id (-1 outside a backward); a private torch API,
@@ -58,15 +60,7 @@ def deferrable(t: torch.Tensor, params: Iterable[Any]) -> bool:
     """
     if t.is_cuda or _graph_task_id is None or _graph_task_id() < 0:
         return False
-    for fp in params:
-        p = fp.sharded_param
-        if p.grad is not None or getattr(fp, "offload_to_cpu", False):
-            return False
-        if getattr(fp, "orig_dtype", t.dtype) != t.dtype:
-            return False
-        if getattr(p, "_post_accumulate_grad_hooks", None):
-            return False
-    return True
+    return fsdp2.output_left_alone(list(params), t.dtype)
 
 
 class Overlap:

@@ -14,6 +14,7 @@ is bitwise (torch.save per rank and torch.distributed.checkpoint), for both form
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -389,7 +390,7 @@ def _overlap_pair(cfg: tagc.TAGCConfig, shape: Tuple[int, int]) -> Tuple[Any, An
     blocking (``hsdp_overlap=False``)."""
     mesh = _mesh(*shape)
     ov, ov_state = _tagc_model(cfg, mesh)
-    cfg_b = tagc.TAGCConfig.from_dict({**cfg.to_dict(), "hsdp_overlap": False})
+    cfg_b = dataclasses.replace(cfg, hsdp_overlap=False)
     blk, blk_state = _tagc_model(cfg_b, mesh)
     assert ov_state._overlap is not None and blk_state._overlap is None
     return ov, ov_state, blk, blk_state
