@@ -122,6 +122,8 @@ def summarize(report: dict) -> dict:
                 "codec_s": _mean(tr, "codec_s_per_step_per_rank"),
                 "comm_s": _mean(tr, "comm_s_per_step_per_rank"),
                 "peer_wait_s": _mean(tr, "peer_wait_s_per_step_per_rank"),
+                "cpu_s": _mean(tr, "cpu_s_per_step_per_rank"),
+                "host_busy_s": _mean(tr, "host_busy_cpu_s_per_step"),
                 "comm_unshaped_s": _mean(tu, "comm_s_per_step_per_rank"),
                 "mean_s": _mean([{"m": sum(t["step_s"]) / len(t["step_s"])} for t in tr if t["step_s"]], "m"),
                 "veth_tx": _mean(tr, "veth_tx_per_step_per_host"),
@@ -185,8 +187,11 @@ def _header(report: dict) -> list[str]:
               "for the slower peer), `of it, peer wait` = the part before the last rank entered "
               "each collective (ranks' calls matched by position; `-` when they differ), "
               "`codec` = inside `_tagc` calls, `rest` = everything else "
-              "(forward/backward compute, optimizer, FSDP bookkeeping); `unshaped s` = median step "
-              "with the tc limit removed", ""]
+              "(forward/backward compute, optimizer, FSDP bookkeeping); `CPU s/rank` = CPU time "
+              "of a rank's process (every thread, user + system) per step; `machine busy` = the "
+              "machine's busy CPU time per step (every rank and the kernel's network work, "
+              "`/proc/stat`) over CPUs x mean step: near 100%, ranks time-sliced on the cores "
+              "bound the step; `unshaped s` = median step with the tc limit removed", ""]
     return lines
 
 
@@ -217,8 +222,9 @@ def render_markdown(report: dict, summary: dict) -> str:
         lines += [f"## {strat}", "",
                   "| config | median step s | spread | vs FSDP | vs dense | stats wire/step "
                   "(plain RS) | veth tx/step | gathers/step | rest/step | in collectives s "
-                  "| of it, peer wait s | codec s | rest s | unshaped s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| of it, peer wait s | codec s | rest s | CPU s/rank | machine busy "
+                  "| unshaped s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for cfg, r in rows.items():
             sp = "-" if r["spread"] is None else f"{r['spread'][0]:.3f}..{r['spread'][1]:.3f}"
             vf = "-" if r["speedup_vs_fsdp"] is None else f"{r['speedup_vs_fsdp']:.2f}x"
@@ -229,7 +235,8 @@ def render_markdown(report: dict, summary: dict) -> str:
                          f"{_fmt_bytes(r['stats_bytes'])}{plain} | {_fmt_bytes(r['veth_tx'])} | "
                          f"{_fmt_bytes(r['gather_tx'])} | {_fmt_bytes(_minus(r['veth_tx'], r['gather_tx']))} | "
                          f"{_fmt_s(r['comm_s'])} | {_fmt_s(r['peer_wait_s'])} | "
-                         f"{_fmt_s(r['codec_s'])} | {_fmt_s(rest)} | "
+                         f"{_fmt_s(r['codec_s'])} | {_fmt_s(rest)} | {_fmt_s(r['cpu_s'])} | "
+                         f"{_pct(_busy_share(r, report.get('cpus')))} | "
                          f"{_fmt_s(r['median_unshaped_s'])} |")
         lines.append("")
     lines += _hsdp_targets(summary) if "HSDP" in summary else _targets(summary)
@@ -239,6 +246,13 @@ def render_markdown(report: dict, summary: dict) -> str:
                       "top ops by self CPU time)", "", "```", t["profile"].rstrip(), "```"]
     lines += ["", "## Codec speed (scripts/bench_codec.py)", "", report.get("codec_table", "").rstrip(), ""]
     return "\n".join(lines)
+
+
+def _busy_share(row: dict, cpus: int | None) -> float | None:
+    """The machine's busy CPU time per step over what its CPUs could give in a step."""
+    if row.get("host_busy_s") is None or not row.get("mean_s") or not cpus:
+        return None
+    return row["host_busy_s"] / (cpus * row["mean_s"])
 
 
 def _minus(a: float | None, b: float | None) -> float | None:

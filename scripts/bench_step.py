@@ -417,11 +417,13 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     c0 = _read_counters(ifname) if ifname else (0, 0)
     k0, m0, g0 = timer.seconds, comm.seconds, comm.gather_bytes
     comm.events.clear()
+    busy0, cpu0 = _host_busy(), time.process_time()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    cpu1, busy1 = time.process_time(), _host_busy()
     c1 = _read_counters(ifname) if ifname else (0, 0)
     k1, m1, g1 = timer.seconds, comm.seconds, comm.gather_bytes
     every: list[Any] = [None] * world
@@ -435,8 +437,8 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     # host) are gradient bytes, already in the stats column: not parameter gathers
     g_tagc = (hosts - 1) * (_tagc_gathered(s1) - _tagc_gathered(s0))
     # veth counters: sum over hosts; codec and comm time: over ranks
-    v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0, g1 - g0 - g_tagc],
-                     dtype=torch.float64)
+    v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0, g1 - g0 - g_tagc,
+                      cpu1 - cpu0], dtype=torch.float64)
     dist.all_reduce(v, op=dist.ReduceOp.SUM)
     trial = {
         "rep": rep, "strategy": strategy, "config": name,
@@ -450,6 +452,13 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
         sum(waits) / args.steps / world,
         # ideal ring bytes of the parameter all-gathers, per host as the veth counters
         "gather_tx_per_step_per_host": v[4].item() / args.steps / hosts,
+        # CPU time of the rank's process (every thread, user + system) while timed
+        "cpu_s_per_step_per_rank": v[5].item() / args.steps / world,
+        # the whole machine's busy CPU-seconds over the timed steps (every rank, the
+        # kernel's network work included; None without /proc/stat): with ranks
+        # time-sliced on fewer cores, a step near cores x step is bound by the CPUs
+        "host_busy_cpu_s_per_step": None if busy0 is None or busy1 is None else
+        (busy1 - busy0) / args.steps,
         "stats_delta_per_step": _scale(_numeric_delta(s1, s0), 1.0 / args.steps),
         "stats_total_after": s1.get("total") if rank == 0 else None,
     }
@@ -460,6 +469,21 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
                     strategy, name, statistics.median(trial["step_s"]),
                     trial["veth_tx_per_step_per_host"] / 1e6)
     return trial
+
+
+def _host_busy() -> float | None:
+    """Busy CPU-seconds of the whole machine since boot (``/proc/stat``), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    # guest time is already counted in user (proc(5)): the first 8 fields only
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _tagc_gathered(stats: dict) -> int:

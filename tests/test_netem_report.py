@@ -162,3 +162,23 @@ def test_report_shows_the_peer_wait_column() -> None:
     assert summary["FULL_SHARD"]["sparse"]["peer_wait_s"] is None
     md = bench_report.render_markdown(rep, summary)
     assert "of it, peer wait s" in md and "| 0.250 |" in md
+
+
+def test_cpu_columns_and_machine_busy_share() -> None:
+    """CPU s/rank is the trials' mean; machine busy = busy CPU-s per step over CPUs x
+    mean step; absent fields print '-'."""
+    rep = _report()
+    for t in rep["shaped"]["trials"]:
+        t["cpu_s_per_step_per_rank"] = 0.25
+        t["host_busy_cpu_s_per_step"] = 2.0 if t["config"] == "exact" else None
+    rep["cpus"] = 2
+    s = bench_report.summarize(rep)["FULL_SHARD"]
+    assert s["exact"]["cpu_s"] == pytest.approx(0.25)
+    assert bench_report._busy_share(s["exact"], 2) == pytest.approx(2.0 / (2 * 2.0))
+    assert bench_report._busy_share(s["fsdp"], 2) is None
+    assert bench_report._busy_share(s["exact"], None) is None
+    md = bench_report.render_markdown(rep, bench_report.summarize(rep))
+    row = next(ln for ln in md.splitlines() if ln.startswith("| exact | 2.000"))
+    assert "| 0.250 | 50.0% |" in row
+    busy = bench_step._host_busy()
+    assert busy is None or busy > 0
