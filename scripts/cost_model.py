@@ -551,6 +551,83 @@ def unit_counts(model: ModelSpec) -> List[int]:
 
 # --------------------------------------------------------------------------- cluster
 
+# Collectives the measured tables distinguish (scripts/bench_collectives.py OPS): gloo's
+# all-gather and all-to-all do not reach its all-reduce's rate, and TAGC's exchange
+# (tagc/comm.py isend/irecv to every peer) is neither.
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "all_to_all", "p2p")
+# The process groups a table is measured on (bench_collectives.py): every rank, a
+# node's ranks (the intra-node link), one rank per node (HSDP's replicas).
+COLLECTIVE_GROUPS = ("world", "node", "replica")
+
+
+@dataclass(frozen=True)
+class CollectiveRates:
+    """Measured rates of collectives: bytes per second a host's link carries, per
+    process group, collective and size (``scripts/bench_collectives.py``, the
+    nccl-tests of the emulated network).
+
+    Between the measured sizes the rate is interpolated linearly in log(size); outside
+    them the nearest size's rate holds.  A (group, kind) the table lacks falls back to
+    the cluster's link bandwidth.
+
+    Args:
+        tables: {group: {kind: ((size bytes, bytes/s), ...)}}, sizes increasing; size
+            = the full tensor (all-reduce input, all-gather output, all-to-all and p2p
+            input), rate = the bytes :func:`link_bytes` counts on the link (times the
+            node's N ranks for ``replica``) over the slowest rank's time.
+        source: where the table comes from (printed with predictions).
+    """
+
+    tables: Dict[str, Dict[str, Tuple[Tuple[float, float], ...]]]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for g, kinds in self.tables.items():
+            if g not in COLLECTIVE_GROUPS:
+                raise ValueError(f"collective group {g!r}: one of {list(COLLECTIVE_GROUPS)}")
+            for k, rows in kinds.items():
+                if k not in COLLECTIVE_KINDS:
+                    raise ValueError(f"collective {k!r}: one of {list(COLLECTIVE_KINDS)}")
+                if not rows or any(len(r) != 2 or not (r[0] > 0 and r[1] > 0) for r in rows) \
+                        or any(a[0] >= b[0] for a, b in zip(rows, rows[1:])):
+                    raise ValueError(f"{g}/{k}: rows must be (size > 0, rate > 0) pairs with "
+                                     "increasing sizes")
+
+    @classmethod
+    def from_report(cls, report: Dict[str, Any], source: str = "") -> "CollectiveRates":
+        """The table of a ``bench_collectives.py`` output (its ``collectives`` entry).
+
+        Raises:
+            ValueError: not such an output.
+        """
+        tab = report.get("collectives") if isinstance(report, dict) else None
+        if not isinstance(tab, dict) or not tab:
+            raise ValueError("not a bench_collectives.py output: no 'collectives' table")
+        return cls({g: {k: tuple((float(a), float(b)) for a, b in rows)
+                        for k, rows in kinds.items()} for g, kinds in tab.items()},
+                   source or report.get("command", ""))
+
+    def rate(self, group: str, kind: str, size: float) -> Optional[float]:
+        """Bytes per second for one call, or None when the table lacks (group, kind).
+
+        Args:
+            group: one of :data:`COLLECTIVE_GROUPS`.
+            kind: one of :data:`COLLECTIVE_KINDS`.
+            size: bytes of the full tensor.
+        """
+        rows = self.tables.get(group, {}).get(kind)
+        if not rows:
+            return None
+        if size <= rows[0][0]:
+            return rows[0][1]
+        for (s0, r0), (s1, r1) in zip(rows, rows[1:]):
+            if size <= s1:
+                f = math.log(size / s0) / math.log(s1 / s0)
+                return r0 + f * (r1 - r0)
+        return rows[-1][1]
+
+
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -572,7 +649,10 @@ class Cluster:
             ``--check`` compares with; 1: a step takes
             ``max(compute, communication)`` plus the codec).
         link_efficiency: fraction of the bandwidth collectives reach, in (0, 1]
-            (1: first principles; ``--check`` can fit it to a measured plain step).
+            (1: first principles; ``--check`` can fit it to a measured plain step); it
+            scales the measured rates too.
+        collectives: measured collective rates (:class:`CollectiveRates`); where they
+            cover a collective they replace the link bandwidths.
     """
 
     ranks_per_node: int
@@ -584,6 +664,7 @@ class Cluster:
     backend: str = "nccl"
     overlap: float = 0.0
     link_efficiency: float = 1.0
+    collectives: Optional[CollectiveRates] = None
 
     def __post_init__(self) -> None:
         for k in ("ranks_per_node", "nodes"):
@@ -620,6 +701,25 @@ class Cluster:
         """
         gbit = self.inter_gbit if inter else self.intra_gbit
         return gbit * 1e9 / 8 * self.link_efficiency
+
+    def measured_s(self, group: str, kind: str, size: float, link: float) -> Optional[float]:
+        """Seconds of one collective from the measured rates, or None when not covered.
+
+        Args:
+            group: ``world``, ``node`` or ``replica``.
+            kind: one of :data:`COLLECTIVE_KINDS`.
+            size: bytes of the full tensor.
+            link: bytes one rank puts on the link (:class:`_Step`'s ``link``).
+        """
+        if self.collectives is None:
+            return None
+        rate = self.collectives.rate(group, kind, size)
+        if rate is None and group == "replica" and self.ranks_per_node == 1:
+            rate = self.collectives.rate("world", kind, size)  # one rank per node: the same ranks
+        if rate is None:
+            return None
+        share = self.ranks_per_node if group == "replica" else 1
+        return link * share / (rate * self.link_efficiency)
 
 
 # --------------------------------------------------------------------------- configurations
@@ -878,7 +978,8 @@ class _Step:
         self.c, self.p = cluster, pred
 
     def _account(self, cat: str, ideal: float, link: float, crosses: bool, intra: float,
-                 nic: float, steps: int, times: int, lat: int) -> None:
+                 nic: float, steps: int, times: int, lat: int,
+                 measured: Optional[Tuple[str, Optional[str], float]] = None) -> None:
         """Add bytes, and time = the slowest link the collective uses + latencies.
 
         Args:
@@ -890,6 +991,8 @@ class _Step:
             steps: sequential message steps (latency terms) of one call.
             times: calls, for the bytes.
             lat: FSDP units, for the latencies.
+            measured: (group, kind, size) to look up in the measured collective rates
+                (kind None: not a measured collective); where they cover it, its time.
         """
         c, p = self.c, self.p
         p.ideal[cat] = p.ideal.get(cat, 0.0) + ideal * times
@@ -898,6 +1001,9 @@ class _Step:
         if crosses:
             t = max(t, nic / c.bytes_per_s(True))
             p.node_inter += nic * times
+        if measured is not None and measured[1] is not None:
+            m = c.measured_s(measured[0], measured[1], measured[2], link)
+            t = t if m is None else m
         p.comm_s += t * times + steps * lat * (c.inter_latency_s if crosses
                                                 else c.intra_latency_s)
         p.messages += steps * lat
@@ -923,17 +1029,21 @@ class _Step:
         """
         if g <= 1 or nbytes == 0:
             return
+        # measured: the table entry timing it, and the size the tables index by
         if kind == "all_gather":
             ideal = link = (g - 1) * nbytes
             steps = g - 1
+            measured: Tuple[str, Optional[str], float] = (group, kind, g * nbytes)
         elif kind == "reduce_scatter":
             ideal = (g - 1) / g * nbytes
             gloo = self.c.backend == "gloo"  # gloo: an all-reduce underneath
             link = 2 * ideal if gloo else ideal
             steps = 2 * (g - 1) if gloo else g - 1
+            measured = (group, "all_reduce" if gloo else None, nbytes)
         elif kind == "all_reduce":
             ideal = link = 2 * (g - 1) / g * nbytes
             steps = 2 * (g - 1)
+            measured = (group, kind, nbytes)
         else:
             raise ValueError(f"unknown collective {kind!r}")
         crosses = self._crosses(group)
@@ -941,10 +1051,10 @@ class _Step:
         # carries one rank's bytes; replica groups: the node's N rings all cross it.
         nic = link * (self.c.ranks_per_node if group == "replica" else 1)
         intra = link if group != "replica" and self.c.ranks_per_node > 1 else 0.0
-        self._account(cat, ideal, link, crosses, intra, nic, steps, times, lat)
+        self._account(cat, ideal, link, crosses, intra, nic, steps, times, lat, measured)
 
     def all_to_all(self, cat: str, group: str, g: int, msg: float, times: int,
-                   lat: int) -> None:
+                   lat: int, kind: str = "all_to_all") -> None:
         """Each rank sends ``msg`` bytes to each of the ``g - 1`` others.
 
         Args:
@@ -954,6 +1064,9 @@ class _Step:
             msg: bytes of one message.
             times: calls, for the bytes.
             lat: FSDP units, for the latencies.
+            kind: ``all_to_all`` (one ``all_to_all_single``) or ``p2p`` (an isend to
+                and an irecv from every peer, ``tagc/comm.py``): the same bytes, not the
+                same rate on gloo.
         """
         if g <= 1 or msg == 0:
             return
@@ -964,7 +1077,7 @@ class _Step:
         else:  # replica: every rank's g - 1 messages leave the node
             nic, intra = n * (g - 1) * msg, 0.0
         self._account(cat, (g - 1) * msg, (g - 1) * msg, self._crosses(group), intra, nic,
-                      g - 1, times, lat)
+                      g - 1, times, lat, (group, kind, g * msg))
 
 
 def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float = 0.0,
@@ -1065,16 +1178,16 @@ def _exchange(st: _Step, p: Prediction, t: Compression, g: int, s: int, eb: int,
     """TAGC's compressed reduce-scatter of one unit over all ranks: an all-to-all."""
     if t.vote_bytes:
         st.ring("control", "world", g, "all_reduce", t.vote_bytes, cnt, cnt)
-    if t.mode == "dense":
+    if t.mode == "dense":  # transports.dense: one all_to_all_single
         st.all_to_all("grad", "world", g, s * eb, 1, cnt)
-    elif t.mode == "quant":
+    elif t.mode == "quant":  # transports.quant: a message per owner, isend/irecv
         fmt = t.quant_format
-        st.all_to_all("grad", "world", g, quant_bytes(s, fmt, t.quant_block), 1, cnt)
+        st.all_to_all("grad", "world", g, quant_bytes(s, fmt, t.quant_block), 1, cnt, "p2p")
         # the own shard stays exact: g - 1 shards encoded, g - 1 messages decoded
         p.codec_s += (g - 1) * s * (1 / rates[f"quant_encode_{fmt}"]
                                     + 1 / rates[f"quant_decode_{fmt}"])
     else:  # every shard selected (the own one too), g messages added at the owner
-        st.all_to_all("grad", "world", g, _pairs_msg(t, s, eb), 1, cnt)
+        st.all_to_all("grad", "world", g, _pairs_msg(t, s, eb), 1, cnt, "p2p")
         p.codec_s += _pairs_codec(t, s, g, g, rates)
 
 
@@ -1099,9 +1212,9 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
         return
     # TwoPhaseReducer: the shard padded to r chunks; the to-the-owner phase is the mode's
     # FULL_SHARD transport over the replicas (r - 1 point-to-point messages per rank,
-    # counted as an all-to-all of the same bytes), then each owner codes its chunk of
-    # the sum once and one all-gather brings every owner's message to every replica
-    # (transports.SPREADS with place=True), where all r are decoded.
+    # counted as an all-to-all of the same bytes, timed as p2p), then each owner codes
+    # its chunk of the sum once and one all-gather brings every owner's message to every
+    # replica (transports.SPREADS with place=True), where all r are decoded.
     chunk = -(-s // r)
     if t.mode == "dense":  # transports.dense, then spread_dense: the fp32 sums gathered
         st.all_to_all("cross", "replica", r, chunk * eb, 1, cnt)
@@ -1109,7 +1222,8 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
     elif t.mode == "quant":
         fmt, out = t.quant_format, t.owner_format
         enc, dec = rates[f"quant_encode_{fmt}"], rates[f"quant_decode_{fmt}"]
-        st.all_to_all("cross", "replica", r, quant_bytes(chunk, fmt, t.quant_block), 1, cnt)
+        st.all_to_all("cross", "replica", r, quant_bytes(chunk, fmt, t.quant_block), 1, cnt,
+                      "p2p")
         st.ring("cross", "replica", r, "all_gather", quant_bytes(chunk, out, t.quant_block),
                 1, cnt)
         # transports.quant: the own chunk is added exact, the r - 1 others encoded and
@@ -1121,7 +1235,7 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
         # transports.pairs: every chunk selected (the own one too), r messages added at
         # the owner; spread_pairs: k of the owner's sum selected, r messages added
         msg = _pairs_msg(t, chunk, eb)
-        st.all_to_all("cross", "replica", r, msg, 1, cnt)
+        st.all_to_all("cross", "replica", r, msg, 1, cnt, "p2p")
         st.ring("cross", "replica", r, "all_gather", msg, 1, cnt)
         p.codec_s += _pairs_codec(t, chunk, r, r, rates) + _pairs_codec(t, chunk, 1, r, rates)
 
@@ -1334,6 +1448,19 @@ def load_runs(path: str) -> Dict[str, Any]:
         if "rest_s" not in c and not ("plain_fast_step_s" in c and "fast_mbit" in c):
             raise ValueError(f"runs file {path}: setup {name!r}: compute needs rest_s, or "
                              "plain_fast_step_s and fast_mbit")
+    links = data.get("links", {})
+    if not isinstance(links, dict):
+        raise ValueError(f"runs file {path}: 'links' must map names to bench_collectives.py "
+                         "outputs")
+    for lname, rep in links.items():
+        try:
+            CollectiveRates.from_report(rep, lname)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"runs file {path}: link table {lname!r}: {e}") from e
+    for name, st in data["setups"].items():
+        if "collectives" in st and st["collectives"] not in links:
+            raise ValueError(f"runs file {path}: setup {name!r} names unknown link table "
+                             f"{st['collectives']!r}")
     for i, run in enumerate(data["runs"]):
         if run.get("setup") not in data["setups"]:
             raise ValueError(f"runs file {path}: run {i} names unknown setup {run.get('setup')!r}")
@@ -1348,7 +1475,8 @@ def load_runs(path: str) -> Dict[str, Any]:
 
 
 def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[float] = None,
-                   efficiency: float = 1.0) -> Cluster:
+                   efficiency: float = 1.0, collectives: Optional[CollectiveRates] = None
+                   ) -> Cluster:
     """The cluster of a runs-file setup (gloo), at ``inter_mbit`` between nodes."""
     n = st["ranks_per_node"]
     intra = intra_mbit if intra_mbit is not None else st.get("intra_mbit")
@@ -1359,7 +1487,7 @@ def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[f
     # Latency: scripts/bench_step.py's --delay default (0.1 ms), which this kernel's tbf
     # does not apply (no sch_netem, DESIGN section 10): an upper bound, a few ms per step.
     return Cluster(n, st["nodes"], intra / 1000, inter_mbit / 1000, 1e-4, 1e-4,
-                   backend="gloo", link_efficiency=efficiency)
+                   backend="gloo", link_efficiency=efficiency, collectives=collectives)
 
 
 def _run_config(st: Dict[str, Any], name: str) -> Config:
@@ -1370,14 +1498,15 @@ def _run_config(st: Dict[str, Any], name: str) -> Config:
 
 
 def _setup_state(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, float]],
-                 efficiency: float = 1.0, intra_mbit: Optional[float] = None
-                 ) -> Tuple[Cluster, float]:
+                 efficiency: float = 1.0, intra_mbit: Optional[float] = None,
+                 collectives: Optional[CollectiveRates] = None) -> Tuple[Cluster, float]:
     """(cluster, compute seconds) of a setup.
 
     Compute is the plain row's time outside collectives (``rest_s``), or the plain
-    step on the fast link minus the communication predicted there.
+    step on the fast link minus the communication predicted there (without the
+    measured collective rates, which are of the slow link).
     """
-    cl = _setup_cluster(st, st["inter_mbit"], intra_mbit, efficiency)
+    cl = _setup_cluster(st, st["inter_mbit"], intra_mbit, efficiency, collectives)
     c = st["compute"]
     if "rest_s" in c:
         return cl, float(c["rest_s"])
@@ -1393,7 +1522,8 @@ CALIBRATABLE = {"link_efficiency": ((0.05, 1.0), "efficiency"),
 
 
 def calibrate(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, float]],
-              measured_plain_s: float) -> Optional[Tuple[str, float]]:
+              measured_plain_s: float, collectives: Optional[CollectiveRates] = None
+              ) -> Optional[Tuple[str, float]]:
     """Fit the setup's ``calibrate`` figure so the plain row's step time is matched.
 
     The predicted plain step falls as the figure grows (more efficiency, a faster
@@ -1405,6 +1535,7 @@ def calibrate(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, fl
         model: its model.
         codec: codec throughputs.
         measured_plain_s: the plain row's measured step time.
+        collectives: the setup's measured collective rates, if any.
     Returns:
         (figure, fitted value), or None when the setup has no plain row.
     """
@@ -1416,7 +1547,7 @@ def calibrate(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, fl
 
     def step(x: float) -> float:
         """The predicted plain step at figure value x."""
-        cl, compute = _setup_state(st, model, codec, **{kw: x})
+        cl, compute = _setup_state(st, model, codec, collectives=collectives, **{kw: x})
         if compute < 0:  # so slow a link that the fast-link step holds no compute
             return math.inf
         return predict(model, cl, plain, compute, codec).step_s
@@ -1445,14 +1576,16 @@ def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> Lis
         one row per compared quantity.
     """
     rows: List[CheckRow] = []
+    links = {k: CollectiveRates.from_report(v, k) for k, v in data.get("links", {}).items()}
     for name, st in data["setups"].items():
         model = run_model(st["model"])
-        cl, compute = _setup_state(st, model, codec)
+        coll = links[st["collectives"]] if "collectives" in st else None
+        cl, compute = _setup_state(st, model, codec, collectives=coll)
         runs = [r for r in data["runs"] if r["setup"] == name]
         meas_plain = next((r["step_s"] for r in runs if r["config"] == "fsdp"), None)
-        fit = calibrate(st, model, codec, meas_plain) if meas_plain else None
-        cal = _setup_state(st, model, codec, **{CALIBRATABLE[fit[0]][1]: fit[1]}) \
-            if fit else None
+        fit = calibrate(st, model, codec, meas_plain, coll) if meas_plain else None
+        cal = _setup_state(st, model, codec, collectives=coll,
+                           **{CALIBRATABLE[fit[0]][1]: fit[1]}) if fit else None
         for run in runs:
             cfg = _run_config(st, run["config"])
             p = predict(model, cl, cfg, compute, codec)
@@ -1673,6 +1806,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of compute that hides communication, 0..1 (default 0)")
     c.add_argument("--link-efficiency", type=float, default=1.0,
                    help="fraction of the bandwidth collectives reach (default 1)")
+    c.add_argument("--collectives", metavar="JSON",
+                   help="measured collective rates (scripts/bench_collectives.py --out) of "
+                        "your cluster: they replace the link bandwidths where they cover a "
+                        "collective (measured at one R: predictions at other R reuse them)")
     w = p.add_argument_group("workload")
     w.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help="comma-separated configurations")
@@ -1716,9 +1853,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             print(check_report(check(load_runs(args.check), codec)))
             return 0
+        coll = None
+        if args.collectives:
+            try:
+                coll = CollectiveRates.from_report(json.loads(Path(args.collectives).read_text()),
+                                                   args.collectives)
+            except (OSError, ValueError) as e:
+                p.error(f"--collectives {args.collectives}: {e}")
         base = Cluster(args.ranks_per_node, 1, args.intra_gbit, args.inter_gbit,
                        args.intra_latency_us * 1e-6, args.inter_latency_us * 1e-6,
-                       args.backend, args.overlap, args.link_efficiency)
+                       args.backend, args.overlap, args.link_efficiency, coll)
         configs = [make_config(n.strip(), args.dtype, args.fsdp)
                    for n in args.configs.split(",") if n.strip()]
         if not configs:

@@ -135,3 +135,28 @@ def test_rejects_bad_rate():
     r = _netem("--rate", "fast", "up")
     assert r.returncode != 0 and "--rate" in r.stderr
     assert _our_namespaces() == []
+
+
+def test_bench_collectives_times_every_group_and_op(tmp_path):
+    """scripts/bench_collectives.py on 2 hosts x 2 ranks: a rate per group, op and size,
+    the shaped link slower than a host's loopback."""
+    import json
+    import sys
+
+    out = tmp_path / "links.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_collectives.py"),
+                        "--nodes", "2", "--per-node", "2", "--rate", "100mbit",
+                        "--sizes", "0.05", "0.5", "--reps", "2", "--gap-ms", "0",
+                        "--ops", "all_reduce", "p2p", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    tab = rep["collectives"]
+    assert set(tab) == {"world", "node", "replica"}
+    for g in tab.values():
+        assert set(g) == {"all_reduce", "p2p"}
+        for rows in g.values():
+            assert [s for s, _ in rows] == [int(0.05 * 2 ** 20), int(0.5 * 2 ** 20)]
+            assert all(rate > 0 for _, rate in rows)
+    assert tab["node"]["all_reduce"][1][1] > 2 * tab["replica"]["all_reduce"][1][1]
+    assert "| replica | p2p |" in r.stdout and "measured" in rep["link_measured"]
