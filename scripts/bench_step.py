@@ -203,13 +203,19 @@ class _CommTimer:
              "reduce_scatter_single", "all_reduce", "all_to_all_single", "reduce", "all_gather",
              "broadcast", "all_to_all", "reduce_scatter", "isend", "irecv")
 
-    # the parameter all-gathers (FSDP's own or TAGC's quantized ones): counted apart
-    GATHERS = ("all_gather_into_tensor", "all_gather_single")
+    # the parameter all-gathers (FSDP's own or TAGC's quantized ones): counted apart;
+    # pair_all_gather is TAGC's two-rank gloo all-gather (tagc/comm.py)
+    GATHERS = ("all_gather_into_tensor", "all_gather_single", "pair_all_gather")
 
     def __init__(self) -> None:
+        import threading
+
         self.seconds = 0.0
         self.gather_bytes = 0
         self.events: list[tuple[str, float, float]] = []
+        # a wrapped call made inside another (pair_all_gather's isend/irecv) is part
+        # of the outer one's time: counted once
+        self._inside = threading.local()
 
     def record(self, name: str, t0: float, t1: float) -> None:
         """One timed call or wait."""
@@ -220,34 +226,43 @@ class _CommTimer:
         """Wrap the collectives in ``torch.distributed`` (FSDP and TAGC call them by attribute)."""
         import torch.distributed as dist
 
+        import tagc.comm
+
         for name in self.NAMES:
             fn = getattr(dist, name, None)
             if fn is not None:
                 setattr(dist, name, self._wrap(fn))
+        # TAGC calls it through its module (tagc/comm.py, tagc/gather.py)
+        tagc.comm.pair_all_gather = self._wrap(tagc.comm.pair_all_gather)
 
     def _wrap(self, fn: Callable) -> Callable:
         gather = fn.__name__ in self.GATHERS
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._inside, "depth", 0):
+                return fn(*args, **kwargs)
             if gather:
-                self._count_gather(*args, **kwargs)
+                self._count_gather(fn.__name__, *args, **kwargs)
+            self._inside.depth = 1
             t0 = time.perf_counter()
             try:
                 work = fn(*args, **kwargs)
             finally:
                 self.record(fn.__name__, t0, time.perf_counter())
+                self._inside.depth = 0
             return _WorkTimer(work, self) if work is not None and hasattr(work, "wait") else work
 
         timed.__name__ = getattr(fn, "__name__", "timed")
         timed.__doc__ = fn.__doc__
         return timed
 
-    def _count_gather(self, output_tensor: Any, input_tensor: Any, group: Any = None,
-                      **_: Any) -> None:
+    def _count_gather(self, name: str, output_tensor: Any, input_tensor: Any, *args: Any,
+                      group: Any = None, **_: Any) -> None:
         """Bytes a ring all-gather sends from this rank: (w-1) x its input."""
         import torch.distributed as dist
 
-        w = dist.get_world_size(group)
+        # pair_all_gather(out, inp, rank, group): two ranks by definition
+        w = 2 if name == "pair_all_gather" else dist.get_world_size(args[0] if args else group)
         self.gather_bytes += (w - 1) * input_tensor.numel() * input_tensor.element_size()
 
 

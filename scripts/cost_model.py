@@ -653,6 +653,9 @@ class Cluster:
             scales the measured rates too.
         collectives: measured collective rates (:class:`CollectiveRates`); where they
             cover a collective they replace the link bandwidths.
+        pair_gather: TAGC's all-gathers over two gloo ranks go as one isend/irecv
+            exchange (``tagc/comm.py`` ``exchanges_pairwise``; timed as ``p2p``); False
+            for runs of the code before it (gloo's all-gather).
     """
 
     ranks_per_node: int
@@ -665,6 +668,7 @@ class Cluster:
     overlap: float = 0.0
     link_efficiency: float = 1.0
     collectives: Optional[CollectiveRates] = None
+    pair_gather: bool = True
 
     def __post_init__(self) -> None:
         for k in ("ranks_per_node", "nodes"):
@@ -1013,7 +1017,7 @@ class _Step:
         return group == "replica" or (group == "world" and self.c.nodes > 1)
 
     def ring(self, cat: str, group: str, g: int, kind: str, nbytes: float, times: int,
-             lat: int) -> None:
+             lat: int, tagc: bool = False) -> None:
         """A ring collective over ``g`` ranks.
 
         Args:
@@ -1026,6 +1030,8 @@ class _Step:
             nbytes: see kind.
             times: calls, for the bytes.
             lat: FSDP units, for the latencies.
+            tagc: TAGC's own collective (its all-gathers over two gloo ranks are an
+                exchange, :attr:`Cluster.pair_gather`), not FSDP's.
         """
         if g <= 1 or nbytes == 0:
             return
@@ -1033,7 +1039,9 @@ class _Step:
         if kind == "all_gather":
             ideal = link = (g - 1) * nbytes
             steps = g - 1
-            measured: Tuple[str, Optional[str], float] = (group, kind, g * nbytes)
+            pair = tagc and g == 2 and self.c.backend == "gloo" and self.c.pair_gather
+            measured: Tuple[str, Optional[str], float] = (group, "p2p" if pair else kind,
+                                                          g * nbytes)
         elif kind == "reduce_scatter":
             ideal = (g - 1) / g * nbytes
             gloo = self.c.backend == "gloo"  # gloo: an all-reduce underneath
@@ -1113,7 +1121,7 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
         calls = 1 if (config.fsdp == 1 and u.root) else 2
         if t is not None and t.gather != "none":
             msg = sum(quant_bytes(x, t.gather, t.gather_block) for x in segs)
-            st.ring("gather", group, g, "all_gather", msg, calls, calls * cnt)
+            st.ring("gather", group, g, "all_gather", msg, calls, calls * cnt, tagc=True)
             if g > 1:  # tagc/gather.py: encode the own shard, decode all g messages
                 p.codec_s += calls * (s / rates["wq_encode"] + g * s / rates["wq_decode"])
         else:
@@ -1204,10 +1212,10 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
         elif t.mode == "quant":  # spread_quant: encode the shard once, decode all r
             fmt = t.quant_format
             st.ring("cross", "replica", r, "all_gather", quant_bytes(s, fmt, t.quant_block),
-                    1, cnt)
+                    1, cnt, tagc=True)
             p.codec_s += s / rates[f"quant_encode_{fmt}"] + r * s / rates[f"quant_decode_{fmt}"]
         else:  # spread_pairs: the k pairs of the shard all-gathered, all r added
-            st.ring("cross", "replica", r, "all_gather", _pairs_msg(t, s, eb), 1, cnt)
+            st.ring("cross", "replica", r, "all_gather", _pairs_msg(t, s, eb), 1, cnt, tagc=True)
             p.codec_s += _pairs_codec(t, s, 1, r, rates)
         return
     # TwoPhaseReducer: the shard padded to r chunks; the to-the-owner phase is the mode's
@@ -1218,14 +1226,14 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
     chunk = -(-s // r)
     if t.mode == "dense":  # transports.dense, then spread_dense: the fp32 sums gathered
         st.all_to_all("cross", "replica", r, chunk * eb, 1, cnt)
-        st.ring("cross", "replica", r, "all_gather", chunk * DTYPE_BYTES["fp32"], 1, cnt)
+        st.ring("cross", "replica", r, "all_gather", chunk * DTYPE_BYTES["fp32"], 1, cnt, tagc=True)
     elif t.mode == "quant":
         fmt, out = t.quant_format, t.owner_format
         enc, dec = rates[f"quant_encode_{fmt}"], rates[f"quant_decode_{fmt}"]
         st.all_to_all("cross", "replica", r, quant_bytes(chunk, fmt, t.quant_block), 1, cnt,
                       "p2p")
         st.ring("cross", "replica", r, "all_gather", quant_bytes(chunk, out, t.quant_block),
-                1, cnt)
+                1, cnt, tagc=True)
         # transports.quant: the own chunk is added exact, the r - 1 others encoded and
         # r - 1 received messages decoded; spread_quant: one chunk encoded, r decoded,
         # on the owner's code
@@ -1236,7 +1244,7 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
         # the owner; spread_pairs: k of the owner's sum selected, r messages added
         msg = _pairs_msg(t, chunk, eb)
         st.all_to_all("cross", "replica", r, msg, 1, cnt, "p2p")
-        st.ring("cross", "replica", r, "all_gather", msg, 1, cnt)
+        st.ring("cross", "replica", r, "all_gather", msg, 1, cnt, tagc=True)
         p.codec_s += _pairs_codec(t, chunk, r, r, rates) + _pairs_codec(t, chunk, 1, r, rates)
 
 
@@ -1487,7 +1495,8 @@ def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[f
     # Latency: scripts/bench_step.py's --delay default (0.1 ms), which this kernel's tbf
     # does not apply (no sch_netem, DESIGN section 10): an upper bound, a few ms per step.
     return Cluster(n, st["nodes"], intra / 1000, inter_mbit / 1000, 1e-4, 1e-4,
-                   backend="gloo", link_efficiency=efficiency, collectives=collectives)
+                   backend="gloo", link_efficiency=efficiency, collectives=collectives,
+                   pair_gather=st.get("pair_gather", True))
 
 
 def _run_config(st: Dict[str, Any], name: str) -> Config:

@@ -16,6 +16,44 @@ from .device import Exec
 from .stats import UnitStats
 
 
+def exchanges_pairwise(group: Any, world: int, t: torch.Tensor) -> bool:
+    """Whether an all-gather over ``group`` goes as one exchange with the peer
+    (:func:`pair_all_gather`) instead of gloo's all-gather.
+
+    Two CPU ranks on gloo only: there ``all_gather_into_tensor`` reached 68% of a
+    200 Mbit/s link and 45-60% of the loopback's rate in
+    ``scripts/bench_collectives.py`` (docs/RESULTS.md), while an isend/irecv pair
+    moves the same bytes at the link's rate.  From three ranks on, gloo's ring
+    all-gather ran at the link's rate and the exchange with every peer below it, so
+    the all-gather stays.  The same on every rank: it depends on the group only.
+    """
+    return world == 2 and t.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
+def pair_all_gather(out: torch.Tensor, inp: torch.Tensor, rank: int, group: Any) -> None:
+    """All-gather over two ranks as one exchange: row ``rank`` of ``out`` (2 rows) gets
+    ``inp`` (no copy when ``inp`` is that row, as FSDP2 hands it), the other row the
+    peer's.  Synchronous; the receive is posted before the send.
+
+    Args:
+        out: 2 equal contiguous rows (any shape whose first dim is 2, or flat).
+        inp: this rank's row.
+        rank: this rank in ``group`` (0 or 1).
+        group: the two ranks' process group.
+    """
+    if out.numel() == 0:
+        return
+    rows = out.view(2, -1)
+    mine, peer = rows[rank], rows[1 - rank]
+    src = inp.reshape(-1)
+    if src.data_ptr() != mine.data_ptr():
+        mine.copy_(src)
+    works = [dist.irecv(peer, group=group, group_src=1 - rank),
+             dist.isend(mine, group=group, group_dst=1 - rank)]
+    for w in works:
+        w.wait()
+
+
 class Comm:
     """Collectives of one call over the unit's process group.
 
@@ -59,6 +97,10 @@ class Comm:
         """Every rank's ``inp`` into row r of ``out`` (a ring all-gather: this rank's
         message travels to the N-1 others)."""
         nb = inp.numel() * inp.element_size()
+        if exchanges_pairwise(self.group, self.world, inp):
+            self.stats.record("pair_all_gather", nb, nb)
+            pair_all_gather(out, inp, self.rank, self.group)
+            return
         # gloo wants the output flat (world * numel), not stacked
         if hasattr(dist, "all_gather_single"):  # all_gather_into_tensor is deprecated
             self.stats.record("all_gather_single", nb, (self.world - 1) * nb)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import comm
 from .config import TAGCConfig
 from .device import Exec
 from .stats import UnitStats
@@ -136,7 +137,7 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
         if self.switch.exact:
             # validation under exact_gathers(): the user's evaluation, not training
             # traffic, so not counted (the counters describe the training's gathers)
-            dist.all_gather_single(output_tensor, input_tensor, group=group)
+            _all_gather(output_tensor, input_tensor, group, world)
             return None
         self.stats.add("gather_calls", 1)
         self.stats.add("gather_default_wire_bytes", (world - 1) * nb)
@@ -193,7 +194,7 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
         self.stats.add("gather_quantized_calls", 1)
         # in place, as FSDP's own gather: the input is the output's own row (gloo
         # wants the output flat, world * numel, not stacked)
-        dist.all_gather_single(recv.view(-1), recv[rank], group=group)
+        _all_gather(recv, recv[rank], group, world)
         n = inp.numel()
         for r in [r for r in range(world) if r != rank] + [rank]:  # own shard last
             _tagc.wq_decode(out[r * n:(r + 1) * n], recv[r], segs, fmt, block, **kw)
@@ -202,7 +203,17 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
                nb: int) -> None:
         self.stats.add("gather_wire_bytes", (world - 1) * nb)
         self.stats.add("gather_exact_calls", 1)
-        dist.all_gather_single(out, inp, group=group)
+        _all_gather(out, inp, group, world)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, world: int) -> None:
+    """Every rank's ``inp`` into its row of ``out``: one exchange between two gloo
+    ranks (``tagc.comm.exchanges_pairwise``), else the backend's all-gather (gloo wants
+    the output flat, world * numel, not stacked)."""
+    if comm.exchanges_pairwise(group, world, inp):
+        comm.pair_all_gather(out, inp, dist.get_rank(group), group)
+    else:
+        dist.all_gather_single(out.view(-1), inp, group=group)
 
 
 def install(cfg: TAGCConfig, mods: List[nn.Module], stats: List[UnitStats],
@@ -223,8 +234,8 @@ def install(cfg: TAGCConfig, mods: List[nn.Module], stats: List[UnitStats],
         pg = m._get_fsdp_state()._fsdp_param_groups[0]
         segs = [int(fp.padded_sharded_param_size.numel()) for fp in pg.fsdp_params]
         floating = all(fp.sharded_param.is_floating_point() for fp in pg.fsdp_params)
-        comm = GatherComm(name, cfg, segs, pg.mesh_info.shard_process_group, floating, st,
-                          switch)
-        m.set_custom_all_gather(comm)
-        comms.append(comm)
+        gc = GatherComm(name, cfg, segs, pg.mesh_info.shard_process_group, floating, st,
+                        switch)
+        m.set_custom_all_gather(gc)
+        comms.append(gc)
     return comms

@@ -377,6 +377,24 @@ def test_tagc_exchange_is_timed_as_point_to_point() -> None:
         assert (b.comm_s > a.comm_s * 1.01) == moved, name
 
 
+def test_tagc_all_gathers_over_two_gloo_ranks_are_an_exchange() -> None:
+    """tagc-full's gathers and HSDP's to-everyone phase at R = 2 are timed as p2p
+    (tagc/comm.py exchanges_pairwise), FSDP's own gathers as gloo's all-gather."""
+    model = one_unit(2 ** 22, True)
+    bw = 10e9 / 8
+    slow_p2p = cm.CollectiveRates({"world": {"p2p": ((1.0, bw / 2),)}})
+    kw = dict(backend="gloo", inter_latency_s=0.0, collectives=slow_p2p)
+    # (config, nodes, whether pair_gather moves its time); at R = 3 the two-phase form's
+    # to-everyone all-gather stays gloo's (its to-the-owner phase is p2p either way)
+    for name, r, moved in (("fsdp+full", 2, True), ("fsdp", 2, False),
+                           ("hsdp+balanced", 2, True), ("hsdp+balanced/2phase", 3, False)):
+        cfg = cm.make_config(name)
+        on = cm.predict(model, cm.Cluster(1, r, 100.0, 10.0, **kw), cfg)
+        off = cm.predict(model, cm.Cluster(1, r, 100.0, 10.0, pair_gather=False, **kw), cfg)
+        assert (on.comm_s > off.comm_s * 1.01) == moved, name
+        assert on.bytes_per_rank == off.bytes_per_rank
+
+
 @pytest.mark.parametrize("tables, msg", [
     ({"everyone": {"p2p": ((1.0, 1.0),)}}, "collective group"),
     ({"world": {"broadcast": ((1.0, 1.0),)}}, "collective 'broadcast'"),

@@ -442,6 +442,47 @@ def _case_bad_input(rank: int, n: int) -> List[str]:
     return msgs
 
 
+def _case_pair_exchange(rank: int, n: int) -> Dict[str, Any]:
+    """On two gloo ranks the gathers go as one isend/irecv exchange
+    (tagc.comm.pair_all_gather), from three ranks on as gloo's all-gather; the
+    gradients are the reference's either way (_case_grads)."""
+    import tagc.comm
+
+    seen: List[int] = []
+    inner = tagc.comm.pair_all_gather
+
+    def counted(*a: Any, **k: Any) -> None:
+        seen.append(1)
+        inner(*a, **k)
+
+    tagc.comm.pair_all_gather = counted
+    try:
+        _case_grads(rank, n)
+        _case_exact_switch(rank, n)  # the exact gathers take the same route
+    finally:
+        tagc.comm.pair_all_gather = inner
+    assert (len(seen) > 0) == (n == 2), (n, len(seen))
+    # the exchange itself against gloo's all-gather: every dtype, sizes 0, 1, odd, large,
+    # the input as the output's own row (FSDP2's in-place call) or apart
+    assert tagc.comm.exchanges_pairwise(None, n, torch.zeros(1)) == (n == 2)
+    assert not tagc.comm.exchanges_pairwise(None, 3, torch.zeros(1))
+    if n == 2:
+        gen = torch.Generator().manual_seed(rank)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
+            for numel in (0, 1, 7, 100_003):
+                inp = (torch.rand(numel, generator=gen) * 200).to(dtype)
+                want = torch.empty(2 * numel, dtype=dtype)
+                dist.all_gather_into_tensor(want, inp)
+                apart = torch.full((2 * numel,), 3, dtype=dtype)
+                tagc.comm.pair_all_gather(apart, inp, rank, None)
+                inplace = torch.zeros(2, numel, dtype=dtype)
+                inplace[rank].copy_(inp)
+                tagc.comm.pair_all_gather(inplace, inplace[rank], rank, None)
+                assert torch.equal(apart, want) and torch.equal(inplace.view(-1), want), \
+                    (dtype, numel)
+    return {"pair_calls": len(seen)}
+
+
 def _suite(rank: int, n: int) -> Dict[str, Any]:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
     cases = [
@@ -455,6 +496,7 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
         ("exact_switch", _case_exact_switch),
         ("checkpoint", _case_checkpoint),
         ("bad_input", _case_bad_input),
+        ("pair_exchange", _case_pair_exchange),
     ]
     if n == 4:  # reshard to a group of 2 after forward: the backward gather is exact
         cases.append(("reshard_int", lambda r, w: _case_grads(r, w, reshard=2)))
@@ -464,7 +506,7 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
 
 SPAWN = SharedSpawn(_suite, timeout=400)
 CASES = ["grads", "grads_int4", "no_reshard", "prefetch", "modes", "bf16", "nonfinite",
-         "exact_switch", "checkpoint", "bad_input"]
+         "exact_switch", "checkpoint", "bad_input", "pair_exchange"]
 
 
 @pytest.mark.parametrize("case", CASES)
