@@ -4,11 +4,12 @@
 A raw TCP transfer (``netem.sh measure``) gives the link's rate; gloo's collectives do
 not all reach it (on the 200 Mbit veth its all-gather and all-to-all run well below
 its all-reduce). This is the nccl-tests of the emulation: it times ``all_reduce``,
-``all_gather_into_tensor``, ``all_to_all_single`` and point-to-point
-``isend``/``irecv`` to every peer (TAGC's exchange, ``tagc/comm.py``) of several sizes, each call after
-an idle gap (collectives in a training step are separated by compute), and prints the
-bytes per second a host's link carried for each. ``scripts/cost_model.py`` reads the
-output as a setup's ``collectives`` table (``--check``) or ``--collectives FILE``.
+``all_gather_into_tensor``, ``all_to_all_single`` and point-to-point ``isend``/``irecv``
+to every peer, all posted at once (``p2p``) or in ring steps (``p2p_ring``, TAGC's
+exchange from three ranks, ``tagc/comm.py``), of several sizes, each call after an idle
+gap (collectives in a training step are separated by compute), and prints the bytes
+per second a host's link carried for each. ``scripts/cost_model.py`` reads the output
+as a setup's ``collectives`` table (``--check``) or ``--collectives FILE``.
 
 Groups measured: the ``world`` (every rank, FULL_SHARD's collectives; with one rank
 per host all of them on the shaped link) and, with ``--per-node N > 1``, the ``node``
@@ -16,10 +17,11 @@ group (a host's ranks on its unshaped loopback, the fast link inside a node) and
 ``replica`` groups (one rank per host, the N of them at once, as HSDP's all-reduce
 across nodes).
 
-Rate = the bytes the cost model counts on that link for the call (ring formulas:
-all-reduce 2(g-1)/g x size, all-gather, all-to-all and p2p (g-1)/g x size, per rank; times the N ranks of a host for the replica groups), over the call's time, the
-slowest rank's; size = the full tensor (all-reduce input, all-gather output,
-all-to-all input), as nccl-tests counts it. Median over ``--reps`` calls.
+Rate = the bytes the cost model counts on that link for the call (ring formulas per
+rank: all-reduce 2(g-1)/g x size, the others (g-1)/g x size; times the N ranks of a
+host for the replica groups), over the call's time, the slowest rank's; size = the full
+tensor (all-reduce input, all-gather output, all-to-all and p2p input), as nccl-tests
+counts it. Median over ``--reps`` calls.
 
 Usage:
     sudo python3 scripts/bench_collectives.py --nodes 2 --out links.json
@@ -42,7 +44,7 @@ from tagc.train.runs import NETEM, free_port, netem
 
 logger = logging.getLogger(__name__)
 
-OPS = ("all_reduce", "all_gather", "all_to_all", "p2p")
+OPS = ("all_reduce", "all_gather", "all_to_all", "p2p", "p2p_ring")
 
 
 def link_bytes(op: str, size: int, g: int) -> float:
@@ -58,7 +60,7 @@ def link_bytes(op: str, size: int, g: int) -> float:
     """
     if op == "all_reduce":
         return 2 * (g - 1) / g * size
-    if op in ("all_gather", "all_to_all", "p2p"):
+    if op in ("all_gather", "all_to_all", "p2p", "p2p_ring"):
         return (g - 1) / g * size
     raise ValueError(f"unknown collective {op!r}; one of {OPS}")
 
@@ -78,17 +80,27 @@ def _call(op: str, size: int, g: int, group) -> Callable[[], None]:
     inp, out = torch.ones(n), torch.empty(n)
     if op == "all_to_all":
         return lambda: dist.all_to_all_single(out, inp, group=group)
-    # tagc/comm.py's pattern (post_recvs, post_send): every receive posted, then a
-    # send to each peer in ring order, then wait for all
     me, send, recv = dist.get_rank(group), inp.view(g, -1), out.view(g, -1)
     peers = [(me + 1 + i) % g for i in range(g - 1)]
 
     def p2p() -> None:
+        """Every receive posted, then a send to each peer in ring order, then wait
+        for all (tagc/comm.py before its ring steps, and with two ranks)."""
         works = [dist.irecv(recv[r], group=group, group_src=r) for r in peers]
         works += [dist.isend(send[r], group=group, group_dst=r) for r in peers]
         for w in works:
             w.wait()
-    return p2p
+
+    def p2p_ring() -> None:
+        """Ring steps: at step i send to rank + i, receive from rank - i, both done
+        before step i + 1 (tagc/comm.py Comm.stepped, from three ranks)."""
+        for r in peers:
+            src = (2 * me - r) % g
+            works = [dist.irecv(recv[src], group=group, group_src=src),
+                     dist.isend(send[r], group=group, group_dst=r)]
+            for w in works:
+                w.wait()
+    return p2p if op == "p2p" else p2p_ring
 
 
 def _worker(args: argparse.Namespace) -> int:

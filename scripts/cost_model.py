@@ -553,8 +553,9 @@ def unit_counts(model: ModelSpec) -> List[int]:
 
 # Collectives the measured tables distinguish (scripts/bench_collectives.py OPS): gloo's
 # all-gather and all-to-all do not reach its all-reduce's rate, and TAGC's exchange
-# (tagc/comm.py isend/irecv to every peer) is neither.
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "all_to_all", "p2p")
+# (tagc/comm.py isend/irecv to every peer: p2p, all posted at once; p2p_ring, in ring
+# steps, what the CPU path does from three ranks) is neither.
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "all_to_all", "p2p", "p2p_ring")
 # The process groups a table is measured on (bench_collectives.py): every rank, a
 # node's ranks (the intra-node link), one rank per node (HSDP's replicas).
 COLLECTIVE_GROUPS = ("world", "node", "replica")
@@ -656,6 +657,9 @@ class Cluster:
         pair_gather: TAGC's all-gathers over two gloo ranks go as one isend/irecv
             exchange (``tagc/comm.py`` ``exchanges_pairwise``; timed as ``p2p``); False
             for runs of the code before it (gloo's all-gather).
+        ring_exchange: TAGC's exchange over three or more gloo ranks goes in ring
+            steps (``tagc/comm.py`` ``Comm.stepped``; timed as ``p2p_ring``, else as
+            ``p2p``); False for runs of the code before it (every message at once).
     """
 
     ranks_per_node: int
@@ -669,6 +673,7 @@ class Cluster:
     link_efficiency: float = 1.0
     collectives: Optional[CollectiveRates] = None
     pair_gather: bool = True
+    ring_exchange: bool = True
 
     def __post_init__(self) -> None:
         for k in ("ranks_per_node", "nodes"):
@@ -717,9 +722,12 @@ class Cluster:
         """
         if self.collectives is None:
             return None
-        rate = self.collectives.rate(group, kind, size)
-        if rate is None and group == "replica" and self.ranks_per_node == 1:
-            rate = self.collectives.rate("world", kind, size)  # one rank per node: the same ranks
+        # one rank per node: the replicas are the world; a table measured before
+        # p2p_ring existed times the ring steps as p2p
+        groups = [group] + (["world"] if group == "replica" and self.ranks_per_node == 1 else [])
+        kinds = [kind] + (["p2p"] if kind == "p2p_ring" else [])
+        rate = next((r for k in kinds for g in groups
+                     if (r := self.collectives.rate(g, k, size)) is not None), None)
         if rate is None:
             return None
         share = self.ranks_per_node if group == "replica" else 1
@@ -1084,6 +1092,8 @@ class _Step:
             nic, intra = n * (g - n) * msg, (min(n, g) - 1) * msg
         else:  # replica: every rank's g - 1 messages leave the node
             nic, intra = n * (g - 1) * msg, 0.0
+        if kind == "p2p" and g >= 3 and self.c.backend == "gloo" and self.c.ring_exchange:
+            kind = "p2p_ring"
         self._account(cat, (g - 1) * msg, (g - 1) * msg, self._crosses(group), intra, nic,
                       g - 1, times, lat, (group, kind, g * msg))
 
@@ -1496,7 +1506,8 @@ def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[f
     # does not apply (no sch_netem, DESIGN section 10): an upper bound, a few ms per step.
     return Cluster(n, st["nodes"], intra / 1000, inter_mbit / 1000, 1e-4, 1e-4,
                    backend="gloo", link_efficiency=efficiency, collectives=collectives,
-                   pair_gather=st.get("pair_gather", True))
+                   pair_gather=st.get("pair_gather", True),
+                   ring_exchange=st.get("ring_exchange", True))
 
 
 def _run_config(st: Dict[str, Any], name: str) -> Config:

@@ -138,10 +138,23 @@ class Comm:
         different owners; the own shard comes last and stays local."""
         return [(self.rank + 1 + i) % self.world for i in range(self.world)]
 
+    def stepped(self) -> bool:
+        """Whether the messages go one ring step at a time (CPU, three ranks or more).
+
+        On gloo, R - 1 peers sending to one rank at once share its link badly: an
+        exchange with every peer posted at once reached 85% of the 200 Mbit/s link at
+        R = 4, the same exchange in ring steps (send to rank + i, receive from
+        rank - i, both done before step i + 1) 98-100%
+        (``scripts/bench_collectives.py`` ``p2p`` and ``p2p_ring``; docs/RESULTS.md).
+        With two ranks there is one peer: nothing to step.
+        """
+        return not self.dev.cuda and self.world >= 3
+
     def post_recvs(self, recv: torch.Tensor) -> List[Any]:
-        """Receives of row ``r`` of ``recv`` from every other rank ``r`` (CPU;
-        on CUDA each receive is batched with a send in :meth:`post_send`)."""
-        if self.dev.cuda:
+        """Receives of row ``r`` of ``recv`` from every other rank ``r`` (CPU with two
+        ranks; stepped (:meth:`stepped`) and on CUDA each receive goes with a send in
+        :meth:`post_send`)."""
+        if self.dev.cuda or self.stepped():
             return []
         out = []
         for r in range(self.world):
@@ -157,17 +170,27 @@ class Comm:
 
         Every message size is known up front, so the receives are posted first
         (:meth:`post_recvs`) and shard ``r`` goes out while shard ``r+1`` is
-        encoded.
+        encoded.  Stepped (:meth:`stepped`): the previous step's send and receive
+        are waited for, then this step's pair is posted; shard ``r`` was encoded
+        while the previous step travelled.
         """
         nb = buf[r].numel() * buf[r].element_size()
+        # at ring step i this rank sends to rank+1+i and hears from rank-1-i
+        src = (2 * self.rank - r) % self.world
+        if self.stepped():
+            self.wait(works)
+            works.clear()
+            self.stats.record("irecv", nb, 0)
+            works.append(dist.irecv(recv[src], group=self.group, group_src=src))
+            self.stats.record("isend", nb, nb)
+            works.append(dist.isend(buf[r], group=self.group, group_dst=r))
+            return
         if not self.dev.cuda:
             self.stats.record("isend", nb, nb)
             works.append(dist.isend(buf[r], group=self.group, group_dst=r))
             return
         # NCCL: a lone recv ahead of a lone send deadlocks between two ranks,
-        # so each send is batched with the ring-symmetric receive (at ring
-        # step i this rank sends to rank+1+i and hears from rank-1-i).
-        src = (2 * self.rank - r) % self.world
+        # so each send is batched with the ring-symmetric receive
         self.stats.record("isend", nb, nb)
         self.stats.record("irecv", nb, 0)
         c10d = dist.distributed_c10d

@@ -395,6 +395,26 @@ def test_tagc_all_gathers_over_two_gloo_ranks_are_an_exchange() -> None:
         assert on.bytes_per_rank == off.bytes_per_rank
 
 
+def test_tagc_exchange_over_three_gloo_ranks_goes_in_ring_steps() -> None:
+    """From three gloo ranks TAGC's exchange is timed as p2p_ring (tagc/comm.py
+    Comm.stepped); before that change, and with two ranks, as p2p; a table without
+    p2p_ring times the steps as p2p."""
+    model, cfg = one_unit(2 ** 22, True), cm.make_config("fsdp+balanced")
+    bw = 10e9 / 8
+    both = cm.CollectiveRates({"world": {"p2p": ((1.0, bw / 4),), "p2p_ring": ((1.0, bw),)}})
+    p2p_only = cm.CollectiveRates({"world": {"p2p": ((1.0, bw / 4),)}})
+    kw = dict(backend="gloo", inter_latency_s=0.0)
+
+    def comm(r: int, tables: cm.CollectiveRates, ring: bool = True) -> float:
+        return cm.predict(model, cm.Cluster(1, r, 100.0, 10.0, collectives=tables,
+                                            ring_exchange=ring, **kw), cfg).comm_s
+
+    assert comm(3, both) < comm(3, both, ring=False)           # ring steps: the fast entry
+    assert comm(3, both, ring=False) == pytest.approx(comm(3, p2p_only))
+    assert comm(3, p2p_only) == pytest.approx(comm(3, p2p_only, ring=False))
+    assert comm(2, both) == pytest.approx(comm(2, both, ring=False))   # one peer
+
+
 @pytest.mark.parametrize("tables, msg", [
     ({"everyone": {"p2p": ((1.0, 1.0),)}}, "collective group"),
     ({"world": {"broadcast": ((1.0, 1.0),)}}, "collective 'broadcast'"),

@@ -557,6 +557,57 @@ def _global_stats(rank: int, n: int, kind: str) -> None:
     assert "global_total" not in state.stats()
 
 
+def _stepped(rank: int, n: int, kind: str) -> Dict[str, Any]:
+    """On the CPU the quant and sparse exchanges go one ring step at a time from three
+    ranks (tagc/comm.py Comm.stepped): each receive is posted with its step's send, to
+    rank + i from rank - i, and at most that pair is in flight; with two ranks the
+    receive is posted ahead of the send as before.  The values are checked by the
+    reference cases (quant_reference, ef_sparse)."""
+    import tagc.comm as tcomm
+
+    calls: List[Tuple[str, int]] = []
+    inflight = [0, 0]  # now, most
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+            peer = k.get("group_src", k.get("group_dst"))
+            calls.append((name, peer))
+            work = fn(t, *a, **k)
+            inflight[0] += 1
+            inflight[1] = max(inflight)
+
+            class Counted:
+                def wait(self) -> Any:
+                    inflight[0] -= 1
+                    return work.wait()
+            return Counted()
+        return call
+
+    saved = (tcomm.dist.irecv, tcomm.dist.isend)
+    tcomm.dist.irecv, tcomm.dist.isend = counted("irecv", saved[0]), counted("isend", saved[1])
+    try:
+        for cfg in (_cfg("quant", quant_format="int4"), _cfg("sparse", theta=0.9)):
+            calls.clear()
+            mod = build_fsdp(kind, cfg)
+            tagc.register(mod, cfg)
+            _backward(mod, rank, 0, kind)
+            assert calls, cfg.mode
+            per_call = 2 * (n - 1)
+            assert len(calls) % per_call == 0, calls
+            for c in range(0, len(calls), per_call):
+                got = calls[c:c + per_call]
+                if n >= 3:
+                    want = [x for i in range(1, n) for x in
+                            (("irecv", (rank - i) % n), ("isend", (rank + i) % n))]
+                else:
+                    want = [("irecv", 1 - rank), ("isend", 1 - rank)]
+                assert got == want, (cfg.mode, got, want)
+    finally:
+        tcomm.dist.irecv, tcomm.dist.isend = saved
+    assert inflight[0] == 0 and inflight[1] == 2, inflight
+    return {"most_in_flight": inflight[1]}
+
+
 def _quant_formats(rank: int, n: int, kind: str) -> Dict[str, Any]:
     return {fmt: _check_quant(rank, n, kind, fmt)
             for fmt in (("ternary", "int4") if n != 3 else ("int8",))}
@@ -581,6 +632,7 @@ CASES: List[Tuple[Any, ...]] = [
     ("paper", lambda r, n, k: _paper_stats(r, n, k), (2, 4)),
     ("warmup", lambda r, n, k: _check_warmup(r, n, k), (2,)),
     ("quant_reference", _quant_formats, (2, 3, 4)),
+    ("stepped", _stepped, (2, 3), ("fsdp2",)),
     ("ef21_quant", lambda r, n, k: _check_ef21(
         r, n, k, _cfg("quant", quant_format="ternary", ef21=True)), (2, 3)),
     ("ef21_sparse", lambda r, n, k: _check_ef21(
