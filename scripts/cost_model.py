@@ -991,7 +991,7 @@ class _Step:
 
     def _account(self, cat: str, ideal: float, link: float, crosses: bool, intra: float,
                  nic: float, steps: int, times: int, lat: int,
-                 measured: Optional[Tuple[str, Optional[str], float]] = None) -> None:
+                 measured: Optional[Tuple[str, str, float]] = None) -> None:
         """Add bytes, and time = the slowest link the collective uses + latencies.
 
         Args:
@@ -1004,7 +1004,7 @@ class _Step:
             times: calls, for the bytes.
             lat: FSDP units, for the latencies.
             measured: (group, kind, size) to look up in the measured collective rates
-                (kind None: not a measured collective); where they cover it, its time.
+                (None: not a measured collective); where they cover it, its time.
         """
         c, p = self.c, self.p
         p.ideal[cat] = p.ideal.get(cat, 0.0) + ideal * times
@@ -1013,8 +1013,8 @@ class _Step:
         if crosses:
             t = max(t, nic / c.bytes_per_s(True))
             p.node_inter += nic * times
-        if measured is not None and measured[1] is not None:
-            m = c.measured_s(measured[0], measured[1], measured[2], link)
+        if measured is not None:
+            m = c.measured_s(*measured, link)
             t = t if m is None else m
         p.comm_s += t * times + steps * lat * (c.inter_latency_s if crosses
                                                 else c.intra_latency_s)
@@ -1048,14 +1048,14 @@ class _Step:
             ideal = link = (g - 1) * nbytes
             steps = g - 1
             pair = tagc and g == 2 and self.c.backend == "gloo" and self.c.pair_gather
-            measured: Tuple[str, Optional[str], float] = (group, "p2p" if pair else kind,
+            measured: Optional[Tuple[str, str, float]] = (group, "p2p" if pair else kind,
                                                           g * nbytes)
         elif kind == "reduce_scatter":
             ideal = (g - 1) / g * nbytes
             gloo = self.c.backend == "gloo"  # gloo: an all-reduce underneath
             link = 2 * ideal if gloo else ideal
             steps = 2 * (g - 1) if gloo else g - 1
-            measured = (group, "all_reduce" if gloo else None, nbytes)
+            measured = (group, "all_reduce", nbytes) if gloo else None
         elif kind == "all_reduce":
             ideal = link = 2 * (g - 1) / g * nbytes
             steps = 2 * (g - 1)
