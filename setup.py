@@ -176,7 +176,11 @@ setup(
     ext_modules=[tagc_extension()],
     cmdclass={"build_ext": BuildExt},
     py_modules=["tagc_hook"],
-    packages=["tagc", "tagc.train"],
+    # configs/ (the presets, one source of truth at the top level) ships as the package
+    # tagc.configs, so an installed wheel finds them by name (tagc/presets.py)
+    packages=["tagc", "tagc.train", "tagc.configs"],
+    package_dir={"tagc.configs": "configs"},
+    package_data={"tagc.configs": ["*.yaml"], "tagc.train": ["netem.sh"]},
     # torch itself is not listed: `pip install torch==2.13.0` first (README);
     # a bare "torch" requirement would make pip fetch a multi-GB CUDA build.
     install_requires=["PyYAML", "tqdm", "numpy"],

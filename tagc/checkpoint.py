@@ -75,7 +75,7 @@ def state_dict(reducers: List[UnitReducer], cfg: TAGCConfig, kind: str, world: i
         "kind": kind,
         "world_size": world,
         "seed": cfg.seed,
-        "config": cfg.to_dict(),
+        "config": cfg.resolved_dict(),
         "rank": meshes.rows(reducers[0].row_group if reducers else None,
                             torch.tensor([rank], dtype=torch.int64)),
         "units": units,
@@ -95,8 +95,8 @@ def _saved_config(saved: Dict[str, Any], cfg: TAGCConfig) -> Dict[str, Any]:
     """The saved config with the knobs added since it was written: a key it lacks
     counts as the current value when that is the knob's default (a checkpoint older
     than ``hsdp_out_format`` resumes under the default, not under another value)."""
-    defaults = TAGCConfig().to_dict()
-    current = cfg.to_dict()
+    defaults = TAGCConfig().resolved_dict()
+    current = cfg.resolved_dict()
     missing = {k: current[k] for k in current
                if k not in saved and current[k] == defaults.get(k)}
     return {**saved, **missing}
@@ -113,9 +113,9 @@ def validate(sd: Dict[str, Any], reducers: List[UnitReducer], cfg: TAGCConfig, w
     """
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         raise ValueError(f"load_state_dict: not a TAGC state dict (format {FORMAT})")
-    if _comparable(_saved_config(sd["config"], cfg)) != _comparable(cfg.to_dict()):
+    if _comparable(_saved_config(sd["config"], cfg)) != _comparable(cfg.resolved_dict()):
         raise ValueError(f"load_state_dict: config differs: saved {sd['config']}, "
-                         f"current {cfg.to_dict()}")
+                         f"current {cfg.resolved_dict()}")
     saved_rank = int(local_part(sd["rank"]).reshape(-1)[0])
     if sd["world_size"] != world or saved_rank != rank:
         raise ValueError(f"load_state_dict: saved by rank {saved_rank} of "

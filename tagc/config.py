@@ -1,8 +1,11 @@
 """TAGCConfig: every knob of TAGC, documented and validated (the tuning guide).
 
-Which preset to start from (``configs/``): ``tagc-balanced`` (mode ``quant``, int4
-codes, EF21: about 8x fewer gradient bytes than FSDP's reduce-scatter for the same
-model) or ``tagc-lean`` (ternary codes, no feedback state: about 18x fewer).  The top-k modes
+``TAGCConfig()`` is the recommended preset, ``tagc-balanced`` (mode ``quant``, int4
+codes, EF21 on every layer: about 8x fewer gradient bytes than FSDP's reduce-scatter for
+the same model), as PyTorch's ``PowerSGDState`` defaults are its recommendation; the
+other shipped presets load by name, ``TAGCConfig.preset("full")`` (int8 parameter
+gathers too, FSDP2) or ``TAGCConfig.preset("lean")`` (ternary codes, no feedback state:
+about 18x fewer).  The top-k modes
 (``exact``, ``sparse``, ``paper``) send far fewer bytes at the paper's sparsity but
 train AdamW models measurably worse; docs/DESIGN.md section 8 has the numbers.
 """
@@ -37,6 +40,9 @@ PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
 # (tiny GPT-2, int4, the end of its LR warm-up) and 8.3 (teacher-student), a state
 # corrupted on one rank reads 1e6 and more; 256 leaves about 4x room above the former.
 DEFAULT_GUARD_RATIO = 256.0
+# Knobs whose default follows other knobs (resolved in __post_init__); to_dict() writes
+# them as None unless given, so a changed source re-derives them.
+DERIVED = ("theta", "ratio", "ef21", "ef21_damping")
 _FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
                  "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -86,10 +92,16 @@ def keep_count(theta: float, s: int) -> int:
 
 @dataclass
 class TAGCConfig:
-    """Every knob of TAGC, validated on construction.
+    """Every knob of TAGC, validated on construction; the defaults are ``tagc-balanced``.
+
+    Knobs whose default follows another (``theta``, ``ratio``, ``ef21``,
+    ``ef21_damping``: "derived") keep following it unless given: :meth:`to_dict` writes
+    a derived knob that was not given as None, so ``TAGCConfig.from_dict({**c.to_dict(),
+    "mode": "exact"})`` re-derives them for the new mode, and :meth:`replace` applies
+    changes that way; :meth:`resolved_dict` has every value as used.
 
     Args:
-        mode: transport (docs/DESIGN.md section 4). ``"paper"``: the paper's
+        mode: transport (default ``"quant"``) (docs/DESIGN.md section 4). ``"paper"``: the paper's
             Algorithm 1, index all-reduce SUM on ``index_bits`` lanes plus a
             fixed ``S/ratio`` sketch per shard reduced to its owner (1-bit
             lanes lose entries to carries; reported in stats). ``"exact"``:
@@ -121,10 +133,12 @@ class TAGCConfig:
         value_dtype: dtype of sketch buckets and sparse values on the wire,
             ``torch.float32`` or ``torch.bfloat16`` (``auto`` uses the
             gradient's dtype where that is narrower).
-        layers: which parameters are compressed: ``"non_attention"``
-            (``nn.Linear``/``nn.Embedding`` weights that are not attention
-            QKV projections, see :func:`select_parameter`), ``"all"`` (every
-            parameter with >= ``min_numel`` elements), or a callable
+        layers: which parameters are compressed: ``"all"`` (default: every
+            parameter with >= ``min_numel`` elements; block quantization does
+            not hurt attention inputs the way top-k does, docs/RESULTS.md),
+            ``"non_attention"`` (the paper's: ``nn.Linear``/``nn.Embedding``
+            weights that are not attention QKV projections, see
+            :func:`select_parameter`; the top-k presets use it), or a callable
             ``(module_name, module, param_name, param) -> bool``.
         min_numel: smallest parameter compressed by the built-in policies.
         error_feedback: keep per-rank, per-unit residuals of what was not sent
@@ -184,6 +198,9 @@ class TAGCConfig:
             plus one fp32 estimate of the owner's shard (1/N of the unit).
             Needs ``error_feedback`` and float32 residuals (a rounded ``h``
             would drift from the owner's sum); not in ``dense`` mode.
+            ``None`` (default): on in ``quant`` mode where it can run
+            (``error_feedback`` and float32 residuals), off otherwise (the
+            top-k modes keep the residual feedback they were measured with).
         ef21_damping: EF21 with a damped estimate: each call first scales
             every rank's ``h`` and the owners' estimates by one factor
             ``lam = clip(sum <g, h> / sum ||h||^2, 0, 1)`` (sums over the
@@ -316,12 +333,12 @@ class TAGCConfig:
             streams overlap them) or without HSDP.
     """
 
-    mode: str = "exact"
+    mode: str = "quant"
     theta: Optional[float] = None
     ratio: Optional[float] = None
     index_bits: int = 1
     value_dtype: Any = torch.float32
-    layers: LayerPolicy = "non_attention"
+    layers: LayerPolicy = "all"
     min_numel: int = 2 ** 16
     error_feedback: bool = True
     seed: int = 0
@@ -332,7 +349,7 @@ class TAGCConfig:
     warmup_theta: float = 0.75
     quant_format: str = "int4"
     quant_block: int = 256
-    ef21: bool = False
+    ef21: Optional[bool] = None
     ef21_damping: Optional[bool] = None
     bypass_every: int = 0
     gather: str = "none"
@@ -343,6 +360,9 @@ class TAGCConfig:
     hsdp_overlap: bool = True
 
     def __post_init__(self) -> None:
+        # which derived knobs the caller gave: to_dict() writes the others as None
+        object.__setattr__(self, "_given", frozenset(
+            n for n in DERIVED if getattr(self, n) is not None))
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
         for name in ("theta", "ratio", "sketch_factor"):
@@ -369,6 +389,9 @@ class TAGCConfig:
             raise ValueError(f"quant_format: must be one of {QUANT_FORMATS}, "
                              f"got {self.quant_format!r}")
         _check_int("quant_block", self.quant_block, 1, 65536)
+        if self.ef21 is None:
+            self.ef21 = self.mode == "quant" and self.error_feedback is True and \
+                self.residual_dtype == torch.float32
         _check_bool("ef21", self.ef21)
         if self.ef21 and (self.mode == "dense" or not self.error_feedback
                           or self.residual_dtype != torch.float32):
@@ -410,6 +433,39 @@ class TAGCConfig:
         if self.guard_ratio > 0 and (self.mode == "dense" or not self.error_feedback):
             raise ValueError("guard_ratio: the guard watches the error-feedback state; it "
                              "needs error_feedback=True and a compressing mode (set 0 or None)")
+
+    # -- what the mode implies (one place, instead of mode strings across the package)
+    @property
+    def compresses(self) -> bool:
+        """True unless ``mode == "dense"`` (which sends every value plainly)."""
+        return self.mode != "dense"
+
+    @property
+    def quantizes(self) -> bool:
+        """True for ``mode == "quant"``: every entry on a block code, theta 0."""
+        return self.mode == "quant"
+
+    @property
+    def top_k(self) -> bool:
+        """True for the modes that send each rank's top-k entries of a shard
+        (``paper``, ``exact``, ``sparse``, ``auto``)."""
+        return self.mode in ("paper", "exact", "sparse", "auto")
+
+    @property
+    def sketched(self) -> bool:
+        """True for ``exact`` and ``paper``: positions on bitmaps/lanes plus a count
+        sketch, whose union of ranks' entries needs an owner (HSDP: two-phase only)."""
+        return self.mode in ("exact", "paper")
+
+    @property
+    def pairs(self) -> bool:
+        """True for ``sparse`` and ``auto``: (offset, value) pairs per shard."""
+        return self.mode in ("sparse", "auto")
+
+    @property
+    def feeds_back(self) -> bool:
+        """True when a compressing mode keeps feedback state (``error_feedback``)."""
+        return self.compresses and self.error_feedback
 
     def out_format(self) -> str:
         """The quant code of two-phase HSDP's to-everyone phase (``hsdp_out_format``
@@ -531,10 +587,25 @@ class TAGCConfig:
 
     # -- (de)serialisation
     def to_dict(self) -> Dict[str, Any]:
-        """Plain-data view (dtypes as names, a callable policy as its qualified name).
+        """Plain-data view (dtypes as names, a callable policy as its qualified name),
+        with the derived knobs that were not given as None, so they follow their
+        source again when the dict is changed and loaded.
 
         Returns:
             dict accepted by :meth:`from_dict` (except for callable ``layers``).
+        """
+        d = self.resolved_dict()
+        for name in DERIVED:
+            if name not in self._given:
+                d[name] = None
+        return d
+
+    def resolved_dict(self) -> Dict[str, Any]:
+        """Every knob as used (derived ones resolved), plain data: what checkpoints
+        record and ranks compare.
+
+        Returns:
+            the dict.
         """
         d = dataclasses.asdict(self)
         d["value_dtype"] = str(self.value_dtype).replace("torch.", "")
@@ -561,6 +632,36 @@ class TAGCConfig:
             raise ValueError(f"unknown config key(s) {unknown}; known: {sorted(known)}")
         return cls(**d)
 
+    def replace(self, **changes: Any) -> "TAGCConfig":
+        """A copy with ``changes`` applied; derived knobs that were not given follow
+        them (``cfg.replace(ef21=False)`` on ``tagc-balanced`` drops the damping too).
+
+        Args:
+            **changes: field names and values.
+        Returns:
+            the validated config.
+        """
+        return self.from_dict({**self.to_dict(), **changes,
+                               **({} if "layers" in changes or not callable(self.layers)
+                                  else {"layers": self.layers})})
+
+    @classmethod
+    def preset(cls, name: str, overrides: Optional[Dict[str, Any]] = None) -> "TAGCConfig":
+        """A shipped preset by name: ``"balanced"`` (= ``TAGCConfig()``), ``"full"``,
+        ``"lean"``, ``"tagc-auto"``, ... (``tagc.presets.names()``), or a YAML file.
+
+        Args:
+            name: the preset's name, with or without ``tagc-``, or a path.
+            overrides: fields replacing the file's (see :meth:`from_yaml`).
+        Returns:
+            the validated config.
+        Raises:
+            ValueError: no such preset (the message lists them), or a bad field.
+        """
+        from tagc import presets
+
+        return cls.from_yaml(str(presets.resolve(name)), overrides)
+
     @classmethod
     def from_yaml(cls, path: str, overrides: Optional[Dict[str, Any]] = None) -> "TAGCConfig":
         """Load a YAML preset (e.g. ``configs/tagc-10x-1bit.yaml``); unknown keys raise.
@@ -584,4 +685,5 @@ class TAGCConfig:
 
     def fingerprint(self) -> str:
         """Stable digest of the config, compared across ranks at register()."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(self.resolved_dict(), sort_keys=True)
+                              .encode()).hexdigest()

@@ -9,12 +9,18 @@ Markers (registered in setup.cfg):
   slow   multi-process suites beyond N=2, process restarts, builds; the fast tier is
          ``pytest -m "not slow"``
   dist   spawns several gloo processes on 127.0.0.1
-  codec  needs the ``_tagc`` C extension: skipped, with the reason, without a build
+  codec  needs the ``_tagc`` C extension: skipped, with the reason, without a build;
+         under ``CI=true`` a missing or unimportable ``_tagc`` fails the run instead
+         (a broken build must not pass as a run of skips)
+
+The run ends with the skips counted by reason.
   cuda   needs a CUDA GPU and a CUDA build of ``_tagc`` (tests/cuda_helpers.py)
   bench  a codec benchmark (tests/test_bench_codec.py; timed only with --benchmark-enable)
 """
 from __future__ import annotations
 
+import os
+from collections import Counter
 from typing import List, Optional
 
 import pytest
@@ -30,8 +36,22 @@ def codec_missing() -> Optional[str]:
     try:
         import _tagc  # noqa: F401
     except ImportError as exc:
-        return f"the _tagc codec is not built (pip install -e .): {exc}"
+        return f"cannot import the _tagc codec (build it: pip install -e .): {exc}"
     return None
+
+
+def in_ci() -> bool:
+    """Whether this run is CI's (``CI=true``, as .ci/run and most CI services set)."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under CI, refuse to run without the codec: every test that needs it (the
+    ``codec`` marker, and the modules that ``importorskip`` it) would be skipped and a
+    broken build would pass as a green run."""
+    why = codec_missing() if in_ci() else None
+    if why is not None:
+        raise pytest.UsageError(f"CI=true: {why}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
@@ -42,3 +62,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     for item in items:
         if item.get_closest_marker("codec") is not None:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The skips counted by reason, so a run that skipped a whole tier says so."""
+    reasons: Counter = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.section("skips by reason")
+        for reason, n in reasons.most_common():
+            terminalreporter.write_line(f"{n:5d}  {reason}")

@@ -123,7 +123,8 @@ def sharded(cfg: "tagc.TAGCConfig") -> tuple:
 
 def first_unit(mode: str, theta: float, seed: int) -> tuple:
     """(state, comm, group, numel, k) of the first Linear's unit."""
-    cfg = tagc.TAGCConfig(mode=mode, theta=theta, min_numel=1024, seed=seed)
+    cfg = tagc.TAGCConfig(mode=mode, theta=theta, min_numel=1024, seed=seed,
+                          layers="non_attention", ef21=False)
     state, comms = sharded(cfg)
     comm, pg = comms[0]
     numel = IN * HID
@@ -199,7 +200,8 @@ def test_comm_enqueues_no_host_sync(group: None, mode: str) -> None:
     # stream-ordered; a .item() or synchronize in the hook would stall the CPU
     # once per unit and serialise it with FSDP's all-gather prefetch.
     theta = 0.9875 if mode == "paper" else THETA
-    cfg = tagc.TAGCConfig(mode=mode, theta=theta, min_numel=1024)
+    cfg = tagc.TAGCConfig(mode=mode, theta=theta, min_numel=1024, layers="non_attention",
+                          ef21=False)
     _, comms = sharded(cfg)
     comm, pg = comms[0]
     g = torch.randn(IN * HID, device=DEV)
@@ -219,7 +221,8 @@ def test_fsdp2_one_rank_trains(group: None) -> None:
     # FSDP2 never calls the custom reduce-scatter on one rank (it copies the
     # gradient), so this checks that registering on CUDA leaves training
     # correct: gradients equal the plain model's.
-    cfg = tagc.TAGCConfig(mode="exact", theta=THETA, min_numel=1024)
+    cfg = tagc.TAGCConfig(mode="exact", theta=THETA, min_numel=1024, layers="non_attention",
+                          ef21=False)
     ref = make_model(0)
     model = tagc.shard_model(copy.deepcopy(ref), cfg)
     tagc.register(model, cfg)

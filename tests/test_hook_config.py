@@ -42,7 +42,7 @@ from tagc.selection import UnitSpec, modules_to_wrap, module_names, unit_spec
     (dict(dense_steps=-1), "dense_steps"),
     (dict(dense_steps=2.0), "dense_steps"),
     (dict(warmup_steps=True), "warmup_steps"),
-    (dict(theta=0.9, warmup_theta=0.95, warmup_steps=5), "warmup_theta"),
+    (dict(mode="exact", theta=0.9, warmup_theta=0.95, warmup_steps=5), "warmup_theta"),
     (dict(warmup_theta=1.0), "warmup_theta"),
     (dict(warmup_theta=-0.1), "warmup_theta"),
     (dict(mode="paper", warmup_steps=10), "warmup_steps"),
@@ -75,7 +75,7 @@ def test_paper_theta_defaults_from_ratio():
 
 def test_quant_mode_sends_every_entry():
     c = tagc.TAGCConfig(mode="quant")
-    assert (c.theta, c.quant_format, c.quant_block, c.ef21) == (0.0, "int4", 256, False)
+    assert (c.theta, c.quant_format, c.quant_block, c.ef21) == (0.0, "int4", 256, True)
     assert tagc.TAGCConfig(mode="quant", theta=0).theta == 0.0
     assert c.theta_at(0) == 0.0
     assert tagc.TAGCConfig(mode="quant", dense_steps=3).theta_at(2) is None
@@ -214,7 +214,7 @@ def test_presets_load_and_unknown_keys_raise(tmp_path):
 
 
 def test_non_attention_policy():
-    cfg = tagc.TAGCConfig(min_numel=64)
+    cfg = tagc.TAGCConfig(layers="non_attention", min_numel=64)
     m = ToyGPT()
     sel = {f"{mn}.{pn}" if mn else pn
            for mn, mod in m.named_modules() for pn, p in mod.named_parameters(recurse=False)
@@ -230,10 +230,11 @@ def test_non_attention_policy():
                          ("gpt_neox.layers.0.attention.query_key_value", False),
                          ("model.layers.0.mlp.gate_proj", True),
                          ("decoder.key", True)]:   # 'key' outside attention: not QKV
-        assert tagc.select_parameter(tagc.TAGCConfig(min_numel=1), name, lin, "weight",
+        assert tagc.select_parameter(tagc.TAGCConfig(layers="non_attention", min_numel=1),
+                                     name, lin, "weight",
                                      lin.weight) is expect, name
     assert not tagc.select_parameter(cfg, "h.0.mlp.0", m.h[0].mlp[0], "bias", m.h[0].mlp[0].bias)
-    big = tagc.TAGCConfig(min_numel=10 ** 6)
+    big = tagc.TAGCConfig(layers="non_attention", min_numel=10 ** 6)
     assert not tagc.select_parameter(big, "wte", m.wte, "weight", m.wte.weight)
     allc = tagc.TAGCConfig(layers="all", min_numel=64)
     assert tagc.select_parameter(allc, "h.0.attn.c_attn", m.h[0].attn.c_attn, "weight",
@@ -244,7 +245,7 @@ def test_non_attention_policy():
 
 
 def test_wrap_policy_separates_units_and_keeps_tied_weights_in_root():
-    cfg = tagc.TAGCConfig(min_numel=64)
+    cfg = tagc.TAGCConfig(layers="non_attention", min_numel=64)
     m = ToyGPT()
     m.lm_head.weight = m.wte.weight   # tied, as in GPT-2
     wrapped = {n for n, mod in m.named_modules() if mod in modules_to_wrap(m, cfg)}
@@ -386,3 +387,99 @@ def test_a_checkpoint_resumes_under_either_hsdp_overlap() -> None:
     assert _comparable(_saved_config(on.to_dict(), other)) != _comparable(other.to_dict())
     with pytest.raises(ValueError, match="hsdp_overlap: must be a bool"):
         tagc.TAGCConfig(hsdp_overlap="yes")
+
+
+# --------------------------------------------------------------------------- defaults, presets
+
+PRESETS_BEFORE = os.path.join(ROOT, "tests", "data", "presets_resolved_f1cb654.json")
+
+
+def test_defaults_are_the_recommended_preset():
+    """TAGCConfig() is tagc-balanced, knob for knob (as PowerSGDState's defaults are its
+    recommendation), and the preset loader finds it by every spelling."""
+    default = tagc.TAGCConfig()
+    for name in ("balanced", "tagc-balanced", "tagc-balanced.yaml", "configs/tagc-balanced.yaml",
+                 os.path.join(ROOT, "configs", "tagc-balanced.yaml")):
+        assert tagc.TAGCConfig.preset(name).resolved_dict() == default.resolved_dict(), name
+    assert (default.mode, default.quant_format, default.layers, default.ef21,
+            default.ef21_damping) == ("quant", "int4", "all", True, True)
+
+
+def test_unknown_preset_names_the_shipped_ones():
+    with pytest.raises(ValueError, match="tagc-balanced.*tagc-full|tagc-full.*tagc-balanced"):
+        tagc.TAGCConfig.preset("balancd")
+
+
+@pytest.mark.parametrize("name", sorted(os.path.basename(p)[:-5] for p in
+                                        glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml"))))
+def test_preset_resolves_as_before_the_defaults_changed(name):
+    """Every preset resolves to the knobs it had before TAGCConfig's defaults became
+    tagc-balanced's (recorded at commit f1cb654), so no preset silently changed."""
+    import json
+
+    with open(PRESETS_BEFORE) as fh:
+        before = json.load(fh)["presets"]
+    assert name in before, f"{name}: a new preset; add it to {PRESETS_BEFORE}"
+    assert tagc.TAGCConfig.preset(name).resolved_dict() == before[name]
+
+
+def test_every_preset_states_the_knobs_whose_defaults_changed():
+    """A preset file names mode and layers, and a compressing one error_feedback and ef21,
+    so it reads the same whatever the library's defaults are."""
+    import yaml
+
+    for path in glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml")):
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+        need = {"mode", "layers"} | ({"error_feedback", "ef21"} if data["mode"] != "dense"
+                                     else set())
+        assert need <= set(data), (path, sorted(need - set(data)))
+
+
+# one valid change per knob family, each applied to every preset's to_dict()
+ONE_CHANGES = [dict(mode="exact"), dict(mode="sparse"), dict(mode="dense"), dict(mode="quant"),
+               dict(mode="paper"), dict(ef21=False), dict(error_feedback=False),
+               dict(quant_format="ternary"), dict(layers="non_attention"), dict(seed=7),
+               dict(gather="int4"), dict(residual_dtype="bfloat16", ef21=False)]
+
+
+@pytest.mark.parametrize("change", ONE_CHANGES, ids=lambda c: ",".join(f"{k}={v}" for k, v in
+                                                                      c.items()))
+def test_every_config_round_trips_with_one_change(change):
+    """``from_dict({**cfg.to_dict(), **change})`` builds, for every preset and the default,
+    and equals the config built from the preset's fields with the change: derived knobs
+    (theta, ratio, ef21, ef21_damping) follow the changed source unless the preset set
+    them."""
+    import yaml
+
+    sources = {"default": {}}
+    for path in glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml")):
+        with open(path) as fh:
+            sources[os.path.basename(path)] = yaml.safe_load(fh)
+    built = 0
+    for name, fields in sources.items():
+        try:
+            want = tagc.TAGCConfig.from_dict({**fields, **change})
+        except ValueError:
+            continue  # the change conflicts with what the preset states (e.g. theta in quant)
+        cfg = tagc.TAGCConfig.from_dict(fields)
+        got = tagc.TAGCConfig.from_dict({**cfg.to_dict(), **change})
+        assert got.resolved_dict() == want.resolved_dict(), name
+        assert cfg.replace(**change).resolved_dict() == want.resolved_dict(), name
+        built += 1
+    assert built >= 2, change
+
+
+def test_round_trip_drops_derived_knobs_with_their_source():
+    """The case that raised before: EF21's damping was written out as True, so turning
+    EF21 off on tagc-balanced conflicted with it."""
+    bal = tagc.TAGCConfig.preset("balanced")
+    off = tagc.TAGCConfig.from_dict({**bal.to_dict(), "ef21": False})
+    assert (off.ef21, off.ef21_damping) == (False, False)
+    exact = tagc.TAGCConfig().replace(mode="exact")   # EF21 derived, not given: follows
+    assert (exact.theta, exact.ef21) == (0.9875, False)
+    assert bal.replace(mode="exact").ef21 is True       # the preset states ef21: true
+    # a derived knob given explicitly stays as given
+    assert tagc.TAGCConfig(mode="exact", ef21=True).replace(seed=3).ef21 is True
+    assert bal.to_dict()["theta"] is None and bal.resolved_dict()["theta"] == 0.0
+    assert tagc.TAGCConfig.from_dict(bal.to_dict()) == bal

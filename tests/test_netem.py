@@ -1,4 +1,4 @@
-"""Tests for scripts/netem.sh: namespace setup/teardown, shaping, refusals.
+"""Tests for tagc/train/netem.sh: namespace setup/teardown, shaping, refusals.
 
 Needs root and iproute2 (ip, tc); skipped otherwise. Every subprocess has a timeout;
 the whole module takes a few seconds. Namespaces use a per-process prefix so the
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NETEM = ROOT / "scripts" / "netem.sh"
+NETEM = ROOT / "tagc" / "train" / "netem.sh"
 PREFIX = f"tt{os.getpid() % 100000}"
 
 pytestmark = [

@@ -12,9 +12,9 @@ import difflib
 import sys
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
+from tagc import presets
 from tagc.train.model import MODEL_SIZES, GPTConfig
 
 # the --help description of scripts/train_gpt2.py (the default of build_parser)
@@ -76,7 +76,8 @@ class RunConfig:
     replicas: int = option(1, "FSDP2: HSDP over this many replicas (nodes; ranks are numbered "
                               "node by node): shard inside a replica, replicate across; "
                               "TAGC's HSDP route with --tagc, native HSDP without")
-    tagc: Optional[str] = option(None, "a TAGC preset (configs/tagc-*.yaml); none: plain FSDP")
+    tagc: Optional[str] = option(None, "a TAGC preset by name (tagc-balanced, full, lean, ...) "
+                                 "or a YAML file; none: plain FSDP")
     tagc_set: str = option("", "preset fields to override, e.g. dense_steps=2000,theta=0.9")
     wrap: str = option("auto", "unit layout: auto | block | tagc (tagc: the hook's layout)")
     device: str = option("auto", "auto | cpu | cuda")
@@ -119,8 +120,8 @@ class RunConfig:
                              "on HYBRID_SHARD)")
         if self.wrap == "tagc" and not self.tagc:
             raise ValueError("wrap=tagc needs --tagc (the preset decides the unit layout)")
-        if self.tagc is not None and not Path(self.tagc).is_file():
-            raise ValueError(f"--tagc {self.tagc}: no such file")
+        if self.tagc is not None:
+            presets.resolve(self.tagc)  # a clear error naming the shipped presets
         if self.tagc_set and self.tagc is None:
             raise ValueError("--tagc_set needs --tagc (it overrides fields of the preset)")
         parse_tagc_set(self.tagc_set)
@@ -189,7 +190,7 @@ def load_tagc_config(tagc: Any, cfg: "RunConfig") -> Any:
     follows another (``ef21_damping`` follows ``ef21``, ``guard_ratio`` the feedback)
     follows the override too: ``--tagc_set ef21=false`` on an EF21 preset works.
     """
-    return tagc.TAGCConfig.from_yaml(cfg.tagc, parse_tagc_set(cfg.tagc_set))
+    return tagc.TAGCConfig.from_yaml(presets.resolve(cfg.tagc), parse_tagc_set(cfg.tagc_set))
 
 
 def _convert(name: str, tp: Any, raw: Any) -> Any:
@@ -315,7 +316,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, cls: type = None,
             raise ValueError(f"unexpected argument {path!r} (settings files end in .yaml; "
                              "options are --key=value)")
         import yaml
-        with open(path) as f:
+        with open(presets.resolve(path)) as f:
             loaded = yaml.safe_load(f) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of config keys")

@@ -1,8 +1,11 @@
 """Training runs as subprocesses, for the scripts that compare them (quality_suite.py,
 compare_quality.py, bench_step.py, bench_time_to_loss.py): the code a run executes, its
-record and reuse, its execution with a log, and the emulated network of scripts/netem.sh.
+record and reuse, its execution with a log, and the emulated network of tagc/train/netem.sh.
 
-These tools launch the scripts of a source checkout (:data:`REPO`), from its root.
+The runs train through the installed package (:data:`TRAIN_GPT2`: ``-m tagc.train``), in
+the caller's folder, so the tools work from an installed wheel as from a checkout; the
+code a run executes is the checkout's git state when the package sits in one
+(:func:`code_id`), else the installed version.
 """
 from __future__ import annotations
 
@@ -20,22 +23,28 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
-# the source checkout this package sits in (tagc/train/runs.py: two levels below it)
-REPO = Path(__file__).resolve().parents[2]
+# the folder the package sits in: a source checkout's root, or site-packages
+ROOT = Path(__file__).resolve().parents[2]
+# torchrun's arguments that start GPT-2 training (tagc/train/__main__.py)
+TRAIN_GPT2 = ("-m", "tagc.train")
 # what decides a run's result besides its configs (code_id hashes these paths)
 CODE_DIRS = ("tagc", "csrc", "cuda", "scripts", "configs", "setup.py", "tagc_hook.py")
-NETEM = REPO / "scripts" / "netem.sh"
+NETEM = Path(__file__).resolve().with_name("netem.sh")
 
 
 def code_id() -> Dict[str, str]:
     """The code a run executes: the commit, the git tree of :data:`CODE_DIRS` and a hash
-    of their uncommitted changes ("" when clean).
+    of their uncommitted changes ("" when clean); installed outside a checkout, the
+    package's version and a hash of its files.
 
     Returns:
         ``{"commit", "tree", "dirty"}``; ``tree`` and ``dirty`` decide reuse.
     """
+    if not (ROOT / ".git").exists():
+        return installed_code_id()
+
     def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
 
     trees = git("ls-tree", "HEAD", *CODE_DIRS)
     diff = git("diff", "HEAD", "--", *CODE_DIRS)
@@ -44,6 +53,31 @@ def code_id() -> Dict[str, str]:
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or "unknown",
             "tree": hashlib.sha256(trees.encode()).hexdigest()[:12],
             "dirty": hashlib.sha256(dirty.encode()).hexdigest()[:12] if dirty.strip() else ""}
+
+
+def installed_code_id() -> Dict[str, str]:
+    """:func:`code_id` of an installed package: its version, and a hash of the files of
+    ``tagc`` (Python sources, shipped presets) and the ``_tagc`` extension.
+
+    Returns:
+        ``{"commit": "tagc <version>", "tree": hash, "dirty": ""}``.
+    """
+    from importlib import metadata
+
+    import _tagc
+    import tagc
+
+    h = hashlib.sha256()
+    pkg = Path(tagc.__file__).resolve().parent
+    files = sorted(p.relative_to(pkg.parent) for p in [*pkg.rglob("*.py"), *pkg.rglob("*.yaml")])
+    for rel in files:
+        h.update(str(rel).encode() + (pkg.parent / rel).read_bytes())
+    h.update(Path(_tagc.__file__).read_bytes())
+    try:
+        version = metadata.version("tagc")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"commit": f"tagc {version}", "tree": h.hexdigest()[:12], "dirty": ""}
 
 
 def run_meta(cmd: Sequence[str], configs: Dict[str, Any], code: Dict[str, str]) -> Dict[str, Any]:
@@ -78,7 +112,7 @@ def execute(cmd: List[str], folder: Path, meta: Dict[str, Any]) -> float:
     """Run ``cmd`` with its log in ``folder/train.log``; on success record ``meta``.
 
     Args:
-        cmd: the command (run from the repository root).
+        cmd: the command (run in the current folder).
         folder: the run's folder (created).
         meta: :func:`run_meta`'s record, written to ``suite_run.json`` once it ran.
     Returns:
@@ -93,7 +127,7 @@ def execute(cmd: List[str], folder: Path, meta: Dict[str, Any]) -> float:
     with open(folder / "train.log", "w") as log:
         # faulthandler: a rank that dies of a signal leaves every thread's Python stack
         # in train.log (the teardown abort, README "Known problems")
-        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     if p.returncode != 0:
         tail = (folder / "train.log").read_text()[-3000:]
@@ -126,7 +160,7 @@ def free_port() -> int:
 
 
 def netem(net: list[str], *cmd: str, timeout: float = 60, check: bool = True) -> str:
-    """Run ``scripts/netem.sh NET... CMD...``; its stdout (stderr logged as a warning).
+    """Run ``tagc/train/netem.sh NET... CMD...``; its stdout (stderr logged as a warning).
 
     Args:
         net: the network options (prefix, hosts, rate, delay).

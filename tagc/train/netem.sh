@@ -13,7 +13,7 @@
 # is not applied: many container kernels ship without sch_netem). With a bridge, the
 # bridge-side port is shaped too, so a host also receives at most R (a switch port).
 #
-# Usage: scripts/netem.sh [options] COMMAND [args]
+# Usage: tagc/train/netem.sh [options] COMMAND [args]
 #   up                      create namespaces, links, addresses, qdiscs
 #   down                    delete every namespace named <prefix>-h* / <prefix>-br
 #   status                  namespaces, addresses, qdiscs, byte counters
