@@ -17,7 +17,9 @@ by the C module ``_tagc``; the package ``tagc/`` behind this module moves
 buffers between ranks and keeps per-unit state:
 
 * ``tagc/config.py``      TAGCConfig: every knob, documented and validated
-* ``tagc/selection.py``   which parameters are compressed; the wrapping helpers
+* ``tagc/presets.py``     the YAML presets shipped with the package, found by name
+* ``tagc/selection.py``   which parameters are compressed; which modules get own units
+* ``tagc/wrapping.py``    the wrapping helpers: fsdp1_auto_wrap_policy, shard_model
 * ``tagc/state.py``       register() and TAGCState (stats, checkpoints)
 * ``tagc/fsdp1.py``, ``tagc/fsdp2.py``  the FSDP glue (all torch internals)
 * ``tagc/hsdp.py``        custom HSDP: the all-reduce between replicas, compressed
@@ -25,6 +27,7 @@ buffers between ranks and keeps per-unit state:
 * ``tagc/reducer.py``     UnitReducer: what FSDP holds per unit; one reduction
 * ``tagc/bypass.py``      the timing-based bypass (``bypass_every``): compress or not
 * ``tagc/transports.py``  the transports, one signature, a table by mode
+* ``tagc/codec.py``       the handle on the C module ``_tagc`` (its only importer)
 * ``tagc/gather.py``      quantized parameter all-gathers (FSDP2, ``gather``)
 * ``tagc/comm.py``, ``tagc/device.py``, ``tagc/stats.py``, ``tagc/checkpoint.py``
 * ``tagc/teardown.py``    the exit drain: gloo's workers done with Python before exit
@@ -74,8 +77,9 @@ Decisions documented here (they are visible in behaviour):
 from __future__ import annotations
 
 from tagc.config import MODES, PAPER_THETA, QUANT_BITS, QUANT_FORMATS, TAGCConfig
-from tagc.selection import fsdp1_auto_wrap_policy, select_parameter, shard_model
+from tagc.selection import select_parameter
 from tagc.state import TAGCState, register
+from tagc.wrapping import fsdp1_auto_wrap_policy, shard_model
 
 __all__ = [
     "TAGCConfig",

@@ -42,10 +42,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from .codec import _tagc
 from .config import TAGCConfig
 from .device import Exec
 from .stats import UnitStats
-from .transports import _tagc
 
 logger = logging.getLogger(__name__)
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import fsdp2, transports
+from .codec import _tagc
 from .comm import Comm
 from .config import TAGCConfig
 from .device import CodecStreams, Exec, poison_nonfinite
@@ -122,17 +123,17 @@ def allreduce_form(cfg: TAGCConfig, replicas: int, compressed: bool,
         return "gather"
     form = cfg.hsdp_allreduce
     if form == "auto":
-        if cfg.mode == "dense" or replicas <= 2:
-            return "two_phase" if cfg.mode in ("exact", "paper") else "gather"
-        if cfg.mode == "quant":
-            size = transports._tagc.quant_bytes
+        if not cfg.compresses or replicas <= 2:
+            return "two_phase" if cfg.sketched else "gather"
+        if cfg.quantizes:
+            size = _tagc.quant_bytes
             chunk = math.ceil(shard_numel / replicas)
             two = size(chunk, cfg.quant_format, cfg.quant_block) \
                 + size(chunk, cfg.out_format(), cfg.quant_block)
             return "two_phase" if two < size(shard_numel, cfg.quant_format,
                                               cfg.quant_block) else "gather"
         return "two_phase"
-    if form == "gather" and cfg.mode in ("exact", "paper"):
+    if form == "gather" and cfg.sketched:
         raise NotImplementedError(f"hsdp_allreduce='gather': mode {cfg.mode!r} has no "
                                   "all-gather form; use 'two_phase' or 'auto'")
     return form
@@ -245,7 +246,7 @@ class TwoPhaseReducer(ReplicaReducer):
     def out_state(self) -> Optional[str]:
         """The to-everyone phase's state attribute, None without one (lossless
         codes, no feedback, ``dense``)."""
-        if not (self.keeps_feedback and self.cfg.mode in transports.SPREAD_FEEDBACK):
+        if not self.keeps_feedback or self.cfg.sketched:  # exact/paper: lossless codes
             return None
         return "estimate_out" if self.cfg.ef21 else "residual_out"
 
@@ -312,7 +313,7 @@ class TwoPhaseReducer(ReplicaReducer):
             x = out.float() - held[self.rank]
         full = held if in_place else dev.empty("full", shape, torch.float32,
                                                out.device).zero_()
-        if dev.ok is not None and self.cfg.mode != "dense":
+        if dev.ok is not None and self.cfg.compresses:
             # CUDA: a poisoned call leaves the state alone and sends NaN on
             poison_nonfinite(x.view(1, -1), ~dev.ok)
         call = transports.Call(self.cfg, self.index, step, res, comm, dev, self.stats,

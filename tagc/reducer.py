@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import transports
+from . import codec, transports
 from .bypass import Bypass
 from .comm import Comm
 from .config import TAGCConfig
@@ -93,7 +93,7 @@ class UnitReducer:
     @property
     def keeps_feedback(self) -> bool:
         """Whether this unit keeps error-feedback state (checkpoints hold exactly these)."""
-        return self.compressed and self.cfg.error_feedback and self.cfg.mode != "dense"
+        return self.compressed and self.cfg.feeds_back
 
     def feedback_buffers(self) -> List[Tuple[str, int, torch.dtype]]:
         """(attribute, length, dtype) of each feedback state: the residual, and
@@ -180,8 +180,8 @@ class UnitReducer:
             self._plain(comm, inp, out)
             self.step += 1
             return
-        if self.cfg.mode != "dense":
-            transports.require_codec()
+        if self.cfg.compresses:
+            codec.require_codec()
         decision = self._agree(comm, inp)
         if decision == "plain":
             self._plain(comm, inp, out)
@@ -225,10 +225,10 @@ class UnitReducer:
         self._apply_damping()
         acc = dev.empty("acc", (out.numel(),), torch.float32, out.device)
         call = transports.Call(self.cfg, self.index, self.step,
-                               self.residual if self.cfg.mode != "dense" else None,
+                               self.residual if self.cfg.compresses else None,
                                comm, dev, self.stats, self._warn_unpeeled)
         self.transport(call, inp, acc)
-        if self.cfg.ef21 and self.cfg.mode != "dense":
+        if self.cfg.ef21 and self.cfg.compresses:
             self._ef21_update(dev, inp, acc)
         divisor = self.pre * self.post
         if divisor != 1:
@@ -346,7 +346,7 @@ class UnitReducer:
         self.stats.add("nonfinite_fallbacks", bad)
         comm.dev.ok = ~bad
         self.stats.add("compressed_calls", comm.dev.ok)
-        if self.cfg.mode != "dense":
+        if self.cfg.compresses:
             poison_nonfinite(inp.view(self.shards_in(inp), -1), bad)
         gh, hh = vec[2], vec[3]
         lam = torch.where(hh > 0, gh / hh, torch.ones_like(hh)).clamp(0.0, 1.0)
@@ -402,7 +402,7 @@ class UnitReducer:
             self.stats.add("nonfinite_fallbacks", bad)
             dev.ok = ~bad
             self.stats.add("compressed_calls", dev.ok)
-            if self.cfg.mode != "dense":
+            if self.cfg.compresses:
                 poison_nonfinite(inp.view(self.shards_in(inp), -1), bad)
             return True
         flag = torch.zeros(1, dtype=torch.int32, device=inp.device)

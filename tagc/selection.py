@@ -2,15 +2,16 @@
 
 A unit (FSDP1 FlatParameter, FSDP2 ``fully_shard`` module) is compressed as a whole or
 not at all: FSDP hands the hook one flat buffer per unit.  So the selection is made per
-parameter (:func:`select_parameter`) and the wrapping helpers give every selected module,
-and every big unselected ``nn.Linear``/``nn.Embedding`` (the attention QKV projection),
-its own unit (docs/DESIGN.md section 6).
+parameter (:func:`select_parameter`) and :func:`modules_to_wrap` names the modules that
+get a unit of their own: every selected module, and every big unselected
+``nn.Linear``/``nn.Embedding`` (the attention QKV projection) (docs/DESIGN.md section 6).
+The wrapping helpers that apply that layout with FSDP1 or FSDP2 are in ``wrapping.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -123,64 +124,6 @@ def modules_to_wrap(model: nn.Module, cfg: TAGCConfig) -> List[nn.Module]:
         if selected or big_layer or (linear and _is_qkv_name(name)):
             out.append(mod)
     return out
-
-
-def fsdp1_auto_wrap_policy(model: nn.Module, cfg: TAGCConfig) -> Callable[..., bool]:
-    """FSDP1 ``auto_wrap_policy`` putting selected parameters in their own units.
-
-    Every module owning a selected parameter, and every other ``nn.Linear``/
-    ``nn.Embedding`` with at least ``min_numel`` parameters, becomes one unit;
-    everything else (norms, position embeddings, tied weights) stays in the root.
-
-    Args:
-        model: the unwrapped model (the policy is computed from it).
-        cfg: the config whose ``layers``/``min_numel`` decide the selection.
-    Returns:
-        a callable ``(module, recurse, nonwrapped_numel) -> bool`` for
-        ``FullyShardedDataParallel(model, auto_wrap_policy=...)``.
-    """
-    wrap_ids = {id(m) for m in modules_to_wrap(model, cfg)}
-
-    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        if recurse:
-            return True
-        return id(module) in wrap_ids
-
-    return policy
-
-
-def shard_model(model: nn.Module, cfg: TAGCConfig, **fully_shard_kwargs: Any) -> nn.Module:
-    """FSDP2: ``fully_shard`` each module of :func:`fsdp1_auto_wrap_policy`'s set, then the root.
-
-    With ``mesh=`` a 2-D ``(replicate, shard)`` mesh this is TAGC's custom HSDP
-    (``tagc/hsdp.py``): every unit is sharded over the "shard" dimension only (inside
-    a node) and ``register(model, cfg, mesh=mesh)`` then compresses the all-reduce
-    between the replicas.
-
-    Args:
-        model: the unsharded model.
-        cfg: the config deciding the selection.
-        **fully_shard_kwargs: passed to every ``fully_shard`` call (mesh, mp_policy, ...).
-    Returns:
-        the model (sharded in place; it is an ``FSDPModule`` afterwards).
-    Raises:
-        ValueError: a mesh that is neither 1-D nor the (replicate, shard) layout.
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = fully_shard_kwargs.get("mesh")
-    if mesh is not None and mesh.ndim != 1:
-        from .hsdp import check_mesh
-
-        check_mesh(mesh)
-        # register(model, cfg, mesh=mesh) then hooks the all-reduce over "replicate"
-        fully_shard_kwargs = dict(fully_shard_kwargs, mesh=mesh["shard"])
-    mods = modules_to_wrap(model, cfg)
-    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
-    for mod in sorted(mods, key=lambda m: -order[id(m)]):  # children before parents
-        fully_shard(mod, **fully_shard_kwargs)
-    fully_shard(model, **fully_shard_kwargs)
-    return model
 
 
 def module_names(model: nn.Module) -> Dict[int, str]:

@@ -10,7 +10,7 @@ from typing import Any, ContextManager, Dict, List, Optional
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint, fsdp1, fsdp2, gather, hsdp, overlap, stats, teardown, transports
+from . import checkpoint, codec, fsdp1, fsdp2, gather, hsdp, overlap, stats, teardown
 from .config import TAGCConfig
 from .device import CodecStreams
 from .reducer import UnitReducer
@@ -232,28 +232,44 @@ def _check_agreement(cfg: TAGCConfig, units: List[UnitReducer], world: int,
 
 
 def _log_units(state: TAGCState) -> None:
+    """Rank 0 only (every rank has the same units: :func:`_check_agreement`): one
+    INFO line for the model, one DEBUG line per unit (:func:`_unit_line`), and a
+    WARNING when fewer than half of the parameters are compressed."""
+    if dist.get_rank() != 0:
+        return
     units, cfg = state.units, state.cfg
     for u in units:
-        if u.compressed and u.selected_numel < u.numel:
-            # under layers="all" what is left out is only tensors below min_numel
-            # (biases, norms): splitting them into units of their own would not pay
-            advice = "they are below min_numel" if cfg.layers == "all" else \
-                "use fsdp1_auto_wrap_policy/shard_model to separate"
-            logger.info("TAGC unit %r: %d of %d elements selected; the whole unit is "
-                        "compressed (%s)", u.name, u.selected_numel, u.numel, advice)
+        logger.debug("TAGC unit %r: %s", u.name, _unit_line(u, cfg))
     total = sum(u.numel for u in units)
-    comp = sum(u.numel for u in units if u.compressed) if cfg.mode != "dense" else 0
+    comp = sum(u.numel for u in units if u.compressed) if cfg.compresses else 0
     logger.info("TAGC registered (%s, mode=%s): %d units, %d compressed, %.1f%% of the "
                 "parameters", state.kind, cfg.mode, len(units),
-                sum(u.compressed for u in units), 100.0 * comp / max(total, 1))
-    if 2 * comp < total and dist.get_rank() == 0:
+                sum(u.compressed for u in units) if cfg.compresses else 0,
+                100.0 * comp / max(total, 1))
+    if 2 * comp < total:
         logger.warning("TAGC compresses %.1f%% of the parameters (%d of %d elements): %s",
                        100.0 * comp / max(total, 1), comp, total, _why_little(units, cfg))
 
 
+def _unit_line(u: UnitReducer, cfg: TAGCConfig) -> str:
+    """What happens to one unit's gradient, in a user's terms.  A unit goes whole
+    (FSDP hands the hook one flat buffer), compressed when selected parameters hold
+    at least half of it."""
+    if u.selected_numel == 0:
+        return f"not compressed (none of its {u.numel} elements is a selected parameter)"
+    sel = f"{u.selected_numel} of its {u.numel} elements are selected parameters"
+    if not cfg.compresses:
+        return f"not compressed (mode 'dense'; {sel})"
+    if not u.compressed:
+        return f"not compressed (only {sel}, fewer than half)"
+    if u.selected_numel == u.numel:
+        return f"compressed (all {u.numel} of its elements are selected parameters)"
+    return f"compressed ({sel}; the rest ride along)"
+
+
 def _why_little(units: List[UnitReducer], cfg: TAGCConfig) -> str:
     """Why fewer than half of the parameters are compressed, in a user's terms."""
-    if cfg.mode == "dense":
+    if not cfg.compresses:
         return "mode 'dense' sends every gradient uncompressed (it is the baseline)"
     selected = sum(u.selected_numel for u in units)
     if selected == 0:
@@ -299,8 +315,8 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
     """
     if not isinstance(cfg, TAGCConfig):
         raise TypeError(f"register: cfg must be a TAGCConfig, got {type(cfg).__name__}")
-    if cfg.mode != "dense":
-        transports.require_codec()
+    if cfg.compresses:
+        codec.require_codec()
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("register: torch.distributed is not initialized")
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

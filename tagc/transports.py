@@ -14,27 +14,11 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
+from .codec import _tagc
 from .comm import Comm
 from .config import TAGCConfig
 from .device import Exec, gate
 from .stats import UnitStats
-
-try:  # the codec; `dense` mode and config handling work without it
-    import _tagc
-except ImportError as _exc:  # pragma: no cover - exercised only without a build
-    _tagc = None
-    TAGC_IMPORT_ERROR: Optional[BaseException] = _exc
-else:
-    TAGC_IMPORT_ERROR = None
-
-
-def require_codec() -> None:
-    """Raise a clear ImportError when the ``_tagc`` extension is not built."""
-    if _tagc is None:
-        raise ImportError(
-            "the TAGC codec module `_tagc` is not built; run `pip install -e .` in the "
-            f"repository (import failed with: {TAGC_IMPORT_ERROR})")
-
 
 @dataclass
 class Call:
@@ -471,9 +455,6 @@ def spread_union(call: Call, x: torch.Tensor, out: torch.Tensor, place: bool) ->
 SPREADS: Dict[str, Callable[[Call, torch.Tensor, torch.Tensor, bool], None]] = {
     "dense": spread_dense, "quant": spread_quant, "sparse": spread_pairs,
     "auto": spread_pairs, "exact": spread_union, "paper": spread_union}
-
-# which to-everyone phases keep feedback state of their own (their codes lose)
-SPREAD_FEEDBACK = ("quant", "sparse", "auto")
 
 
 TRANSPORTS: Dict[str, Callable[[Call, torch.Tensor, torch.Tensor], None]] = {

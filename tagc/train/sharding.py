@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any, Dict, Sequence
 
 import torch
@@ -12,13 +13,16 @@ from tagc.train.config import RunConfig
 
 
 def import_tagc() -> Any:
-    """Import tagc_hook (at the repository root), with a clear error if it is missing."""
-    try:
-        import tagc_hook
-    except ImportError as exc:
-        raise RuntimeError(f"--tagc needs tagc_hook.py and the _tagc extension "
-                           f"(pip install -e . at the repository root): {exc}") from exc
-    return tagc_hook
+    """TAGC's entry points, from ``tagc/`` itself (what ``tagc_hook`` re-exports; the
+    package never imports ``tagc_hook``): ``TAGCConfig``, ``register``,
+    ``fsdp1_auto_wrap_policy`` and ``shard_model``.  A missing ``_tagc`` extension is
+    reported by ``register`` (``tagc.codec.require_codec``)."""
+    from tagc.config import TAGCConfig
+    from tagc.state import register
+    from tagc.wrapping import fsdp1_auto_wrap_policy, shard_model
+    return SimpleNamespace(TAGCConfig=TAGCConfig, register=register,
+                           fsdp1_auto_wrap_policy=fsdp1_auto_wrap_policy,
+                           shard_model=shard_model)
 
 
 def device_mesh(cfg: RunConfig, device: torch.device) -> Any:
@@ -51,13 +55,13 @@ def wrap_model(model: nn.Module, cfg: RunConfig, tagc_cfg: Any, device: torch.de
 
     Unit layout: ``block`` puts each transformer block (a module of a class in
     ``blocks``) in its own unit (embeddings, final norm and a tied head stay in the root
-    unit). ``tagc`` asks tagc_hook for its layout, which separates the parameters the
-    preset compresses from the others.
+    unit). ``tagc`` asks TAGC for its layout (``tagc.wrapping``), which separates the
+    parameters the preset compresses from the others.
 
     Args:
         model: the model on `device`.
         cfg: run config.
-        tagc_cfg: a tagc_hook.TAGCConfig or None.
+        tagc_cfg: a TAGCConfig or None.
         device: this rank's device.
         param_dtype: compute dtype (bf16 on GPU by default); gradients are reduced in fp32.
         blocks: the transformer block classes (for the ``block`` layout).
