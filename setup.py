@@ -128,9 +128,15 @@ class BuildExt(build_ext):
 
 def tagc_extension() -> Extension:
     """The `_tagc` extension, with the CUDA kernels when building for CUDA."""
+    # a header edit rebuilds the extension (setuptools compares sources + depends)
+    depends = sorted(os.path.relpath(p, HERE) for d, pat in
+                     (("csrc", "*.h"), ("cuda", "*.h"), ("cuda", "*.cuh"), (BINDING, "*.h"))
+                     for p in glob.glob(os.path.join(HERE, d, pat)))
     ext = Extension(
         "_tagc",
-        sources=codec_sources() + [os.path.join(BINDING, "_tagcmodule.c")],
+        sources=codec_sources() + [os.path.join(BINDING, "_tagcmodule.c"),
+                                   os.path.join(BINDING, "tagc_args.c")],
+        depends=depends,
         include_dirs=["csrc"],
         extra_compile_args=["-std=c11", "-O3", "-fno-trapping-math", "-Wall", "-Wextra"],
     )

@@ -1,5 +1,5 @@
 """The layout of tagc/ (issue 38, "one room per concept"), read from the sources with ast:
-no import circle among its modules, no import of the facade tagc_hook, and one module,
+no import circle among its modules (every .py file under tagc/), no import of the facade tagc_hook, and one module,
 tagc/codec.py, that imports the C extension _tagc.  Imports inside functions count."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ CODEC = "tagc.codec"  # the one owner of `import _tagc`
 
 
 def _modules() -> Dict[str, Path]:
-    """Dotted name -> file, for tagc/*.py and tagc/train/*.py."""
+    """Dotted name -> file, for every .py file under tagc/ (tagc/*.py, tagc/train/*.py,
+    and any subpackage added later)."""
     out = {}
-    for path in sorted((ROOT / "tagc").glob("*.py")) + sorted((ROOT / "tagc" / "train").glob("*.py")):
+    for path in sorted((ROOT / "tagc").rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()

@@ -1,585 +1,24 @@
 /*
- * _tagcmodule.c - the CPython module `_tagc`: argument checks and DLPack views
- * over the C codec of tagc.h.  Contract: docs/module-api.md.
+ * _tagcmodule.c - the CPython module `_tagc`: one entry point per function of
+ * docs/module-api.md (the contract) over the C codec of tagc.h.  Arguments
+ * are read, as checked DLPack views and scalars, by tagc_args.c (the ritual:
+ * tagc_args.h).
  *
  * The top C layer: it includes the codec (csrc/) and, in CUDA builds, the
  * kernels' launchers (cuda/) and the glue beside it; nothing below includes
  * anything from here, so the codec and the kernels build without Python.
- *
- * Every tensor argument is read through its legacy DLPack capsule, checked
- * (dtype, device, contiguity, size) before any memory is touched, and kept
- * alive by holding the capsule until the call returns.  The capsule is never
- * consumed, so its own destructor releases the producer's tensor.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "tagc_args.h"
 
 #include <math.h>
 #include <stdint.h>
 
-#include "dlpack_min.h"
 #include "tagc.h"
 #include "tagc_portable.h"
 #ifdef TAGC_WITH_CUDA
 #include "tagc_cuda.h"
 #include "tagc_cuda_module.h"
 #endif
-
-typedef struct {
-    PyObject *nonfinite_error;
-} mod_state;
-
-static mod_state *get_state(PyObject *module)
-{
-    return (mod_state *)PyModule_GetState(module);
-}
-
-/* ---- dtypes and views ------------------------------------------------- */
-
-enum { K_F32 = 1, K_BF16 = 2, K_U8 = 4, K_I32 = 8, K_I64 = 16 };
-enum { DEV_CPU = 0, DEV_CUDA = 1 };
-
-static const char *kind_name(unsigned k)
-{
-    switch (k) {
-    case K_F32: return "float32";
-    case K_BF16: return "bfloat16";
-    case K_U8: return "uint8";
-    case K_I32: return "int32";
-    case K_I64: return "int64";
-    }
-    return "?";
-}
-
-static unsigned dl_kind(tagc_dl_dtype d)
-{
-    if (d.lanes != 1)
-        return 0;
-    if (d.code == TAGC_DL_FLOAT && d.bits == 32) return K_F32;
-    if (d.code == TAGC_DL_BFLOAT && d.bits == 16) return K_BF16;
-    if (d.code == TAGC_DL_UINT && d.bits == 8) return K_U8;
-    if (d.code == TAGC_DL_INT && d.bits == 32) return K_I32;
-    if (d.code == TAGC_DL_INT && d.bits == 64) return K_I64;
-    return 0;
-}
-
-static tagc_dtype codec_dtype(unsigned kind)
-{
-    return kind == K_BF16 ? TAGC_BF16 : TAGC_F32;
-}
-
-typedef struct {
-    PyObject *capsule; /* owned; NULL when the argument was None */
-    const char *name;
-    void *data;
-    int64_t numel;
-    unsigned kind;
-    int device;
-    int device_id;
-} view_t;
-
-#define MAX_VIEWS 6
-
-typedef struct {
-    view_t v[MAX_VIEWS];
-    view_t none; /* what an omitted optional tensor reads as */
-    int n;
-    const char *fn;
-    int64_t *owned; /* PyMem copy of a sequence argument (wq's segs), or NULL */
-} views_t;
-
-static void views_release(views_t *vs)
-{
-    for (int i = 0; i < vs->n; i++)
-        Py_CLEAR(vs->v[i].capsule);
-    vs->n = 0;
-    PyMem_Free(vs->owned);
-    vs->owned = NULL;
-}
-
-static void allowed_names(unsigned allowed, char *buf, size_t cap)
-{
-    buf[0] = '\0';
-    for (unsigned k = 1; k <= K_I64; k <<= 1) {
-        if (!(allowed & k))
-            continue;
-        if (buf[0])
-            strncat(buf, " or ", cap - strlen(buf) - 1);
-        strncat(buf, kind_name(k), cap - strlen(buf) - 1);
-    }
-}
-
-/* The checks before any export: obj speaks DLPack and is not part of an
- * autograd graph (the kernels would write or read it behind autograd's
- * back).  A requires_grad that cannot be read counts as False: plain
- * DLPack producers have none. */
-static int view_precheck(const views_t *vs, PyObject *obj, const char *name)
-{
-    if (!PyObject_HasAttrString(obj, "__dlpack__")) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' must be a tensor (an object with __dlpack__), "
-                     "not %.100s", vs->fn, name, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
-    if (rg == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int yes = PyObject_IsTrue(rg);
-    Py_DECREF(rg);
-    if (yes < 0)
-        return -1;
-    if (yes) {
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' requires grad; pass tensor.detach()",
-                     vs->fn, name);
-        return -1;
-    }
-    return 0;
-}
-
-/* obj.__dlpack__() (a new reference), or NULL with the producer's error
- * re-raised as a TypeError that names the argument. */
-static PyObject *view_export(const views_t *vs, PyObject *obj, const char *name)
-{
-    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
-    if (cap != NULL)
-        return cap;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *msg = value ? PyObject_Str(value) : NULL;
-    PyErr_Format(PyExc_TypeError,
-                 "%s: argument '%s' cannot be exported with DLPack "
-                 "(unsupported device or layout?): %S",
-                 vs->fn, name, msg ? msg : Py_None);
-    Py_XDECREF(msg);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
-    return NULL;
-}
-
-/* v->kind and v->device from t: a dtype among `allowed`, memory the CPU
- * or a CUDA device can address. */
-static int view_kind_device(const views_t *vs, view_t *v, const tagc_dl_tensor *t,
-                            unsigned allowed)
-{
-    v->kind = dl_kind(t->dtype);
-    if (!(v->kind & allowed)) {
-        char want[96];
-        allowed_names(allowed, want, sizeof want);
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' must be %s, got DLPack dtype (code %d, %d bits, %d lanes)",
-                     vs->fn, v->name, want, t->dtype.code, t->dtype.bits, t->dtype.lanes);
-        return -1;
-    }
-    switch (t->device.device_type) {
-    case TAGC_DL_CPU:
-    case TAGC_DL_CUDA_HOST:
-        v->device = DEV_CPU;
-        break;
-    case TAGC_DL_CUDA:
-    case TAGC_DL_CUDA_MANAGED:
-        v->device = DEV_CUDA;
-        break;
-    default:
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' is on an unsupported device (DLPack device type %d)",
-                     vs->fn, v->name, (int)t->device.device_type);
-        return -1;
-    }
-    v->device_id = t->device.device_id;
-    return 0;
-}
-
-/* v->numel and v->data from t: a valid shape whose element count fits in
- * int64, laid out compactly in row-major order (the kernels index it flat;
- * size-1 dimensions may have any stride), with data unless empty. */
-static int view_extent(const views_t *vs, view_t *v, const tagc_dl_tensor *t)
-{
-    if (t->ndim < 0 || (t->ndim > 0 && t->shape == NULL)) {
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' has an invalid shape",
-                     vs->fn, v->name);
-        return -1;
-    }
-    int64_t numel = 1;
-    for (int32_t d = 0; d < t->ndim; d++) {
-        if (t->shape[d] < 0 ||
-            (t->shape[d] > 0 && numel > INT64_MAX / t->shape[d])) {
-            PyErr_Format(PyExc_ValueError, "%s: argument '%s' has an invalid shape",
-                         vs->fn, v->name);
-            return -1;
-        }
-        numel *= t->shape[d];
-    }
-    if (t->strides != NULL && numel > 1) {
-        int64_t expect = 1;
-        for (int32_t d = t->ndim - 1; d >= 0; d--) {
-            if (t->shape[d] != 1 && t->strides[d] != expect) {
-                PyErr_Format(PyExc_TypeError,
-                             "%s: argument '%s' must be contiguous (call .contiguous())",
-                             vs->fn, v->name);
-                return -1;
-            }
-            expect *= t->shape[d];
-        }
-    }
-    v->numel = numel;
-    v->data = t->data == NULL ? NULL : (char *)t->data + t->byte_offset;
-    if (v->data == NULL && numel > 0) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' has no data", vs->fn, v->name);
-        return -1;
-    }
-    return 0;
-}
-
-/* Exports obj through DLPack and checks everything about it but its size.
- * Returns NULL with TypeError/ValueError naming the argument on failure. */
-static view_t *view_take(views_t *vs, PyObject *obj, const char *name,
-                         unsigned allowed)
-{
-    if (vs->n >= MAX_VIEWS) {
-        PyErr_SetString(PyExc_SystemError, "_tagc: too many tensor arguments");
-        return NULL;
-    }
-    if (view_precheck(vs, obj, name) < 0)
-        return NULL;
-    PyObject *cap = view_export(vs, obj, name);
-    if (cap == NULL)
-        return NULL;
-    /* Counted in vs at once: views_release() drops the capsule whatever
-     * check fails next. */
-    view_t *v = &vs->v[vs->n];
-    memset(v, 0, sizeof *v);
-    v->capsule = cap;
-    v->name = name;
-    vs->n++;
-    if (!PyCapsule_IsValid(cap, "dltensor")) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s': __dlpack__ did not return a 'dltensor' capsule",
-                     vs->fn, name);
-        return NULL;
-    }
-    tagc_dl_managed *mt = PyCapsule_GetPointer(cap, "dltensor");
-    if (mt == NULL)
-        return NULL;
-    if (view_kind_device(vs, v, &mt->dl_tensor, allowed) < 0 ||
-        view_extent(vs, v, &mt->dl_tensor) < 0)
-        return NULL;
-    return v;
-}
-
-/* Like view_take, but None gives an empty view (data NULL, numel 0). */
-static view_t *view_take_opt(views_t *vs, PyObject *obj, const char *name,
-                             unsigned allowed, int *present)
-{
-    *present = obj != NULL && obj != Py_None;
-    if (*present)
-        return view_take(vs, obj, name, allowed);
-    memset(&vs->none, 0, sizeof vs->none);
-    vs->none.name = name;
-    return &vs->none;
-}
-
-static int64_t kind_size(unsigned k)
-{
-    return k == K_I64 ? 8 : k == K_BF16 ? 2 : k == K_U8 ? 1 : 4;
-}
-
-/* The one device of all tensor arguments, which must not share memory.
- * Every entry point dispatches on the device: a CUDA build adds
- * `#ifdef TAGC_WITH_CUDA` branches calling the tagc_cuda_* launchers where
- * the CPU kernel is called.  No op has an in-place form: each reads its
- * inputs while writing its outputs, so overlapping arguments would give
- * wrong results (never out-of-bounds access); they are refused here. */
-static int common_device(views_t *vs)
-{
-    if (vs->n == 0)
-        return DEV_CPU;
-    const view_t *a = &vs->v[0];
-    for (int i = 1; i < vs->n; i++) {
-        const view_t *b = &vs->v[i];
-        if (b->device != a->device || b->device_id != a->device_id) {
-            PyErr_Format(PyExc_TypeError,
-                         "%s: arguments '%s' and '%s' are on different devices",
-                         vs->fn, a->name, b->name);
-            return -1;
-        }
-    }
-    for (int i = 0; i < vs->n; i++) {
-        const view_t *x = &vs->v[i];
-        uintptr_t x0 = (uintptr_t)x->data;
-        uintptr_t x1 = x0 + (uintptr_t)(x->numel * kind_size(x->kind));
-        for (int j = i + 1; j < vs->n && x1 > x0; j++) {
-            const view_t *y = &vs->v[j];
-            uintptr_t y0 = (uintptr_t)y->data;
-            uintptr_t y1 = y0 + (uintptr_t)(y->numel * kind_size(y->kind));
-            if (y1 > y0 && x0 < y1 && y0 < x1) {
-                PyErr_Format(PyExc_ValueError,
-                             "%s: arguments '%s' and '%s' overlap in memory; pass "
-                             "separate tensors", vs->fn, x->name, y->name);
-                return -1;
-            }
-        }
-    }
-#ifndef TAGC_WITH_CUDA
-    if (a->device == DEV_CUDA) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' is a CUDA tensor, but _tagc was built "
-                     "without CUDA kernels (CPU tensors only)", vs->fn, a->name);
-        return -1;
-    }
-#endif
-    return a->device;
-}
-
-static int need_size(views_t *vs, const view_t *v, int64_t need, int exact,
-                     const char *what)
-{
-    if (exact ? v->numel != need : v->numel < need) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: argument '%s' has %lld elements, needs %s%lld (%s)",
-                     vs->fn, v->name, (long long)v->numel, exact ? "" : "at least ",
-                     (long long)need, what);
-        return -1;
-    }
-    return 0;
-}
-
-/* Positions inside a shard are int32: at most TAGC_MAX_N elements. */
-static int need_max_n(views_t *vs, const view_t *v)
-{
-    if (v->numel > TAGC_MAX_N) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' has more than 2**31-1 elements",
-                     vs->fn, v->name);
-        return -1;
-    }
-    return 0;
-}
-
-/* ---- scalar arguments -------------------------------------------------- */
-
-/* o as a Python int (new reference); bools and floats are refused. */
-static PyObject *int_arg(const char *fn, PyObject *o, const char *name)
-{
-    if (PyBool_Check(o) || !PyIndex_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int, not %.100s",
-                     fn, name, Py_TYPE(o)->tp_name);
-        return NULL;
-    }
-    return PyNumber_Index(o);
-}
-
-static int arg_i64(const char *fn, PyObject *o, const char *name, int64_t *out)
-{
-    PyObject *i = int_arg(fn, o, name);
-    if (i == NULL)
-        return -1;
-    int overflow = 0;
-    long long x = PyLong_AsLongLongAndOverflow(i, &overflow);
-    Py_DECREF(i);
-    if (x == -1 && PyErr_Occurred())
-        return -1;
-    if (overflow) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' is out of range", fn, name);
-        return -1;
-    }
-    *out = x;
-    return 0;
-}
-
-static int arg_range(const char *fn, PyObject *o, const char *name,
-                     int64_t lo, int64_t hi, int64_t *out)
-{
-    if (arg_i64(fn, o, name, out) < 0)
-        return -1;
-    if (*out < lo || *out > hi) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be in [%lld, %lld], got %lld",
-                     fn, name, (long long)lo, (long long)hi, (long long)*out);
-        return -1;
-    }
-    return 0;
-}
-
-static int arg_u64(const char *fn, PyObject *o, const char *name, uint64_t *out)
-{
-    PyObject *i = int_arg(fn, o, name);
-    if (i == NULL)
-        return -1;
-    PyObject *zero = PyLong_FromLong(0);
-    int neg = zero == NULL ? -1 : PyObject_RichCompareBool(i, zero, Py_LT);
-    Py_XDECREF(zero);
-    unsigned long long x = neg ? 0 : PyLong_AsUnsignedLongLong(i);
-    Py_DECREF(i);
-    if (neg < 0)
-        return -1;
-    if (neg || (x == (unsigned long long)-1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be in [0, 2**64)", fn, name);
-        return -1;
-    }
-    *out = x;
-    return 0;
-}
-
-/* The caller's cudaStream_t as an int (0: the legacy default stream). */
-static int arg_stream(const char *fn, PyObject *o, int64_t *s)
-{
-    *s = 0;
-    return o == NULL || o == Py_None ? 0 : arg_i64(fn, o, "stream", s);
-}
-
-/* value_dtype: torch.float32 / torch.bfloat16 compared by name, so the module
- * never imports torch. */
-static int arg_value_dtype(const char *fn, PyObject *o, tagc_dtype *out)
-{
-    PyObject *s = PyObject_Str(o);
-    if (s == NULL)
-        return -1;
-    const char *c = PyUnicode_AsUTF8(s);
-    int ok = 1;
-    if (c == NULL)
-        ok = -1;
-    else if (!strcmp(c, "torch.float32") || !strcmp(c, "float32"))
-        *out = TAGC_F32;
-    else if (!strcmp(c, "torch.bfloat16") || !strcmp(c, "bfloat16"))
-        *out = TAGC_BF16;
-    else
-        ok = 0;
-    Py_DECREF(s);
-    if (ok == 0)
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument 'value_dtype' must be torch.float32 or torch.bfloat16, got %R",
-                     fn, o);
-    return ok == 1 ? 0 : -1;
-}
-
-/* ---- status -> exception ----------------------------------------------- */
-
-static PyObject *raise_status(PyObject *module, const char *fn, tagc_status st,
-                              const char *detail)
-{
-    PyObject *exc;
-    switch (st) {
-    case TAGC_ERR_NONFINITE: exc = get_state(module)->nonfinite_error; break;
-    case TAGC_ERR_DTYPE: exc = PyExc_TypeError; break;
-    case TAGC_ERR_NOMEM: exc = PyExc_MemoryError; break;
-    case TAGC_ERR_CUDA: exc = PyExc_RuntimeError; break;
-    default: exc = PyExc_ValueError; break;
-    }
-    PyErr_Format(exc, "%s: %s%s%s", fn, tagc_status_str(st), detail ? ": " : "",
-                 detail ? detail : "");
-    return NULL;
-}
-
-/* Writes a scalar result to a 1-element `out` tensor (already checked to be
- * of the result's dtype), or returns it. */
-static PyObject *float_result(view_t *out, int present, float f)
-{
-    if (!present)
-        return PyFloat_FromDouble(f);
-    *(float *)out->data = f;
-    Py_RETURN_NONE;
-}
-
-static PyObject *int_result(view_t *out, int present, int64_t i)
-{
-    if (!present)
-        return PyLong_FromLongLong(i);
-    *(int64_t *)out->data = i;
-    Py_RETURN_NONE;
-}
-
-#define BEGIN(fname)                \
-    views_t vs_;                    \
-    memset(&vs_, 0, sizeof vs_);    \
-    vs_.fn = "_tagc." fname;        \
-    const char *fn = vs_.fn;        \
-    PyObject *ret = NULL;           \
-    tagc_status st = TAGC_OK;       \
-    int64_t stream = 0;             \
-    (void)st;                       \
-    (void)stream
-#define TAKE(var, obj, name, allowed)                          \
-    view_t *var = view_take(&vs_, obj, name, allowed);         \
-    if (var == NULL)                                           \
-        goto done
-#define TAKE_OPT(var, present, obj, name, allowed)                        \
-    int present;                                                          \
-    view_t *var = view_take_opt(&vs_, obj, name, allowed, &present);      \
-    if (var == NULL)                                                      \
-        goto done
-/* The optional `status_out=` of the functions whose data errors a CUDA launch
- * reports on the device: a 1-element int32 tensor, or absent. */
-#define TAKE_STATUS(obj)                                                  \
-    TAKE_OPT(status, has_status, obj, "status_out", K_I32);               \
-    CHECK(scalar_out_ok(&vs_, status, has_status))
-#define CHECK(expr)     \
-    if ((expr) < 0)     \
-        goto done
-#define RUN(call)                   \
-    Py_BEGIN_ALLOW_THREADS          \
-    st = (call);                    \
-    Py_END_ALLOW_THREADS
-
-/* The end of the entry ritual of a function that returns None: the status
- * raised (with `detail` when it is `err`), the views released. */
-#define END_NONE(err, detail)                                                    \
-    ret = st == TAGC_OK ? none_result()                                          \
-                        : raise_status(m, fn, st, st == (err) ? (detail) : NULL); \
-done:                                                                            \
-    views_release(&vs_);                                                         \
-    return ret
-
-static int scalar_out_ok(views_t *vs, view_t *out, int present)
-{
-    return present ? need_size(vs, out, 1, 1, "a 1-element result tensor") : 0;
-}
-
-/* CUDA path (TAGC_WITH_CUDA): the tensors' device is made current, the
- * launcher gets a workspace of `wsb` bytes allocated in stream order on the
- * caller's stream (names ws_, wsb_, strm_ are visible to `call`), and
- * nothing waits for the GPU.  Without CUDA it expands to nothing: the
- * launchers do not exist, and common_device() has refused CUDA tensors. */
-#ifdef TAGC_WITH_CUDA
-#define RUN_CUDA(view, wsb, call)                                              \
-    do {                                                                       \
-        void *ws_ = NULL;                                                      \
-        size_t wsb_ = (wsb);                                                   \
-        int prev_ = 0;                                                         \
-        cudaStream_t strm_ = (cudaStream_t)(uintptr_t)stream;                  \
-        Py_BEGIN_ALLOW_THREADS                                                 \
-        st = tagc_cudamod_begin((view)->device_id, wsb_, strm_, &ws_, &prev_); \
-        if (st == TAGC_OK) {                                                   \
-            st = (call);                                                       \
-            tagc_status end_ = tagc_cudamod_end(ws_, strm_, prev_);            \
-            if (st == TAGC_OK)                                                 \
-                st = end_;                                                     \
-        }                                                                      \
-        Py_END_ALLOW_THREADS                                                   \
-    } while (0)
-#else
-#define RUN_CUDA(view, wsb, call) ((void)0)
-#endif
-
-/* On CUDA a scalar result goes to a device tensor: returning a Python
- * number would need a host sync, so the result tensor is required. */
-static int cuda_needs(const char *fn, int dev, int present, const char *name)
-{
-    if (dev == DEV_CUDA && !present) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: argument '%s' (a 1-element tensor on the data's device) is "
-                     "required for CUDA tensors: returning a number would need a host sync",
-                     fn, name);
-        return -1;
-    }
-    return 0;
-}
-
-static PyObject *none_result(void)
-{
-    Py_RETURN_NONE;
-}
 
 /* ---- entry points ------------------------------------------------------ */
 
@@ -591,8 +30,8 @@ static PyObject *py_seed_derive(PyObject *m, PyObject *args, PyObject *kw)
     uint64_t seed, unit, step;
     (void)m;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO", kwl, &a, &b, &c) ||
-        arg_u64(fn, a, "seed", &seed) < 0 || arg_u64(fn, b, "unit", &unit) < 0 ||
-        arg_u64(fn, c, "step", &step) < 0)
+        tagc_py_arg_u64(fn, a, "seed", &seed) < 0 || tagc_py_arg_u64(fn, b, "unit", &unit) < 0 ||
+        tagc_py_arg_u64(fn, c, "step", &step) < 0)
         return NULL;
     return PyLong_FromUnsignedLongLong(tagc_seed_derive(seed, unit, step));
 }
@@ -601,34 +40,34 @@ static PyObject *py_select_kth(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"x", "k", "out", "stream", NULL};
     PyObject *ox, *ok, *oout = NULL, *ostream = NULL;
-    BEGIN("select_kth");
+    TAGC_BEGIN("select_kth");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO", kwl, &ox, &ok, &oout, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(x, ox, "x", K_F32 | K_BF16);
-    TAKE_OPT(out, has_out, oout, "out", K_F32);
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(x, ox, "x", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE_OPT(out, has_out, oout, "out", TAGC_K_F32);
     int64_t k;
-    CHECK(arg_range(fn, ok, "k", 0, x->numel, &k));
-    CHECK(scalar_out_ok(&vs_, out, has_out));
-    CHECK(need_max_n(&vs_, x));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    CHECK(cuda_needs(fn, dev, has_out, "out"));
+    TAGC_CHECK(tagc_py_arg_range(fn, ok, "k", 0, x->numel, &k));
+    TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, out, has_out));
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, x));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_out, "out"));
     float tau = 0;
-    if (dev == DEV_CUDA) { /* NaN/Inf: *out = NaN on the device, no exception */
-        RUN_CUDA(x, tagc_cuda_select_kth_workspace_size(x->numel),
-                 tagc_cuda_select_kth(out->data, x->data, codec_dtype(x->kind), x->numel,
-                                      k, ws_, wsb_, strm_));
+    if (dev == TAGC_DEV_CUDA) { /* NaN/Inf: *out = NaN on the device, no exception */
+        TAGC_RUN_CUDA(x, tagc_cuda_select_kth_workspace_size(x->numel),
+                      tagc_cuda_select_kth(out->data, x->data, tagc_py_codec_dtype(x->kind),
+                                           x->numel, k, ws_, wsb_, strm_));
     } else {
-        RUN(tagc_select_kth(&tau, x->data, codec_dtype(x->kind), x->numel, k));
+        TAGC_RUN(tagc_select_kth(&tau, x->data, tagc_py_codec_dtype(x->kind), x->numel, k));
     }
     if (st != TAGC_OK) {
-        raise_status(m, fn, st, st == TAGC_ERR_NONFINITE ? "x holds NaN or Inf" : NULL);
+        tagc_py_raise_status(m, fn, st, st == TAGC_ERR_NONFINITE ? "x holds NaN or Inf" : NULL);
         goto done;
     }
-    ret = dev == DEV_CUDA ? none_result() : float_result(out, has_out, tau);
+    ret = dev == TAGC_DEV_CUDA ? tagc_py_none_result() : tagc_py_float_result(out, has_out, tau);
 done:
-    views_release(&vs_);
+    tagc_py_views_release(&vs_);
     return ret;
 }
 
@@ -637,52 +76,54 @@ static PyObject *py_sparsify(PyObject *m, PyObject *args, PyObject *kw)
     static char *kwl[] = {"idx", "val", "bitmap", "residual", "grad", "k",
                           "out", "stream", NULL};
     PyObject *oidx, *oval, *obm, *ores, *ograd, *ok, *oout = NULL, *ostream = NULL;
-    BEGIN("sparsify");
+    TAGC_BEGIN("sparsify");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$OO", kwl, &oidx, &oval, &obm,
                                      &ores, &ograd, &ok, &oout, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(idx, oidx, "idx", K_I32);
-    TAKE(val, oval, "val", K_F32 | K_BF16);
-    TAKE(bitmap, obm, "bitmap", K_U8);
-    TAKE_OPT(res, has_res, ores, "residual", K_F32 | K_BF16);
-    TAKE(grad, ograd, "grad", K_F32 | K_BF16);
-    TAKE_OPT(out, has_out, oout, "out", K_F32);
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(idx, oidx, "idx", TAGC_K_I32);
+    TAGC_TAKE(val, oval, "val", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(bitmap, obm, "bitmap", TAGC_K_U8);
+    TAGC_TAKE_OPT(res, has_res, ores, "residual", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(grad, ograd, "grad", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE_OPT(out, has_out, oout, "out", TAGC_K_F32);
     int64_t n = grad->numel, k;
-    CHECK(need_max_n(&vs_, grad));
-    CHECK(arg_range(fn, ok, "k", 0, n, &k));
-    CHECK(need_size(&vs_, idx, k, 0, "k"));
-    CHECK(need_size(&vs_, val, k, 0, "k"));
-    CHECK(need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(grad.numel())"));
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, grad));
+    TAGC_CHECK(tagc_py_arg_range(fn, ok, "k", 0, n, &k));
+    TAGC_CHECK(tagc_py_need_size(&vs_, idx, k, 0, "k"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, val, k, 0, "k"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0,
+                                 "bitmap_bytes(grad.numel())"));
     if (has_res)
-        CHECK(need_size(&vs_, res, n, 1, "grad.numel()"));
-    CHECK(scalar_out_ok(&vs_, out, has_out));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    CHECK(cuda_needs(fn, dev, has_out, "out"));
+        TAGC_CHECK(tagc_py_need_size(&vs_, res, n, 1, "grad.numel()"));
+    TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, out, has_out));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_out, "out"));
     float tau = 0;
-    if (dev == DEV_CUDA) { /* NaN/Inf: *out = NaN, see tagc_cuda.h */
-        RUN_CUDA(grad, tagc_cuda_sparsify_workspace_size(n),
-                 tagc_cuda_sparsify(idx->data, idx->numel, val->data, codec_dtype(val->kind),
-                                    val->numel, bitmap->data, bitmap->numel,
-                                    has_res ? res->data : NULL, codec_dtype(res->kind),
-                                    grad->data, codec_dtype(grad->kind), n, k, out->data,
-                                    ws_, wsb_, strm_));
+    if (dev == TAGC_DEV_CUDA) { /* NaN/Inf: *out = NaN, see tagc_cuda.h */
+        TAGC_RUN_CUDA(grad, tagc_cuda_sparsify_workspace_size(n),
+                      tagc_cuda_sparsify(idx->data, idx->numel, val->data,
+                                         tagc_py_codec_dtype(val->kind), val->numel, bitmap->data,
+                                         bitmap->numel, has_res ? res->data : NULL,
+                                         tagc_py_codec_dtype(res->kind), grad->data,
+                                         tagc_py_codec_dtype(grad->kind), n, k, out->data, ws_,
+                                         wsb_, strm_));
     } else {
-        RUN(tagc_sparsify(idx->data, idx->numel, val->data, codec_dtype(val->kind),
-                          val->numel, bitmap->data, bitmap->numel,
-                          has_res ? res->data : NULL, codec_dtype(res->kind),
-                          grad->data, codec_dtype(grad->kind), n, k, &tau));
+        TAGC_RUN(tagc_sparsify(idx->data, idx->numel, val->data, tagc_py_codec_dtype(val->kind),
+                               val->numel, bitmap->data, bitmap->numel,
+                               has_res ? res->data : NULL, tagc_py_codec_dtype(res->kind),
+                               grad->data, tagc_py_codec_dtype(grad->kind), n, k, &tau));
     }
     if (st != TAGC_OK) {
-        raise_status(m, fn, st, st == TAGC_ERR_NONFINITE
+        tagc_py_raise_status(m, fn, st, st == TAGC_ERR_NONFINITE
                                     ? "grad + residual holds NaN or Inf (nothing written)"
                                     : NULL);
         goto done;
     }
-    ret = dev == DEV_CUDA ? none_result() : float_result(out, has_out, tau);
+    ret = dev == TAGC_DEV_CUDA ? tagc_py_none_result() : tagc_py_float_result(out, has_out, tau);
 done:
-    views_release(&vs_);
+    tagc_py_views_release(&vs_);
     return ret;
 }
 
@@ -702,37 +143,38 @@ static PyObject *lanes_common(PyObject *m, PyObject *args, PyObject *kw, int unp
     static char *kw_pack[] = {"lanes", "bitmap", "n", "bits", "stream", NULL};
     static char *kw_unpack[] = {"bitmap", "lanes", "n", "bits", "stream", NULL};
     PyObject *o1, *o2, *on, *obits, *ostream = NULL;
-    BEGIN("lanes_pack");
+    TAGC_BEGIN("lanes_pack");
     if (unpack)
         vs_.fn = fn = "_tagc.lanes_unpack";
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$O", unpack ? kw_unpack : kw_pack,
                                      &o1, &o2, &on, &obits, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(first, o1, unpack ? "bitmap" : "lanes", K_U8);
-    TAKE(second, o2, unpack ? "lanes" : "bitmap", K_U8);
-    view_t *lanes = unpack ? second : first, *bitmap = unpack ? first : second;
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(first, o1, unpack ? "bitmap" : "lanes", TAGC_K_U8);
+    TAGC_TAKE(second, o2, unpack ? "lanes" : "bitmap", TAGC_K_U8);
+    tagc_py_view *lanes = unpack ? second : first, *bitmap = unpack ? first : second;
     int64_t n, bits;
-    CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
-    CHECK(arg_i64(fn, obits, "bits", &bits));
-    CHECK(check_bits(fn, bits));
-    CHECK(need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(n)"));
-    CHECK(need_size(&vs_, lanes, tagc_lanes_bytes(n, (int)bits), 0, "lanes_bytes(n, bits)"));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    if (dev == DEV_CUDA && unpack) {
-        RUN_CUDA(bitmap, 0, tagc_cuda_lanes_unpack(bitmap->data, bitmap->numel, lanes->data,
-                                                   lanes->numel, n, (int)bits, strm_));
-    } else if (dev == DEV_CUDA) {
-        RUN_CUDA(bitmap, 0, tagc_cuda_lanes_pack(lanes->data, lanes->numel, bitmap->data, n,
-                                                 (int)bits, strm_));
+    TAGC_CHECK(tagc_py_arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
+    TAGC_CHECK(tagc_py_arg_i64(fn, obits, "bits", &bits));
+    TAGC_CHECK(check_bits(fn, bits));
+    TAGC_CHECK(tagc_py_need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(n)"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, lanes, tagc_lanes_bytes(n, (int)bits), 0,
+                                 "lanes_bytes(n, bits)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA && unpack) {
+        TAGC_RUN_CUDA(bitmap, 0, tagc_cuda_lanes_unpack(bitmap->data, bitmap->numel, lanes->data,
+                                                        lanes->numel, n, (int)bits, strm_));
+    } else if (dev == TAGC_DEV_CUDA) {
+        TAGC_RUN_CUDA(bitmap, 0, tagc_cuda_lanes_pack(lanes->data, lanes->numel, bitmap->data, n,
+                                                      (int)bits, strm_));
     } else if (unpack) {
-        RUN(tagc_lanes_unpack(bitmap->data, bitmap->numel, lanes->data, lanes->numel, n,
-                              (int)bits));
+        TAGC_RUN(tagc_lanes_unpack(bitmap->data, bitmap->numel, lanes->data, lanes->numel, n,
+                                   (int)bits));
     } else {
-        RUN(tagc_lanes_pack(lanes->data, lanes->numel, bitmap->data, n, (int)bits));
+        TAGC_RUN(tagc_lanes_pack(lanes->data, lanes->numel, bitmap->data, n, (int)bits));
     }
-    END_NONE(TAGC_OK, NULL);
+    TAGC_END_NONE(TAGC_OK, NULL);
 }
 
 static PyObject *py_lanes_pack(PyObject *m, PyObject *args, PyObject *kw)
@@ -749,15 +191,15 @@ static PyObject *py_bitmap_or(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"dst", "src", "count", "stream", NULL};
     PyObject *odst, *osrc, *ocount, *ostream = NULL;
-    BEGIN("bitmap_or");
+    TAGC_BEGIN("bitmap_or");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$O", kwl, &odst, &osrc, &ocount,
                                      &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(dst, odst, "dst", K_U8);
-    TAKE(src, osrc, "src", K_U8);
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(dst, odst, "dst", TAGC_K_U8);
+    TAGC_TAKE(src, osrc, "src", TAGC_K_U8);
     int64_t count;
-    CHECK(arg_range(fn, ocount, "count", 1, INT64_MAX, &count));
+    TAGC_CHECK(tagc_py_arg_range(fn, ocount, "count", 1, INT64_MAX, &count));
     if (src->numel % count != 0) {
         PyErr_Format(PyExc_ValueError,
                      "%s: argument 'src' has %lld elements, not a multiple of count=%lld",
@@ -765,47 +207,47 @@ static PyObject *py_bitmap_or(PyObject *m, PyObject *args, PyObject *kw)
         goto done;
     }
     int64_t nbytes = src->numel / count;
-    CHECK(need_size(&vs_, dst, nbytes, 0, "src.numel() // count"));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    if (dev == DEV_CUDA) {
-        RUN_CUDA(dst, 0, tagc_cuda_bitmap_or(dst->data, dst->numel, src->data, nbytes, count,
-                                             strm_));
+    TAGC_CHECK(tagc_py_need_size(&vs_, dst, nbytes, 0, "src.numel() // count"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) {
+        TAGC_RUN_CUDA(dst, 0, tagc_cuda_bitmap_or(dst->data, dst->numel, src->data, nbytes, count,
+                                                  strm_));
     } else {
-        RUN(tagc_bitmap_or(dst->data, dst->numel, src->data, nbytes, count));
+        TAGC_RUN(tagc_bitmap_or(dst->data, dst->numel, src->data, nbytes, count));
     }
-    END_NONE(TAGC_OK, NULL);
+    TAGC_END_NONE(TAGC_OK, NULL);
 }
 
 static PyObject *py_popcount(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"bitmap", "n", "out", "stream", NULL};
     PyObject *obm, *on, *oout = NULL, *ostream = NULL;
-    BEGIN("popcount");
+    TAGC_BEGIN("popcount");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO", kwl, &obm, &on, &oout, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(bitmap, obm, "bitmap", K_U8);
-    TAKE_OPT(out, has_out, oout, "out", K_I64);
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(bitmap, obm, "bitmap", TAGC_K_U8);
+    TAGC_TAKE_OPT(out, has_out, oout, "out", TAGC_K_I64);
     int64_t n, count = 0;
-    CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
-    CHECK(need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(n)"));
-    CHECK(scalar_out_ok(&vs_, out, has_out));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    CHECK(cuda_needs(fn, dev, has_out, "out"));
-    if (dev == DEV_CUDA) {
-        RUN_CUDA(bitmap, 0, tagc_cuda_popcount(out->data, bitmap->data, n, strm_));
+    TAGC_CHECK(tagc_py_arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
+    TAGC_CHECK(tagc_py_need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(n)"));
+    TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, out, has_out));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_out, "out"));
+    if (dev == TAGC_DEV_CUDA) {
+        TAGC_RUN_CUDA(bitmap, 0, tagc_cuda_popcount(out->data, bitmap->data, n, strm_));
     } else {
-        RUN(tagc_popcount(&count, bitmap->data, n));
+        TAGC_RUN(tagc_popcount(&count, bitmap->data, n));
     }
     if (st != TAGC_OK) {
-        raise_status(m, fn, st, NULL);
+        tagc_py_raise_status(m, fn, st, NULL);
         goto done;
     }
-    ret = dev == DEV_CUDA ? none_result() : int_result(out, has_out, count);
+    ret = dev == TAGC_DEV_CUDA ? tagc_py_none_result() : tagc_py_int_result(out, has_out, count);
 done:
-    views_release(&vs_);
+    tagc_py_views_release(&vs_);
     return ret;
 }
 
@@ -816,37 +258,38 @@ static PyObject *py_sketch_encode(PyObject *m, PyObject *args, PyObject *kw)
     static char *kwl[] = {"sketch", "idx", "val", "n", "t", "seed", "stream",
                           "status_out", NULL};
     PyObject *osk, *oidx, *oval, *on, *ot, *oseed, *ostream = NULL, *ostatus = NULL;
-    BEGIN("sketch_encode");
+    TAGC_BEGIN("sketch_encode");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$OO", kwl, &osk, &oidx, &oval, &on,
                                      &ot, &oseed, &ostream, &ostatus))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(sk, osk, "sketch", K_F32 | K_BF16);
-    TAKE(idx, oidx, "idx", K_I32);
-    TAKE(val, oval, "val", K_F32 | K_BF16);
-    TAKE_STATUS(ostatus);
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(sk, osk, "sketch", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(idx, oidx, "idx", TAGC_K_I32);
+    TAGC_TAKE(val, oval, "val", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE_STATUS(ostatus);
     int64_t n, t;
     uint64_t seed;
-    CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
-    CHECK(arg_range(fn, ot, "t", 1, T_MAX, &t));
-    CHECK(arg_u64(fn, oseed, "seed", &seed));
-    CHECK(need_size(&vs_, val, idx->numel, 1, "idx.numel()"));
-    CHECK(need_size(&vs_, sk, tagc_sketch_buckets(t), 0, "sketch_buckets(t)"));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    if (dev == DEV_CUDA) { /* an idx outside [0, n): skipped, RANGE in status_out */
-        RUN_CUDA(sk, tagc_cuda_sketch_encode_workspace_size(t, codec_dtype(sk->kind)),
-                 tagc_cuda_sketch_encode(sk->data, codec_dtype(sk->kind), sk->numel,
-                                         idx->data, val->data, codec_dtype(val->kind),
-                                         idx->numel, n, t, seed,
-                                         has_status ? status->data : NULL, ws_, wsb_,
-                                         strm_));
+    TAGC_CHECK(tagc_py_arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
+    TAGC_CHECK(tagc_py_arg_range(fn, ot, "t", 1, T_MAX, &t));
+    TAGC_CHECK(tagc_py_arg_u64(fn, oseed, "seed", &seed));
+    TAGC_CHECK(tagc_py_need_size(&vs_, val, idx->numel, 1, "idx.numel()"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, sk, tagc_sketch_buckets(t), 0, "sketch_buckets(t)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) { /* an idx outside [0, n): skipped, RANGE in status_out */
+        TAGC_RUN_CUDA(sk, tagc_cuda_sketch_encode_workspace_size(t, tagc_py_codec_dtype(sk->kind)),
+                      tagc_cuda_sketch_encode(sk->data, tagc_py_codec_dtype(sk->kind), sk->numel,
+                                              idx->data, val->data, tagc_py_codec_dtype(val->kind),
+                                              idx->numel, n, t, seed,
+                                              has_status ? status->data : NULL, ws_, wsb_,
+                                              strm_));
     } else {
-        RUN(tagc_sketch_encode(sk->data, codec_dtype(sk->kind), sk->numel, idx->data,
-                               val->data, codec_dtype(val->kind), idx->numel, n, t, seed));
+        TAGC_RUN(tagc_sketch_encode(sk->data, tagc_py_codec_dtype(sk->kind), sk->numel, idx->data,
+                                    val->data, tagc_py_codec_dtype(val->kind), idx->numel, n, t,
+                                    seed));
     }
-    END_NONE(TAGC_ERR_RANGE,
-             "idx holds a position outside [0, n)");
+    TAGC_END_NONE(TAGC_ERR_RANGE,
+                  "idx holds a position outside [0, n)");
 }
 
 static PyObject *py_peel_decode(PyObject *m, PyObject *args, PyObject *kw)
@@ -855,50 +298,52 @@ static PyObject *py_peel_decode(PyObject *m, PyObject *args, PyObject *kw)
                           "estimate", "count_out", "stream", NULL};
     PyObject *oout, *osk, *obm, *on, *ot, *oseed, *ounp = NULL, *oest = NULL,
              *ocnt = NULL, *ostream = NULL;
-    BEGIN("peel_decode");
+    TAGC_BEGIN("peel_decode");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$OOOO", kwl, &oout, &osk, &obm,
                                      &on, &ot, &oseed, &ounp, &oest, &ocnt, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(out, oout, "out", K_F32);
-    TAKE(sk, osk, "sketch", K_F32 | K_BF16);
-    TAKE(bitmap, obm, "bitmap", K_U8);
-    TAKE_OPT(unp, has_unp, ounp, "unpeeled", K_I32);
-    TAKE_OPT(cnt, has_cnt, ocnt, "count_out", K_I64);
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(out, oout, "out", TAGC_K_F32);
+    TAGC_TAKE(sk, osk, "sketch", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(bitmap, obm, "bitmap", TAGC_K_U8);
+    TAGC_TAKE_OPT(unp, has_unp, ounp, "unpeeled", TAGC_K_I32);
+    TAGC_TAKE_OPT(cnt, has_cnt, ocnt, "count_out", TAGC_K_I64);
     int64_t n, t;
     uint64_t seed;
     int estimate = 1;
-    CHECK(arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
-    CHECK(arg_range(fn, ot, "t", 1, T_MAX, &t));
-    CHECK(arg_u64(fn, oseed, "seed", &seed));
+    TAGC_CHECK(tagc_py_arg_range(fn, on, "n", 0, TAGC_MAX_N, &n));
+    TAGC_CHECK(tagc_py_arg_range(fn, ot, "t", 1, T_MAX, &t));
+    TAGC_CHECK(tagc_py_arg_u64(fn, oseed, "seed", &seed));
     if (oest != NULL && (estimate = PyObject_IsTrue(oest)) < 0)
         goto done;
-    CHECK(need_size(&vs_, out, n, 0, "n"));
-    CHECK(need_size(&vs_, sk, tagc_sketch_buckets(t), 0, "sketch_buckets(t)"));
-    CHECK(need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(n)"));
-    CHECK(scalar_out_ok(&vs_, cnt, has_cnt));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    CHECK(cuda_needs(fn, dev, has_cnt, "count_out"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, out, n, 0, "n"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, sk, tagc_sketch_buckets(t), 0, "sketch_buckets(t)"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, bitmap, tagc_bitmap_bytes(n), 0, "bitmap_bytes(n)"));
+    TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, cnt, has_cnt));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_cnt, "count_out"));
     int64_t left = 0;
-    if (dev == DEV_CUDA) {
-        RUN_CUDA(out, tagc_cuda_peel_decode_workspace_size(n, t, TAGC_CUDA_PEEL_ROUNDS),
-                 tagc_cuda_peel_decode(out->data, out->numel, has_unp ? unp->data : NULL,
-                                       has_unp ? unp->numel : 0, cnt->data, sk->data,
-                                       codec_dtype(sk->kind), bitmap->data, n, t, seed,
-                                       estimate, TAGC_CUDA_PEEL_ROUNDS, ws_, wsb_, strm_));
+    if (dev == TAGC_DEV_CUDA) {
+        TAGC_RUN_CUDA(out, tagc_cuda_peel_decode_workspace_size(n, t, TAGC_CUDA_PEEL_ROUNDS),
+                      tagc_cuda_peel_decode(out->data, out->numel, has_unp ? unp->data : NULL,
+                                            has_unp ? unp->numel : 0, cnt->data, sk->data,
+                                            tagc_py_codec_dtype(sk->kind), bitmap->data, n, t,
+                                            seed, estimate, TAGC_CUDA_PEEL_ROUNDS, ws_, wsb_,
+                                            strm_));
     } else {
-        RUN(tagc_peel_decode(out->data, out->numel, has_unp ? unp->data : NULL,
-                             has_unp ? unp->numel : 0, &left, sk->data, codec_dtype(sk->kind),
-                             bitmap->data, n, t, seed, estimate));
+        TAGC_RUN(tagc_peel_decode(out->data, out->numel, has_unp ? unp->data : NULL,
+                                  has_unp ? unp->numel : 0, &left, sk->data,
+                                  tagc_py_codec_dtype(sk->kind), bitmap->data, n, t, seed,
+                                  estimate));
     }
     if (st != TAGC_OK) {
-        raise_status(m, fn, st, NULL);
+        tagc_py_raise_status(m, fn, st, NULL);
         goto done;
     }
-    ret = dev == DEV_CUDA ? none_result() : int_result(cnt, has_cnt, left);
+    ret = dev == TAGC_DEV_CUDA ? tagc_py_none_result() : tagc_py_int_result(cnt, has_cnt, left);
 done:
-    views_release(&vs_);
+    tagc_py_views_release(&vs_);
     return ret;
 }
 
@@ -906,59 +351,61 @@ static PyObject *py_sparse_pack(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"buf", "idx", "val", "stream", NULL};
     PyObject *obuf, *oidx, *oval, *ostream = NULL;
-    BEGIN("sparse_pack");
+    TAGC_BEGIN("sparse_pack");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$O", kwl, &obuf, &oidx, &oval, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(buf, obuf, "buf", K_U8);
-    TAKE(idx, oidx, "idx", K_I32);
-    TAKE(val, oval, "val", K_F32 | K_BF16);
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE(idx, oidx, "idx", TAGC_K_I32);
+    TAGC_TAKE(val, oval, "val", TAGC_K_F32 | TAGC_K_BF16);
     int64_t k = idx->numel;
-    tagc_dtype vd = codec_dtype(val->kind);
-    CHECK(need_size(&vs_, val, k, 1, "idx.numel()"));
-    CHECK(need_size(&vs_, buf, tagc_sparse_bytes(k, vd), 0, "sparse_bytes(k, value_dtype)"));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    if (dev == DEV_CUDA) {
-        RUN_CUDA(buf, 0, tagc_cuda_sparse_pack(buf->data, buf->numel, idx->data, val->data,
-                                               vd, k, strm_));
+    tagc_dtype vd = tagc_py_codec_dtype(val->kind);
+    TAGC_CHECK(tagc_py_need_size(&vs_, val, k, 1, "idx.numel()"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_sparse_bytes(k, vd), 0,
+                                 "sparse_bytes(k, value_dtype)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) {
+        TAGC_RUN_CUDA(buf, 0, tagc_cuda_sparse_pack(buf->data, buf->numel, idx->data, val->data,
+                                                    vd, k, strm_));
     } else {
-        RUN(tagc_sparse_pack(buf->data, buf->numel, idx->data, val->data, vd, k));
+        TAGC_RUN(tagc_sparse_pack(buf->data, buf->numel, idx->data, val->data, vd, k));
     }
-    END_NONE(TAGC_OK, NULL);
+    TAGC_END_NONE(TAGC_OK, NULL);
 }
 
 static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"out", "buf", "k", "value_dtype", "stream", "status_out", NULL};
     PyObject *oout, *obuf, *ok, *odt, *ostream = NULL, *ostatus = NULL;
-    BEGIN("sparse_unpack");
+    TAGC_BEGIN("sparse_unpack");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$OO", kwl, &oout, &obuf, &ok, &odt,
                                      &ostream, &ostatus))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(out, oout, "out", K_F32);
-    TAKE(buf, obuf, "buf", K_U8);
-    TAKE_STATUS(ostatus);
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(out, oout, "out", TAGC_K_F32);
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE_STATUS(ostatus);
     int64_t k;
     tagc_dtype vd;
-    CHECK(arg_value_dtype(fn, odt, &vd));
-    CHECK(arg_range(fn, ok, "k", 0, INT64_MAX / 8, &k));
-    CHECK(need_max_n(&vs_, out));
-    CHECK(need_size(&vs_, buf, tagc_sparse_bytes(k, vd), 1, "sparse_bytes(k, value_dtype)"));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    if (dev == DEV_CUDA) { /* bad offset: out untouched, CORRUPT in status_out */
-        RUN_CUDA(out, tagc_cuda_sparse_unpack_workspace_size(),
-                 tagc_cuda_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd,
-                                         has_status ? status->data : NULL, ws_, wsb_,
-                                         strm_));
+    TAGC_CHECK(tagc_py_arg_value_dtype(fn, odt, &vd));
+    TAGC_CHECK(tagc_py_arg_range(fn, ok, "k", 0, INT64_MAX / 8, &k));
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, out));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_sparse_bytes(k, vd), 1,
+                                 "sparse_bytes(k, value_dtype)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) { /* bad offset: out untouched, CORRUPT in status_out */
+        TAGC_RUN_CUDA(out, tagc_cuda_sparse_unpack_workspace_size(),
+                      tagc_cuda_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd,
+                                              has_status ? status->data : NULL, ws_, wsb_,
+                                              strm_));
     } else {
-        RUN(tagc_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd));
+        TAGC_RUN(tagc_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd));
     }
-    END_NONE(TAGC_ERR_CORRUPT,
-             "buf holds an offset outside [0, out.numel()) "
-             "(out untouched)");
+    TAGC_END_NONE(TAGC_ERR_CORRUPT,
+                  "buf holds an offset outside [0, out.numel()) "
+                  "(out untouched)");
 }
 
 /* A string argument naming one value of a C enum. */
@@ -1021,43 +468,43 @@ static int arg_quant(const char *fn, PyObject *ofmt, PyObject *oblock, int wq,
 {
     if (arg_format(fn, ofmt, wq, fmt) < 0)
         return -1;
-    return arg_range(fn, oblock, "block", 1, TAGC_QBLOCK_MAX, block);
+    return tagc_py_arg_range(fn, oblock, "block", 1, TAGC_QBLOCK_MAX, block);
 }
 
 static PyObject *py_pairs_pack(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"buf", "idx", "val", "n", "coding", "stream", "status_out", NULL};
     PyObject *obuf, *oidx, *oval, *on, *oc, *ostream = NULL, *ostatus = NULL;
-    BEGIN("pairs_pack");
+    TAGC_BEGIN("pairs_pack");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$OO", kwl, &obuf, &oidx, &oval, &on,
                                      &oc, &ostream, &ostatus))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(buf, obuf, "buf", K_U8);
-    TAKE(idx, oidx, "idx", K_I32);
-    TAKE(val, oval, "val", K_F32 | K_BF16);
-    TAKE_STATUS(ostatus);
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE(idx, oidx, "idx", TAGC_K_I32);
+    TAGC_TAKE(val, oval, "val", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE_STATUS(ostatus);
     int64_t n, k = idx->numel;
     tagc_coding c;
-    tagc_dtype vd = codec_dtype(val->kind);
-    CHECK(arg_range(fn, on, "n", k, TAGC_MAX_N, &n));
-    CHECK(arg_coding(fn, oc, &c));
-    CHECK(need_size(&vs_, val, k, 1, "idx.numel()"));
-    CHECK(need_size(&vs_, buf, tagc_pairs_bytes(n, k, vd, c), 0,
-                    "pairs_bytes(n, k, value_dtype, coding)"));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    if (dev == DEV_CUDA) { /* positions not ascending in [0, n): RANGE in status_out */
-        RUN_CUDA(buf, tagc_cuda_pairs_pack_workspace_size(),
-                 tagc_cuda_pairs_pack(buf->data, buf->numel, idx->data, val->data, vd, k, n,
-                                      c, has_status ? status->data : NULL, ws_, wsb_,
-                                      strm_));
+    tagc_dtype vd = tagc_py_codec_dtype(val->kind);
+    TAGC_CHECK(tagc_py_arg_range(fn, on, "n", k, TAGC_MAX_N, &n));
+    TAGC_CHECK(arg_coding(fn, oc, &c));
+    TAGC_CHECK(tagc_py_need_size(&vs_, val, k, 1, "idx.numel()"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_pairs_bytes(n, k, vd, c), 0,
+                                 "pairs_bytes(n, k, value_dtype, coding)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) { /* positions not ascending in [0, n): RANGE in status_out */
+        TAGC_RUN_CUDA(buf, tagc_cuda_pairs_pack_workspace_size(),
+                      tagc_cuda_pairs_pack(buf->data, buf->numel, idx->data, val->data, vd, k, n,
+                                           c, has_status ? status->data : NULL, ws_, wsb_,
+                                           strm_));
     } else {
-        RUN(tagc_pairs_pack(buf->data, buf->numel, idx->data, val->data, vd, k, n, c));
+        TAGC_RUN(tagc_pairs_pack(buf->data, buf->numel, idx->data, val->data, vd, k, n, c));
     }
-    END_NONE(TAGC_ERR_RANGE,
-             "idx must be strictly ascending "
-             "positions in [0, n) (nothing written)");
+    TAGC_END_NONE(TAGC_ERR_RANGE,
+                  "idx must be strictly ascending "
+                  "positions in [0, n) (nothing written)");
 }
 
 static PyObject *py_pairs_unpack_add(PyObject *m, PyObject *args, PyObject *kw)
@@ -1065,108 +512,108 @@ static PyObject *py_pairs_unpack_add(PyObject *m, PyObject *args, PyObject *kw)
     static char *kwl[] = {"out", "buf", "k", "value_dtype", "coding", "stream", "status_out",
                           NULL};
     PyObject *oout, *obuf, *ok, *odt, *oc, *ostream = NULL, *ostatus = NULL;
-    BEGIN("pairs_unpack_add");
+    TAGC_BEGIN("pairs_unpack_add");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$OO", kwl, &oout, &obuf, &ok, &odt,
                                      &oc, &ostream, &ostatus))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
-    TAKE(out, oout, "out", K_F32);
-    TAKE(buf, obuf, "buf", K_U8);
-    TAKE_STATUS(ostatus);
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(out, oout, "out", TAGC_K_F32);
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE_STATUS(ostatus);
     int64_t k;
     tagc_dtype vd;
     tagc_coding c;
-    CHECK(need_max_n(&vs_, out));
-    CHECK(arg_range(fn, ok, "k", 0, out->numel, &k));
-    CHECK(arg_value_dtype(fn, odt, &vd));
-    CHECK(arg_coding(fn, oc, &c));
-    CHECK(need_size(&vs_, buf, tagc_pairs_bytes(out->numel, k, vd, c), 1,
-                    "pairs_bytes(out.numel(), k, value_dtype, coding)"));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    if (dev == DEV_CUDA) { /* inconsistent message: out untouched, CORRUPT in status_out */
-        RUN_CUDA(out, tagc_cuda_pairs_unpack_add_workspace_size(out->numel, k),
-                 tagc_cuda_pairs_unpack_add(out->data, out->numel, buf->data, buf->numel, k,
-                                            vd, c, has_status ? status->data : NULL, ws_,
-                                            wsb_, strm_));
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, out));
+    TAGC_CHECK(tagc_py_arg_range(fn, ok, "k", 0, out->numel, &k));
+    TAGC_CHECK(tagc_py_arg_value_dtype(fn, odt, &vd));
+    TAGC_CHECK(arg_coding(fn, oc, &c));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_pairs_bytes(out->numel, k, vd, c), 1,
+                                 "pairs_bytes(out.numel(), k, value_dtype, coding)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) { /* inconsistent message: out untouched, CORRUPT in status_out */
+        TAGC_RUN_CUDA(out, tagc_cuda_pairs_unpack_add_workspace_size(out->numel, k),
+                      tagc_cuda_pairs_unpack_add(out->data, out->numel, buf->data, buf->numel, k,
+                                                 vd, c, has_status ? status->data : NULL, ws_,
+                                                 wsb_, strm_));
     } else {
-        RUN(tagc_pairs_unpack_add(out->data, out->numel, buf->data, buf->numel, k, vd, c));
+        TAGC_RUN(tagc_pairs_unpack_add(out->data, out->numel, buf->data, buf->numel, k, vd, c));
     }
-    END_NONE(TAGC_ERR_CORRUPT,
-             "buf is not a valid message of k pairs of a "
-             "shard of out.numel() (out untouched)");
+    TAGC_END_NONE(TAGC_ERR_CORRUPT,
+                  "buf is not a valid message of k pairs of a "
+                  "shard of out.numel() (out untouched)");
 }
 
 static PyObject *py_quant_encode(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"buf", "residual", "grad", "format", "block", "stream", NULL};
     PyObject *obuf, *ores, *ograd, *ofmt, *oblock, *ostream = NULL;
-    BEGIN("quant_encode");
+    TAGC_BEGIN("quant_encode");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$O", kwl, &obuf, &ores, &ograd, &ofmt,
                                      &oblock, &ostream))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
     tagc_qformat fmt;
     int64_t block;
-    CHECK(arg_quant(fn, ofmt, oblock, 0, &fmt, &block));
-    TAKE(buf, obuf, "buf", K_U8);
-    TAKE_OPT(res, has_res, ores, "residual", K_F32 | K_BF16);
-    TAKE(grad, ograd, "grad", K_F32 | K_BF16);
+    TAGC_CHECK(arg_quant(fn, ofmt, oblock, 0, &fmt, &block));
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE_OPT(res, has_res, ores, "residual", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(grad, ograd, "grad", TAGC_K_F32 | TAGC_K_BF16);
     int64_t n = grad->numel;
-    CHECK(need_max_n(&vs_, grad));
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, grad));
     if (has_res)
-        CHECK(need_size(&vs_, res, n, 1, "grad.numel()"));
-    CHECK(need_size(&vs_, buf, tagc_quant_bytes(n, fmt, block), 0,
-                    "quant_bytes(grad.numel(), format, block)"));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    if (dev == DEV_CUDA) { /* NaN/Inf: every scale NaN, residual untouched (tagc_cuda.h) */
-        RUN_CUDA(grad, tagc_cuda_quant_encode_workspace_size(),
-                 tagc_cuda_quant_encode(buf->data, buf->numel, has_res ? res->data : NULL,
-                                        codec_dtype(res->kind), grad->data,
-                                        codec_dtype(grad->kind), n, fmt, block, ws_, wsb_,
-                                        strm_));
+        TAGC_CHECK(tagc_py_need_size(&vs_, res, n, 1, "grad.numel()"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_quant_bytes(n, fmt, block), 0,
+                                 "quant_bytes(grad.numel(), format, block)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) { /* NaN/Inf: every scale NaN, residual untouched (tagc_cuda.h) */
+        TAGC_RUN_CUDA(grad, tagc_cuda_quant_encode_workspace_size(),
+                      tagc_cuda_quant_encode(buf->data, buf->numel, has_res ? res->data : NULL,
+                                             tagc_py_codec_dtype(res->kind), grad->data,
+                                             tagc_py_codec_dtype(grad->kind), n, fmt, block, ws_,
+                                             wsb_, strm_));
     } else {
-        RUN(tagc_quant_encode(buf->data, buf->numel, has_res ? res->data : NULL,
-                              codec_dtype(res->kind), grad->data, codec_dtype(grad->kind), n,
-                              fmt, block));
+        TAGC_RUN(tagc_quant_encode(buf->data, buf->numel, has_res ? res->data : NULL,
+                                   tagc_py_codec_dtype(res->kind), grad->data,
+                                   tagc_py_codec_dtype(grad->kind), n, fmt, block));
     }
-    END_NONE(TAGC_ERR_NONFINITE,
-             "grad + residual holds NaN or Inf (residual "
-             "untouched)");
+    TAGC_END_NONE(TAGC_ERR_NONFINITE,
+                  "grad + residual holds NaN or Inf (residual "
+                  "untouched)");
 }
 
 static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"out", "buf", "format", "block", "stream", "status_out", NULL};
     PyObject *oout, *obuf, *ofmt, *oblock, *ostream = NULL, *ostatus = NULL;
-    BEGIN("quant_decode_add");
+    TAGC_BEGIN("quant_decode_add");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$OO", kwl, &oout, &obuf, &ofmt, &oblock,
                                      &ostream, &ostatus))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
     tagc_qformat fmt;
     int64_t block;
-    CHECK(arg_quant(fn, ofmt, oblock, 0, &fmt, &block));
-    TAKE(out, oout, "out", K_F32);
-    TAKE(buf, obuf, "buf", K_U8);
-    TAKE_STATUS(ostatus);
-    CHECK(need_max_n(&vs_, out));
-    CHECK(need_size(&vs_, buf, tagc_quant_bytes(out->numel, fmt, block), 1,
-                    "quant_bytes(out.numel(), format, block)"));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    if (dev == DEV_CUDA) { /* invalid code: out untouched, CORRUPT in status_out */
-        RUN_CUDA(out, tagc_cuda_quant_decode_add_workspace_size(),
-                 tagc_cuda_quant_decode_add(out->data, out->numel, buf->data, buf->numel, fmt,
-                                            block, has_status ? status->data : NULL, ws_,
-                                            wsb_, strm_));
+    TAGC_CHECK(arg_quant(fn, ofmt, oblock, 0, &fmt, &block));
+    TAGC_TAKE(out, oout, "out", TAGC_K_F32);
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE_STATUS(ostatus);
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, out));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_quant_bytes(out->numel, fmt, block), 1,
+                                 "quant_bytes(out.numel(), format, block)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) { /* invalid code: out untouched, CORRUPT in status_out */
+        TAGC_RUN_CUDA(out, tagc_cuda_quant_decode_add_workspace_size(),
+                      tagc_cuda_quant_decode_add(out->data, out->numel, buf->data, buf->numel, fmt,
+                                                 block, has_status ? status->data : NULL, ws_,
+                                                 wsb_, strm_));
     } else {
-        RUN(tagc_quant_decode_add(out->data, out->numel, buf->data, buf->numel, fmt, block));
+        TAGC_RUN(tagc_quant_decode_add(out->data, out->numel, buf->data, buf->numel, fmt, block));
     }
-    END_NONE(TAGC_ERR_CORRUPT,
-             "buf holds a code outside the format "
-             "(out untouched)");
+    TAGC_END_NONE(TAGC_ERR_CORRUPT,
+                  "buf holds a code outside the format "
+                  "(out untouched)");
 }
 
 /* ---- quantized weight gather ------------------------------------------- */
@@ -1177,14 +624,14 @@ static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
 typedef struct {
     const int64_t *len;
     int64_t n;
-    view_t *view;
+    tagc_py_view *view;
 } segs_t;
 
-static int arg_segs(views_t *vs, PyObject *o, segs_t *segs)
+static int arg_segs(tagc_py_views *vs, PyObject *o, segs_t *segs)
 {
     memset(segs, 0, sizeof *segs);
     if (PyObject_HasAttrString(o, "__dlpack__")) {
-        segs->view = view_take(vs, o, "segs", K_I64);
+        segs->view = tagc_py_view_take(vs, o, "segs", TAGC_K_I64);
         if (segs->view == NULL)
             return -1;
         segs->len = segs->view->data;
@@ -1207,7 +654,7 @@ static int arg_segs(views_t *vs, PyObject *o, segs_t *segs)
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (arg_i64(vs->fn, PyTuple_GET_ITEM(seq, i), "segs", &vs->owned[i]) < 0) {
+        if (tagc_py_arg_i64(vs->fn, PyTuple_GET_ITEM(seq, i), "segs", &vs->owned[i]) < 0) {
             Py_DECREF(seq);
             return -1;
         }
@@ -1220,7 +667,7 @@ static int arg_segs(views_t *vs, PyObject *o, segs_t *segs)
 
 /* Host-side check of a table the CPU op will read: every length in
  * [0, 2**31-1], their sum too (*total). */
-static int segs_check(views_t *vs, const segs_t *segs, int64_t *total)
+static int segs_check(tagc_py_views *vs, const segs_t *segs, int64_t *total)
 {
     *total = 0;
     if (segs->n > TAGC_MAX_N) {
@@ -1243,10 +690,10 @@ static int segs_check(views_t *vs, const segs_t *segs, int64_t *total)
 
 /* On CPU: the table checked and summing to n (the data's numel()).  On CUDA:
  * an int64 tensor on the device (the launchers check it there, no sync). */
-static int segs_for(views_t *vs, const segs_t *segs, int dev, const view_t *data)
+static int segs_for(tagc_py_views *vs, const segs_t *segs, int dev, const tagc_py_view *data)
 {
     int64_t total;
-    if (dev == DEV_CUDA) {
+    if (dev == TAGC_DEV_CUDA) {
         if (segs->view == NULL) {
             PyErr_Format(PyExc_TypeError,
                          "%s: argument 'segs' must be an int64 tensor on the data's device "
@@ -1348,15 +795,16 @@ static const size_fn SIZE_FNS[] = {
 static int size_arg_check(const char *fn, size_arg kind, PyObject *o, size_args *a)
 {
     switch (kind) {
-    case SA_N: return arg_range(fn, o, "n", 0, TAGC_MAX_N, &a->n);
-    case SA_K_OF_N: return arg_range(fn, o, "k", 0, a->n, &a->k);
-    case SA_K: return arg_range(fn, o, "k", 0, INT64_MAX / 8, &a->k);
-    case SA_BITS: return arg_i64(fn, o, "bits", &a->bits) < 0 ? -1 : check_bits(fn, a->bits);
-    case SA_T: return arg_range(fn, o, "t", 1, T_MAX, &a->t);
-    case SA_VDTYPE: return arg_value_dtype(fn, o, &a->vd);
+    case SA_N: return tagc_py_arg_range(fn, o, "n", 0, TAGC_MAX_N, &a->n);
+    case SA_K_OF_N: return tagc_py_arg_range(fn, o, "k", 0, a->n, &a->k);
+    case SA_K: return tagc_py_arg_range(fn, o, "k", 0, INT64_MAX / 8, &a->k);
+    case SA_BITS:
+        return tagc_py_arg_i64(fn, o, "bits", &a->bits) < 0 ? -1 : check_bits(fn, a->bits);
+    case SA_T: return tagc_py_arg_range(fn, o, "t", 1, T_MAX, &a->t);
+    case SA_VDTYPE: return tagc_py_arg_value_dtype(fn, o, &a->vd);
     case SA_QFORMAT: return arg_format(fn, o, 0, &a->fmt);
     case SA_WQFORMAT: return arg_format(fn, o, 1, &a->fmt);
-    case SA_BLOCK: return arg_range(fn, o, "block", 1, TAGC_QBLOCK_MAX, &a->block);
+    case SA_BLOCK: return tagc_py_arg_range(fn, o, "block", 1, TAGC_QBLOCK_MAX, &a->block);
     case SA_CODING: return arg_coding(fn, o, &a->coding);
     case SA_SEGS: break; /* size_segs(), once the cheap checks passed */
     }
@@ -1365,15 +813,15 @@ static int size_arg_check(const char *fn, size_arg kind, PyObject *o, size_args 
 
 /* wq_bytes' table: the size is a host number, so the table must be on the
  * CPU, where it is checked as the CPU op checks it. */
-static int size_segs(views_t *vs, PyObject *o, segs_t *segs)
+static int size_segs(tagc_py_views *vs, PyObject *o, segs_t *segs)
 {
     int64_t total;
     if (arg_segs(vs, o, segs) < 0)
         return -1;
-    int dev = common_device(vs);
+    int dev = tagc_py_common_device(vs);
     if (dev < 0)
         return -1;
-    if (dev == DEV_CUDA) {
+    if (dev == TAGC_DEV_CUDA) {
         PyErr_Format(PyExc_TypeError,
                      "%s: argument 'segs' must be on the CPU (the size is a host number)",
                      vs->fn);
@@ -1387,7 +835,7 @@ static PyObject *coding_name(PyObject *m, const char *fn, tagc_coding c)
     for (const enum_name *e = CODING_NAMES; e->name != NULL; e++)
         if (e->value == (int)c)
             return PyUnicode_FromString(e->name);
-    return raise_status(m, fn, TAGC_ERR_RANGE, NULL);
+    return tagc_py_raise_status(m, fn, TAGC_ERR_RANGE, NULL);
 }
 
 /* The one implementation of the size functions: f's arguments, all
@@ -1407,7 +855,7 @@ static PyObject *size_call(PyObject *m, PyObject *args, PyObject *kw, const size
     if (!PyArg_ParseTupleAndKeywords(args, kw, &"OOOO"[SIZE_MAX_ARGS - f->nargs], kwl, &o[0],
                                      &o[1], &o[2], &o[3]))
         return NULL;
-    views_t vs;
+    tagc_py_views vs;
     memset(&vs, 0, sizeof vs);
     vs.fn = f->fn;
     size_args a;
@@ -1421,7 +869,7 @@ static PyObject *size_call(PyObject *m, PyObject *args, PyObject *kw, const size
     int64_t r = f->rule(&a);
     ret = f->names_coding ? coding_name(m, f->fn, (tagc_coding)r) : PyLong_FromLongLong(r);
 done:
-    views_release(&vs);
+    tagc_py_views_release(&vs);
     return ret;
 }
 
@@ -1460,46 +908,46 @@ static PyObject *wq_common(PyObject *m, PyObject *args, PyObject *kw, int decode
     static char *kw_dec[] = {"out", "buf", "segs", "format", "block", "stream", "status_out",
                              NULL};
     PyObject *o1, *o2, *osegs, *ofmt, *oblock, *ostream = NULL, *ostatus = NULL;
-    BEGIN("wq_encode");
+    TAGC_BEGIN("wq_encode");
     if (decode)
         vs_.fn = fn = "_tagc.wq_decode";
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$OO", decode ? kw_dec : kw_enc, &o1, &o2,
                                      &osegs, &ofmt, &oblock, &ostream, &ostatus))
         return NULL;
-    CHECK(arg_stream(fn, ostream, &stream));
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
     tagc_qformat fmt;
     int64_t block;
     segs_t segs;
-    CHECK(arg_quant(fn, ofmt, oblock, 1, &fmt, &block));
-    TAKE(first, o1, decode ? "out" : "buf", decode ? K_F32 | K_BF16 : K_U8);
-    TAKE(second, o2, decode ? "buf" : "src", decode ? K_U8 : K_F32 | K_BF16);
-    view_t *data = decode ? first : second, *buf = decode ? second : first;
-    CHECK(arg_segs(&vs_, osegs, &segs));
-    TAKE_STATUS(ostatus);
-    CHECK(need_max_n(&vs_, data));
-    int dev = common_device(&vs_);
-    CHECK(dev);
-    CHECK(segs_for(&vs_, &segs, dev, data));
-    tagc_dtype dt = codec_dtype(data->kind);
-    if (dev == DEV_CUDA && decode) { /* CORRUPT: out untouched; NONFINITE: NaN blocks */
-        RUN_CUDA(data, tagc_cuda_wq_decode_workspace_size(segs.n),
-                 tagc_cuda_wq_decode(data->data, dt, data->numel, buf->data, buf->numel,
-                                     segs.len, segs.n, fmt, block,
-                                     has_status ? status->data : NULL, ws_, wsb_, strm_));
-    } else if (dev == DEV_CUDA) { /* a table not matching the tensors: in status_out */
-        RUN_CUDA(data, tagc_cuda_wq_encode_workspace_size(segs.n),
-                 tagc_cuda_wq_encode(buf->data, buf->numel, data->data, dt, data->numel,
-                                     segs.len, segs.n, fmt, block,
-                                     has_status ? status->data : NULL, ws_, wsb_, strm_));
+    TAGC_CHECK(arg_quant(fn, ofmt, oblock, 1, &fmt, &block));
+    TAGC_TAKE(first, o1, decode ? "out" : "buf", decode ? TAGC_K_F32 | TAGC_K_BF16 : TAGC_K_U8);
+    TAGC_TAKE(second, o2, decode ? "buf" : "src", decode ? TAGC_K_U8 : TAGC_K_F32 | TAGC_K_BF16);
+    tagc_py_view *data = decode ? first : second, *buf = decode ? second : first;
+    TAGC_CHECK(arg_segs(&vs_, osegs, &segs));
+    TAGC_TAKE_STATUS(ostatus);
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, data));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    TAGC_CHECK(segs_for(&vs_, &segs, dev, data));
+    tagc_dtype dt = tagc_py_codec_dtype(data->kind);
+    if (dev == TAGC_DEV_CUDA && decode) { /* CORRUPT: out untouched; NONFINITE: NaN blocks */
+        TAGC_RUN_CUDA(data, tagc_cuda_wq_decode_workspace_size(segs.n),
+                      tagc_cuda_wq_decode(data->data, dt, data->numel, buf->data, buf->numel,
+                                          segs.len, segs.n, fmt, block,
+                                          has_status ? status->data : NULL, ws_, wsb_, strm_));
+    } else if (dev == TAGC_DEV_CUDA) { /* a table not matching the tensors: in status_out */
+        TAGC_RUN_CUDA(data, tagc_cuda_wq_encode_workspace_size(segs.n),
+                      tagc_cuda_wq_encode(buf->data, buf->numel, data->data, dt, data->numel,
+                                          segs.len, segs.n, fmt, block,
+                                          has_status ? status->data : NULL, ws_, wsb_, strm_));
     } else {
-        CHECK(need_size(&vs_, buf, tagc_wq_bytes(segs.len, segs.n, fmt, block), 1,
-                        "wq_bytes(segs, format, block)"));
-        RUN(decode ? tagc_wq_decode(data->data, dt, data->numel, buf->data, buf->numel,
-                                    segs.len, segs.n, fmt, block)
+        TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_wq_bytes(segs.len, segs.n, fmt, block), 1,
+                                     "wq_bytes(segs, format, block)"));
+        TAGC_RUN(decode ? tagc_wq_decode(data->data, dt, data->numel, buf->data, buf->numel,
+                                         segs.len, segs.n, fmt, block)
                    : tagc_wq_encode(buf->data, buf->numel, data->data, dt, data->numel,
                                     segs.len, segs.n, fmt, block));
     }
-    END_NONE(st, wq_detail(st));
+    TAGC_END_NONE(st, wq_detail(st));
 }
 
 static PyObject *py_wq_encode(PyObject *m, PyObject *args, PyObject *kw)
@@ -1597,7 +1045,7 @@ static PyMethodDef methods[] = {
 
 static int mod_exec(PyObject *module)
 {
-    mod_state *s = get_state(module);
+    tagc_py_state *s = tagc_py_get_state(module);
     s->nonfinite_error = PyErr_NewExceptionWithDoc(
         "_tagc.NonFiniteError",
         "NaN or Inf where the op needs finite values (grad + residual, or a wq "
@@ -1615,14 +1063,14 @@ static int mod_exec(PyObject *module)
 
 static int mod_traverse(PyObject *module, visitproc visit, void *arg)
 {
-    mod_state *s = get_state(module);
+    tagc_py_state *s = tagc_py_get_state(module);
     Py_VISIT(s->nonfinite_error);
     return 0;
 }
 
 static int mod_clear(PyObject *module)
 {
-    mod_state *s = get_state(module);
+    tagc_py_state *s = tagc_py_get_state(module);
     Py_CLEAR(s->nonfinite_error);
     return 0;
 }
@@ -1641,7 +1089,7 @@ static struct PyModuleDef moddef = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_tagc",
     .m_doc = "TAGC gradient codec (C kernels of csrc/tagc.h); see docs/module-api.md.",
-    .m_size = sizeof(mod_state),
+    .m_size = sizeof(tagc_py_state),
     .m_methods = methods,
     .m_slots = slots,
     .m_traverse = mod_traverse,

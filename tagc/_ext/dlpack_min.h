@@ -1,6 +1,6 @@
 /*
  * dlpack_min.h - the subset of the DLPack ABI (the legacy, unversioned
- * "dltensor" capsule) that _tagcmodule.c reads.  Written from the public
+ * "dltensor" capsule) that tagc_args.c reads.  Written from the public
  * DLPack specification; only the layout matters, so only what is read is
  * named.
  */
