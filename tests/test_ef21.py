@@ -250,7 +250,7 @@ def test_two_phase_hsdp_output_matches_independent_recursion(which: str) -> None
 
 def test_damping_needs_ef21() -> None:
     with pytest.raises(ValueError, match="ef21_damping"):
-        tagc.TAGCConfig(mode="quant", ef21_damping=True)
+        tagc.TAGCConfig(mode="quant", ef21=False, ef21_damping=True)
     assert tagc.TAGCConfig(mode="quant", ef21=True).ef21_damping is True
     assert tagc.TAGCConfig(mode="quant", ef21=False).ef21_damping is False
     with pytest.raises(ValueError, match="ef21_damping"):

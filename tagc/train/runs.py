@@ -64,8 +64,8 @@ def installed_code_id() -> Dict[str, str]:
     """
     from importlib import metadata
 
-    import _tagc
     import tagc
+    from tagc.codec import _tagc
 
     h = hashlib.sha256()
     pkg = Path(tagc.__file__).resolve().parent
