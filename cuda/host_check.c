@@ -1,5 +1,5 @@
 /*
- * host_check.c - built and run by scripts/check_cuda.sh with a plain C11
+ * host_check.c - built and run by scripts/tools/check_cuda.sh with a plain C11
  * compiler: proves tagc_cuda.h is usable from C, that every launcher links,
  * that argument errors come back synchronously with the C codec's codes
  * before any CUDA call, and that without a usable GPU a valid call reports

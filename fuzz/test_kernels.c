@@ -1,6 +1,6 @@
 /*
  * test_kernels.c - C-level tests of the codec kernels (csrc/tagc.h), built by
- * scripts/sanitize.sh with ASan + UBSan so every kernel path runs under the
+ * scripts/tools/sanitize.sh with ASan + UBSan so every kernel path runs under the
  * sanitizers.  Exits non-zero on the first failed check.
  */
 #include <math.h>

@@ -4,9 +4,9 @@ The README's recipe as a script (a Llama built from a config, random tokens, a f
 AdamW steps), for ``accelerate launch``:
 
     accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 \\
-        scripts/accelerate_tagc.py --tagc configs/tagc-balanced.yaml
+        scripts/accelerate_tagc.py --tagc tagc-balanced
     accelerate launch --num_processes 2 --use_fsdp --fsdp_version 1 \\
-        scripts/accelerate_tagc.py --tagc configs/tagc-balanced.yaml
+        scripts/accelerate_tagc.py --tagc tagc-balanced
 
 FSDP2: ``tagc.shard_model`` shards the model with TAGC's unit layout before
 ``accelerator.prepare`` (Accelerate keeps a model that is already sharded).  FSDP1: the
@@ -27,7 +27,8 @@ import torch
 def main(argv: Optional[List[str]] = None) -> float:
     """Train a few steps; prints and returns the last loss."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tagc", default="configs/tagc-balanced.yaml", help="a TAGC preset")
+    p.add_argument("--tagc", default="tagc-balanced",
+                   help="a TAGC preset: a shipped name (tagc-balanced, lean, ...) or a YAML path")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--min_numel", type=int, default=None, help="override the preset's")
     args = p.parse_args(argv)
@@ -38,7 +39,7 @@ def main(argv: Optional[List[str]] = None) -> float:
     import tagc_hook as tagc
 
     overrides = {} if args.min_numel is None else {"min_numel": args.min_numel}
-    cfg = tagc.TAGCConfig.from_yaml(args.tagc, overrides)
+    cfg = tagc.TAGCConfig.preset(args.tagc, overrides)
     torch.manual_seed(0)  # the same initial weights on every rank
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=256,
                                          intermediate_size=688, num_attention_heads=4,

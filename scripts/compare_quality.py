@@ -1,12 +1,16 @@
 """Validation quality of TAGC presets against plain FSDP (the paper's Figure 4 / section 5).
 
-Runs scripts/train_gpt2.py once per setting, same seed, data and steps (torchrun, 2 ranks,
-gloo on CPU by default), then writes ``<out_dir>/quality.md`` (final validation loss, ratio
+Trains GPT-2 once per setting (``torchrun ... -m tagc.train``, what scripts/train_gpt2.py
+runs, in the current folder), same seed, data and steps (2 ranks, gloo on CPU by
+default), then writes ``<out_dir>/quality.md`` (final validation loss, ratio
 to the baseline, gradient bits per parameter on the wire, step time) and
 ``<out_dir>/val_curves.png``.
 
-    python scripts/compare_quality.py                       # tiny model, 300 steps
-    python scripts/compare_quality.py --presets tagc-exact,tagc-sparse -- --max_iters=50
+    python3 scripts/compare_quality.py                      # tiny model, 300 steps
+    python3 scripts/compare_quality.py --presets tagc-exact,sparse -- --max_iters=50
+
+``--presets`` takes shipped preset names (``tagc-balanced`` or ``balanced``,
+``tagc.presets``) or paths to YAML files.
 
 Grid mode (the ablation): every method of ``--methods`` at every sparsity of ``--thetas``
 (methods without a sparsity, such as the quant formats, run once), each at every run
@@ -14,11 +18,11 @@ length of ``--steps``, against a baseline of the same length; writes ``<out_dir>
 (loss, change vs baseline and bits/param on the compressed units per length) and
 ``<out_dir>/grid_curves.png`` (the gap to the baseline along each run):
 
-    python scripts/compare_quality.py --grid --methods sparse,quant-int4 --thetas 0.9875,0.9
+    python3 scripts/compare_quality.py --grid --methods sparse,quant-int4 --thetas 0.9875,0.9
 
 HSDP (FSDP2, R replicas of nproc/R ranks; the baseline is native HSDP of that shape):
 
-    python scripts/compare_quality.py --grid --fsdp 2 --nproc 4 \
+    python3 scripts/compare_quality.py --grid --fsdp 2 --nproc 4 \
         --methods quant-int4-ef21,quant-ternary-ef21 -- --replicas=4
 
 Arguments after ``--`` are passed to every training run (``--key=value`` overrides).
@@ -38,7 +42,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from tagc.train.runs import REPO, code_id, execute, reusable, run_meta, split_passthrough
+from tagc import presets
+from tagc.train.runs import (TRAIN_GPT2, code_id, execute, reusable, run_meta,
+                             split_passthrough)
 
 logger = logging.getLogger("compare_quality")
 
@@ -47,8 +53,10 @@ DEFAULT_PRESETS = "tagc-balanced,tagc-lean,tagc-10x-1bit,tagc-exact,tagc-sparse"
 # the baseline's final validation loss (the paper reports +3.6% for its 10x 1-bit).
 GOALS = {"tagc-balanced": 1.0, "tagc-lean": 2.0}
 PAPER_10X_1BIT_LOSS_PCT = 3.6
-# Grid methods: TAGCConfig fields on top of the default selection.  Those whose mode is
-# exact/sparse take the grid's thetas; the others run once.
+# Grid methods: TAGCConfig fields on top of GRID_BASE (the paper's selection, residual
+# feedback).  Those whose mode is exact/sparse take the grid's thetas; the others run once.
+GRID_BASE: Dict[str, Any] = {"layers": "non_attention", "min_numel": 65536,
+                             "error_feedback": True, "ef21": False}
 METHODS: Dict[str, Dict[str, Any]] = {
     "exact": {"mode": "exact"},
     "sparse": {"mode": "sparse"},
@@ -90,7 +98,7 @@ def run_one(name: str, preset: Optional[Path], args: argparse.Namespace,
         name: run name (output sub-folder).
         preset: TAGC YAML preset, or None for plain FSDP.
         args: this script's arguments.
-        extra: overrides passed through to train_gpt2.py.
+        extra: overrides passed through to every training run.
 
     Returns:
         The summary dict with "val_curve": [(iter, loss), ...] and "wall_s".
@@ -107,8 +115,7 @@ def _train(name: str, out: Path, preset: Optional[Path], args: argparse.Namespac
     """run_one's work for an explicit output folder (grid cells nest theirs)."""
     summary_path = out / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", str(REPO / "scripts" / "train_gpt2.py"),
-           args.train_config, f"--out_dir={out}", "--progress=false",
+           f"--nproc_per_node={args.nproc}", *TRAIN_GPT2, args.train_config, f"--out_dir={out}", "--progress=false",
            f"--fsdp={args.fsdp}", *([f"--tagc={preset}"] if preset else []), *extra]
     # what decides the result besides the code: reuse requires all of it unchanged
     configs = {"preset": yaml.safe_load(preset.read_text()) if preset else None,
@@ -225,10 +232,11 @@ def grid_cells(methods: Sequence[str], thetas: Sequence[float]) -> List[Tuple[st
 
 
 def _preset_path(name: str) -> Path:
-    path = Path(name) if name.endswith((".yaml", ".yml")) else REPO / "configs" / f"{name}.yaml"
-    if not path.is_file():
-        raise SystemExit(f"no preset {path} (and not a grid method: {sorted(METHODS)})")
-    return path.resolve()
+    """A shipped preset's file by name (``tagc-balanced``, ``balanced``) or a YAML path."""
+    try:
+        return presets.resolve(name).resolve()
+    except ValueError as e:
+        raise SystemExit(f"{e} (and not a grid method: {sorted(METHODS)})") from None
 
 
 def _cell_config(out: Path, method: str, theta: Optional[float]) -> Path:
@@ -237,7 +245,7 @@ def _cell_config(out: Path, method: str, theta: Optional[float]) -> Path:
 
     if method not in METHODS:
         return _preset_path(method)
-    fields = {"layers": "non_attention", "min_numel": 65536, **METHODS[method]}
+    fields = {**GRID_BASE, **METHODS[method]}
     if theta is not None:
         fields["theta"] = theta
     path = out / "configs" / f"{_cell_name(method, theta)}.yaml"
@@ -356,9 +364,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     argv, extra = split_passthrough(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default=DEFAULT_PRESETS,
-                   help="comma-separated names of configs/<name>.yaml or paths to TAGC YAML "
-                        "files (the baseline always runs)")
-    p.add_argument("--train_config", default=str(REPO / "configs" / "train-tiny.yaml"))
+                   help="comma-separated shipped preset names (tagc-balanced or balanced) or "
+                        "paths to TAGC YAML files (the baseline always runs)")
+    p.add_argument("--train_config", default="train-tiny",
+                   help="the training config: a shipped name (train-tiny) or a YAML path")
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     p.add_argument("--fsdp", type=int, choices=(1, 2), default=1)
     p.add_argument("--out_dir", default="out/compare")
@@ -374,7 +383,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     p.add_argument("--steps", default="300,1000", help="grid run lengths (max_iters)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    command = "python scripts/compare_quality.py " + " ".join(
+    try:
+        args.train_config = str(presets.resolve(args.train_config).resolve())
+    except ValueError as e:
+        p.error(f"--train_config: {e}")
+    command = "python3 scripts/compare_quality.py " + " ".join(
         shlex.quote(a) for a in (argv + (["--", *extra] if extra else [])))
     if args.grid:
         out = Path(args.out_dir)

@@ -9,9 +9,9 @@ resume, TAGC presets) is scripts/train_gpt2.py's, with the same options:
 
     torchrun --standalone --nproc_per_node 2 scripts/finetune_hf.py \\
         --hf_config "llama:hidden_size=256,intermediate_size=688,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=2" \\
-        --tagc configs/tagc-balanced.yaml
+        --tagc tagc-balanced
     torchrun --standalone --nproc_per_node 2 scripts/finetune_hf.py --hf_model ~/ckpt/my-gpt2 \\
-        --fsdp 2 --learning_rate 5e-5 --tagc configs/tagc-lean.yaml
+        --fsdp 2 --learning_rate 5e-5 --tagc tagc-lean
 
 A built model without a tokenizer folder trains on byte tokens (its vocab_size is set to
 cover them when not given).  Without ``--tagc`` the units are the model's transformer

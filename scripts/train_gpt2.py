@@ -3,12 +3,12 @@
 One process per device, launched by torchrun, on one node or several:
 
     # tiny model, built-in offline corpus, 2 CPU processes (gloo), TAGC exact mode
-    torchrun --standalone --nproc_per_node 2 scripts/train_gpt2.py --tagc configs/tagc-exact.yaml
+    torchrun --standalone --nproc_per_node 2 scripts/train_gpt2.py --tagc tagc-exact
     # baseline (plain FSDP), FSDP2, gradient accumulation 4
     torchrun --standalone --nproc_per_node 2 scripts/train_gpt2.py --fsdp 2 --grad_accum 4
     # the paper's setup on GPUs, 2 nodes
     torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
-        scripts/train_gpt2.py configs/train-gpt2.yaml --tagc configs/tagc-10x-1bit.yaml
+        scripts/train_gpt2.py train-gpt2.yaml --tagc tagc-10x-1bit
 
 Settings come from tagc.train.config.TrainConfig, then an optional YAML file (a bare
 ``.yaml`` argument or ``--config PATH``), then ``--key=value`` / ``--key value`` overrides,

@@ -1,4 +1,4 @@
-"""Codec benchmarks: every op ``scripts/bench_codec.py`` reports, with memcpy beside them.
+"""Codec benchmarks: every op ``scripts/bench/bench_codec.py`` reports, with memcpy beside them.
 
 Each test times one codec op with pytest-benchmark on one shard of ``--bench-size``
 fp32 entries (default 2^20) and then checks what the op wrote against a plain torch
@@ -6,7 +6,7 @@ reference, so that a benchmark measures a correct op and, run once as a plain te
 a test.  ``setup.cfg`` passes ``--benchmark-disable``: the suite (and CI) runs each op
 once and skips the timing.  As benchmarks:
 
-    python3 scripts/bench_codec.py                 # the table (ratio to memcpy), JSON in --json
+    python3 scripts/bench/bench_codec.py           # the table (ratio to memcpy), JSON in --json
     python3 -m pytest tests/test_bench_codec.py --benchmark-enable --bench-size 4194304
 
 memcpy is timed first and last (``dst.copy_(src)``, one fp32 shard): the two medians

@@ -1,19 +1,26 @@
-"""scripts/cost_model.py: closed forms, the N=2 figures computed by hand, bad input, --check.
+"""The cost model (tagc.bench.cost, its command line scripts/bench/cost_model.py): closed
+forms, the N=2 figures computed by hand, bad input, --check, and that its byte counts
+are the library's own rules.
 
-Pure Python and fast: no processes but one interpreter start (the import check), no
-torch except the optional cross-check against the built codec's size rules.
+Fast: no processes but one interpreter start (the command line from another folder).
 """
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from script_helpers import load_script
+import torch
+from script_helpers import load_script, script_path
 
-cm = load_script("cost_model")
+from tagc.bench import cost as cm
+
+pytestmark = pytest.mark.codec  # the model sizes messages by the _tagc codec
+
+cli = load_script("cost_model")
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "docs" / "cost_model_runs.json"
@@ -144,7 +151,9 @@ def test_two_phase_of_the_other_modes() -> None:
     sp = cm.predict(model, cluster(n, r), cm.make_config("hsdp+sparse/2phase"))
     assert sp.ideal["cross"] == 2 * (r - 1) * k * 8     # int32 offset + fp32 value
     au = cm.predict(model, cluster(n, r), cm.make_config("hsdp+auto/2phase"))
-    assert au.ideal["cross"] == 2 * (r - 1) * cm.pairs_bytes(chunk, k, 4)
+    from tagc.transports import pairs_wire
+    auto = cm.PRESETS["auto"].library()
+    assert au.ideal["cross"] == 2 * (r - 1) * pairs_wire(auto, chunk, k, torch.float32, {}).nbytes
     de = cm.predict(model, cluster(n, r), cm.make_config("hsdp+dense/2phase"))
     # transports.dense: the chunks in the gradient's dtype; spread_dense: fp32 sums
     assert de.ideal["cross"] == (r - 1) * chunk * 4 + (r - 1) * chunk * 4
@@ -230,25 +239,48 @@ def test_size_rules() -> None:
     assert cm.quant_bytes(0, "int4", 256) == 0
     assert cm.keep_count(0.9875, 4213248) == 52666
     assert cm.keep_count(0.9875, 10) == 1
+    # past the codec's int32 counts, in block-aligned pieces: one record per block
+    big = 5 * 2 ** 30 + 7
+    assert cm.quant_bytes(big, "int4", 256) == (big // 256) * 132 + 4 + 4
+    with pytest.raises(ValueError, match="format"):
+        cm.quant_bytes(10, "int3", 256)
     # auto at theta 0.9875 on 2^19: Elias-Fano, README's 0.252 bits/param at N=2
     s = 2 ** 19
-    k = cm.keep_count(0.9875, s)
-    assert round(8 * cm.pairs_bytes(s, k, 4) / (2 * s), 3) == 0.252
-    assert cm.pairs_bytes(100, 99, 4) == 400                  # dense: above 1 - 1/32 density
-    assert cm.pairs_bytes(100, 90, 4) == 13 + 360             # bitmap + values
+    assert round(8 * cm.pairs_message(cm.PRESETS["auto"], s, 4) / (2 * s), 3) == 0.252
+    dense_ish = cm.Compression("auto", theta=0.01)             # above 1 - 1/32 density
+    assert cm.pairs_message(dense_ish, 100, 4) == 400
+    assert cm.pairs_message(cm.Compression("auto", theta=0.1), 100, 4) == 13 + 360  # bitmap
+    assert cm.pairs_message(cm.PRESETS["sparse"], 1000, 4) == 13 * 8   # int32 + fp32 pairs
+    # auto's values in the gradient's dtype when narrower (bf16 gradients)
+    assert cm.pairs_message(dense_ish, 100, 2) == 200
 
 
-def test_size_rules_match_the_built_codec() -> None:
-    tagc = pytest.importorskip("_tagc", reason="the _tagc codec is not built")
-    torch = pytest.importorskip("torch")
+def test_size_rules_are_the_librarys() -> None:
+    """The model's byte counts are the library's own functions, not copies of them."""
+    import _tagc
+
+    import tagc.config
+    import tagc.hsdp
+    from tagc.bench.cost import configs
+
+    assert cm.keep_count is tagc.config.keep_count
+    assert configs.allreduce_form is tagc.hsdp.allreduce_form
     for n in (1, 255, 256, 257, 1000, 4213248):
-        for fmt in cm.QUANT_CODES_PER_BYTE:
-            assert cm.quant_bytes(n, fmt, 256) == tagc.quant_bytes(n, fmt, 256)
-        for theta in (0.0, 0.5, 0.9, 0.9875, 0.999):
-            k = cm.keep_count(theta, n)
-            for vb, dt in ((4, torch.float32), (2, torch.bfloat16)):
-                c = tagc.pairs_cheapest(n, k, dt)
-                assert cm.pairs_bytes(n, k, vb) == tagc.pairs_bytes(n, k, dt, c)
+        for fmt in tagc.config.QUANT_FORMATS:
+            assert cm.quant_bytes(n, fmt, 256) == _tagc.quant_bytes(n, fmt, 256)
+    segs = [300, 44, 65536]
+    assert cm.gather_bytes(segs, "int8", 256) == _tagc.wq_bytes(segs, "int8", 256)
+    # the compressions the model names are the hook's configs of the shipped presets
+    for name, preset in (("balanced", "tagc-balanced"), ("lean", "tagc-lean"),
+                         ("full", "tagc-full"), ("sparse", "tagc-sparse"),
+                         ("auto", "tagc-auto"), ("dense", "tagc-dense")):
+        mine, shipped = cm.PRESETS[name].library(), tagc.config.TAGCConfig.preset(preset)
+        for knob in ("mode", "quant_format", "quant_block", "ef21", "gather", "gather_block",
+                     "value_dtype"):
+            assert getattr(mine, knob) == getattr(shipped, knob), (name, knob)
+        if shipped.top_k:
+            assert mine.theta == shipped.theta, name
+        assert mine.out_format() == shipped.out_format(), name
 
 
 def test_models() -> None:
@@ -286,9 +318,9 @@ def test_defaults_follow_the_presets_selection() -> None:
 @pytest.mark.parametrize("layers, fraction", [("all", "1.000"), ("non_attention", "0.767")])
 def test_cli_layers_option(layers: str, fraction: str, capsys: pytest.CaptureFixture) -> None:
     """--layers picks the --params default fraction and the --model layout."""
-    assert cm.main(["--params", "1e6", "--nodes", "2", "--layers", layers]) == 0
+    assert cli.main(["--params", "1e6", "--nodes", "2", "--layers", layers]) == 0
     assert f"{float(fraction):.1%} in compressed units" in capsys.readouterr().out
-    assert cm.main(["--model", "tiny", "--nodes", "2", "--layers", layers]) == 0
+    assert cli.main(["--model", "tiny", "--nodes", "2", "--layers", layers]) == 0
     out = capsys.readouterr().out
     assert f"layers={layers}" in out
     assert f"{float(fraction):.1%} in compressed units" in out
@@ -437,7 +469,7 @@ def test_rates_from_a_benchmark_report(tmp_path: Path, capsys: pytest.CaptureFix
     f = tmp_path / "links.json"
     f.write_text("{}")
     with pytest.raises(SystemExit):
-        cm.main(["--params", "1e8", "--nodes", "2", "--collectives", str(f)])
+        cli.main(["--params", "1e8", "--nodes", "2", "--collectives", str(f)])
     assert "--collectives" in capsys.readouterr().err
 
 
@@ -501,13 +533,13 @@ def test_bad_mode_config_and_model_raise() -> None:
 ])
 def test_cli_refuses_bad_input(argv: list, msg: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
-        cm.main(argv)
+        cli.main(argv)
     assert exc.value.code == 2
     assert msg in capsys.readouterr().err
 
 
 def test_cli_table_and_winner(capsys: pytest.CaptureFixture) -> None:
-    assert cm.main(["--params", "124e6", "--nodes", "1,2,4", "--ranks-per-node", "2",
+    assert cli.main(["--params", "124e6", "--nodes", "1,2,4", "--ranks-per-node", "2",
                     "--inter-gbit", "25", "--intra-gbit", "400", "--compute-s", "0.1"]) == 0
     out = capsys.readouterr().out
     assert "bytes sent per rank per step" in out and "predicted step time" in out
@@ -561,7 +593,7 @@ def test_check_parses_the_runs_file_and_bytes_are_exact() -> None:
 
 
 def test_check_cli_prints_the_comparison(capsys: pytest.CaptureFixture) -> None:
-    assert cm.main(["--check", str(RUNS)]) == 0
+    assert cli.main(["--check", str(RUNS)]) == 0
     out = capsys.readouterr().out
     assert "predicted vs measured" in out and "| hsdp-2x2 | hsdp+balanced |" in out
     assert "bytes exact at the printed precision" in out
@@ -578,21 +610,22 @@ def test_bad_runs_file_raises(tmp_path: Path) -> None:
     bad.write_text("not json")
     with pytest.raises(ValueError, match="runs file"):
         cm.load_runs(str(bad))
-    good = cm.json.loads(RUNS.read_text())
+    good = json.loads(RUNS.read_text())
     first = next(iter(good["setups"]))
     good["setups"][first]["collectives"] = "nowhere"
-    bad.write_text(cm.json.dumps(good))
+    bad.write_text(json.dumps(good))
     with pytest.raises(ValueError, match="unknown link table 'nowhere'"):
         cm.load_runs(str(bad))
     good["setups"][first].pop("collectives")
     good["links"] = {"x": {"collectives": {"world": {"p2p": [[1, 0]]}}}}
-    bad.write_text(cm.json.dumps(good))
+    bad.write_text(json.dumps(good))
     with pytest.raises(ValueError, match="link table 'x'"):
         cm.load_runs(str(bad))
 
 
-def test_stdlib_only_at_import() -> None:
-    # python -c imports from its working directory: scripts/
-    code = ("import sys; import cost_model; "
-            "bad = {'torch', 'numpy', 'matplotlib'} & set(sys.modules); assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT / "scripts", check=True)
+def test_cli_runs_from_any_folder(tmp_path: Path) -> None:
+    """The command line needs no checkout-relative path: run from another folder."""
+    r = subprocess.run([sys.executable, str(script_path("cost_model")), "--model", "tiny",
+                        "--nodes", "2"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "tiny GPT-2, layers=all" in r.stdout

@@ -138,13 +138,13 @@ def test_rejects_bad_rate():
 
 
 def test_bench_collectives_times_every_group_and_op(tmp_path):
-    """scripts/bench_collectives.py on 2 hosts x 2 ranks: a rate per group, op and size,
+    """scripts/bench/bench_collectives.py on 2 hosts x 2 ranks: a rate per group, op and size,
     the shaped link slower than a host's loopback."""
     import json
     import sys
 
     out = tmp_path / "links.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_collectives.py"),
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_collectives.py"),
                         "--nodes", "2", "--per-node", "2", "--rate", "100mbit",
                         "--sizes", "0.05", "0.5", "--reps", "2", "--gap-ms", "0",
                         "--ops", "all_reduce", "p2p", "--out", str(out)],

@@ -1,5 +1,6 @@
-"""scripts/quality_suite.py: the arithmetic of its table, its methods, its reuse rule,
-and one tiny end-to-end run of the cheapest task."""
+"""scripts/bench/quality_suite.py: the arithmetic of its table, its methods, its reuse
+rule, its launches (the installed package, no checkout path), and one tiny end-to-end
+run of the cheapest task; compare_quality.py's tables and preset names."""
 from __future__ import annotations
 
 import json
@@ -10,9 +11,10 @@ import pytest
 import yaml
 
 from script_helpers import load_script
+from tagc import presets
+from tagc.bench import teacher_student as ts
 from tagc.train import runs
 
-REPO = Path(__file__).resolve().parent.parent
 qs = load_script("quality_suite")
 
 
@@ -59,7 +61,7 @@ def test_goals_and_feedback_check_in_the_doc(tmp_path: Path) -> None:
 
 
 def test_methods_follow_the_preset_files() -> None:
-    lean = yaml.safe_load((REPO / "configs" / "tagc-lean.yaml").read_text())
+    lean = yaml.safe_load(presets.resolve("tagc-lean").read_text())
     assert qs.method_config("tagc-lean") == lean
     nofb = qs.method_config("ternary-nofb")
     assert nofb["quant_format"] == lean["quant_format"] and nofb["error_feedback"] is False
@@ -127,7 +129,6 @@ def test_bad_seeds_are_refused() -> None:
 def test_teacher_student_refuses_bad_sizes_and_does_not_wait_for_dead_ranks() -> None:
     """Bad sizes are refused before spawning; ranks that die before rank 0 hands over
     its results end the launch with an error instead of a wait with no end."""
-    ts = load_script("teacher_student")
     with pytest.raises(SystemExit):
         ts.parse_args(["plain", "--steps=0"])
     args = ts.parse_args(["plain", "--steps=1"])
@@ -156,3 +157,55 @@ def test_compare_quality_names_the_code_of_its_runs(tmp_path):
     base_row = next(ln for ln in text.splitlines() if ln.startswith("| baseline"))
     assert "| 24.00 |" in base_row  # 32 (N-1)/N at N = 4, not N = 2's 16
     assert "+1.00%" in text
+
+
+def test_runs_launch_the_package_not_a_checkout_path(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every training run the suite launches names a module of the installed package
+    (tagc.train, tagc.train.hf, tagc.bench.teacher_student) and shipped presets, so the
+    tools work from an installed wheel; nothing names a file of scripts/."""
+    seen = []
+
+    def fake_execute(cmd, folder, meta):
+        seen.append(cmd)
+        raise RuntimeError("not run")
+
+    monkeypatch.setattr(qs, "execute", fake_execute)
+    args = SimpleNamespace(out_dir=str(tmp_path), scale=0.01, nproc=2, reuse=False, seeds=[])
+    code = {"commit": "c", "tree": "t", "dirty": ""}
+    for task in ("gpt2", "llama"):
+        with pytest.raises(RuntimeError):
+            qs.run_lm(task, qs.TASKS[task], 1, "tagc-balanced", args, code)
+    with pytest.raises(RuntimeError):
+        qs.run_regression("regression", qs.TASKS["regression"], 0, ["plain"], args, code)
+    gpt2, llama, regression = (" ".join(c) for c in seen)
+    assert "-m tagc.train " in gpt2 and str(presets.resolve("train-tiny")) in gpt2
+    assert "from tagc.train.hf import main" in llama
+    assert "-m tagc.bench.teacher_student" in regression
+    assert all("scripts" not in part for c in seen for part in c)
+
+
+def test_teacher_student_variants_take_preset_names() -> None:
+    """A variant's base is a shipped preset by name (with or without tagc-), a YAML
+    path or an alias; the aliases state their feedback knobs."""
+    lean = yaml.safe_load(presets.resolve("tagc-lean").read_text())
+    assert ts.parse_variant("tagc-lean") == lean == ts.parse_variant("lean")
+    assert ts.parse_variant(str(presets.resolve("tagc-lean"))) == lean
+    assert ts.parse_variant("lean,guard_ratio=8")["guard_ratio"] == 8
+    assert ts.parse_variant("ternary-res")["ef21"] is False
+    with pytest.raises(ValueError, match="not plain, an alias"):
+        ts.parse_variant("nope")
+
+
+def test_compare_quality_takes_preset_names(tmp_path: Path) -> None:
+    """--presets and grid methods take shipped names; a grid cell states its feedback."""
+    cq = load_script("compare_quality")
+    assert cq._preset_path("tagc-balanced") == cq._preset_path("balanced") == \
+        presets.resolve("tagc-balanced").resolve()
+    with pytest.raises(SystemExit, match="not a grid method"):
+        cq._preset_path("nope")
+    cell = yaml.safe_load(cq._cell_config(tmp_path, "quant-int4", None).read_text())
+    assert cell["ef21"] is False and cell["error_feedback"] is True
+    assert cell["layers"] == "non_attention" and cell["quant_format"] == "int4"
+    assert yaml.safe_load(cq._cell_config(tmp_path, "quant-int4-ef21", None)
+                          .read_text())["ef21"] is True

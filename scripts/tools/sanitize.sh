@@ -13,7 +13,7 @@
 # build/sanitize).
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${SANITIZE_OUT:-$ROOT/build/sanitize}"
 FUZZ_SECONDS="${FUZZ_SECONDS:-40}"
 mkdir -p "$OUT"

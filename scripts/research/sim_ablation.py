@@ -13,7 +13,7 @@ EF21 on a momentum estimate, one top-k threshold across layers, top-k with low-b
 values).  Everything the hook implements is measured on the real thing (2 processes,
 FSDP, the codec) by ``compare_quality.py --grid``; numbers from here are labelled "sim".
 
-    python scripts/sim_ablation.py dense topk:d=0.0125 quant:fmt=ternary ef21:fmt=ternary
+    python3 scripts/research/sim_ablation.py dense topk:d=0.0125 quant:fmt=ternary ef21:fmt=ternary
 
 Methods (``name:key=value,...``):
   dense                      plain averaging (always run first: the reference)
@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import tagc_hook as tagc
+from tagc.bench.probes import evaluate, lr_at
 from tagc.train import data as token_data
 from tagc.train.model import GPT, GPTConfig
 from tagc.train.optim import configure_optimizer, decayed_parameter_names
@@ -168,7 +169,8 @@ def run(spec: str, args: argparse.Namespace, data: token_data.TokenData,
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(block_size=args.block_size, vocab_size=(vocab + 63) // 64 * 64,
                           n_layer=2, n_head=4, n_embd=256))
-    cfg = tagc.TAGCConfig(mode="dense")
+    # the paper's selection (TAGCConfig's default is now every layer)
+    cfg = tagc.TAGCConfig(mode="dense", layers="non_attention", min_numel=2 ** 16)
     params = dict(model.named_parameters())  # the tied LM head appears as wte only
     comp = {f"{mn}.{pn}" if mn else pn for mn, mod in model.named_modules()
             for pn, p in mod.named_parameters(recurse=False)
@@ -213,7 +215,7 @@ def run(spec: str, args: argparse.Namespace, data: token_data.TokenData,
             cos_sum += dots / math.sqrt(norms_t * norms_g)
             cos_n += 1
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        lr = _lr(it, args)
+        lr = lr_at(it, args)
         for group in opt.param_groups:
             group["lr"] = lr
         before = {n: params[n].detach().clone() for n in comp}
@@ -229,23 +231,6 @@ def run(spec: str, args: argparse.Namespace, data: token_data.TokenData,
     return {"method": spec, "steps": args.steps, "seed": args.seed, "data": args.data,
             "val_loss": curve[-1][1], "bits_per_param": share * bits / max(elems, 1),
             "update": upd, "sqrt_v": sqrt_v, "cos": cos_sum / max(cos_n, 1), "curve": curve}
-
-
-def _lr(it: int, args: argparse.Namespace) -> float:
-    """configs/train-tiny.yaml's schedule: linear warm-up, cosine to lr/10."""
-    lr, mn, wu = args.lr, args.lr / 10, 30
-    if it < wu:
-        return lr * (it + 1) / wu
-    r = (it - wu) / max(1, args.steps - wu)
-    return mn + 0.5 * (1 + math.cos(math.pi * r)) * (lr - mn)
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, data: token_data.TokenData, args: argparse.Namespace) -> float:
-    """Mean validation loss over 16 fixed batches."""
-    return sum(float(model(*data.get_batch("val", args.batch_size, args.block_size,
-                                           (args.seed, 1, k, 0)))[1])
-               for k in range(16)) / 16
 
 
 def groups(names: Sequence[str]) -> Dict[str, List[str]]:

@@ -4,17 +4,19 @@
 each task with plain FSDP and with each method, same seed and data, and writes one
 table (final validation loss, change vs plain, bits/param, the goals) and the curves:
 
-    python3 scripts/quality_suite.py                          # everything (hours on 2 cores)
-    python3 scripts/quality_suite.py --tasks gpt2,regression --methods plain,tagc-lean
-    python3 scripts/quality_suite.py --scale 0.03             # a smoke run: 3% of the steps
+    python3 scripts/bench/quality_suite.py                  # everything (hours on 2 cores)
+    python3 scripts/bench/quality_suite.py --tasks gpt2,regression --methods plain,tagc-lean
+    python3 scripts/bench/quality_suite.py --scale 0.03     # a smoke run: 3% of the steps
 
 Tasks (:data:`TASKS`): the tiny GPT-2 on the built-in corpus, the same at a small and a
 large per-rank batch, a model about 8x larger, a run 3x the 1000-step grid, a
-Llama-style model built from a config (RMSNorm, SwiGLU, GQA; ``finetune_hf.py``), and
-the teacher-student regression (``teacher_student.py``) at a small and a large batch,
-whose single seeds move by a few percent with rounding alone, hence several seeds.
-Methods (:data:`METHODS`): ``plain`` and the presets as ``configs/`` holds them at run
-time, plus the same quantizers with no feedback (``*-nofb``), with the residual
+Llama-style model built from a config (RMSNorm, SwiGLU, GQA; ``tagc.train.hf``, what
+``finetune_hf.py`` runs), and the teacher-student regression
+(``tagc.bench.teacher_student``) at a small and a large batch, whose single seeds move
+by a few percent with rounding alone, hence several seeds.  Every run is launched
+through the installed package (``torchrun ... -m tagc.train``), in the current folder.
+Methods (:data:`METHODS`): ``plain`` and the shipped presets (``tagc.presets``) as they
+are at run time, plus the same quantizers with no feedback (``*-nofb``), with the residual
 feedback (``*-res``) and ternary with EF21 (``ternary-ef21``, the former
 ``tagc-lean``), derived from the preset files so that they follow them.
 
@@ -40,16 +42,25 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from tagc.train.runs import REPO, code_id, execute, reusable, run_meta
+from tagc import presets
+from tagc.train.runs import TRAIN_GPT2, code_id, execute, reusable, run_meta
 
 logger = logging.getLogger(__name__)
+# the checkout this script sits in (scripts/bench/): --doc and --curves go to its docs/
+ROOT = Path(__file__).resolve().parents[2]
 
 # Goals of issue 22 (README): final validation loss vs plain FSDP on every task, and
 # feedback "earning its memory": at most this many points above the same quantizer
 # without feedback.
 GOALS = {"tagc-balanced": 1.0, "tagc-lean": 2.0}
 FEEDBACK_MARGIN = 0.5
-TINY = "configs/train-tiny.yaml"
+# torchrun's arguments that start the Hugging Face trainer (tagc.train.hf, what
+# scripts/finetune_hf.py runs) from the installed package: the module has no __main__
+FINETUNE_HF = ("--no-python", sys.executable, "-c",
+               "import os; os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false'); "
+               "from tagc.train.hf import main; main()")
+# the interpreter's arguments that start the teacher-student task (every method of a seed)
+TEACHER_STUDENT = ("-m", "tagc.bench.teacher_student")
 
 
 @dataclass(frozen=True)
@@ -57,8 +68,9 @@ class Task:
     """One task of the suite.
 
     Attributes:
-        trainer: ``gpt2`` (train_gpt2.py), ``hf`` (finetune_hf.py) or ``regression``
-            (teacher_student.py, every method in one launch per seed).
+        trainer: ``gpt2`` (``tagc.train``, train_gpt2.py's), ``hf`` (``tagc.train.hf``,
+            finetune_hf.py's) or ``regression`` (``tagc.bench.teacher_student``, every
+            method in one launch per seed).
         steps: optimizer steps at scale 1.
         args: trainer options beyond the step count.
         seeds: seeds run (each against plain FSDP of the same seed).
@@ -124,7 +136,7 @@ def method_config(method: str) -> Optional[Dict[str, Any]]:
     if spec is None:
         return None
     preset, over = spec
-    fields = yaml.safe_load((REPO / "configs" / f"{preset}.yaml").read_text()) or {}
+    fields = yaml.safe_load(presets.resolve(preset).read_text()) or {}
     fields.update(over)
     if "ef21" in over:
         fields.pop("ef21_damping", None)  # follows ef21
@@ -152,10 +164,10 @@ def run_lm(name: str, task: Task, seed: int, method: str, args: argparse.Namespa
     folder = Path(args.out_dir) / name / str(seed) / method
     fields = method_config(method)
     steps = max(1, round(task.steps * args.scale))
-    script = "train_gpt2.py" if task.trainer == "gpt2" else "finetune_hf.py"
+    trainer = [*TRAIN_GPT2, str(presets.resolve("train-tiny"))] if task.trainer == "gpt2" \
+        else list(FINETUNE_HF)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", str(REPO / "scripts" / script),
-           *([TINY] if task.trainer == "gpt2" else []),
+           f"--nproc_per_node={args.nproc}", *trainer,
            f"--out_dir={folder}", "--progress=false", f"--seed={seed}",
            f"--max_iters={steps}", f"--eval_interval={max(1, steps // 20)}", *task.args]
     if fields is not None:
@@ -179,7 +191,7 @@ def run_lm(name: str, task: Task, seed: int, method: str, args: argparse.Namespa
 
 def run_regression(name: str, task: Task, seed: int, methods: Sequence[str],
                    args: argparse.Namespace, code: Dict[str, str]) -> List[Run]:
-    """Every method of one seed in one teacher_student.py launch (same processes)."""
+    """Every method of one seed in one teacher-student launch (same processes)."""
     folder = Path(args.out_dir) / name / str(seed)
     folder.mkdir(parents=True, exist_ok=True)
     steps = max(1, round(task.steps * args.scale))
@@ -193,7 +205,7 @@ def run_regression(name: str, task: Task, seed: int, methods: Sequence[str],
             path = folder / f"{m}.yaml"
             path.write_text(yaml.safe_dump(fields, sort_keys=False))
             variants.append(str(path))
-    cmd = [sys.executable, str(REPO / "scripts" / "teacher_student.py"), *variants,
+    cmd = [sys.executable, *TEACHER_STUDENT, *variants,
            "--seed", str(seed), "--steps", str(steps), *task.args, "--out_dir", str(folder),
            "--nproc", str(args.nproc)]
     meta = run_meta(cmd, {"methods": configs, "steps": steps, "args": list(task.args)}, code)
@@ -390,8 +402,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Tuple[str, str], Dict[str
     p.add_argument("--out_dir", default="out/suite", help="the runs' folders")
     p.add_argument("--reuse", action="store_true",
                    help="take finished runs of the same code and configs from out_dir")
-    p.add_argument("--doc", default="docs/SUITE.md")
-    p.add_argument("--curves", default="docs/suite-curves.png")
+    p.add_argument("--doc", default=str(ROOT / "docs" / "SUITE.md"),
+                   help="the markdown table (default: this checkout's docs/SUITE.md)")
+    p.add_argument("--curves", default=str(ROOT / "docs" / "suite-curves.png"),
+                   help="the curves (default: this checkout's docs/suite-curves.png)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -407,7 +421,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Tuple[str, str], Dict[str
         args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:
         p.error(f"--seeds must be a comma list of integers, got {args.seeds!r}")
-    command = "python3 scripts/quality_suite.py " + " ".join(
+    command = "python3 scripts/bench/quality_suite.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     start = os.getloadavg()
     runs, wall = run_suite(tasks, methods, args)

@@ -17,8 +17,8 @@ for world sizes too many for this machine, from the wire-size rules alone (modes
 whose sizes do not depend on the data: sparse, auto, quant, dense), for the units
 this model has at that N.
 
-Usage: python scripts/measure_bytes.py [--world-sizes 2 4] [--theta 0.9875]
-                                       [--sweep] [--simulate 8]
+Usage: python3 scripts/bench/measure_bytes.py [--world-sizes 2 4] [--theta 0.9875]
+                                             [--sweep] [--simulate 8]
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def _worker(rank: int, n: int, theta: float, width: int, steps: int,
     for label, kw in modes:
         if kw["mode"] in ("exact", "sparse", "auto") and "theta" not in kw:
             kw = dict(kw, theta=theta)
-        cfg = tagc.TAGCConfig(layers="all", min_numel=4096, **kw)
+        # residual feedback, as when the table was measured (TAGCConfig derives EF21 for
+        # quant otherwise, whose vote is 32 bytes instead of 4)
+        cfg = tagc.TAGCConfig(layers="all", min_numel=4096, error_feedback=True, ef21=False, **kw)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width, bias=False), torch.nn.GELU(),
                                     torch.nn.Linear(4 * width, width, bias=False))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Step-time benchmark of TAGC against plain FSDP on an emulated slow network.
 
-Driver (default, needs root): brings up ``scripts/netem.sh`` hosts (one network namespace
+Driver (default, needs root): brings up ``tagc/train/netem.sh`` hosts (one network namespace
 per rank, veth links shaped by ``tc``), measures the link, then launches one ``torchrun``
 node per namespace (``--nnodes N --node-rank i``, gloo bound to the veth) running this
 file with ``--worker``. The worker runs every (sharding strategy, configuration) pair
@@ -12,7 +12,9 @@ numbers ``ip -s link`` prints) and ``state.stats()`` around the timed steps. A s
 shorter launch repeats everything with the link unshaped, which gives the share of
 plain FSDP's step spent waiting on the link (``1 - t_unshaped / t_shaped``) and, per
 configuration, where the time goes. Results, a markdown report (with the codec speed
-table from ``scripts/bench_codec.py``) and a PNG chart go to ``--out``.
+table from ``bench_codec.py``) and a PNG chart go to ``--out``, by default a new
+``docs/runs/step-<UTC date-time>/`` of this checkout: commit it with the figures a
+document quotes from it (``tagc/bench/outputs.py``).
 
 With ``--hsdp`` the topology has two levels: ``--nodes`` hosts with ``--per-node`` ranks
 each (``torchrun --nproc-per-node``), the ranks of a host on that namespace's unshaped
@@ -23,10 +25,10 @@ across hosts: plain ``fsdp`` is native HSDP, a TAGC configuration is TAGC's cust
 which compresses only the all-reduce between hosts).
 
 Usage:
-    sudo python3 scripts/bench_step.py --quick            # < 5 min
-    sudo python3 scripts/bench_step.py                    # full run
-    sudo python3 scripts/bench_step.py --hsdp             # 2 hosts x 2 ranks, HSDP
-    sudo python3 scripts/bench_step.py --hsdp --nodes 4 --per-node 1 --strategies HSDP
+    sudo python3 scripts/bench/bench_step.py --quick      # < 5 min
+    sudo python3 scripts/bench/bench_step.py              # full run
+    sudo python3 scripts/bench/bench_step.py --hsdp       # 2 hosts x 2 ranks, HSDP
+    sudo python3 scripts/bench/bench_step.py --hsdp --nodes 4 --per-node 1 --strategies HSDP
                                                           # 4 hosts x 1 rank (R = 4)
 """
 from __future__ import annotations
@@ -41,16 +43,19 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from tagc import teardown
+from tagc import presets, teardown
+from tagc.bench.outputs import run_dir
+from tagc.bench.shapes import ModelShape
 from tagc.train.runs import NETEM, free_port, netem
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
+# the checkout this script sits in (scripts/bench/): where --out's default folder goes
+ROOT = Path(__file__).resolve().parents[2]
 
 # configuration name -> YAML preset in --config-dir (None = plain FSDP, no hook)
 CONFIGS: dict[str, str | None] = {
@@ -72,34 +77,6 @@ CONFIGS: dict[str, str | None] = {
 BF16_CONFIGS = ("fsdp-bf16", "full-bf16")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 HSDP_CONFIGS = ["fsdp", "dense", "exact", "sparse", "balanced", "lean"]
-
-
-@dataclass
-class ModelShape:
-    """GPT-2 shape and batch used by every trial.
-
-    Args:
-        n_layer: transformer blocks.
-        n_head: attention heads.
-        n_embd: model width.
-        vocab_size: token vocabulary (GPT-2: 50257).
-        block_size: context length (the sequence length of each sample).
-        batch: sequences per rank per step.
-    """
-
-    n_layer: int = 2
-    n_head: int = 8
-    n_embd: int = 512
-    vocab_size: int = 16384
-    block_size: int = 64
-    batch: int = 1
-
-    def __post_init__(self) -> None:
-        for k, v in asdict(self).items():
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"ModelShape.{k} must be a positive int, got {v!r}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
 
 
 # --------------------------------------------------------------------------- worker
@@ -334,12 +311,10 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
     """
     import torch
     import tagc_hook as tagc
-    from tagc.train.model import GPT, GPTConfig
+    from tagc.train.model import GPT
 
     torch.manual_seed(0)
-    gcfg = GPTConfig(n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
-                     vocab_size=shape.vocab_size, block_size=shape.block_size)
-    model = GPT(gcfg)
+    model = GPT(shape.gpt_config())
     mesh = None  # the HSDP mesh, which register needs too
     # the wrapping depends on the layer policy only, so plain FSDP gets the same units
     # as TAGC (compressed and uncompressed parameters in different units)
@@ -561,8 +536,7 @@ def _launch(net: list[str], args: argparse.Namespace, configs: list[str], repeat
            "--configs", *configs, "--strategies", *args.strategies, "--profile", *(profile or [])]
     logger.info("launch: %s", " ".join(cmd))
     env = dict(os.environ, OMP_NUM_THREADS="1", TAGC_PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join(
-        [str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run(cmd, timeout=timeout + 60, env=env)
     if r.returncode != 0 or not result.exists():
         raise RuntimeError(f"benchmark workers failed (exit {r.returncode}); see the log above")
@@ -570,23 +544,24 @@ def _launch(net: list[str], args: argparse.Namespace, configs: list[str], repeat
 
 
 def _codec_table(timeout: float, quick: bool) -> str:
-    """Markdown output of scripts/bench_codec.py (``--quick`` in quick mode), with its command."""
-    script = ROOT / "scripts" / "bench_codec.py"
+    """Markdown output of bench_codec.py (``--quick`` in quick mode), with its command."""
+    script = Path(__file__).resolve().with_name("bench_codec.py")
     if not script.exists():
-        return "(scripts/bench_codec.py not present: codec speed not measured)\n"
+        return "(scripts/bench/bench_codec.py not present: codec speed not measured)\n"
     cmd = [sys.executable, str(script)] + (["--quick"] if quick else [])
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
-        return f"(scripts/bench_codec.py failed with exit {r.returncode}:\n{r.stderr[-2000:]})\n"
-    head = (f"`python3 scripts/bench_codec.py{' --quick' if quick else ''}` "
+        return (f"(scripts/bench/bench_codec.py failed with exit {r.returncode}:\n"
+                f"{r.stderr[-2000:]})\n")
+    head = (f"`python3 scripts/bench/bench_codec.py{' --quick' if quick else ''}` "
             f"({time.perf_counter() - t0:.0f} s, run after the network was torn down)\n\n")
     return head + r.stdout
 
 
 def _driver(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
-        sys.exit("bench_step.py: needs root to build the emulated network (scripts/netem.sh); "
+        sys.exit("bench_step.py: needs root to build the emulated network (tagc/train/netem.sh); "
                  "run with sudo")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
@@ -622,8 +597,9 @@ def _driver(args: argparse.Namespace) -> int:
     report["loadavg_end"] = os.getloadavg()
     report["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
-    # report.md and the chart, printed: scripts/bench_report.py (which re-renders them later)
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_report.py"),
+    # report.md and the chart, printed: bench_report.py beside this file (which re-renders
+    # them later)
+    subprocess.run([sys.executable, str(Path(__file__).resolve().with_name("bench_report.py")),
                     str(out / "results.json")], check=True)
     print(f"\nwall time {report['wall_s']:.0f} s; report in {out}/report.md, chart {out}/step_time.png")
     return 0
@@ -677,7 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small run, under 5 minutes")
-    p.add_argument("--out", default=str(ROOT / "bench_out"))
+    p.add_argument("--out", default=None,
+                   help="report folder (default: a new docs/runs/step-<UTC date-time>/ of this "
+                        "checkout, to commit with the figures quoted from it)")
     p.add_argument("--nodes", type=int, default=2, help="emulated hosts (default 2)")
     p.add_argument("--hsdp", action="store_true",
                    help="two-level topology (--per-node ranks per host, FSDP2): FULL_SHARD "
@@ -697,12 +675,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", nargs="*", default=[], choices=list(CONFIGS),
                    help="configurations to profile (one extra untimed step under torch.profiler "
                         "in the last shaped repeat; table in the report)")
-    p.add_argument("--config-dir", default=str(ROOT / "configs"), help="TAGC YAML presets")
+    p.add_argument("--config-dir", default=None,
+                   help="folder of the TAGC YAML presets (default: the shipped ones, "
+                        "tagc.presets.config_dir())")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                    help="TAGC config fields set in every configuration, YAML values "
                         "(e.g. layers=all); the units of plain FSDP follow")
     p.add_argument("--no-unshaped", action="store_true", help="skip the unshaped-link pass")
-    p.add_argument("--no-codec", action="store_true", help="skip scripts/bench_codec.py")
+    p.add_argument("--no-codec", action="store_true", help="skip bench_codec.py")
     p.add_argument("--measure-mb", type=int, default=10)
     p.add_argument("--timeout", type=float, default=3000, help="seconds per launch")
     for f in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "batch"):
@@ -718,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None and v < (0 if k == "warmup" else 1):
             p.error(f"--{k.replace('_', '-')} must be >= 1")
     _layout_defaults(p, args)
+    args.config_dir = args.config_dir or str(presets.config_dir())
     try:
         _overrides(args.override)
     except ValueError as e:
@@ -729,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     args.unshaped_repeats = args.unshaped_repeats or (1 if args.quick else 2)
     shape = {f: getattr(args, f) for f in asdict(ModelShape()) if getattr(args, f) is not None}
     args.shape_obj = ModelShape(**shape)
+    args.out = args.out or str(run_dir(ROOT, "step"))
     return _driver(args)
 
 

@@ -16,7 +16,7 @@ select) at >= 50% of memcpy.
 
 Usage (needs a CUDA GPU and ``TAGC_BUILD_CUDA=1 pip install -e .``)::
 
-    python scripts/bench_kernels_gpu.py --n 16777216 --theta 0.9875 --json out/gpu.json
+    python3 scripts/bench/bench_kernels_gpu.py --n 16777216 --theta 0.9875 --json out/gpu.json
 
 Exits with status 2 and a message when no GPU or no CUDA build is present.
 """

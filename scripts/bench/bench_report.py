@@ -2,7 +2,7 @@
 """Turn ``bench_step.py`` results into a markdown report and a PNG bar chart.
 
 Usage:
-    python3 scripts/bench_report.py bench_out/results.json   # rewrites report.md + chart
+    python3 scripts/bench/bench_report.py bench_out/results.json   # rewrites report.md + chart
 
 ``bench_step.py`` calls :func:`write_report` itself at the end of a run; this entry point
 re-renders a saved ``results.json`` (e.g. after editing the layout) without re-running.
@@ -244,7 +244,7 @@ def render_markdown(report: dict, summary: dict) -> str:
         if t.get("profile"):
             lines += ["", f"## Profile: {t['strategy']} {t['config']} (rank 0, one untimed step, "
                       "top ops by self CPU time)", "", "```", t["profile"].rstrip(), "```"]
-    lines += ["", "## Codec speed (scripts/bench_codec.py)", "", report.get("codec_table", "").rstrip(), ""]
+    lines += ["", "## Codec speed (bench_codec.py)", "", report.get("codec_table", "").rstrip(), ""]
     return "\n".join(lines)
 
 

@@ -8,8 +8,10 @@ its all-reduce). This is the nccl-tests of the emulation: it times ``all_reduce`
 to every peer, all posted at once (``p2p``) or in ring steps (``p2p_ring``, TAGC's
 exchange from three ranks, ``tagc/comm.py``), of several sizes, each call after an idle
 gap (collectives in a training step are separated by compute), and prints the bytes
-per second a host's link carried for each. ``scripts/cost_model.py`` reads the output
-as a setup's ``collectives`` table (``--check``) or ``--collectives FILE``.
+per second a host's link carried for each. ``scripts/bench/cost_model.py`` reads the
+output as a setup's ``collectives`` table (``--check``) or ``--collectives FILE``.
+``--out`` defaults to ``docs/runs/collectives-<UTC date-time>/collectives.json`` of this
+checkout, a folder to commit with the figures quoted from it (``tagc/bench/outputs.py``).
 
 Groups measured: the ``world`` (every rank, FULL_SHARD's collectives; with one rank
 per host all of them on the shaped link) and, with ``--per-node N > 1``, the ``node``
@@ -24,8 +26,8 @@ tensor (all-reduce input, all-gather output, all-to-all and p2p input), as nccl-
 counts it. Median over ``--reps`` calls.
 
 Usage:
-    sudo python3 scripts/bench_collectives.py --nodes 2 --out links.json
-    sudo python3 scripts/bench_collectives.py --nodes 2 --per-node 2 --out links-2x2.json
+    sudo python3 scripts/bench/bench_collectives.py --nodes 2
+    sudo python3 scripts/bench/bench_collectives.py --nodes 2 --per-node 2 --out links-2x2.json
 """
 from __future__ import annotations
 
@@ -40,7 +42,11 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
+from tagc.bench.outputs import run_dir
 from tagc.train.runs import NETEM, free_port, netem
+
+# the checkout this script sits in (scripts/bench/): where --out's default folder goes
+ROOT = Path(__file__).resolve().parents[2]
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +162,9 @@ def _worker(args: argparse.Namespace) -> int:
 def _driver(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         sys.exit("bench_collectives.py: needs root to build the emulated network "
-                 "(scripts/netem.sh); run with sudo")
-    out = Path(args.out)
+                 "(tagc/train/netem.sh); run with sudo")
+    out = Path(args.out) if args.out else run_dir(ROOT, "collectives") / "collectives.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = out.with_suffix(".raw.json")
     prefix = f"tagcc{os.getpid() % 1000}"
     net = ["--prefix", prefix, "-n", str(args.nodes), "--rate", args.rate, "--delay", "0"]
@@ -185,6 +192,7 @@ def _driver(args: argparse.Namespace) -> int:
     result.unlink()
     out.write_text(json.dumps(report, indent=1))
     print(render(report))
+    print(f"wrote {out}")
     return 0
 
 
@@ -224,7 +232,9 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--gap-ms", type=float, default=50.0,
                    help="idle time before each call, as compute between a step's "
                         "collectives (default 50)")
-    p.add_argument("--out", default="collectives.json")
+    p.add_argument("--out", default=None,
+                   help="the output JSON (default: docs/runs/collectives-<UTC date-time>/"
+                        "collectives.json of this checkout)")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)

@@ -9,10 +9,10 @@
 # call must come back as TAGC_ERR_CUDA).  Exits non-zero on the first
 # failure.  Needs nvcc (CUDA >= 12) and gcc; no GPU, no driver.
 #
-# Usage: scripts/check_cuda.sh        (env: TAGC_CUDA_ARCHS, NVCC, CC, JOBS)
+# Usage: scripts/tools/check_cuda.sh        (env: TAGC_CUDA_ARCHS, NVCC, CC, JOBS)
 set -euo pipefail
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 CC=${CC:-gcc}
 ARCHS=${TAGC_CUDA_ARCHS:-"80;90"}

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Time to plain FSDP's loss on an emulated slow link, and the loss at equal time.
 
-Needs root (scripts/netem.sh): two emulated hosts (network namespaces) joined by a veth
-shaped by ``tc`` (default 200 Mbit/s), one ``torchrun`` node per host, each training
-``configs/train-tiny.yaml`` with scripts/train_gpt2.py.  Direct runs, no model of the
-step time:
+Needs root (``tagc/train/netem.sh``): two emulated hosts (network namespaces) joined by
+a veth shaped by ``tc`` (default 200 Mbit/s), one ``torchrun`` node per host, each
+training the shipped ``train-tiny`` preset with ``torchrun ... -m tagc.train``.  Direct
+runs, no model of the step time:
 
 1. plain FSDP, ``--max_iters`` steps: its training time T and final validation loss L;
 2. each preset, the same steps: the time it takes to reach L (linear between two
@@ -16,8 +16,8 @@ Times are the training steps' wall time (``train_s`` in metrics.csv); evaluation
 left out (the same forward passes for everyone).  Writes ``<out>/time_to_loss.md`` and
 ``<out>/time_to_loss.png`` (validation loss against training time).
 
-    sudo python3 scripts/bench_time_to_loss.py
-    sudo python3 scripts/bench_time_to_loss.py --presets tagc-balanced --rate 100mbit --max_iters 600
+    sudo python3 scripts/bench/bench_time_to_loss.py
+    sudo python3 scripts/bench/bench_time_to_loss.py --presets tagc-balanced --rate 100mbit
 
 Arguments after ``--`` go to every training run.
 """
@@ -35,10 +35,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from tagc.train.runs import NETEM, code_id, free_port, netem, split_passthrough
+from tagc import presets as tagc_presets
+from tagc.train.runs import NETEM, TRAIN_GPT2, code_id, free_port, netem, split_passthrough
 
 logger = logging.getLogger("bench_time_to_loss")
-ROOT = Path(__file__).resolve().parents[1]
+# the checkout this script sits in (scripts/bench/): where --out's default folder goes
+ROOT = Path(__file__).resolve().parents[2]
 
 Curve = List[Tuple[float, float]]  # (training seconds, validation loss)
 
@@ -50,8 +52,8 @@ def train(net: List[str], name: str, out: Path, preset: Optional[Path],
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cmd = ["bash", str(NETEM), *net, "torchrun", "--port", str(free_port()), "--timeout",
-           str(int(timeout)), "--", str(ROOT / "scripts" / "train_gpt2.py"),
-           str(ROOT / "configs" / "train-tiny.yaml"), f"--out_dir={run_dir}",
+           str(int(timeout)), "--", *TRAIN_GPT2, str(tagc_presets.resolve("train-tiny")),
+           f"--out_dir={run_dir}",
            "--progress=false", "--threads=1", "--save_checkpoint=false", "--tensorboard=false",
            *([f"--tagc={preset}"] if preset else []), *extra]
     logger.info("%s: %s", name, " ".join(cmd))
@@ -139,7 +141,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv, extra = split_passthrough(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default="tagc-balanced,tagc-lean",
-                   help="comma-separated configs/<name>.yaml (or paths)")
+                   help="comma-separated shipped preset names (tagc-balanced or balanced) "
+                        "or paths to TAGC YAML files")
     p.add_argument("--max_iters", type=int, default=300, help="steps of the first runs")
     p.add_argument("--rate", default="200mbit", help="tc rate of the link")
     p.add_argument("--out", default=str(ROOT / "bench_out" / "time_to_loss"))
@@ -147,12 +150,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if os.geteuid() != 0:
-        sys.exit("bench_time_to_loss.py: needs root for scripts/netem.sh (run with sudo)")
+        sys.exit("bench_time_to_loss.py: needs root for tagc/train/netem.sh (run with sudo)")
     presets = {}
     for n in (x.strip() for x in args.presets.split(",") if x.strip()):
-        path = Path(n) if n.endswith((".yaml", ".yml")) else ROOT / "configs" / f"{n}.yaml"
-        if not path.is_file():
-            sys.exit(f"no preset {path}")
+        try:
+            path = tagc_presets.resolve(n)
+        except ValueError as e:
+            p.error(f"--presets: {e}")
         presets[path.stem] = path.resolve()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         netem(net, "down", check=False)
     res["loadavg_end"] = os.getloadavg()
     (out / "results.json").write_text(json.dumps(res, indent=1))
-    command = "sudo python3 scripts/bench_time_to_loss.py " + " ".join(
+    command = "sudo python3 scripts/bench/bench_time_to_loss.py " + " ".join(
         argv + (["--", *extra] if extra else []))
     print(report(res, out / "time_to_loss.md", command.strip()))
     plot(res, out / "time_to_loss.png")

@@ -17,16 +17,18 @@ following the gradient shows up as a growing gap.
 * Each rank draws its own batch of ``N(0, I)`` inputs per step from ``(seed, step,
   rank)``; the validation loss is the MSE on a fixed held-out set of 4096 inputs.
 
-Run (2 gloo ranks on the CPU, spawned here; or under torchrun, which sets RANK)::
+Run (2 gloo ranks on the CPU, spawned here; or under torchrun, which sets RANK), from
+any folder (``scripts/research/teacher_student.py`` takes the same arguments)::
 
-    python3 scripts/teacher_student.py plain tagc-lean tagc-balanced
-    python3 scripts/teacher_student.py plain tagc-lean ternary ternary-res \\
+    python3 -m tagc.bench.teacher_student plain tagc-lean tagc-balanced
+    python3 -m tagc.bench.teacher_student plain tagc-lean ternary ternary-res \\
         --batch 256 --steps 100
-    python3 scripts/teacher_student.py plain "tagc-balanced,guard_ratio=8"
+    python3 -m tagc.bench.teacher_student plain "tagc-balanced,guard_ratio=8"
 
 A variant is ``plain`` (FSDP2's own reduce-scatter) or ``BASE[,field=value...]``:
-BASE is a preset name in ``configs/`` (``tagc-lean``), a YAML path, or one of
-:data:`ALIASES`; the fields override the config (values read as YAML).  Variants run
+BASE is a shipped preset's name (``tagc-lean`` or ``lean``: ``tagc.presets.resolve``),
+a YAML path, or one of :data:`ALIASES`; the fields override the config (values read
+as YAML).  Variants run
 one after the other in the same processes, each from the same initial weights and
 batches.  Prints each variant's final validation loss and its change vs the first
 variant; writes ``<out_dir>/metrics.csv`` (variant, step, train_loss, val_loss),
@@ -50,17 +52,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tagc import teardown
+from tagc import presets, teardown
 
-REPO = Path(__file__).resolve().parent.parent  # configs/ holds the presets
-
-# Named configs not in configs/: the ternary code with each kind of feedback.
+# Named configs that are not presets: the ternary and int4 codes with each kind of
+# feedback (every feedback knob explicit: TAGCConfig's defaults derive EF21 for quant).
 ALIASES: Dict[str, Dict[str, Any]] = {
-    "ternary": {"mode": "quant", "quant_format": "ternary", "error_feedback": False},
-    "ternary-res": {"mode": "quant", "quant_format": "ternary"},
-    "ternary-ef21": {"mode": "quant", "quant_format": "ternary", "ef21": True},
-    "int4-res": {"mode": "quant", "quant_format": "int4"},
-    "int4-ef21": {"mode": "quant", "quant_format": "int4", "ef21": True},
+    "ternary": {"mode": "quant", "quant_format": "ternary", "error_feedback": False,
+                "ef21": False},
+    "ternary-res": {"mode": "quant", "quant_format": "ternary", "error_feedback": True,
+                    "ef21": False},
+    "ternary-ef21": {"mode": "quant", "quant_format": "ternary", "error_feedback": True,
+                     "ef21": True},
+    "int4-res": {"mode": "quant", "quant_format": "int4", "error_feedback": True,
+                 "ef21": False},
+    "int4-ef21": {"mode": "quant", "quant_format": "int4", "error_feedback": True,
+                  "ef21": True},
 }
 
 
@@ -137,10 +143,12 @@ def parse_variant(spec: str) -> Optional[Dict[str, Any]]:
     if base in ALIASES:
         fields = dict(ALIASES[base])
     else:
-        path = Path(base) if base.endswith((".yaml", ".yml")) else REPO / "configs" / f"{base}.yaml"
-        if not path.is_file():
+        try:
+            path = presets.resolve(base)
+        except ValueError as e:
             raise ValueError(f"variant {spec!r}: {base!r} is not plain, an alias "
-                             f"({sorted(ALIASES)}), a preset in configs/ or a YAML file")
+                             f"({sorted(ALIASES)}), a shipped preset or a YAML file ({e})") \
+                from None
         fields = yaml.safe_load(path.read_text()) or {}
     for part in over:
         key, eq, value = part.partition("=")

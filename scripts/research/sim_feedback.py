@@ -1,8 +1,8 @@
 """Feedback and quantizer probe: N simulated ranks in one process, FSDP2's unit layout.
 
 The research probe behind docs/DESIGN.md section 5 ("When feedback drifts", issue 22):
-it trains the teacher-student MLP of ``scripts/teacher_student.py`` or the tiny GPT-2 of
-``scripts/sim_ablation.py`` with quant mode's exchange simulated exactly as the hook
+it trains the teacher-student MLP of ``tagc.bench.teacher_student`` or the tiny GPT-2 of
+``scripts/research/sim_ablation.py`` with quant mode's exchange simulated exactly as the hook
 does it (each compressed module one unit; row r of the unit = chunk r of every
 parameter, dim 0 padded to N; the owner's own row exact, the others coded in blocks
 from the row's start; EF21's per-rank ``h`` and the owner's estimate), and measures:
@@ -22,8 +22,8 @@ ternary per block: for |x| sorted descending with prefix sums c_m, keep the m en
 maximising c_m^2 / m at s = c_m / m; the same wire format as ``ternary``, only the
 scale differs) and ``tmax`` (ternary at s = max|x|).
 
-    python3 scripts/sim_feedback.py --task ts ef21:q=ternary ef21:q=tl2 res:q=ternary
-    python3 scripts/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
+    python3 scripts/research/sim_feedback.py --task ts ef21:q=ternary ef21:q=tl2 res:q=ternary
+    python3 scripts/research/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
 
 Methods ``FEEDBACK:q=Q[,guard=R][,resp=zero][,damp=1[,cut=T]][,down=Q2[,downfb=F]]``: FEEDBACK
 is ``none``, ``res`` (residual) or ``ef21``; ``guard=R`` resets a unit through the exact path when its
@@ -45,8 +45,9 @@ always run first, unless ``--plain_loss`` gives its loss from an earlier run.  P
 the final validation loss of each and its change vs plain, then the mechanism table;
 appends JSON lines to ``--out``.
 
-The two tasks are the research scripts' own: ``teacher_student`` and ``sim_ablation``
-are imported from beside this file (Python puts a script's folder first on its path).
+The two tasks come from the package, as every script takes shared code: the
+teacher-student task from ``tagc.bench.teacher_student``, the tiny GPT-2's schedule and
+evaluation (``sim_ablation.py``'s) from ``tagc.bench.probes``.
 """
 from __future__ import annotations
 
@@ -318,10 +319,10 @@ class Exchange:
 # --------------------------------------------------------------------------- tasks
 
 class TeacherStudent:
-    """scripts/teacher_student.py's task and student (its defaults), AdamW constant lr."""
+    """``tagc.bench.teacher_student``'s task and student (its defaults), AdamW constant lr."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        import teacher_student as ts
+        from tagc.bench import teacher_student as ts
 
         ns = ts.parse_args(["plain", "--steps", str(args.steps), "--batch", str(args.batch or 16),
                             "--lr", str(args.lr or 3e-3), "--seed", str(args.seed),
@@ -352,14 +353,14 @@ class TeacherStudent:
 
 
 class TinyGPT2:
-    """scripts/sim_ablation.py's tiny GPT-2 (train-tiny's schedule, clip 1.0); units:
-    the modules the default selection compresses (MLP, attention output, embedding)."""
+    """sim_ablation.py's tiny GPT-2 (train-tiny's schedule, clip 1.0: ``tagc.bench.probes``);
+    units: the modules the default selection compresses (MLP, attention output, embedding)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        import sim_ablation
+        from tagc.bench import probes
         from tagc.train import data as token_data
 
-        self.sa, self.args = sim_ablation, argparse.Namespace(
+        self.probes, self.args = probes, argparse.Namespace(
             steps=args.steps, seed=args.seed if args.seed else 1337, batch_size=args.batch or 8,
             block_size=128, lr=args.lr or 1e-3, data="stdlib")
         self.layers = args.layers
@@ -397,10 +398,10 @@ class TinyGPT2:
     def before_step(self, m: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         for gr in opt.param_groups:
-            gr["lr"] = self.sa._lr(step, self.args)
+            gr["lr"] = self.probes.lr_at(step, self.args)
 
     def evaluate(self, m: nn.Module) -> float:
-        return self.sa.evaluate(m, self.data, self.args)
+        return self.probes.evaluate(m, self.data, self.args)
 
 
 # --------------------------------------------------------------------------- training

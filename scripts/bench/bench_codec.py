@@ -10,7 +10,7 @@ the medians timed first and last in the same run (both printed: their gap is how
 far the machine's load moved meanwhile).  The codec is single-threaded and the
 benchmarks run torch on one thread.
 
-Usage: python3 scripts/bench_codec.py [--quick] [--sizes 4194304,16777216] [--only quant]
+Usage: python3 scripts/bench/bench_codec.py [--quick] [--sizes 4194304,16777216] [--only quant]
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
+# the checkout this script sits in (scripts/bench/): its tests/ hold the benchmarks
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = "tests/test_bench_codec.py"
 
 

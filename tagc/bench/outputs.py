@@ -1,0 +1,31 @@
+"""Where a benchmark writes the report of one run, so that it can be committed.
+
+Convention (``docs/runs/README.md``): every run whose figures a document quotes keeps
+its report in the repository, ``docs/runs/<name>/`` (``report.md`` / ``results.json``
+of ``bench_step.py``, ``time_to_loss.md`` / ``results.json`` of
+``bench_time_to_loss.py``, ``collectives.json`` of ``bench_collectives.py``), and
+the document (``docs/RESULTS.md``, ``docs/cost_model_runs.json``) names that folder.
+The benchmarks' ``--out`` default is such a folder, named by the benchmark and the
+UTC time it started: ``docs/runs/<kind>-<YYYYmmdd-HHMMSS>`` of the checkout.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+# the folder of committed run reports, relative to a checkout's root
+RUNS = Path("docs") / "runs"
+
+
+def run_dir(root: Path, kind: str, started: float = None) -> Path:
+    """A new run's report folder: ``<root>/docs/runs/<kind>-<UTC date-time>``.
+
+    Args:
+        root: the checkout the benchmark script sits in.
+        kind: what ran (``step``, ``time-to-loss``, ``collectives``).
+        started: the run's start (seconds since the epoch; default now).
+    Returns:
+        the folder (not created).
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(started))
+    return Path(root) / RUNS / f"{kind}-{stamp}"
