@@ -91,21 +91,70 @@ def test_time_to_loss_interpolates_between_evaluations() -> None:
     assert bench_time.time_to(curve, 2.0) == pytest.approx(20.0)
     assert bench_time.time_to(curve, 1.0) is None
     assert bench_time.time_to(curve, 9.0) == 0.0
+    assert bench_time.time_to([], 1.0) is None
+    # a flat stretch at the target: its first point; a rise and fall: the first crossing
+    assert bench_time.time_to([(0.0, 3.0), (5.0, 2.0), (9.0, 2.0)], 2.0) == pytest.approx(5.0)
+    assert bench_time.time_to([(0.0, 3.0), (4.0, 1.0), (8.0, 3.0), (12.0, 1.0)], 2.0) == \
+        pytest.approx(2.0)
+
+
+def _ttl_results() -> dict:
+    """Synthetic curves: the 300-step run of ``p`` ends just above plain FSDP's final
+    loss, its equal-time run passes it between two evaluations (the README's case)."""
+    return {"steps": 300, "loadavg": (1.0, 1.0, 1.0), "loadavg_end": (1.5, 1.0, 1.0),
+            "link": "192 Mbit/s",
+            "baseline": {"curve": [(0.0, 5.0), (100.0, 2.5), (258.7, 2.1339)]},
+            "presets": {
+                "p": {"curve": [(0.0, 5.0), (40.0, 2.5), (80.3, 2.1369)],
+                      "equal_time_steps": 966,
+                      "equal_time_curve": [(0.0, 5.0), (73.6, 2.1400), (80.2, 2.0991),
+                                           (257.2, 1.6357)]},
+                "q": {"curve": [(0.0, 5.0), (60.0, 2.2), (120.0, 2.0)],
+                      "equal_time_steps": 500,
+                      "equal_time_curve": [(0.0, 5.0), (250.0, 1.9)]},
+                "never": {"curve": [(0.0, 5.0), (50.0, 2.2)], "equal_time_steps": 400,
+                          "equal_time_curve": [(0.0, 5.0), (250.0, 2.15)]}}}
+
+
+def test_time_to_loss_takes_the_earlier_run_and_interpolates() -> None:
+    """The time to plain FSDP's final loss comes from the evaluation points of either of
+    a preset's runs, the earlier one, linear between the two points around it."""
+    reach = bench_time.time_to_baseline(_ttl_results())
+    target = 2.1339
+    # equal-time run: between (73.6, 2.1400) and (80.2, 2.0991)
+    t = 73.6 + (80.2 - 73.6) * (2.1400 - target) / (2.1400 - 2.0991)
+    assert reach["p"] == (pytest.approx(t), "equal time")
+    assert 258.7 / t == pytest.approx(3.469, abs=1e-3)
+    # the same-steps run reaches it first: between (60, 2.2) and (120, 2.0)
+    assert reach["q"] == (pytest.approx(60 + 60 * (2.2 - target) / 0.2), "same steps")
+    assert reach["never"] == (None, "")
 
 
 def test_time_to_loss_report(tmp_path: Path) -> None:
-    res = {"steps": 4, "loadavg": (1.0, 1.0, 1.0), "loadavg_end": (1.5, 1.0, 1.0),
-           "link": "192 Mbit/s", "baseline": {"curve": [(0.0, 5.0), (40.0, 2.0)]},
-           "presets": {"p": {"curve": [(0.0, 5.0), (10.0, 3.0), (20.0, 1.9)],
-                             "equal_time_steps": 8,
-                             "equal_time_curve": [(0.0, 5.0), (39.0, 1.8)]}}}
-    text = bench_time.report(res, tmp_path / "t.md", "cmd")
-    row = [ln for ln in text.splitlines() if ln.startswith("| p |")][0]
-    # reaches 2.0 at 10 + 10 * (3.0 - 2.0) / (3.0 - 1.9) s; 40 s / that = the speed-up
-    t = 10 + 10 * 1.0 / 1.1
-    assert f"{t:.1f} s | {40 / t:.2f}x" in row and "| 8 (39.0 s) | 1.8000 | -10.00% |" in row
-    bench_time.plot(res, tmp_path / "t.png")
+    text = bench_time.report(_ttl_results(), tmp_path / "t.md", "cmd")
+    rows = {ln.split(" |")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| ")}
+    t = 73.6 + (80.2 - 73.6) * (2.1400 - 2.1339) / (2.1400 - 2.0991)
+    assert f"| {t:.1f} s (equal time run) | {258.7 / t:.2f}x |" in rows["p"]
+    assert "| 966 (257.2 s) | 1.6357 | -23.35% |" in rows["p"]
+    assert "| not reached | — |" in rows["never"]
+    assert (tmp_path / "t.md").read_text() == text
+    bench_time.plot(_ttl_results(), tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_time_to_loss_report_only_recomputes_a_run_folder(tmp_path: Path,
+                                                          capsys: Any) -> None:
+    """--report-only DIR rewrites the table and the plot from DIR/results.json (an
+    earlier run's, without the fields newer runs record), training nothing."""
+    import json
+
+    (tmp_path / "results.json").write_text(json.dumps(_ttl_results()))
+    assert bench_time.main(["--report-only", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(equal time run) | 3.47x" in out and "command not recorded" in out
+    assert (tmp_path / "time_to_loss.md").is_file() and (tmp_path / "time_to_loss.png").is_file()
+    with pytest.raises(SystemExit):
+        bench_time.main(["--report-only", str(tmp_path / "nowhere")])
 
 
 def test_hsdp_report_targets() -> None:
@@ -182,3 +231,4 @@ def test_cpu_columns_and_machine_busy_share() -> None:
     assert "| 0.250 | 50.0% |" in row
     busy = bench_step._host_busy()
     assert busy is None or busy > 0
+
