@@ -232,3 +232,25 @@ def test_cpu_columns_and_machine_busy_share() -> None:
     busy = bench_step._host_busy()
     assert busy is None or busy > 0
 
+
+def test_cpu_bound_and_ceiling() -> None:
+    """The step no schedule of the machine beats: ranks x CPU s/rank / CPUs; the ceiling
+    is plain FSDP's step over it (the R = 4 run of RESULTS.md: 4 ranks of 0.495 CPU-s on
+    2 CPUs bound a step at 0.99 s, 4.410 s / 0.99 s = 4.45x)."""
+    rep = _report()
+    rep["cpus"] = 2
+    rep["shaped"]["world"] = 4
+    for t in rep["shaped"]["trials"]:
+        t["cpu_s_per_step_per_rank"] = 0.495 if t["config"] == "exact" else 1.013
+        if t["config"] == "fsdp":
+            t["step_s"] = [4.410]
+    s = bench_report.summarize(rep)["FULL_SHARD"]
+    assert s["exact"]["cpu_bound_s"] == pytest.approx(0.99)
+    assert s["exact"]["ceiling_vs_fsdp"] == pytest.approx(4.410 / 0.99)
+    md = bench_report.render_markdown(rep, bench_report.summarize(rep))
+    assert "## CPU bound" in md
+    row = next(ln for ln in md.splitlines() if ln.startswith("| FULL_SHARD | exact | 0.495"))
+    assert "| 1.980 | 0.990 |" in row and row.endswith("| 4.45x |")
+    # without the CPU figures (an older results.json) the section is left out
+    assert "## CPU bound" not in bench_report.render_markdown(_report(),
+                                                              bench_report.summarize(_report()))

@@ -2,10 +2,15 @@
 """Turn ``bench_step.py`` results into a markdown report and a PNG bar chart.
 
 Usage:
-    python3 scripts/bench/bench_report.py bench_out/results.json   # rewrites report.md + chart
+    python3 scripts/bench/bench_report.py docs/runs/step-DATE/results.json
+                                      # rewrites report.md + chart beside it, prints them
 
-``bench_step.py`` calls :func:`write_report` itself at the end of a run; this entry point
-re-renders a saved ``results.json`` (e.g. after editing the layout) without re-running.
+``bench_step.py`` runs this file at the end of a run; run alone it re-renders a saved
+``results.json`` (e.g. after editing the layout) without re-running.  Besides the
+tables of times and bytes the report has the CPU bound of every configuration: the
+ranks' CPU-seconds per step over the machine's CPUs, the shortest step any schedule
+of this machine allows, and plain FSDP's step over it, the most a configuration's
+speed-up could reach here ("CPU bound" below).
 """
 from __future__ import annotations
 
@@ -123,6 +128,9 @@ def summarize(report: dict) -> dict:
                 "comm_s": _mean(tr, "comm_s_per_step_per_rank"),
                 "peer_wait_s": _mean(tr, "peer_wait_s_per_step_per_rank"),
                 "cpu_s": _mean(tr, "cpu_s_per_step_per_rank"),
+                # every rank's CPU time over the machine's CPUs: no step ends sooner
+                "cpu_bound_s": _cpu_bound(_mean(tr, "cpu_s_per_step_per_rank"),
+                                          (shaped or {}).get("world"), report.get("cpus")),
                 "host_busy_s": _mean(tr, "host_busy_cpu_s_per_step"),
                 "comm_unshaped_s": _mean(tu, "comm_s_per_step_per_rank"),
                 "mean_s": _mean([{"m": sum(t["step_s"]) / len(t["step_s"])} for t in tr if t["step_s"]], "m"),
@@ -139,6 +147,9 @@ def summarize(report: dict) -> dict:
             r["speedup_vs_fsdp"] = _ratio(base_bf16 if cfg.endswith("-bf16") else base,
                                           r["median_s"])
             r["speedup_vs_dense"] = _ratio(dense, r["median_s"])
+            # the most a speed-up over plain FSDP could reach on this machine's CPUs
+            r["ceiling_vs_fsdp"] = _ratio(base_bf16 if cfg.endswith("-bf16") else base,
+                                          r["cpu_bound_s"])
         out[strat] = rows
     return out
 
@@ -244,8 +255,50 @@ def render_markdown(report: dict, summary: dict) -> str:
         if t.get("profile"):
             lines += ["", f"## Profile: {t['strategy']} {t['config']} (rank 0, one untimed step, "
                       "top ops by self CPU time)", "", "```", t["profile"].rstrip(), "```"]
+    lines += _cpu_bound_lines(report, summary)
     lines += ["", "## Codec speed (bench_codec.py)", "", report.get("codec_table", "").rstrip(), ""]
     return "\n".join(lines)
+
+
+def _cpu_bound(cpu_s: float | None, ranks: int | None, cpus: int | None) -> float | None:
+    """The shortest step the machine's CPUs allow: ``ranks x cpu_s / cpus``.
+
+    Every rank's process needs ``cpu_s`` CPU-seconds a step (every thread, user +
+    system); the machine's ``cpus`` cores give at most ``cpus`` CPU-seconds per second,
+    so no schedule ends a step of every rank sooner (the kernel's own network work only
+    adds to it).
+
+    Args:
+        cpu_s: CPU time of one rank's process per step (the mean over ranks).
+        ranks: processes sharing the machine (every rank of the run).
+        cpus: the machine's CPUs.
+    Returns:
+        seconds, or None when a figure is missing.
+    """
+    if cpu_s is None or not ranks or not cpus:
+        return None
+    return ranks * cpu_s / cpus
+
+
+def _cpu_bound_lines(report: dict, summary: dict) -> list[str]:
+    """The CPU bound of every configuration and plain FSDP's step over it."""
+    ranks, cpus = (report.get("shaped") or {}).get("world"), report.get("cpus")
+    rows = [(strat, cfg, r) for strat, by_cfg in summary.items() for cfg, r in by_cfg.items()
+            if r.get("cpu_bound_s") is not None]
+    if not rows:
+        return []
+    lines = ["", "## CPU bound", "",
+             f"{ranks} ranks share {cpus} CPUs: a step takes at least ranks x CPU s/rank / "
+             f"CPUs (`bound`), whatever the link; `ceiling` = plain FSDP's median step "
+             "(the same strategy and precision) / that bound, the most the configuration's "
+             "speed-up could reach on this machine.", "",
+             "| strategy | config | CPU s/rank | ranks x CPU s | bound s | median step s | "
+             "ceiling vs FSDP |", "|---|---|---|---|---|---|---|"]
+    for strat, cfg, r in rows:
+        lines.append(f"| {strat} | {cfg} | {_fmt_s(r['cpu_s'])} | {_fmt_s(ranks * r['cpu_s'])} | "
+                     f"{_fmt_s(r['cpu_bound_s'])} | {_fmt_s(r['median_s'])} | "
+                     f"{_fmt_x(r['ceiling_vs_fsdp'])} |")
+    return lines
 
 
 def _busy_share(row: dict, cpus: int | None) -> float | None:
