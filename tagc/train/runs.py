@@ -65,7 +65,9 @@ def installed_code_id() -> Dict[str, str]:
     from importlib import metadata
 
     import tagc
-    from tagc.codec import _tagc
+    from tagc.codec import _tagc, require_codec
+
+    require_codec()
 
     h = hashlib.sha256()
     pkg = Path(tagc.__file__).resolve().parent
