@@ -29,7 +29,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -184,7 +184,7 @@ setup(
     py_modules=["tagc_hook"],
     # configs/ (the presets, one source of truth at the top level) ships as the package
     # tagc.configs, so an installed wheel finds them by name (tagc/presets.py)
-    packages=["tagc", "tagc.train", "tagc.configs"],
+    packages=find_packages(include=["tagc", "tagc.*"]) + ["tagc.configs"],
     package_dir={"tagc.configs": "configs"},
     package_data={"tagc.configs": ["*.yaml"], "tagc.train": ["netem.sh"]},
     # torch itself is not listed: `pip install torch==2.13.0` first (README);
