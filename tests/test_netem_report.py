@@ -254,3 +254,18 @@ def test_cpu_bound_and_ceiling() -> None:
     # without the CPU figures (an older results.json) the section is left out
     assert "## CPU bound" not in bench_report.render_markdown(_report(),
                                                               bench_report.summarize(_report()))
+
+
+def test_run_reports_go_to_docs_runs(tmp_path: Path) -> None:
+    """The benchmarks' default report folder: docs/runs/<kind>-<UTC date-time> of the
+    checkout, which git does not ignore (docs/runs/README.md)."""
+    import subprocess
+
+    from tagc.bench.outputs import run_dir
+
+    d = run_dir(tmp_path, "step", 0.0)
+    assert d == tmp_path / "docs" / "runs" / "step-19700101-000000"
+    root = Path(__file__).resolve().parent.parent
+    if (root / ".git").exists():
+        r = subprocess.run(["git", "check-ignore", "-q", "docs/runs/step-x/report.md"], cwd=root)
+        assert r.returncode == 1, "docs/runs/ is ignored by git: reports could not be committed"
