@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -584,7 +585,8 @@ def test_check_parses_the_runs_file_and_bytes_are_exact() -> None:
     assert wire[("hsdp-r4", "hsdp+lean-ef21/2phase@ternary")] < wire[("hsdp-r4", "hsdp+lean-ef21/gather")]
     assert wire[("hsdp-r2", "hsdp+balanced")] == wire[("hsdp-r2", "hsdp+balanced/2phase")]
     steps = [r for r in rows if r.quantity == "step_s"]
-    assert {r.setup for r in steps} == set(data["setups"])
+    # step times are checked where the setup's compute time is in a committed report
+    assert {r.setup for r in steps} == {n for n, st in data["setups"].items() if "compute" in st}
     assert all(r.calibrated is not None for r in steps)
     # a plain row is matched, unless the link at full efficiency is already too slow
     # for it (the fit stops at its bound, 1)
@@ -597,6 +599,44 @@ def test_check_cli_prints_the_comparison(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert "predicted vs measured" in out and "| hsdp-2x2 | hsdp+balanced |" in out
     assert "bytes exact at the printed precision" in out
+
+
+def test_every_checked_number_points_to_a_committed_report() -> None:
+    """Traceability (issue 38.4): each setup and bits section names the committed report
+    that holds its numbers; the check reads no row of the untraceable section and no
+    row's untraceable fields; no machine path is left in the file."""
+    from tagc.bench.cost.check import _run_config
+
+    data = cm.load_runs(str(RUNS))
+    text = RUNS.read_text()
+    assert not re.search(r"/(work|home|root)/", text)
+    reports = [st["report"] for st in data["setups"].values()] + \
+        [sec["report"] for sec in data["bits_per_param"]]
+    assert all(r.startswith("docs/RESULTS.md") for r in reports), reports
+    if (ROOT / ".git").exists():  # a setup pointing at an earlier version of RESULTS.md
+        for commit in {c for r in reports for c in re.findall(r"as of commit (\w+)", r)}:
+            assert subprocess.run(["git", "cat-file", "-e", f"{commit}:docs/RESULTS.md"],
+                                  cwd=ROOT).returncode == 0, commit
+    rows = cm.check(data)
+    checked = {(r.setup, r.config) for r in rows}
+    assert all(field not in run for run in data["runs"] for field in run.get("untraceable", {}))
+    gone = data["untraceable"]["runs"]
+    assert gone
+    for run in gone:
+        st = data["setups"].get(run["setup"])
+        if st is None:
+            assert run["setup"] in data["untraceable"]["setups"]
+            assert all(r.setup != run["setup"] for r in rows)
+        else:
+            assert (run["setup"], _run_config(st, run["config"]).name) not in checked
+    # without compute, a setup's bytes are checked and its step times are not
+    quantities = {(r.setup, r.quantity) for r in rows}
+    bytes_only = [n for n, st in data["setups"].items() if "compute" not in st]
+    assert bytes_only and all((n, "step_s") not in quantities for n in bytes_only)
+    assert all(any((n, q) in quantities for q in ("stats_wire_mb", "veth_tx_mb", "gathers_mb"))
+               for n in bytes_only)
+    out = cm.check_report(rows, data=data)
+    assert "not checked, step times of" in out and "'untraceable' section" in out
 
 
 def test_bad_runs_file_raises(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Every command the docs show still exists and starts: each ``scripts/...`` path that
-README.md and docs/*.md name is a file of the checkout, and each Python script and
+README.md and docs/**/*.md name is a file of the checkout, and each Python script and
 ``python -m tagc...`` module among them answers ``--help`` (run from a folder outside
-the checkout, as a user's shell would be anywhere).
+the checkout, as a user's shell would be anywhere).  And no code, doc or data file
+names a folder of one development machine (figures trace to the repository).
 
 A moved or renamed script fails here with the document and line that still name the
 old path.
@@ -17,10 +18,12 @@ from typing import Dict, List, Set, Tuple
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 # a path under scripts/ (a .py or .sh file), as the docs write it
 SCRIPT = re.compile(r"(?<![\w/.-])(scripts/[\w./-]+?\.(?:py|sh))(?![\w/])")
+# an absolute folder of one machine (a checkout, a home, an experiments folder)
+MACHINE_PATH = re.compile(r"(?<![\w.~])/(?:work|home|root)/")
 # a module started with `python -m` or `torchrun ... -m` (the package's own only)
 MODULE = re.compile(r"\b(?:python3?|torchrun)\b[^`\n]*?\s-m\s+(tagc[\w.]*)")
 
@@ -99,3 +102,15 @@ def test_every_command_answers_help(cmd: List[str], tmp_path: Path) -> None:
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"{' '.join(cmd)}: exit {r.returncode}\n{r.stderr[-2000:]}"
     assert "usage:" in r.stdout, f"{' '.join(cmd)} printed no usage:\n{r.stdout[:500]}"
+
+
+def test_no_machine_paths_in_code_docs_or_data() -> None:
+    """Reports and commands name repository paths, never one machine's folders."""
+    files = [ROOT / "README.md"] + [p for top in ("scripts", "docs", "tests", "tagc", "configs")
+                                    for p in sorted((ROOT / top).rglob("*")) if p.is_file()
+                                    and p.suffix in (".py", ".md", ".json", ".sh", ".yaml",
+                                                     ".c", ".h", ".cu")]
+    bad = [(str(p.relative_to(ROOT)), i) for p in files
+           for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+           if MACHINE_PATH.search(line)]
+    assert not bad, f"machine paths (file, line): {bad}"

@@ -195,7 +195,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         codec = codec_rates(_codec_overrides(args.codec), args.codec_speedup)
         if args.check:
-            print(check_report(check(load_runs(args.check), codec)))
+            data = load_runs(args.check)
+            print(check_report(check(data, codec), data=data))
             return 0
         coll = None
         if args.collectives:

@@ -7,6 +7,12 @@ it: the step time, and bytes counted where they are measured: ``stats_wire_mb`` 
 benchmark's wrapper around the collectives, ``veth_tx_mb`` by the emulated link's own
 counter).  :func:`check` predicts each row from first principles (and calibrated on
 the setup's plain row); :func:`check_report` tabulates both.
+
+Every number checked is in a report committed in the repository (each setup's
+``report``).  A setup whose compute time is not has no ``compute``: its bytes are
+checked, its step times are not; a measured field no committed report holds sits in
+its row's ``untraceable`` entry, and rows with nothing left to check sit in the file's
+``untraceable`` section: neither is checked nor counted.
 """
 from __future__ import annotations
 
@@ -27,6 +33,10 @@ from .predict import predict
 # veth's own counters in --check; the step-time model works on payload bytes and the
 # measured payload rate (netem.sh `measure`, a TCP transfer).
 TCP_FRAME_OVERHEAD = 1514 / 1448
+
+# A row's measured fields (``step_s`` is checked only where the setup has ``compute``).
+MEASURED = ("step_s", "stats_wire_mb", "gathers_mb", "veth_tx_mb", "in_collectives_s",
+            "codec_s")
 
 
 @dataclass
@@ -97,14 +107,14 @@ def load_runs(path: str) -> Dict[str, Any]:
             or not isinstance(data.get("runs"), list):
         raise ValueError(f"runs file {path}: needs a 'setups' object and a 'runs' list")
     for name, st in data["setups"].items():
-        for k in ("model", "fsdp", "layout", "dtype", "ranks_per_node", "nodes",
-                  "inter_mbit", "compute"):
+        for k in ("model", "fsdp", "layout", "dtype", "ranks_per_node", "nodes", "inter_mbit",
+                  "report"):
             if k not in st:
                 raise ValueError(f"runs file {path}: setup {name!r} lacks {k!r}")
         if st["model"] not in RUN_MODELS:
             raise ValueError(f"runs file {path}: setup {name!r}: unknown model "
                              f"{st['model']!r}; known: {sorted(RUN_MODELS)}")
-        c = st["compute"]
+        c = st.get("compute", {"rest_s": None})  # none: its step times are not checked
         if "rest_s" not in c and not ("plain_fast_step_s" in c and "fast_mbit" in c):
             raise ValueError(f"runs file {path}: setup {name!r}: compute needs rest_s, or "
                              "plain_fast_step_s and fast_mbit")
@@ -124,8 +134,12 @@ def load_runs(path: str) -> Dict[str, Any]:
     for i, run in enumerate(data["runs"]):
         if run.get("setup") not in data["setups"]:
             raise ValueError(f"runs file {path}: run {i} names unknown setup {run.get('setup')!r}")
-        if "config" not in run or "step_s" not in run:
-            raise ValueError(f"runs file {path}: run {i} needs 'config' and 'step_s'")
+        if "config" not in run or not any(k in run for k in MEASURED):
+            raise ValueError(f"runs file {path}: run {i} needs 'config' and a measured field "
+                             f"({', '.join(MEASURED)})")
+    untraceable = data.get("untraceable", {"runs": []})
+    if not isinstance(untraceable, dict) or not isinstance(untraceable.get("runs"), list):
+        raise ValueError(f"runs file {path}: 'untraceable' needs a 'runs' list")
     for sec in data.get("bits_per_param", []):
         if sec.get("model") not in RUN_MODELS or sec.get("kind") not in ("grad", "gather") \
                 or not isinstance(sec.get("rows"), list):
@@ -230,7 +244,8 @@ def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> Lis
 
     Step time, first principles: the setup's links as given, compute from the setup
     (:func:`_setup_state`).  Calibrated: the setup's ``calibrate`` figure fitted to its
-    plain row (:func:`calibrate`), the other rows predicted with it.
+    plain row (:func:`calibrate`), the other rows predicted with it.  A setup without
+    ``compute`` has its bytes checked only; the ``untraceable`` section is not read.
 
     Args:
         data: :func:`load_runs`'s result.
@@ -243,16 +258,20 @@ def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> Lis
     for name, st in data["setups"].items():
         model = run_model(st["model"])
         coll = links[st["collectives"]] if "collectives" in st else None
-        cl, compute = _setup_state(st, model, codec, collectives=coll)
+        timed = "compute" in st
+        if timed:
+            cl, compute = _setup_state(st, model, codec, collectives=coll)
+        else:  # bytes only: they do not depend on the compute time
+            cl, compute = _setup_cluster(st, st["inter_mbit"], collectives=coll), 0.0
         runs = [r for r in data["runs"] if r["setup"] == name]
-        meas_plain = next((r["step_s"] for r in runs if r["config"] == "fsdp"), None)
+        meas_plain = next((r["step_s"] for r in runs if r["config"] == "fsdp" and "step_s" in r),
+                          None) if timed else None
         fit = calibrate(st, model, codec, meas_plain, coll) if meas_plain else None
         cal = _setup_state(st, model, codec, collectives=coll,
                            **{CALIBRATABLE[fit[0]][1]: fit[1]}) if fit else None
         for run in runs:
             cfg = _run_config(st, run["config"])
             p = predict(model, cl, cfg, compute, codec)
-            pc = predict(model, cal[0], cfg, cal[1], codec).step_s if cal else None
             hook = (p.ideal.get("cross", 0.0) if cfg.layout == "hsdp" else
                     p.ideal.get("grad", 0.0)) + p.ideal.get("control", 0.0)
             label = cfg.name
@@ -261,6 +280,9 @@ def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> Lis
                                    ("veth_tx_mb", p.node_inter * TCP_FRAME_OVERHEAD / 1e6, None)):
                 if key in run:
                     rows.append(CheckRow(name, label, key, pred, run[key], dec))
+            if not (timed and "step_s" in run):
+                continue
+            pc = predict(model, cal[0], cfg, cal[1], codec).step_s if cal else None
             rows.append(CheckRow(name, label, "step_s", p.step_s, run["step_s"], None, pc,
                                  run["config"] == "fsdp", fit))
             if "in_collectives_s" in run:
@@ -293,12 +315,14 @@ def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
 
-def check_report(rows: List[CheckRow], tolerance: float = 0.25) -> str:
+def check_report(rows: List[CheckRow], tolerance: float = 0.25,
+                 data: Optional[Dict[str, Any]] = None) -> str:
     """The --check tables (markdown) and a summary of what holds.
 
     Args:
         rows: :func:`check`'s result.
         tolerance: the step-time goal (0.25: within 25%).
+        data: the runs file; given, the summary also says what it holds unchecked.
     Returns:
         the text.
     """
@@ -346,4 +370,32 @@ def check_report(rows: List[CheckRow], tolerance: float = 0.25) -> str:
             f"- step time within {tolerance:.0%}, first principles: {ok} of {len(time_rows)}",
             f"- step time within {tolerance:.0%}, calibrated on the plain row (that row "
             f"left out): {ok_cal} of {len(held)}"]
-    return "\n".join(out)
+    return "\n".join(out + (unchecked(data) if data is not None else []))
+
+
+def unchecked(data: Dict[str, Any]) -> List[str]:
+    """The summary's lines on what the runs file holds but does not check.
+
+    Args:
+        data: :func:`load_runs`'s result.
+    Returns:
+        the lines (none when everything is checked).
+    """
+    out = []
+    bytes_only = [n for n, st in data["setups"].items() if "compute" not in st]
+    if bytes_only:
+        steps = sum("step_s" in r for r in data["runs"] if r["setup"] in bytes_only)
+        out.append(f"- not checked, step times of {len(bytes_only)} setups whose compute time "
+                   f"no committed report holds ({steps} rows; their bytes are checked): "
+                   + ", ".join(bytes_only))
+    fields = sum(len(r.get("untraceable", {})) for r in data["runs"])
+    if fields:
+        out.append(f"- not checked, {fields} measured fields of checked rows that no committed "
+                   "report holds (each row's 'untraceable')")
+    gone = data.get("untraceable", {}).get("runs", [])
+    if gone:
+        setups = list(dict.fromkeys(r["setup"] for r in gone))
+        out.append(f"- not checked, {len(gone)} rows of {len(setups)} setups whose reports are "
+                   "not in the repository (the runs file's 'untraceable' section): "
+                   + ", ".join(setups))
+    return out
