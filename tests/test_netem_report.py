@@ -269,3 +269,13 @@ def test_run_reports_go_to_docs_runs(tmp_path: Path) -> None:
     if (root / ".git").exists():
         r = subprocess.run(["git", "check-ignore", "-q", "docs/runs/step-x/report.md"], cwd=root)
         assert r.returncode == 1, "docs/runs/ is ignored by git: reports could not be committed"
+
+
+def test_bench_step_takes_preset_names(monkeypatch: Any) -> None:
+    """--configs takes a preset's name with or without tagc- (nothing runs here)."""
+    seen = {}
+    monkeypatch.setattr(bench_step, "_driver", lambda args: seen.setdefault("args", args) and 0)
+    bench_step.main(["--configs", "fsdp", "tagc-balanced", "lean", "--profile", "tagc-lean"])
+    args = seen["args"]
+    assert args.configs == ["fsdp", "balanced", "lean"] and args.profile == ["lean"]
+    assert Path(args.config_dir).is_dir() and Path(args.out).parent.name == "runs"

@@ -622,6 +622,11 @@ def _overrides(items: list[str]) -> dict:
     return out
 
 
+def _config_name(name: str) -> str:
+    """A configuration as --configs takes it: a preset's name without ``tagc-``."""
+    return name[len("tagc-"):] if name.startswith("tagc-") else name
+
+
 def _layout_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill the layout options left out and refuse the combinations that cannot run."""
     if args.hsdp:
@@ -665,14 +670,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="200mbit", help="tc rate per link (default 200mbit)")
     p.add_argument("--delay", default="0.1ms")
     p.add_argument("--fsdp", type=int, choices=(1, 2), default=None, help="default 1 (2 with --hsdp)")
-    p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS), type=_config_name,
+                   help="configurations: fsdp (plain) or a preset's name, with or without "
+                        "tagc- (balanced = tagc-balanced)")
     p.add_argument("--strategies", nargs="+", default=None, choices=[*STRATEGIES, "HSDP"],
                    help="default FULL_SHARD SHARD_GRAD_OP (FULL_SHARD HSDP with --hsdp)")
     p.add_argument("--repeats", type=int, default=None, help="round-robin passes (shaped link)")
     p.add_argument("--unshaped-repeats", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per trial")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--profile", nargs="*", default=[], choices=list(CONFIGS),
+    p.add_argument("--profile", nargs="*", default=[], choices=list(CONFIGS), type=_config_name,
                    help="configurations to profile (one extra untimed step under torch.profiler "
                         "in the last shaped repeat; table in the report)")
     p.add_argument("--config-dir", default=None,
