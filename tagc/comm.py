@@ -22,7 +22,7 @@ def exchanges_pairwise(group: Any, world: int, t: torch.Tensor) -> bool:
 
     Two CPU ranks on gloo only: there ``all_gather_into_tensor`` reached 68% of a
     200 Mbit/s link and 45-60% of the loopback's rate in
-    ``scripts/bench_collectives.py`` (docs/RESULTS.md), while an isend/irecv pair
+    ``scripts/bench/bench_collectives.py`` (docs/RESULTS.md), while an isend/irecv pair
     moves the same bytes at the link's rate.  From three ranks on, gloo's ring
     all-gather ran at the link's rate and the exchange with every peer below it, so
     the all-gather stays.  The same on every rank: it depends on the group only.
@@ -145,7 +145,7 @@ class Comm:
         exchange with every peer posted at once reached 85% of the 200 Mbit/s link at
         R = 4, the same exchange in ring steps (send to rank + i, receive from
         rank - i, both done before step i + 1) 98-100%
-        (``scripts/bench_collectives.py`` ``p2p`` and ``p2p_ring``; docs/RESULTS.md).
+        (``scripts/bench/bench_collectives.py`` ``p2p`` and ``p2p_ring``; docs/RESULTS.md).
         With two ranks there is one peer: nothing to step.
         """
         return not self.dev.cuda and self.world >= 3

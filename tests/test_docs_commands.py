@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Set, Tuple
+from typing import List, Tuple
 
 import pytest
 
@@ -26,27 +26,6 @@ SCRIPT = re.compile(r"(?<![\w/.-])(scripts/[\w./-]+?\.(?:py|sh))(?![\w/])")
 MACHINE_PATH = re.compile(r"(?<![\w.~])/(?:work|home|root)/")
 # a module started with `python -m` or `torchrun ... -m` (the package's own only)
 MODULE = re.compile(r"\b(?:python3?|torchrun)\b[^`\n]*?\s-m\s+(tagc[\w.]*)")
-
-# Paths that documents owned outside issue 38's scripts/ move still name, awaiting
-# their owners (the replacements are in the issue's report): tolerated there only,
-# and only these.  Empty this once README.md, docs/USAGE.md and docs/DESIGN.md name the
-# new paths.
-PENDING: Dict[str, Set[str]] = {
-    "README.md": {"scripts/bench_collectives.py", "scripts/cost_model.py",
-                  "scripts/teacher_student.py"},
-    "docs/USAGE.md": {"scripts/bench_codec.py", "scripts/bench_collectives.py",
-                      "scripts/bench_kernels_gpu.py", "scripts/bench_step.py",
-                      "scripts/bench_time_to_loss.py", "scripts/check_cuda.sh",
-                      "scripts/measure_bytes.py", "scripts/netem.sh",
-                      "scripts/quality_suite.py", "scripts/sanitize.sh",
-                      "scripts/sim_ablation.py"},
-    "docs/DESIGN.md": {"scripts/bench_codec.py", "scripts/bench_collectives.py",
-                       "scripts/bench_kernels_gpu.py", "scripts/bench_step.py",
-                       "scripts/bench_time_to_loss.py", "scripts/netem.sh",
-                       "scripts/sim_ablation.py", "scripts/sim_feedback.py",
-                       "scripts/teacher_student.py"},
-}
-
 
 def references() -> List[Tuple[str, int, str, str]]:
     """(document, line, kind, name) of every script path and package module the docs
@@ -70,19 +49,9 @@ def test_the_docs_name_commands() -> None:
 
 def test_every_script_the_docs_name_exists() -> None:
     missing = [(doc, line, name) for doc, line, kind, name in references()
-               if kind == "script" and not (ROOT / name).is_file()
-               and name not in PENDING.get(doc, set())]
+               if kind == "script" and not (ROOT / name).is_file()]
     assert not missing, "the docs name scripts that do not exist (document, line, path): " \
         f"{missing}"
-
-
-def test_pending_paths_are_still_pending() -> None:
-    """A tolerated old path that a document no longer names, or that exists again,
-    must leave :data:`PENDING`, so that the list only shrinks."""
-    named = {(doc, name) for doc, _, kind, name in references() if kind == "script"}
-    stale = [(doc, name) for doc, names in PENDING.items() for name in names
-             if (doc, name) not in named or (ROOT / name).is_file()]
-    assert not stale, f"remove from PENDING: {stale}"
 
 
 def _commands() -> List[List[str]]:

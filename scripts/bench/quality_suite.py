@@ -55,10 +55,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GOALS = {"tagc-balanced": 1.0, "tagc-lean": 2.0}
 FEEDBACK_MARGIN = 0.5
 # torchrun's arguments that start the Hugging Face trainer (tagc.train.hf, what
-# scripts/finetune_hf.py runs) from the installed package: the module has no __main__
-FINETUNE_HF = ("--no-python", sys.executable, "-c",
-               "import os; os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false'); "
-               "from tagc.train.hf import main; main()")
+# scripts/finetune_hf.py runs) from the installed package
+FINETUNE_HF = ("-m", "tagc.train.hf")
 # the interpreter's arguments that start the teacher-student task (every method of a seed)
 TEACHER_STUDENT = ("-m", "tagc.bench.teacher_student")
 

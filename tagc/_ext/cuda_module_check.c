@@ -1,5 +1,5 @@
 /*
- * cuda_module_check.c - built and run by scripts/check_cuda.sh with a plain
+ * cuda_module_check.c - built and run by scripts/tools/check_cuda.sh with a plain
  * C11 compiler, beside cuda/host_check.c: the binding's CUDA glue
  * (tagc_cuda_module.h) must compile as strict C, and without a usable GPU
  * must say so instead of crashing: no device available, and a call's setup

@@ -12,6 +12,8 @@ blocks (its ``_no_split_modules``); with it, TAGC's own layout.
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -141,3 +143,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     env = setup(cfg, "scripts/finetune_hf.py")
     data, tok = load_data(cfg, hf_tokenizer(cfg))
     return run(cfg, env, hf_spec(cfg, env, tok.vocab_size), data, tok)
+
+
+if __name__ == "__main__":  # python -m tagc.train.hf, as scripts/finetune_hf.py
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

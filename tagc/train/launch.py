@@ -7,7 +7,7 @@ value.  A worker exception is re-raised in the parent with the worker's
 traceback; a hang is killed after ``timeout`` seconds.
 Several cases share one spawn by looping inside ``fn``: spawning costs seconds
 (each child imports torch), collectives cost milliseconds.  Used by the tests
-(tests/dist_helpers.py) and scripts/measure_bytes.py.
+(tests/dist_helpers.py) and scripts/bench/measure_bytes.py.
 """
 from __future__ import annotations
 
