@@ -187,9 +187,10 @@ setup(
     packages=find_packages(include=["tagc", "tagc.*"]) + ["tagc.configs"],
     package_dir={"tagc.configs": "configs"},
     package_data={"tagc.configs": ["*.yaml"], "tagc.train": ["netem.sh"]},
-    # torch itself is not listed: `pip install torch==2.13.0` first (README);
-    # a bare "torch" requirement would make pip fetch a multi-GB CUDA build.
-    install_requires=["PyYAML", "tqdm", "numpy"],
+    # The torch floor (tagc/fsdp2.py TORCH_FLOOR; register() names what each missing
+    # FSDP2 method needs).  Install torch first (README: `pip install torch==2.13.0` on
+    # a CPU machine): without one installed, pip would fetch a multi-GB CUDA build.
+    install_requires=["torch>=2.10", "PyYAML", "tqdm", "numpy"],
     # transformers/accelerate: the Hugging Face tests and scripts/finetune_hf.py
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tensorboard",
                              "transformers", "accelerate"]},

@@ -26,6 +26,55 @@ try:
 except ImportError:  # pragma: no cover - older torch without custom comms
     _RSBase = object  # type: ignore[assignment,misc]
 
+# The oldest torch the package supports: every FSDPModule method below exists there and
+# FSDP2 skips the reduce-scatter with one rank (2.10; 2.9 would call the comm), read from
+# each release's sources (docs/USAGE.md "torch versions").  setup.py states it too.
+TORCH_FLOOR = "2.10"
+# FSDPModule methods the glue calls -> (the first torch that has them, what needs them)
+TORCH_NEEDS = {
+    "set_custom_reduce_scatter": ("2.9", "TAGC's FSDP2 gradient reduce-scatter"),
+    "set_force_sum_reduction_for_comms": ("2.8", "FSDP2's plain SUM, which TAGC averages"),
+    "set_gradient_divide_factor": ("2.8", "FSDP2's plain SUM, which TAGC averages"),
+    "set_all_reduce_hook": ("2.7", "TAGC's HSDP all-reduce between replicas"),
+    "set_custom_all_gather": ("2.9", "quantized parameter all-gathers (gather: int8/int4)"),
+}
+
+
+def check_torch(model: nn.Module, hsdp: bool, gather: bool) -> None:
+    """Refuse a torch that lacks an FSDP2 method the install would call, naming the
+    release that has it (instead of an AttributeError half way through the install).
+
+    Args:
+        model: an FSDP2 model.
+        hsdp: TAGC's HSDP route (the all-reduce hook instead of the reduce-scatter).
+        gather: quantized parameter all-gathers.
+    Raises:
+        RuntimeError: a method is missing.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    names = ["set_force_sum_reduction_for_comms", "set_gradient_divide_factor",
+             "set_all_reduce_hook" if hsdp else "set_custom_reduce_scatter"]
+    if gather:
+        names.append("set_custom_all_gather")
+    for name in names:
+        if not hasattr(FSDPModule, name):
+            version, what = TORCH_NEEDS[name]
+            raise RuntimeError(f"register: {what} needs torch >= {version} "
+                               f"(FSDPModule.{name}); this is torch {torch.__version__} "
+                               f"(TAGC supports torch >= {TORCH_FLOOR})")
+
+
+def param_groups(mod: nn.Module) -> List[Any]:
+    """The FSDP2 module's parameter groups: ``_fsdp_param_groups`` since torch 2.12 (per
+    parameter meshes), the single ``_fsdp_param_group`` (or None) before."""
+    state = mod._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
 
 class ReduceScatterComm(_RSBase):  # type: ignore[misc,valid-type]
     """FSDP2 custom reduce-scatter: one object per FSDPModule, i.e. per unit."""
@@ -55,7 +104,7 @@ def _param_groups(model: nn.Module) -> List[Tuple[str, nn.Module, Any]]:
     for name, m in model.named_modules():
         if not isinstance(m, FSDPModule):
             continue
-        groups = list(getattr(m._get_fsdp_state(), "_fsdp_param_groups", []))
+        groups = param_groups(m)
         if not groups:
             continue
         if len(groups) > 1:
@@ -108,13 +157,13 @@ def reducers(model: nn.Module, cfg: TAGCConfig, streams: CodecStreams
 def shard_mesh(mods: List[nn.Module]) -> Any:
     """The 1-D device mesh the FSDP2 units ``mods`` (:func:`reducers`' modules, whose
     parameter groups it has checked) are sharded over."""
-    return mods[0]._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh
+    return param_groups(mods[0])[0].mesh_info.mesh
 
 
 def unit_params(mod: nn.Module) -> List[Any]:
     """The ``FSDPParam``s of an FSDP2 unit :func:`reducers` accepted (one parameter
     group per module)."""
-    return list(mod._get_fsdp_state()._fsdp_param_groups[0].fsdp_params)
+    return list(param_groups(mod)[0].fsdp_params)
 
 
 def output_left_alone(params: List[Any], dtype: torch.dtype) -> bool:
@@ -155,13 +204,13 @@ def sum_reductions(mod: nn.Module, shards: int) -> None:
         mod: the FSDP2 unit.
         shards: the size of the group it is sharded over.
     """
-    if hasattr(mod, "set_force_sum_reduction_for_comms"):
-        mod.set_force_sum_reduction_for_comms(True)
+    # both exist from torch 2.8 (check_torch refuses older): skipping them would leave
+    # FSDP dividing what TAGC divides again
+    mod.set_force_sum_reduction_for_comms(True)
     if shards > 1:
-        if hasattr(mod, "set_gradient_divide_factor"):
-            mod.set_gradient_divide_factor(1.0)
+        mod.set_gradient_divide_factor(1.0)
         return
-    for pg in mod._get_fsdp_state()._fsdp_param_groups:
+    for pg in param_groups(mod):
         pg.gradient_divide_factor = None
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm
+from . import comm, fsdp2
 from .codec import _tagc
 from .config import TAGCConfig
 from .device import Exec
@@ -111,7 +111,8 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
 
     def __init__(self, name: str, cfg: TAGCConfig, segments: List[int], group: Any,
                  quantize: bool, stats: UnitStats, switch: GatherSwitch) -> None:
-        self.name, self.cfg, self.group = name, cfg, group
+        self.name, self.group = name, group  # MUTATION: blocks capped at 64 values
+        self.cfg = cfg = __import__("dataclasses").replace(cfg, gather_block=min(cfg.gather_block, 64))
         self.segments = torch.tensor(segments, dtype=torch.int64)
         self.shard_numel = sum(segments)
         self.quantize, self.stats, self.switch = quantize, stats, switch
@@ -212,8 +213,10 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, world: int) ->
     the output flat, world * numel, not stacked)."""
     if comm.exchanges_pairwise(group, world, inp):
         comm.pair_all_gather(out, inp, dist.get_rank(group), group)
-    else:
+    elif hasattr(dist, "all_gather_single"):  # torch >= 2.13; all_gather_into_tensor deprecated
         dist.all_gather_single(out.view(-1), inp, group=group)
+    else:
+        dist.all_gather_into_tensor(out.view(-1), inp, group=group)
 
 
 def install(cfg: TAGCConfig, mods: List[nn.Module], stats: List[UnitStats],
@@ -231,7 +234,7 @@ def install(cfg: TAGCConfig, mods: List[nn.Module], stats: List[UnitStats],
     """
     comms = []
     for m, st, name in zip(mods, stats, names):
-        pg = m._get_fsdp_state()._fsdp_param_groups[0]
+        pg = fsdp2.param_groups(m)[0]
         segs = [int(fp.padded_sharded_param_size.numel()) for fp in pg.fsdp_params]
         floating = all(fp.sharded_param.is_floating_point() for fp in pg.fsdp_params)
         gc = GatherComm(name, cfg, segs, pg.mesh_info.shard_process_group, floating, st,

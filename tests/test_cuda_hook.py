@@ -31,6 +31,7 @@ import torch.nn as nn
 _tagc = pytest.importorskip("_tagc")
 tagc = pytest.importorskip("tagc_hook")
 from cuda_helpers import DEV, needs_cuda
+from tagc import fsdp2
 
 pytestmark = [needs_cuda(_tagc), pytest.mark.cuda, pytest.mark.codec]
 
@@ -90,7 +91,7 @@ def installed_comms(model: nn.Module) -> List[tuple]:
     out = []
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            for pg in getattr(m._get_fsdp_state(), "_fsdp_param_groups", []):
+            for pg in fsdp2.param_groups(m):
                 out.append((pg._reduce_scatter_comm, pg.mesh_info.shard_process_group))
     return out
 

@@ -483,3 +483,45 @@ def test_round_trip_drops_derived_knobs_with_their_source():
     assert tagc.TAGCConfig(mode="exact", ef21=True).replace(seed=3).ef21 is True
     assert bal.to_dict()["theta"] is None and bal.resolved_dict()["theta"] == 0.0
     assert tagc.TAGCConfig.from_dict(bal.to_dict()) == bal
+
+
+# --------------------------------------------------------------------------- torch versions
+
+def test_register_names_the_torch_a_missing_fsdp2_method_needs(monkeypatch):
+    """On a torch without an FSDPModule method the install calls, register() says which
+    release has it (never an AttributeError half way through the install)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from tagc import fsdp2
+
+    fsdp2.check_torch(torch.nn.Linear(2, 2), hsdp=True, gather=True)  # this torch has all
+    for name, hsdp, gather in [("set_custom_all_gather", False, True),
+                               ("set_all_reduce_hook", True, False),
+                               ("set_custom_reduce_scatter", False, False),
+                               ("set_force_sum_reduction_for_comms", True, False)]:
+        with monkeypatch.context() as m:
+            m.delattr(FSDPModule, name)
+            version = fsdp2.TORCH_NEEDS[name][0]
+            with pytest.raises(RuntimeError, match=rf"needs torch >= {version} .*{name}"):
+                fsdp2.check_torch(torch.nn.Linear(2, 2), hsdp=hsdp, gather=gather)
+
+
+def test_param_groups_reads_torch_before_2_12():
+    """torch 2.10-2.11 hold one ``_fsdp_param_group`` (or None) where 2.12 has the list."""
+    from types import SimpleNamespace
+
+    from tagc import fsdp2
+
+    def module(**state):
+        return SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(**state))
+
+    assert fsdp2.param_groups(module(_fsdp_param_groups=("a", "b"))) == ["a", "b"]
+    assert fsdp2.param_groups(module(_fsdp_param_group="a")) == ["a"]
+    assert fsdp2.param_groups(module(_fsdp_param_group=None)) == []
+
+
+def test_setup_states_the_torch_floor():
+    from tagc import fsdp2
+
+    with open(os.path.join(ROOT, "setup.py")) as fh:
+        assert f'"torch>={fsdp2.TORCH_FLOOR}"' in fh.read()

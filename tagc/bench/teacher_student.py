@@ -172,15 +172,17 @@ def train(spec: str, task: Task, rank: int, world: int,
         ``{"variant", "train": [(step, loss)], "val": [(step, loss)], "stats"}``; the
         train loss is the mean over ranks.
     """
-    import tagc_hook as tagc
+    from tagc.config import TAGCConfig
+    from tagc.state import register
+    from tagc.wrapping import shard_model
 
     args = task.args
     fields = parse_variant(spec)
     task_fields = {"layers": "all", "min_numel": args.min_numel}
-    cfg = tagc.TAGCConfig.from_dict({**(fields or {"mode": "dense"}), **task_fields})
+    cfg = TAGCConfig.from_dict({**(fields or {"mode": "dense"}), **task_fields})
     torch.manual_seed(args.seed)
-    model = tagc.shard_model(mlp(args.d_in, args.width, args.depth, args.d_out), cfg)
-    state = tagc.register(model, cfg) if fields is not None else None
+    model = shard_model(mlp(args.d_in, args.width, args.depth, args.d_out), cfg)
+    state = register(model, cfg) if fields is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     curve: List[Tuple[int, float]] = []
     val: List[Tuple[int, float]] = []
