@@ -111,8 +111,7 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
 
     def __init__(self, name: str, cfg: TAGCConfig, segments: List[int], group: Any,
                  quantize: bool, stats: UnitStats, switch: GatherSwitch) -> None:
-        self.name, self.group = name, group  # MUTATION: blocks capped at 64 values
-        self.cfg = cfg = __import__("dataclasses").replace(cfg, gather_block=min(cfg.gather_block, 64))
+        self.name, self.cfg, self.group = name, cfg, group
         self.segments = torch.tensor(segments, dtype=torch.int64)
         self.shard_numel = sum(segments)
         self.quantize, self.stats, self.switch = quantize, stats, switch
