@@ -641,9 +641,8 @@ class TAGCConfig:
         Returns:
             the validated config.
         """
-        return self.from_dict({**self.to_dict(), **changes,
-                               **({} if "layers" in changes or not callable(self.layers)
-                                  else {"layers": self.layers})})
+        # layers itself, not to_dict()'s name of a callable policy
+        return self.from_dict({**self.to_dict(), "layers": self.layers, **changes})
 
     @classmethod
     def preset(cls, name: str, overrides: Optional[Dict[str, Any]] = None) -> "TAGCConfig":
