@@ -7,7 +7,11 @@ padded), quantizes each parameter's segment in blocks with its own pure-torch in
 dequantizes.  FSDP's gradients must then equal those of a model whose weights *are*
 those dequantized values; the sharded masters stay bit for bit; the forward gather
 equals the backward re-gather; every rank holds the same weights; the bytes counted
-equal the formula.
+equal the formula.  Gather blocks of 16 (several per segment) and of 256, tagc-full's,
+on a wider toy whose segments are not multiples of 256.  The backward computes with
+the weights the forward did, read from autograd's saved tensors of units that really
+gather twice; ``exact_gathers()`` reshards on entry and exit, seen on units that FSDP
+keeps unsharded between calls.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ pytestmark = [pytest.mark.codec, pytest.mark.dist]
 
 QMAX = {"int8": 127, "int4": 7}
 BLOCK = 16  # small blocks: several per segment, and a short last one
+PRESET_BLOCK = 256  # configs/tagc-full.yaml's gather_block
+WIDE = {"d": 24}  # a toy whose segments (N = 2, 3, 4) hold 1 to 4 blocks of 256 and
+                  # mostly a short last one: 456, 864, 1152 at N = 2; 312, 576 at N = 3
 
 
 # --------------------------------------------------------------------------- reference
@@ -101,15 +108,17 @@ def ref_message_bytes(full: Dict[str, torch.Tensor], names: List[str], world: in
 # --------------------------------------------------------------------------- harness
 
 def _cfg(**kw: Any) -> tagc.TAGCConfig:
-    base = dict(mode="dense", layers="all", min_numel=0, gather="int8", gather_block=BLOCK)
+    # every knob the cases rely on, explicit (TAGCConfig()'s defaults are a preset's)
+    base = dict(mode="dense", layers="all", min_numel=0, gather="int8", gather_block=BLOCK,
+                error_feedback=True, ef21=False)
     base.update(kw)
     return tagc.TAGCConfig(**base)
 
 
 def _build(cfg: Optional[tagc.TAGCConfig], init: Optional[Dict[str, torch.Tensor]] = None,
-           **shard_kw: Any) -> torch.nn.Module:
+           model_kw: Optional[Dict[str, Any]] = None, **shard_kw: Any) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = ToyGPT()
+    model = ToyGPT(**(model_kw or {}))
     if init is not None:
         model.load_state_dict(init)
     return tagc.shard_model(model, cfg or _cfg(gather="none"), **shard_kw)
@@ -156,13 +165,13 @@ class _Recording:
         return res
 
 
-def _plain_ref_grads(ref: Dict[str, torch.Tensor], world: int, steps: int = 1
-                     ) -> Dict[str, torch.Tensor]:
+def _plain_ref_grads(ref: Dict[str, torch.Tensor], world: int, steps: int = 1,
+                     model_kw: Optional[Dict[str, Any]] = None) -> Dict[str, torch.Tensor]:
     """Full gradients of an unsharded model holding ``ref``: each rank's batch in turn,
     summed in rank order, divided by N (what TAGC's dense mode does with the ranks'
     gradients)."""
     torch.manual_seed(0)
-    m = ToyGPT()
+    m = ToyGPT(**(model_kw or {}))
     m.load_state_dict(ref)
     acc: Dict[str, torch.Tensor] = {}
     for r in range(world):
@@ -198,11 +207,13 @@ def _my_rows(full_grad: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- cases
 
 def _case_grads(rank: int, n: int, reshard: Any = True, prefetch: bool = False,
-                fmt: str = "int8") -> Dict[str, Any]:
+                fmt: str = "int8", block: int = BLOCK,
+                model_kw: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Gradients == a plain model on the reference weights; masters untouched; forward
-    gather == backward re-gather; the same weights on every rank; bytes == formula."""
-    cfg = _cfg(gather=fmt)
-    model = _build(cfg, reshard_after_forward=reshard)
+    gather == backward re-gather; the same weights on every rank; bytes == formula
+    (gather blocks of ``block`` values, a ToyGPT of ``model_kw``)."""
+    cfg = _cfg(gather=fmt, gather_block=block)
+    model = _build(cfg, model_kw=model_kw, reshard_after_forward=reshard)
     full = _full(model)
     masters = _local(model)
     state = tagc.register(model, cfg)
@@ -215,8 +226,8 @@ def _case_grads(rank: int, n: int, reshard: Any = True, prefetch: bool = False,
     model(toy_batch(rank, 0)).backward()
     # masters bit for bit (no optimizer step)
     assert all(torch.equal(a, b) for a, b in zip(masters, _local(model)))
-    ref = ref_weights(full, n, fmt, BLOCK)
-    want = _plain_ref_grads(ref, n)
+    ref = ref_weights(full, n, fmt, block)
+    want = _plain_ref_grads(ref, n, model_kw=model_kw)
     got = _grads(model)
     assert set(got) == set(want)
     for name, g in got.items():
@@ -246,7 +257,7 @@ def _case_grads(rank: int, n: int, reshard: Any = True, prefetch: bool = False,
         outs = rec.calls[comm.name]
         for got, nm in zip(_padded_params(outs[0], full, names, n), names):
             assert torch.equal(got[:ref[nm].numel()], ref[nm].reshape(-1)), nm
-        msg = ref_message_bytes(full, names, n, fmt, BLOCK)
+        msg = ref_message_bytes(full, names, n, fmt, block)
         padded = sum(math.ceil(full[nm].shape[0] / n) * n * full[nm][0].numel() for nm in names)
         want_bytes = sum((n - 1) * msg if w == n else (w - 1) * padded * 4 // w for _, w in outs)
         st = state.stats()["units"][comm.name]
@@ -256,6 +267,19 @@ def _case_grads(rank: int, n: int, reshard: Any = True, prefetch: bool = False,
     tot = state.stats()["total"]
     assert tot["gather_calls"] == calls
     return {"calls": calls, "gather_wire_ratio": tot["gather_wire_ratio"]}
+
+
+def _case_preset_block(rank: int, n: int, fmt: str) -> Dict[str, Any]:
+    """:func:`_case_grads` with tagc-full's gather block (256) on the wide toy, whose
+    segments are not multiples of 256: blocks that cross rows of a parameter, a short
+    last block per segment, segments shorter than one block; int8 and int4."""
+    segs = [math.ceil(w.shape[0] / n) * w[0].numel()
+            for w in ToyGPT(**WIDE).state_dict().values()]
+    # the premise: a segment of several blocks with a short last one, and one below a block
+    assert any(s > PRESET_BLOCK and s % PRESET_BLOCK for s in segs), segs
+    assert any(s < PRESET_BLOCK for s in segs), segs
+    out = _case_grads(rank, n, fmt=fmt, block=PRESET_BLOCK, model_kw=WIDE)
+    return dict(out, segments=segs)
 
 
 def _case_modes(rank: int, n: int) -> List[str]:
@@ -373,6 +397,138 @@ def _case_exact_switch(rank: int, n: int) -> Dict[str, Any]:
     model(x).backward()
     assert state.stats()["total"]["gather_quantized_calls"] > before
     return {"exact": float(exact), "quant": float(quant)}
+
+
+def _sharded(model: torch.nn.Module) -> List[bool]:
+    """Per parameter: whether the module holds its sharded DTensor (FSDP2 registers the
+    unsharded plain tensor while a unit is gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    return [isinstance(p, DTensor) for p in model.parameters()]
+
+
+def _case_exact_switch_kept(rank: int, n: int) -> Dict[str, Any]:
+    """exact_gathers() reshards every unit on entry and on exit, seen where it matters:
+    with ``reshard_after_forward=False`` every unit stays unsharded after a forward,
+    holding the weights it gathered.  So: a quantized forward, then inside the block
+    the loss is plain FSDP's (not the quantized weights left by that forward); after
+    the block every parameter is sharded again, and the next forward gathers every
+    unit once more, quantized, giving the first forward's loss bit for bit (not the
+    exact weights left by the block)."""
+    cfg = _cfg()
+    model = _build(cfg, reshard_after_forward=False)
+    plain = _build(None, reshard_after_forward=False)
+    state = tagc.register(model, cfg)
+    units = [m for m, _ in unit_params(model)]
+    x = toy_batch(rank, 5)
+
+    def quantized() -> int:
+        return state.stats()["total"]["gather_quantized_calls"]
+
+    with torch.no_grad():
+        want = plain(x)
+        quant = model(x)
+        # the premise: every unit kept its gathered weights after the forward
+        assert not any(_sharded(model)), _sharded(model)
+        assert quantized() == len(units)
+        with state.exact_gathers():
+            exact = model(x)
+            assert not any(_sharded(model))  # the block's own forward kept them too
+        resharded = _sharded(model)
+        again = model(x)
+    assert torch.equal(exact, want), (float(exact), float(want), float(quant))
+    assert not torch.equal(quant, want)
+    assert torch.equal(again, quant), (float(again), float(quant), float(exact))
+    assert quantized() == 2 * len(units), (quantized(), len(units))
+    assert all(resharded), resharded
+    return {"exact": float(exact), "quant": float(quant), "units": len(units)}
+
+
+class _SavedWeights:
+    """What autograd computed with: each watched Linear's weight as saved by its
+    forward (at pack time) and as read by its backward (at unpack time, after FSDP
+    re-gathered it), through ``torch.autograd.graph.saved_tensors_hooks``."""
+
+    def __init__(self, mods: Dict[str, torch.nn.Module]) -> None:
+        self.mods = mods
+        self.forward: Dict[str, torch.Tensor] = {}
+        self.backward: Dict[str, torch.Tensor] = {}
+
+    def _owner(self, t: torch.Tensor) -> Optional[Tuple[str, Tuple[Any, ...]]]:
+        """The watched module whose gathered weight ``t`` views (the same storage), with
+        that weight's layout (size, stride, offset), or None."""
+        from torch.distributed.tensor import DTensor
+
+        ptr = t.untyped_storage().data_ptr()
+        for name, m in self.mods.items():
+            w = m.weight
+            if isinstance(w, DTensor):  # sharded now: not the one being computed with
+                continue
+            if ptr and w.untyped_storage().data_ptr() == ptr and t.numel() == w.numel():
+                return name, (w.shape, w.stride(), w.storage_offset())
+        return None
+
+    @staticmethod
+    def _copy(t: torch.Tensor, layout: Tuple[Any, ...]) -> torch.Tensor:
+        """The weight ``t`` views, flat in its own element order (a Linear saves
+        ``weight.t()``, and a square one's shape does not tell)."""
+        return t.detach().as_strided(*layout).reshape(-1).clone()
+
+    def pack(self, t: torch.Tensor) -> Tuple[Any, torch.Tensor]:
+        owner = self._owner(t)
+        if owner is not None:
+            name, layout = owner
+            assert name not in self.forward, name  # one saved weight per module
+            self.forward[name] = self._copy(t, layout)
+        return owner, t
+
+    def unpack(self, packed: Tuple[Any, torch.Tensor]) -> torch.Tensor:
+        owner, t = packed
+        if owner is not None:
+            name, layout = owner
+            self.backward[name] = self._copy(t, layout)
+        return t
+
+
+def _case_regather(rank: int, n: int) -> Dict[str, Any]:
+    """Units that really gather twice (``reshard_after_forward=True``; no unit here is
+    the root, which holds no parameter): each unit's comm is called exactly twice per
+    step, both quantized, the second after the forward freed the unsharded weights;
+    and every Linear's backward computed with the very weights its forward did
+    (autograd's saved tensors: the weight saved at the forward equals the one read at
+    the backward, bit for bit), which are the reference's dequantized weights, not
+    the masters."""
+    cfg = _cfg()
+    model = _build(cfg, reshard_after_forward=True)
+    full = _full(model)
+    state = tagc.register(model, cfg)
+    rec = Recorder(model, state)
+    root_params = list(model.parameters(recurse=False))
+    assert not root_params  # every parameter lives in a non-root unit
+    linears = {n_: m for n_, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    saved = _SavedWeights(linears)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        loss = model(toy_batch(rank, 0))
+    after_forward = {n_: len(c) for n_, c in rec.calls.items()}
+    assert all(_sharded(model)), "reshard_after_forward=True: every unit freed after forward"
+    loss.backward()
+    units = unit_params(model)
+    for mod, _ in units:
+        name = mod._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm.name
+        assert after_forward[name] == 1, (name, after_forward[name])
+        assert len(rec.calls[name]) == 2, (name, len(rec.calls[name]))
+        st = state.stats()["units"][name]
+        assert st["gather_quantized_calls"] == 2 and st["gather_exact_calls"] == 0, (name, st)
+    assert set(saved.forward) == set(saved.backward) == set(linears), \
+        (sorted(saved.forward), sorted(saved.backward), sorted(linears))
+    ref = ref_weights(full, n, "int8", BLOCK)
+    for name in linears:
+        fwd, bwd = saved.forward[name], saved.backward[name]
+        assert torch.equal(fwd, bwd), (name, float((fwd - bwd).abs().max()))
+        want = ref[f"{name}.weight"].reshape(-1)
+        assert torch.equal(bwd, want), name
+        assert not torch.equal(bwd, full[f"{name}.weight"].reshape(-1)), name
+    return {"linears": sorted(linears), "units": len(units)}
 
 
 def _case_checkpoint(rank: int, n: int) -> str:
@@ -494,6 +650,10 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
         ("bf16", _case_bf16),
         ("nonfinite", _case_nonfinite),
         ("exact_switch", _case_exact_switch),
+        ("exact_switch_kept", _case_exact_switch_kept),
+        ("regather", _case_regather),
+        ("preset_block_int8", lambda r, w: _case_preset_block(r, w, "int8")),
+        ("preset_block_int4", lambda r, w: _case_preset_block(r, w, "int4")),
         ("checkpoint", _case_checkpoint),
         ("bad_input", _case_bad_input),
         ("pair_exchange", _case_pair_exchange),
@@ -506,7 +666,8 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
 
 SPAWN = SharedSpawn(_suite, timeout=400)
 CASES = ["grads", "grads_int4", "no_reshard", "prefetch", "modes", "bf16", "nonfinite",
-         "exact_switch", "checkpoint", "bad_input", "pair_exchange"]
+         "exact_switch", "exact_switch_kept", "regather", "preset_block_int8",
+         "preset_block_int4", "checkpoint", "bad_input", "pair_exchange"]
 
 
 @pytest.mark.parametrize("case", CASES)
