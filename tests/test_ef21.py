@@ -1,19 +1,24 @@
 """What EF21 hands to FSDP, bit for bit, against an independent recursion.
 
 The other EF21 tests check the bookkeeping (each owner's estimate is the sum of the
-ranks' ``h``); these check the *output*: a :class:`tagc.reducer.UnitReducer` on 2
-gloo ranks reduces synthetic gradients for several steps, and every rank compares
-the shard it was handed (and its state) with a recursion written here from the
-algorithm's definition, on this file's own numpy block quantizer
-(``tests/test_quant.py``'s reference), for every rank at once:
+ranks' ``h``) or, beyond two ranks, sums to 1e-5; these check the *output*: a
+:class:`tagc.reducer.UnitReducer` on 2 gloo ranks (and on 3, where every message goes
+in ring steps, ``tagc.comm.Comm.stepped``) reduces synthetic gradients for several
+steps, and every rank compares the shard it was handed (and its state) with a
+recursion written here from the algorithm's definition, on this file's own numpy
+block quantizer (``tests/test_quant.py``'s reference), for every rank at once:
 
 * damping (``ef21_damping``, docs/DESIGN.md section 5):
   ``lam = clip(sum_i <g_i, h_i> / sum_i ||h_i||^2, 0, 1)``, ``h_i <- lam h_i``,
   ``est_j <- lam est_j``;
-* each rank codes the other owner's shard of ``v = g - h`` and keeps ``v - C(v)``;
+* each rank codes every other owner's shard of ``v = g - h`` and keeps ``v - C(v)``;
   its own shard goes exact;
-* ``h_i <- g_i - (v_i - C(v_i))``; the owner's ``est += sum of what arrived``;
+* ``h_i <- g_i - (v_i - C(v_i))``; the owner's ``est += sum of what arrived``, added
+  in rank order whatever order the messages travelled in;
   the output is ``est / (pre * post)``.
+
+The same for HSDP's two-phase all-reduce (:class:`TwoPhaseReference`), at R = 2 and
+at R = 3 (ring steps, a shard padded to R chunks).
 
 A regression that handed FSDP the sum of this call's messages instead of the
 estimate, skipped the damping on one side, or damped with another factor fails
@@ -42,18 +47,19 @@ pytest.importorskip("_tagc")
 N = 2
 S = 777  # an odd shard: the last quant block of each shard is partial
 STEPS = 7
+PAD = 5  # R = 3 two-phase: the hook's shard is R chunks of S less PAD (padded back)
 
 
-def grads(step: int) -> List[torch.Tensor]:
-    """Every rank's flat gradient (N shards of S) at ``step``: a drifting shared
+def grads(step: int, n: int = N) -> List[torch.Tensor]:
+    """Every rank's flat gradient (n shards of S) at ``step``: a drifting shared
     direction plus per-rank noise whose weight grows with the step, so the
     gradients go from persistent (damping near 1) to mostly noise."""
     gen = torch.Generator().manual_seed(1000 + step)
-    shared = torch.randn(N * S, generator=gen)
-    base = torch.randn(N * S, generator=torch.Generator().manual_seed(7))
+    shared = torch.randn(n * S, generator=gen)
+    base = torch.randn(n * S, generator=torch.Generator().manual_seed(7))
     out = []
-    for i in range(N):
-        noise = torch.randn(N * S, generator=torch.Generator().manual_seed(50 * step + i))
+    for i in range(n):
+        noise = torch.randn(n * S, generator=torch.Generator().manual_seed(50 * step + i))
         w = 0.15 * step
         g = base + 0.2 * shared + w * noise
         g[: 5 + step] *= 40.0  # a few outliers in the first block of shard 0
@@ -67,20 +73,20 @@ def _quantize(v: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
 
 
 class Reference:
-    """The EF21 recursion of every rank and owner, in plain torch."""
+    """The EF21 recursion of every rank and owner (``n`` of them), in plain torch."""
 
-    def __init__(self, cfg: tagc.TAGCConfig, divisor: float) -> None:
-        self.cfg, self.divisor = cfg, divisor
-        self.h = [torch.zeros(N * S) for _ in range(N)]
-        self.est = [torch.zeros(S) for _ in range(N)]
+    def __init__(self, cfg: tagc.TAGCConfig, divisor: float, n: int = N) -> None:
+        self.cfg, self.divisor, self.n = cfg, divisor, n
+        self.h = [torch.zeros(n * S) for _ in range(n)]
+        self.est = [torch.zeros(S) for _ in range(n)]
         self.started = False
 
     def damping(self, g: List[torch.Tensor]) -> float:
         """The pooled least-squares factor; 1 before any state exists."""
         if not (self.cfg.ef21_damping and self.started):
             return 1.0
-        gh = sum(float(torch.dot(g[i], -(-self.h[i]))) for i in range(N))
-        hh = sum(float(torch.dot(self.h[i], self.h[i])) for i in range(N))
+        gh = sum(float(torch.dot(g[i], -(-self.h[i]))) for i in range(self.n))
+        hh = sum(float(torch.dot(self.h[i], self.h[i])) for i in range(self.n))
         lam = gh / hh if hh > 0 else 1.0
         return min(max(lam, 0.0), 1.0)
 
@@ -91,12 +97,12 @@ class Reference:
             # stored negated in the product, and -(lam * x) == lam * -x exactly
             self.h = [h * lam for h in self.h]
             self.est = [e * lam for e in self.est]
-        fmt, block = self.cfg.quant_format, self.cfg.quant_block
-        v = [g[i] - self.h[i] for i in range(N)]
+        fmt, block, n = self.cfg.quant_format, self.cfg.quant_block, self.n
+        v = [g[i] - self.h[i] for i in range(n)]
         kept = [x.clone() for x in v]  # v - C(v); 0 on the own shard
         deq = {}
-        for i in range(N):
-            for j in range(N):
+        for i in range(n):
+            for j in range(n):
                 sl = slice(j * S, (j + 1) * S)
                 if i == j:
                     kept[i][sl] = 0.0
@@ -104,10 +110,10 @@ class Reference:
                     deq[i, j] = _quantize(v[i][sl], fmt, block)
                     kept[i][sl] = v[i][sl] - deq[i, j]
         outs = []
-        for j in range(N):
+        for j in range(n):
             sl = slice(j * S, (j + 1) * S)
             acc = torch.zeros(S)
-            for i in range(N):  # the owner adds in rank order, its own shard as g + (-h)
+            for i in range(n):  # the owner adds in rank order, its own shard as g + (-h)
                 if i == j:
                     acc = acc + g[j][sl]
                     acc = acc + (-self.h[j][sl])
@@ -115,14 +121,16 @@ class Reference:
                     acc = acc + deq[i, j]
             self.est[j] = self.est[j] + acc
             outs.append(self.est[j] / self.divisor)
-        self.h = [g[i] - kept[i] for i in range(N)]
+        self.h = [g[i] - kept[i] for i in range(n)]
         self.started = True
         return outs
 
     def settled(self, g: List[torch.Tensor]) -> List[torch.Tensor]:
-        """A plain call that settles the state: the exact sums, h = g."""
+        """A plain call that settles the state: the exact sums, h = g (two ranks: the
+        order of a plain reduce-scatter's sum over more is gloo's)."""
+        assert self.n == 2, "the settled sum is written for two ranks"
         total = g[0] + g[1]
-        self.est = [total[j * S:(j + 1) * S].clone() for j in range(N)]
+        self.est = [total[j * S:(j + 1) * S].clone() for j in range(self.n)]
         self.h = [x.clone() for x in g]
         self.started = True
         return [e / self.divisor for e in self.est]
@@ -137,25 +145,74 @@ def _settles(u: UnitReducer, call: Any) -> bool:
     return any(after[k] > before[k] for k in ("bypassed_calls", "guard_resets"))
 
 
+def _cfg(fields: Dict[str, Any]) -> tagc.TAGCConfig:
+    """Quant with EF21, every knob the recursion relies on named (TAGCConfig()'s
+    defaults are a preset's); ``fields`` may override them."""
+    base = dict(mode="quant", ef21=True, error_feedback=True, ef21_damping=True,
+                quant_block=256, bypass_every=0, guard_ratio=None, dense_steps=0,
+                warmup_steps=0)
+    base.update(fields)
+    return tagc.TAGCConfig(**base)
+
+
+class StepCount:
+    """Counts the calls of ``tagc.comm.Comm.stepped`` that answered True (messages in
+    ring steps) while in use, so a case can show which route it took."""
+
+    def __enter__(self) -> "StepCount":
+        from tagc.comm import Comm
+
+        self.seen: List[bool] = []
+        self._orig = Comm.stepped
+
+        def stepped(comm: Any) -> bool:
+            res = self._orig(comm)
+            self.seen.append(bool(res))
+            return res
+
+        Comm.stepped = stepped  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from tagc.comm import Comm
+
+        Comm.stepped = self._orig  # type: ignore[method-assign]
+
+    @property
+    def stepped(self) -> int:
+        return sum(self.seen)
+
+
+def _differ(step: int, path: str, pairs: List[Tuple[str, torch.Tensor, torch.Tensor]]
+            ) -> List[str]:
+    """What differs (not bit for bit) between the product's and the reference's tensors.
+    Collected, not asserted at once: every rank runs every step's collectives, so a
+    mismatch on some ranks only cannot desynchronise the spawn's next cases."""
+    return [f"step {step} ({path}) {what}: max |diff| {float((a - b).abs().max()):.3g}"
+            for what, a, b in pairs if not torch.equal(a, b)]
+
+
 def _run(rank: int, n: int, fields: Dict[str, Any]) -> Dict[str, Any]:
     torch.manual_seed(0)
-    cfg = tagc.TAGCConfig(mode="quant", ef21=True, **fields)
-    u = UnitReducer(cfg, UnitSpec("unit", 0, N * S, N * S, N * S, torch.device("cpu")),
+    cfg = _cfg(fields)
+    u = UnitReducer(cfg, UnitSpec("unit", 0, n * S, n * S, n * S, torch.device("cpu")),
                     dist.group.WORLD, rank, n, 1.0, float(n), CodecStreams())
-    ref = Reference(cfg, u.pre * u.post)
-    damps, paths = [], []
-    for step in range(STEPS):
-        g = grads(step)
-        out = torch.full((S,), float("nan"))
-        settled = _settles(u, lambda: u.reduce(g[rank].clone(), out))
-        paths.append("plain" if settled else "compressed")
-        want = (ref.settled if settled else ref.compressed)(g)[rank]
-        assert torch.equal(out, want), (step, paths[-1], float((out - want).abs().max()))
-        assert torch.equal(-u.residual, ref.h[rank]), step
-        assert torch.equal(u.estimate, ref.est[rank]), step
-        if not settled:
-            damps.append(u.damp)
-    return {"damps": damps, "paths": paths}
+    ref = Reference(cfg, u.pre * u.post, n)
+    damps, paths, bad = [], [], []
+    with StepCount() as steps:
+        for step in range(STEPS):
+            g = grads(step, n)
+            out = torch.full((S,), float("nan"))
+            settled = _settles(u, lambda: u.reduce(g[rank].clone(), out))
+            paths.append("plain" if settled else "compressed")
+            want = (ref.settled if settled else ref.compressed)(g)[rank]
+            bad += _differ(step, paths[-1], [("output", out, want),
+                                             ("h", -u.residual, ref.h[rank]),
+                                             ("estimate", u.estimate, ref.est[rank])])
+            if not settled:
+                damps.append(u.damp)
+    assert not bad, f"rank {rank}: {bad}"
+    return {"damps": damps, "paths": paths, "stepped": steps.stepped}
 
 
 @pytest.mark.parametrize("fmt", ["int4", "ternary"])
@@ -189,9 +246,9 @@ class TwoPhaseReference(Reference):
     ternary/sign, else the uplink's code) and everyone adds the decoded change (EF21
     on the way out); the hook's output is ``w``, the same on every replica."""
 
-    def __init__(self, cfg: tagc.TAGCConfig) -> None:
-        super().__init__(cfg, 1.0)
-        self.w = torch.zeros(N, S)
+    def __init__(self, cfg: tagc.TAGCConfig, n: int = N) -> None:
+        super().__init__(cfg, 1.0, n)
+        self.w = torch.zeros(n, S)
 
     def compressed(self, g: List[torch.Tensor]) -> List[torch.Tensor]:
         lam, started = self.damping(g), self.started
@@ -200,35 +257,45 @@ class TwoPhaseReference(Reference):
             self.w = self.w * lam
         fmt = owner_format_ref(self.cfg.quant_format, self.cfg.hsdp_out_format)
         block = self.cfg.quant_block
-        for j in range(N):
+        for j in range(self.n):  # every replica adds every owner's decoded change
             self.w[j] = self.w[j] + _quantize(est[j] - self.w[j], fmt, block)
-        return [self.w.reshape(-1).clone() for _ in range(N)]
+        return [self.w.reshape(-1).clone() for _ in range(self.n)]
 
     def settled(self, g: List[torch.Tensor]) -> List[torch.Tensor]:
         est = super().settled(g)
         self.w = torch.stack(est)
-        return [self.w.reshape(-1).clone() for _ in range(N)]
+        return [self.w.reshape(-1).clone() for _ in range(self.n)]
 
 
-def _run_two_phase(rank: int, n: int, fields: Dict[str, Any]) -> List[str]:
+def _run_two_phase(rank: int, n: int, fields: Dict[str, Any], pad: int = 0
+                   ) -> Dict[str, Any]:
+    """The two-phase reducer of ``n`` replicas against :class:`TwoPhaseReference`; the
+    hook's shard is ``n * S - pad`` values (padded to n chunks of S by the reducer,
+    with zeros by the reference)."""
     from tagc.hsdp import TwoPhaseReducer
 
-    cfg = tagc.TAGCConfig(mode="quant", ef21=True, **fields)
-    u = TwoPhaseReducer(cfg, UnitSpec("unit", 0, N * S, N * S, N * S, torch.device("cpu")),
-                        dist.group.WORLD, rank, n, CodecStreams(), N * S)
-    ref = TwoPhaseReference(cfg)
-    paths = []
-    for step in range(STEPS):
-        g = grads(step)
-        t = g[rank].clone()
-        settled = _settles(u, lambda: u.hook(t))
-        paths.append("plain" if settled else "compressed")
-        want = (ref.settled if settled else ref.compressed)(g)[rank]
-        assert torch.equal(t, want), (step, paths[-1], float((t - want).abs().max()))
-        assert torch.equal(-u.residual, ref.h[rank]), step
-        assert torch.equal(u.estimate, ref.est[rank]), step
-        assert torch.equal(u.estimate_out, ref.w.reshape(-1)), step
-    return paths
+    cfg = _cfg(fields)
+    length = n * S - pad
+    u = TwoPhaseReducer(cfg, UnitSpec("unit", 0, n * S, n * S, n * S, torch.device("cpu")),
+                        dist.group.WORLD, rank, n, CodecStreams(), length)
+    ref = TwoPhaseReference(cfg, n)
+    paths, bad = [], []
+    with StepCount() as steps:
+        for step in range(STEPS):
+            g = grads(step, n)
+            for x in g:
+                x[length:] = 0.0  # the padding the reducer adds
+            t = g[rank][:length].clone()
+            settled = _settles(u, lambda: u.hook(t))
+            paths.append("plain" if settled else "compressed")
+            want = (ref.settled if settled else ref.compressed)(g)[rank][:length]
+            bad += _differ(step, paths[-1], [("output", t, want),
+                                             ("h", -u.residual, ref.h[rank]),
+                                             ("estimate", u.estimate, ref.est[rank]),
+                                             ("estimate_out", u.estimate_out,
+                                              ref.w.reshape(-1))])
+    assert not bad, f"rank {rank}: {bad}"
+    return {"paths": paths, "stepped": steps.stepped}
 
 
 TWO_PHASE = {"int4": {"quant_format": "int4"},
@@ -242,7 +309,8 @@ def test_two_phase_hsdp_output_matches_independent_recursion(which: str) -> None
     """The two-phase HSDP all-reduce (2 replicas) hands FSDP the EF21-P output ``w``
     of the recursion above, bit for bit, with every state; under the bypass the
     settled calls make every estimate exact."""
-    paths = SPAWN.case(N, f"two_phase/{which}")
+    res = SPAWN.case(N, f"two_phase/{which}")
+    paths = [r["paths"] for r in res]
     assert paths[0] == paths[1]
     if "bypass_every" in TWO_PHASE[which]:
         assert "plain" in paths[0] and "compressed" in paths[0], paths[0]
@@ -286,8 +354,22 @@ def _device_vote(rank: int, n: int) -> Dict[str, Any]:
     return {"lam": lam}
 
 
+# beyond two ranks (every message in ring steps): the compressed paths (a settling call's
+# plain reduce-scatter sums in gloo's order, which the reference does not restate)
+RECURSION_3 = {f"{fmt}/{damping}": {"quant_format": fmt, "ef21_damping": damping}
+               for fmt in ("int4", "ternary") for damping in (True, False)}
+TWO_PHASE_3 = {k: TWO_PHASE[k] for k in ("int4", "ternary-undamped", "ternary-owners")}
+
+
 def _suite(rank: int, n: int) -> Dict[str, Tuple[str, Any]]:
-    cases: List[Tuple[str, Callable[..., Any]]] = [
+    cases: List[Tuple[str, Callable[..., Any]]] = []
+    if n == 3:
+        cases += [(f"recursion/{k}", lambda r, w, f=f: _run(r, w, f))
+                  for k, f in RECURSION_3.items()]
+        cases += [(f"two_phase/{k}", lambda r, w, f=f: _run_two_phase(r, w, f, PAD))
+                  for k, f in TWO_PHASE_3.items()]
+        return run_cases(rank, n, cases)
+    cases += [
         (f"recursion/{fmt}/{damping}",
          lambda r, w, f=fmt, d=damping: _run(r, w, {"quant_format": f, "ef21_damping": d}))
         for fmt in ("int4", "ternary") for damping in (True, False)]
@@ -299,7 +381,37 @@ def _suite(rank: int, n: int) -> Dict[str, Tuple[str, Any]]:
     return run_cases(rank, n, cases)
 
 
-SPAWN = SharedSpawn(_suite, timeout=300)  # every case above in one 2-rank spawn
+SPAWN = SharedSpawn(_suite, timeout=300)  # the cases above: one spawn per world size
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", list(RECURSION_3))
+def test_output_matches_independent_recursion_n3(which: str) -> None:
+    """Three ranks, bit for bit: the owner adds two peers' decoded messages and its own
+    exact shard in rank order, while the messages travelled in ring steps (each rank
+    took the stepped route at every call); every rank's ``h`` and estimate too."""
+    res = SPAWN.case(3, f"recursion/{which}")
+    assert res[0] == res[1] == res[2]  # the same factors and paths on every rank
+    assert res[0]["paths"] == ["compressed"] * STEPS
+    assert res[0]["stepped"] >= STEPS, res[0]  # ring steps: at least once per call
+    damps = res[0]["damps"]
+    if RECURSION_3[which]["ef21_damping"]:
+        assert damps[0] == 1.0 and all(0.0 <= d <= 1.0 for d in damps), damps
+        assert min(damps[1:]) < 1.0, damps  # the damping really scaled the state
+    else:
+        assert all(d is None for d in damps), damps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", list(TWO_PHASE_3))
+def test_two_phase_hsdp_output_matches_independent_recursion_r3(which: str) -> None:
+    """HSDP's two-phase all-reduce over R = 3 replicas, its to-the-owner phase in ring
+    steps (``Comm.stepped``) and a shard padded to 3 chunks: the hook's output ``w``,
+    every ``h``, estimate and held owner estimate equal the recursion's bit for bit."""
+    res = SPAWN.case(3, f"two_phase/{which}")
+    assert res[0] == res[1] == res[2]
+    assert res[0]["paths"] == ["compressed"] * STEPS
+    assert res[0]["stepped"] >= STEPS, res[0]
 
 
 def test_device_vote_agrees_with_host_vote() -> None:
