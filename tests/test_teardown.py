@@ -122,13 +122,16 @@ def test_install_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 _ONE_RANK = """
-import os, tempfile, torch, torch.distributed as dist
+import os, tempfile, time, torch, torch.distributed as dist
 from tagc import teardown
 assert teardown.gloo_workers() == {}
 assert teardown.drain()                        # nothing to wait for
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0,
                         world_size=1)
 t = torch.ones(8); dist.all_reduce(t)
+deadline = time.monotonic() + 10.0             # a worker names itself once it runs:
+while len(teardown.gloo_workers()) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)                           # one may not have yet (seen: 1 in ~20)
 w = teardown.gloo_workers()
 assert len(w) == 2, w                          # ProcessGroupGloo's two workers
 assert all(state in "RSD" and sw >= 0 for state, sw in w.values()), w
