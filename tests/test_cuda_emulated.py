@@ -17,11 +17,6 @@ from __future__ import annotations
 
 import ctypes as C
 import math
-import os
-import shutil
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -30,103 +25,25 @@ import torch
 
 _tagc = pytest.importorskip("_tagc", reason="the _tagc codec is not built (pip install -e .)")
 pytestmark = [pytest.mark.codec, pytest.mark.slow]
-from cuda_helpers import SPARSIFY_DTYPES, bitmap_of, kept, two_rank_sketch
+from cuda_helpers import (SPARSIFY_DTYPES, bitmap_of, gradient, kept, same_bits,
+                          two_rank_sketch)
+from tagc.bench import cuda_emu
+from tagc.bench.cuda_emu import DT, F32, P, ws
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-F32, BF16 = 0, 1
 ERR_RANGE, ERR_CAPACITY, ERR_NONFINITE, ERR_CORRUPT = 2, 3, 5, 6
-DT = {torch.float32: F32, torch.bfloat16: BF16}
-I64, SZ, VP, INT, U64 = C.c_int64, C.c_size_t, C.c_void_p, C.c_int, C.c_uint64
-
-SIGS = {
-    "tagc_cuda_select_kth_workspace_size": (SZ, [I64]),
-    "tagc_cuda_select_kth": (INT, [VP, VP, INT, I64, I64, VP, SZ, VP]),
-    "tagc_cuda_sparsify_workspace_size": (SZ, [I64]),
-    "tagc_cuda_sparsify": (INT, [VP, I64, VP, INT, I64, VP, I64, VP, INT, VP, INT, I64, I64,
-                                 VP, VP, SZ, VP]),
-    "tagc_cuda_lanes_pack": (INT, [VP, I64, VP, I64, INT, VP]),
-    "tagc_cuda_lanes_unpack": (INT, [VP, I64, VP, I64, I64, INT, VP]),
-    "tagc_cuda_bitmap_or": (INT, [VP, I64, VP, I64, I64, VP]),
-    "tagc_cuda_popcount": (INT, [VP, VP, I64, VP]),
-    "tagc_cuda_sketch_encode_workspace_size": (SZ, [I64, INT]),
-    "tagc_cuda_sketch_encode": (INT, [VP, INT, I64, VP, VP, INT, I64, I64, I64, U64, VP, VP,
-                                      SZ, VP]),
-    "tagc_cuda_peel_decode_workspace_size": (SZ, [I64, I64, INT]),
-    "tagc_cuda_peel_decode": (INT, [VP, I64, VP, I64, VP, VP, INT, VP, I64, I64, U64, INT,
-                                    INT, VP, SZ, VP]),
-    "tagc_cuda_sparse_pack": (INT, [VP, I64, VP, VP, INT, I64, VP]),
-    "tagc_cuda_sparse_unpack_workspace_size": (SZ, []),
-    "tagc_cuda_sparse_unpack": (INT, [VP, I64, VP, I64, I64, INT, VP, VP, SZ, VP]),
-    "tagc_cuda_quant_encode_workspace_size": (SZ, []),
-    "tagc_cuda_quant_encode": (INT, [VP, I64, VP, INT, VP, INT, I64, INT, I64, VP, SZ, VP]),
-    "tagc_cuda_quant_decode_add_workspace_size": (SZ, []),
-    "tagc_cuda_quant_decode_add": (INT, [VP, I64, VP, I64, INT, I64, VP, VP, SZ, VP]),
-    "tagc_cuda_pairs_pack_workspace_size": (SZ, []),
-    "tagc_cuda_pairs_pack": (INT, [VP, I64, VP, VP, INT, I64, I64, INT, VP, VP, SZ, VP]),
-    "tagc_cuda_pairs_unpack_add_workspace_size": (SZ, [I64, I64]),
-    "tagc_cuda_pairs_unpack_add": (INT, [VP, I64, VP, I64, I64, INT, INT, VP, VP, SZ, VP]),
-    "tagc_cuda_wq_encode_workspace_size": (SZ, [I64]),
-    "tagc_cuda_wq_encode": (INT, [VP, I64, VP, INT, I64, VP, I64, INT, I64, VP, VP, SZ, VP]),
-    "tagc_cuda_wq_decode_workspace_size": (SZ, [I64]),
-    "tagc_cuda_wq_decode": (INT, [VP, INT, I64, VP, I64, VP, I64, INT, I64, VP, VP, SZ, VP]),
-}
-QFORMAT = {"sign": 1, "ternary": 2, "int4": 4, "int8": 8}
+I64, VP, INT = C.c_int64, C.c_void_p, C.c_int
+QFORMAT = cuda_emu.QFORMAT
 
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
-    """The launchers compiled by g++ against the emulation."""
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        pytest.skip("no C++ compiler (g++) to build the emulated kernels")
-    out = tmp_path_factory.mktemp("cuda_emu")
-    os.symlink(os.path.join(ROOT, "csrc"), out / "csrc")
-    subprocess.run([sys.executable, os.path.join(ROOT, "cuda", "emu", "translate.py"),
-                    os.path.join(ROOT, "cuda"), str(out / "cuda")], check=True)
-    srcs = sorted(p for p in os.listdir(out / "cuda") if p.endswith(".cu"))
-
-    def compile_one(name: str) -> str:
-        obj = str(out / "cuda" / (name[:-3] + ".o"))
-        subprocess.run([cxx, "-std=c++17", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror",
-                        "-I", os.path.join(ROOT, "cuda", "emu"), "-I", os.path.join(ROOT, "cuda"),
-                        "-x", "c++", "-c", str(out / "cuda" / name), "-o", obj],
-                       check=True, capture_output=True, text=True)
-        return obj
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        try:
-            objs = list(pool.map(compile_one, srcs))
-        except subprocess.CalledProcessError as exc:
-            pytest.fail(f"emulated build failed:\n{exc.stderr[-4000:]}")
-    so = str(out / "libtagc_cuda_emu.so")
-    subprocess.run([cxx, "-shared", "-o", so, *objs, "-lpthread"], check=True)
-    dll = C.CDLL(so)
-    for name, (res, args) in SIGS.items():
-        fn = getattr(dll, name)
-        fn.restype, fn.argtypes = res, args
-    return dll
-
-
-def P(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()
-
-
-def ws(nbytes: int) -> torch.Tensor:
-    return torch.empty(max(int(nbytes), 1), dtype=torch.uint8)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(a.dtype)
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.view(view), b.view(view)) if view else torch.equal(a, b)
-
-
-def gradient(n: int, dtype: torch.dtype, ties: bool, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randint(-6, 7, (n,), generator=g).float() / 4 if ties
-         else torch.randn(n, generator=g))
-    return x.to(dtype)
+    """The launchers compiled by g++ against the emulation (tagc.bench.cuda_emu)."""
+    try:
+        return cuda_emu.load(cuda_emu.build(tmp_path_factory.mktemp("cuda_emu")))
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    except cuda_emu.BuildError as exc:
+        pytest.fail(str(exc))
 
 
 SIZES = [(1, 1), (9, 4), (300, 0), (300, 300), (4096, 40), (9000, 113)]

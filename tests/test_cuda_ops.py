@@ -14,16 +14,16 @@ this file's own code (both sides are then the C op), never CUDA.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, Optional
+from typing import ContextManager, Optional
 
 import pytest
 import torch
 
 _tagc = pytest.importorskip("_tagc")
-from cuda_helpers import (DEV, SPARSIFY_DTYPES, bitmap_of, kept, needs_cuda,
-                          two_rank_sketch)
+from tagc.bench.cuda_ops import side_stream as cuda_side_stream
+from cuda_helpers import (DEV, SPARSIFY_DTYPES, bitmap_of, gradient, kept, needs_cuda,
+                          same_bits, two_rank_sketch)
 
 TAGC_ERR_RANGE = 2
 TAGC_ERR_CORRUPT = 6
@@ -36,21 +36,11 @@ pytestmark = [needs_cuda(_tagc), pytest.mark.cuda, pytest.mark.codec]
 cuda_only = pytest.mark.skipif(DEV != "cuda", reason="CUDA-only semantics")
 
 
-@contextlib.contextmanager
-def side_stream() -> Iterator[int]:
-    """Yields the stream handle to pass as ``stream=``; on CUDA a fresh side
-    stream ordered after the current one, joined back and synchronized on
-    exit so the test can read the results."""
-    if DEV != "cuda":
-        yield 0
-        return
-    cur = torch.cuda.current_stream()
-    s = torch.cuda.Stream()
-    s.wait_stream(cur)
-    with torch.cuda.stream(s):
-        yield s.cuda_stream
-    cur.wait_stream(s)
-    torch.cuda.synchronize()
+def side_stream() -> ContextManager[int]:
+    """The stream handle to pass as ``stream=``; on CUDA a fresh side stream
+    ordered after the current one, joined back and synchronized on exit so the
+    test can read the results (tagc.bench.cuda_ops.side_stream)."""
+    return cuda_side_stream(DEV)
 
 
 def dev(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -59,26 +49,6 @@ def dev(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu")
-
-
-def gradient(n: int, dtype: torch.dtype, ties: bool, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if ties:  # few distinct magnitudes: the k-th one is shared by many positions
-        x = torch.randint(-6, 7, (n,), generator=g).float() / 4
-    else:
-        x = torch.randn(n, generator=g)
-    return x.to(dtype)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN == NaN, -0.0 != 0.0)."""
-    a, b = host(a).contiguous(), host(b).contiguous()
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(a.dtype)
-    if view is not None:
-        a, b = a.view(view), b.view(view)
-    return torch.equal(a, b)
 
 
 SIZES = [(1, 1), (7, 3), (100, 0), (100, 100), (1000, 13), (4097, 50), (300_001, 3751)]
