@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tagc import presets, teardown
-from tagc.bench.outputs import run_dir
+from tagc.bench.outputs import run_dir, shown
 from tagc.bench.shapes import ModelShape
 from tagc.train.runs import NETEM, free_port, netem
 
@@ -572,7 +572,8 @@ def _driver(args: argparse.Namespace) -> int:
     net = ["--prefix", prefix, "-n", str(args.nodes), "--rate", args.rate, "--delay", args.delay]
     t_wall = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    report: dict = {"args": {k: v for k, v in vars(args).items() if k != "shape_obj"},
+    report: dict = {"args": {k: shown(v) if k in ("out", "config_dir") else v
+                             for k, v in vars(args).items() if k != "shape_obj"},
                     "shape": asdict(args.shape_obj), "started_utc": time.strftime("%Y-%m-%d %H:%M:%S",
                                                                                   time.gmtime())}
     report["loadavg_start"], report["cpus"] = os.getloadavg(), os.cpu_count()

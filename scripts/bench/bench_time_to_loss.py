@@ -45,10 +45,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from tagc import presets as tagc_presets
-from tagc.bench.outputs import run_dir
+from tagc.bench.outputs import run_dir, shown
 from tagc.train.runs import NETEM, TRAIN_GPT2, code_id, free_port, netem, split_passthrough
 
 logger = logging.getLogger("bench_time_to_loss")
@@ -58,15 +58,15 @@ ROOT = Path(__file__).resolve().parents[2]
 Curve = List[Tuple[float, float]]  # (training seconds, validation loss)
 
 
-def train(net: List[str], name: str, out: Path, preset: Optional[Path],
+def train(net: List[str], name: str, out: Path, preset: Union[str, Path, None],
           extra: Sequence[str], timeout: float) -> Curve:
     """One training run across the emulated hosts; returns rank 0's validation curve."""
     run_folder = out / name
     if run_folder.exists():
         shutil.rmtree(run_folder)
     cmd = ["bash", str(NETEM), *net, "torchrun", "--port", str(free_port()), "--timeout",
-           str(int(timeout)), "--", *TRAIN_GPT2, str(tagc_presets.resolve("train-tiny")),
-           f"--out_dir={run_folder}", "--progress=false", "--threads=1",
+           str(int(timeout)), "--", *TRAIN_GPT2, "train-tiny.yaml",
+           f"--out_dir={shown(run_folder)}", "--progress=false", "--threads=1",
            "--save_checkpoint=false", "--tensorboard=false",
            *([f"--tagc={preset}"] if preset else []), *extra]
     logger.info("%s: %s", name, " ".join(cmd))
@@ -236,7 +236,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             path = tagc_presets.resolve(n)
         except ValueError as e:
             p.error(f"--presets: {e}")
-        presets[path.stem] = path.resolve()
+        # a shipped preset travels by name, another file by its path
+        shipped = path.resolve().parent == tagc_presets.config_dir().resolve()
+        presets[path.stem] = path.stem if shipped else path.resolve()
     started = time.time()
     out = Path(args.out) if args.out else run_dir(ROOT, "time-to-loss", started)
     out.mkdir(parents=True, exist_ok=True)
@@ -254,10 +256,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         res["link"] = netem(net, "measure", "20", timeout=600).strip().splitlines()[-1]
         res["baseline"] = {"curve": train(net, "baseline", out, None, steps, args.timeout)}
         base_t = res["baseline"]["curve"][-1][0]
-        for name, path in presets.items():
-            curve = train(net, name, out, path, steps, args.timeout)
+        for name, preset in presets.items():
+            curve = train(net, name, out, preset, steps, args.timeout)
             fit = int(args.max_iters * base_t / curve[-1][0])
-            eq = train(net, f"{name}-equal-time", out, path, [f"--max_iters={fit}", *extra],
+            eq = train(net, f"{name}-equal-time", out, preset, [f"--max_iters={fit}", *extra],
                        args.timeout)
             res["presets"][name] = {"curve": curve, "equal_time_steps": fit,
                                     "equal_time_curve": eq}

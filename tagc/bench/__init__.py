@@ -13,5 +13,10 @@ TAGC does not load it.  A script imports its code from here, never from another 
 * :mod:`tagc.bench.probes`: the tiny GPT-2 schedule and evaluation the one-process
   probes share (``scripts/research/sim_ablation.py``, ``sim_feedback.py``);
 * :mod:`tagc.bench.outputs`: where a benchmark writes the report of a run
-  (``docs/runs/<name>/``, committed with the figures it backs).
+  (``docs/runs/<name>/``, committed with the figures it backs);
+* :mod:`tagc.bench.gpu_check`: ``scripts/gpu_check.sh``, the check a session runs first on
+  a borrowed GPU, over :mod:`~tagc.bench.cuda_ops` (every CUDA op against its C twin),
+  :mod:`~tagc.bench.cuda_hook` (the hook's CUDA path on one rank),
+  :mod:`~tagc.bench.gpu_step` (a GPT-2 124M step with and without the codec) and
+  :mod:`~tagc.bench.cuda_emu` (the kernels under the CPU emulation, for ``--dry-run``).
 """

@@ -10,6 +10,7 @@ UTC time it started: ``docs/runs/<kind>-<YYYYmmdd-HHMMSS>`` of the checkout.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -29,3 +30,16 @@ def run_dir(root: Path, kind: str, started: float = None) -> Path:
     """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(started))
     return Path(root) / RUNS / f"{kind}-{stamp}"
+
+
+def shown(path: Path) -> str:
+    """How a report records a path: relative to the current folder when it lies inside
+    it (a committed report names no folder of the machine that ran it), else as given.
+
+    Args:
+        path: a file or folder.
+    Returns:
+        the path as text.
+    """
+    rel = os.path.relpath(Path(path).resolve())
+    return rel if not rel.startswith("..") else str(path)
