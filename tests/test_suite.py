@@ -180,7 +180,7 @@ def test_runs_launch_the_package_not_a_checkout_path(tmp_path: Path,
         qs.run_regression("regression", qs.TASKS["regression"], 0, ["plain"], args, code)
     gpt2, llama, regression = (" ".join(c) for c in seen)
     assert "-m tagc.train " in gpt2 and str(presets.resolve("train-tiny")) in gpt2
-    assert "from tagc.train.hf import main" in llama
+    assert "-m tagc.train.hf " in llama
     assert "-m tagc.bench.teacher_student" in regression
     assert all("scripts" not in part for c in seen for part in c)
 
