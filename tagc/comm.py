@@ -7,7 +7,7 @@ all of it).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,15 @@ def pair_all_gather(out: torch.Tensor, inp: torch.Tensor, rank: int, group: Any)
              dist.isend(mine, group=group, group_dst=1 - rank)]
     for w in works:
         w.wait()
+
+
+def flat_all_gather() -> Tuple[str, Callable[..., Any]]:
+    """The backend's all-gather into one flat tensor, with its name (what the stats
+    count): ``all_gather_single`` from torch 2.13, ``all_gather_into_tensor`` (since
+    deprecated) before."""
+    if hasattr(dist, "all_gather_single"):
+        return "all_gather_single", dist.all_gather_single
+    return "all_gather_into_tensor", dist.all_gather_into_tensor  # pragma: no cover
 
 
 class Comm:
@@ -102,13 +111,9 @@ class Comm:
             pair_all_gather(out, inp, self.rank, self.group)
             return
         # gloo wants the output flat (world * numel), not stacked
-        if hasattr(dist, "all_gather_single"):  # all_gather_into_tensor is deprecated
-            self.stats.record("all_gather_single", nb, (self.world - 1) * nb)
-            self.dev.issue(False, dist.all_gather_single, out.view(-1), inp, group=self.group)
-        else:  # pragma: no cover - older torch
-            self.stats.record("all_gather_into_tensor", nb, (self.world - 1) * nb)
-            self.dev.issue(False, dist.all_gather_into_tensor, out.view(-1), inp,
-                           group=self.group)
+        name, gather = flat_all_gather()
+        self.stats.record(name, nb, (self.world - 1) * nb)
+        self.dev.issue(False, gather, out.view(-1), inp, group=self.group)
 
     def reduce(self, t: torch.Tensor, dst_group_rank: int, async_op: bool = False) -> Any:
         """SUM reduce of ``t`` to group rank ``dst_group_rank``."""

@@ -40,12 +40,11 @@ TORCH_NEEDS = {
 }
 
 
-def check_torch(model: nn.Module, hsdp: bool, gather: bool) -> None:
+def check_torch(hsdp: bool, gather: bool) -> None:
     """Refuse a torch that lacks an FSDP2 method the install would call, naming the
     release that has it (instead of an AttributeError half way through the install).
 
     Args:
-        model: an FSDP2 model.
         hsdp: TAGC's HSDP route (the all-reduce hook instead of the reduce-scatter).
         gather: quantized parameter all-gathers.
     Raises:

@@ -212,10 +212,8 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, world: int) ->
     the output flat, world * numel, not stacked)."""
     if comm.exchanges_pairwise(group, world, inp):
         comm.pair_all_gather(out, inp, dist.get_rank(group), group)
-    elif hasattr(dist, "all_gather_single"):  # torch >= 2.13; all_gather_into_tensor deprecated
-        dist.all_gather_single(out.view(-1), inp, group=group)
     else:
-        dist.all_gather_into_tensor(out.view(-1), inp, group=group)
+        comm.flat_all_gather()[1](out.view(-1), inp, group=group)
 
 
 def install(cfg: TAGCConfig, mods: List[nn.Module], stats: List[UnitStats],

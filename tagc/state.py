@@ -348,7 +348,7 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
                             "fsdp1_auto_wrap_policy(model, cfg)) or tagc.shard_model(model, "
                             f"cfg) first){hint}")
     if kind == "fsdp2":
-        fsdp2.check_torch(model, hsdp=mesh is not None, gather=cfg.gather != "none")
+        fsdp2.check_torch(hsdp=mesh is not None, gather=cfg.gather != "none")
     streams = CodecStreams()
     units, mods, group = glue.reducers(model, cfg, streams)
     if kind == "fsdp2":

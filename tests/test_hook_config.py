@@ -494,7 +494,7 @@ def test_register_names_the_torch_a_missing_fsdp2_method_needs(monkeypatch):
 
     from tagc import fsdp2
 
-    fsdp2.check_torch(torch.nn.Linear(2, 2), hsdp=True, gather=True)  # this torch has all
+    fsdp2.check_torch(hsdp=True, gather=True)  # this torch has all
     for name, hsdp, gather in [("set_custom_all_gather", False, True),
                                ("set_all_reduce_hook", True, False),
                                ("set_custom_reduce_scatter", False, False),
@@ -503,7 +503,7 @@ def test_register_names_the_torch_a_missing_fsdp2_method_needs(monkeypatch):
             m.delattr(FSDPModule, name)
             version = fsdp2.TORCH_NEEDS[name][0]
             with pytest.raises(RuntimeError, match=rf"needs torch >= {version} .*{name}"):
-                fsdp2.check_torch(torch.nn.Linear(2, 2), hsdp=hsdp, gather=gather)
+                fsdp2.check_torch(hsdp=hsdp, gather=gather)
 
 
 def test_param_groups_reads_torch_before_2_12():
