@@ -12,6 +12,8 @@ Usage:
     python3 scripts/bench/cost_model.py --params 124e6 --nodes 1,2,4,8 --ranks-per-node 8 \\
         --inter-gbit 25 --intra-gbit 400 --tflops 312 --mfu 0.4
     python3 scripts/bench/cost_model.py --check docs/cost_model_runs.json
+    python3 scripts/bench/cost_model.py --cluster --gpus-per-node 8 --gpu-mem-gb 80 \\
+        --nic-gbit 100,25 --models 124m,7b --explain     # your cluster: docs/CLUSTER.md
     python3 scripts/bench/cost_model.py --plot docs/cost-model.png --tflops 312
 """
 from __future__ import annotations
@@ -172,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--codec-speedup", type=float, default=1.0,
                    help="factor on the measured CPU codec throughputs (e.g. a GPU's)")
     a = p.add_argument_group("actions")
+    a.add_argument("--cluster", action="store_true",
+                   help="what TAGC would give on your cluster: models x nodes x FULL_SHARD/HSDP "
+                        "x plain bf16/presets, memory per GPU included; its own options follow "
+                        "it (--cluster --help; docs/CLUSTER.md)")
     a.add_argument("--check", metavar="FILE", help="compare with measured runs (JSON)")
     a.add_argument("--plot", metavar="PNG", help="bytes/rank and step time vs R for GPT-2 "
                    "124M and a 7B model")
@@ -190,6 +196,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         the exit code.
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if "--cluster" in argv:  # its own command line (tagc.bench.cost.cluster)
+        from tagc.bench.cost import cluster  # noqa: PLC0415 - only --cluster needs it
+
+        print(cluster.run([x for x in argv if x != "--cluster"]))
+        return 0
     p = build_parser()
     args = p.parse_args(argv)
     try:
