@@ -26,6 +26,7 @@ buffers between ranks and keeps per-unit state:
 * ``tagc/overlap.py``     custom HSDP on the CPU: that all-reduce beside the backward
 * ``tagc/reducer.py``     UnitReducer: what FSDP holds per unit; one reduction
 * ``tagc/bypass.py``      the timing-based bypass (``bypass_every``): compress or not
+* ``tagc/memory.py``      what the feedback state keeps per rank: its layout and bytes
 * ``tagc/transports.py``  the transports, one signature, a table by mode
 * ``tagc/codec.py``       the handle on the C module ``_tagc`` (its only importer)
 * ``tagc/gather.py``      quantized parameter all-gathers (FSDP2, ``gather``)
@@ -47,7 +48,9 @@ Decisions documented here (they are visible in behaviour):
 * Error feedback residuals live in "sum space": the residual of rank ``i`` is
   what rank ``i`` did not send of its own un-averaged gradient, so
   ``divisor * sum(outputs over owners) + sum(residuals over ranks)`` equals
-  the sum of the raw gradients over ranks and steps.
+  the sum of the raw gradients over ranks and steps (exactly so with an fp32
+  residual; a residual kept as codes, ``residual_code``, drops what its
+  coding rounds away).
 * Non-finite gradients: before compressing, ranks agree (one small
   all-reduce per compressed call: 4 bytes, 32 with EF21's damping or the
   guard, which share it) whether any rank's unit gradient holds NaN/Inf.  If

@@ -33,6 +33,8 @@ QUANT_BITS = {"sign": 1.0, "ternary": 1.6, "int4": 4.0, "int8": 8.0}
 # Parameter all-gather formats (FSDP2): "none" leaves FSDP's own all-gather alone.
 GATHER_FORMATS = ("none", "int8", "int4")
 HSDP_ALLREDUCE_FORMS = ("auto", "two_phase", "gather")
+# How a residual may be kept between calls as block codes (TAGCConfig.residual_code).
+RESIDUAL_CODES = ("int8", "int4")
 # The paper's compression presets: ratio -> sparsity (Table/Section 4 of the paper).
 PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
 # The feedback guard's threshold when guard_ratio is left at None and EF21 is on
@@ -146,6 +148,21 @@ class TAGCConfig:
         seed: base of the sketch hash seeds, ``_tagc.seed_derive(seed, unit, step)``.
         residual_dtype: residual storage, ``torch.float32`` (default) or
             ``torch.bfloat16`` (halves the memory, rounds the feedback).
+        residual_code: ``None`` (default): the residual is kept as
+            ``residual_dtype`` values.  ``"int8"`` / ``"int4"``: kept between
+            calls as block codes of ``quant_block`` entries (round to nearest,
+            one fp32 scale per block; LoCo keeps an 8-bit error buffer, arXiv
+            2407.04480), decoded into an fp32 working copy for the length of a
+            call and coded again after it; what that coding rounds away is
+            dropped, not fed back (a fraction of a residual that is itself a
+            fraction of the gradient).  Memory per rank and entry of a unit:
+            ``quant_bytes(n)/n`` bytes (int8 1.016, int4 0.516 at block 256)
+            instead of 4, plus the working copy during a call (transient,
+            one unit).  Residual feedback only (EF21's ``h`` must match the
+            owner's sum exactly: ``ef21`` then defaults to off), ``residual_dtype``
+            float32; like ``residual_dtype`` it has no effect where no residual is
+            kept (``error_feedback`` off, ``dense``).  Memory of every state:
+            ``tagc.memory``.
         sketch_factor: exact mode: buckets per possible union entry,
             ``m = ceil(sketch_factor * min(S, N*k))``; 3-hash peeling needs
             about 1.23.  Values below that force peeling failures (used by
@@ -343,6 +360,7 @@ class TAGCConfig:
     error_feedback: bool = True
     seed: int = 0
     residual_dtype: Any = torch.float32
+    residual_code: Optional[str] = None
     sketch_factor: float = 1.3
     dense_steps: int = 0
     warmup_steps: int = 0
@@ -389,15 +407,17 @@ class TAGCConfig:
             raise ValueError(f"quant_format: must be one of {QUANT_FORMATS}, "
                              f"got {self.quant_format!r}")
         _check_int("quant_block", self.quant_block, 1, 65536)
+        self._check_residual_code()
         if self.ef21 is None:
             self.ef21 = self.mode == "quant" and self.error_feedback is True and \
-                self.residual_dtype == torch.float32
+                self.residual_dtype == torch.float32 and self.residual_code is None
         _check_bool("ef21", self.ef21)
         if self.ef21 and (self.mode == "dense" or not self.error_feedback
-                          or self.residual_dtype != torch.float32):
-            raise ValueError("ef21: needs a compressing mode, error_feedback=True and "
-                             "residual_dtype float32 (the ranks' estimates must add up to "
-                             "the owner's exactly)")
+                          or self.residual_dtype != torch.float32
+                          or self.residual_code is not None):
+            raise ValueError("ef21: needs a compressing mode, error_feedback=True, "
+                             "residual_dtype float32 and no residual_code (the ranks' "
+                             "estimates must add up to the owner's exactly)")
         if self.ef21_damping is None:
             self.ef21_damping = self.ef21
         _check_bool("ef21_damping", self.ef21_damping)
@@ -420,6 +440,17 @@ class TAGCConfig:
             raise ValueError(f"hsdp_out_format: must be 'auto' or one of {QUANT_FORMATS}, "
                              f"got {self.hsdp_out_format!r}")
         self._check_guard()
+
+    def _check_residual_code(self) -> None:
+        c = self.residual_code
+        if c is None:
+            return
+        if c not in RESIDUAL_CODES:
+            raise ValueError(f"residual_code: must be None or one of {RESIDUAL_CODES}, "
+                             f"got {c!r}")
+        if self.residual_dtype != torch.float32:
+            raise ValueError("residual_code: the residual's working copy is float32; leave "
+                             "residual_dtype at float32")
 
     def _check_guard(self) -> None:
         g = self.guard_ratio

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import fsdp2, transports
+from . import fsdp2, memory, transports
 from .codec import _tagc
 from .comm import Comm
 from .config import TAGCConfig
@@ -253,9 +253,15 @@ class TwoPhaseReducer(ReplicaReducer):
     def feedback_buffers(self) -> List[Any]:
         out = super().feedback_buffers()
         if self.out_state == "residual_out":
-            out.append(("residual_out", self.chunk, self.cfg.residual_dtype))
+            out.append(memory.residual_buffer(self.cfg, "residual_out", self.chunk))
         elif self.out_state == "estimate_out":
             out.append(("estimate_out", self.flat_numel, torch.float32))
+        return out
+
+    def coded_residuals(self) -> Dict[str, int]:
+        out = super().coded_residuals()
+        if out and self.out_state == "residual_out":
+            out["residual_out"] = self.chunk
         return out
 
     def _all_reduce(self, t: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import codec, transports
+from . import codec, memory, transports
 from .bypass import Bypass
 from .comm import Comm
 from .config import TAGCConfig
@@ -96,14 +96,74 @@ class UnitReducer:
         return self.compressed and self.cfg.feeds_back
 
     def feedback_buffers(self) -> List[Tuple[str, int, torch.dtype]]:
-        """(attribute, length, dtype) of each feedback state: the residual, and
-        with ``ef21`` the owner's estimate of its shard."""
+        """(attribute, length, dtype) of each feedback state as kept between calls
+        (:func:`tagc.memory.unit_buffers`): the residual (its codes with
+        ``residual_code``), and with ``ef21`` the owner's estimate of its shard."""
         if not self.keeps_feedback:
             return []
-        out = [("residual", self.flat_numel, self.cfg.residual_dtype)]
-        if self.cfg.ef21:
-            out.append(("estimate", self.estimate_numel, torch.float32))
-        return out
+        return memory.unit_buffers(self.cfg, self.flat_numel, self.estimate_numel)
+
+    def coded_residuals(self) -> Dict[str, int]:
+        """The residuals kept as codes (``residual_code``): attribute -> entries of
+        its fp32 working copy."""
+        if not self.keeps_feedback or self.cfg.residual_code is None:
+            return {}
+        return {"residual": self.flat_numel}
+
+    def _open_codes(self, dev: Exec) -> Dict[str, Optional[torch.Tensor]]:
+        """Decode every coded residual into its fp32 working copy, which the call
+        uses in its place (the attribute holds it until :meth:`_close_codes`).
+
+        Returns:
+            the codes as held before the call, by attribute.
+        """
+        held: Dict[str, Optional[torch.Tensor]] = {}
+        fmt, block = self.cfg.residual_code, self.cfg.quant_block
+        for name, length in self.coded_residuals().items():
+            codes = held[name] = getattr(self, name)
+            if codes is not None:
+                work = dev.empty(f"{name}_work", (length,), torch.float32, codes.device)
+                work.zero_()
+                codec._tagc.quant_decode_add(work, codes, fmt, block, **dev.kw)
+                setattr(self, name, work)
+        return held
+
+    def _close_codes(self, dev: Exec, held: Dict[str, Optional[torch.Tensor]],
+                     changed: bool) -> None:
+        """Code every working copy back (round to nearest: what that drops is not
+        fed back), or, when the call left the state alone (``changed`` False: a
+        plain call, an exception), put the old codes back untouched, so a state
+        is never rounded twice for nothing.  On CUDA a poisoned call keeps the
+        old codes."""
+        fmt, block = self.cfg.residual_code, self.cfg.quant_block
+        for name, codes in held.items():
+            work = getattr(self, name)
+            if work is None or work is codes or not changed:
+                setattr(self, name, codes)
+                continue
+            if codes is None:
+                codes = torch.zeros(memory.coded_bytes(work.numel(), fmt, block),
+                                    dtype=torch.uint8, device=work.device)
+            new = codes if dev.ok is None else torch.empty_like(codes)
+            codec._tagc.quant_encode(new, None, work, fmt, block, **dev.kw)
+            if new is not codes:
+                codes.copy_(dev.keep(new, codes))
+            setattr(self, name, codes)
+
+    def scale_feedback(self, factor: float) -> None:
+        """Multiply every feedback state by ``factor`` (``TAGCState.scale_residuals``);
+        a coded residual is decoded, scaled and coded again."""
+        for name, _, _ in self.feedback_buffers():
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if name not in self.coded_residuals():
+                t.mul_(factor)
+                continue
+            dev = Exec(t)
+            held = self._open_codes(dev)
+            getattr(self, name).mul_(factor)
+            self._close_codes(dev, {name: held[name]}, True)
 
     @property
     def estimate_numel(self) -> int:
@@ -150,8 +210,15 @@ class UnitReducer:
         self.stats.add("default_wire_bytes", self.default_wire_bytes(inp))
         self.last_path = "plain"
         step = self.step
-        self._route(comm, dev, inp, out)
-        self.after(comm, dev, out, step)
+        held = self._open_codes(dev) if self.coded_residuals() else None
+        done = False
+        try:
+            self._route(comm, dev, inp, out)
+            self.after(comm, dev, out, step)
+            done = True
+        finally:
+            if held is not None:
+                self._close_codes(dev, held, done and self.last_path != "plain")
 
     def after(self, comm: Comm, dev: Exec, out: torch.Tensor, step: int) -> None:
         """What follows the to-the-owner phase once its path is known

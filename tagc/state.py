@@ -10,7 +10,7 @@ from typing import Any, ContextManager, Dict, List, Optional
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint, codec, fsdp1, fsdp2, gather, hsdp, overlap, stats, teardown
+from . import checkpoint, codec, fsdp1, fsdp2, gather, hsdp, memory, overlap, stats, teardown
 from .config import TAGCConfig
 from .device import CodecStreams
 from .reducer import UnitReducer
@@ -106,16 +106,40 @@ class TAGCState:
             accumulated on the device and read here (the only host syncs); a
             non-finite call counts in ``nonfinite_fallbacks`` only, and exact
             mode's ``unpeeled`` entries are estimated, not recovered
-            (``recovered`` stays 0).
+            (``recovered`` stays 0).  ``memory``: :meth:`memory`.
         """
         self._join()
         units = {u.name: u.stats_dict() for u in self.units}
         out = {"units": units,
                "total": stats.total(list(units.values())),
-               "compressed_total": stats.total([s for s in units.values() if s["compressed"]])}
+               "compressed_total": stats.total([s for s in units.values() if s["compressed"]]),
+               "memory": self.memory()}
         if global_totals:
             out.update(self._global(out["total"], out["compressed_total"]))
         return out
+
+    def memory(self) -> Dict[str, Any]:
+        """What TAGC's feedback state holds on this rank, across steps.
+
+        Returns:
+            ``feedback_bytes`` (the buffers allocated now), ``feedback_bytes_steady``
+            (once every compressed unit has made a compressed call:
+            :func:`tagc.memory.unit_buffers` of each), ``params`` (the units'
+            parameters, every parameter FSDP manages) and
+            ``feedback_bytes_per_param`` (steady / params; the preset's memory
+            cost per parameter of the model, docs/USAGE.md).
+        """
+        held = steady = params = 0
+        for u in self.units:
+            params += u.numel
+            bufs = u.feedback_buffers()
+            steady += memory.buffer_bytes(bufs)
+            for name, _, _ in bufs:
+                t = getattr(u, name)
+                if t is not None:
+                    held += t.numel() * t.element_size()
+        return {"feedback_bytes": held, "feedback_bytes_steady": steady, "params": params,
+                "feedback_bytes_per_param": steady / params if params else 0.0}
 
     def _global(self, tot: Dict[str, Any], comp: Dict[str, Any]) -> Dict[str, Any]:
         """The counters of both totals summed over the ranks (one all-reduce)."""
@@ -169,11 +193,10 @@ class TAGCState:
         if not math.isfinite(factor) or factor <= 0:
             raise ValueError(f"scale_residuals: factor must be finite and > 0, got {factor!r}")
         self._join()
+        if factor == 1.0:
+            return
         for u in self.units:
-            for name, _, _ in u.feedback_buffers():
-                t = getattr(u, name)
-                if t is not None and factor != 1.0:
-                    t.mul_(factor)
+            u.scale_feedback(factor)
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's TAGC state: feedback state per unit, step counters, seeds, config.

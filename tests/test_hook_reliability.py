@@ -168,7 +168,9 @@ def _misuse(rank: int, n: int) -> List[str]:
 
 # "sparse-warmup": saved at step 3, in the middle of its warm-up ramp (1 dense
 # step, sparsity 0.5 -> 0.9 over steps 1..4), so the schedule must resume too.
-RESUME_MODES = ("exact", "sparse", "auto", "sparse-warmup", "quant", "quant-ef21")
+# "quant-rcode": the residual kept as int4 codes (residual_code), restored byte for byte.
+RESUME_MODES = ("exact", "sparse", "auto", "sparse-warmup", "quant", "quant-ef21",
+                "quant-rcode")
 
 
 def _resume_cfg(mode: str, other: bool = False) -> tagc.TAGCConfig:
@@ -178,7 +180,8 @@ def _resume_cfg(mode: str, other: bool = False) -> tagc.TAGCConfig:
         return _cfg("sparse", theta=theta, dense_steps=1, warmup_steps=4, warmup_theta=0.5)
     if mode.startswith("quant"):
         return _cfg("quant", quant_format="int4" if other else "ternary",
-                    ef21=mode.endswith("ef21"))
+                    ef21=mode.endswith("ef21"),
+                    residual_code="int4" if mode.endswith("rcode") else None)
     return _cfg(mode, theta=theta)
 
 
@@ -311,7 +314,7 @@ def _resume_first(rank: int, n: int, tmp: str) -> None:
 def test_resume_in_new_processes() -> None:
     """Checkpoint resume: 6 steps == 3 steps + save (first processes), load + 3 steps
     in new processes, both checkpoint paths (FSDP1/FSDP2, exact/sparse/auto/sparse mid
-    warm-up/quant/quant+EF21)."""
+    warm-up/quant/quant+EF21/quant with a coded residual)."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dist(_resume_first, 2, tmp, timeout=400)
         run_dist(_resume_load, 2, tmp, timeout=300)

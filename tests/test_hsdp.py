@@ -635,6 +635,9 @@ RESUME_CFGS = {  # the all-gather form, and two-phase with all three feedback st
     "sparse_gather": dict(mode="sparse", theta=0.9),
     "ternary_ef21_two_phase": dict(mode="quant", quant_format="ternary", ef21=True,
                                    hsdp_allreduce="two_phase"),
+    # both residuals (to the owner, and the owner's to everyone) kept as int8 codes
+    "int4_rcode_two_phase": dict(mode="quant", quant_format="int4", ef21=False,
+                                 residual_code="int8", hsdp_allreduce="two_phase"),
 }
 
 

@@ -17,8 +17,9 @@ by a few percent with rounding alone, hence several seeds.  Every run is launche
 through the installed package (``torchrun ... -m tagc.train``), in the current folder.
 Methods (:data:`METHODS`): ``plain`` and the shipped presets (``tagc.presets``) as they
 are at run time, plus the same quantizers with no feedback (``*-nofb``), with the residual
-feedback (``*-res``) and ternary with EF21 (``ternary-ef21``, the former
-``tagc-lean``), derived from the preset files so that they follow them.
+feedback (``*-res``; ``*-res8`` / ``*-res4`` with the residual kept on int8 / int4
+codes), and with EF21 (``int4-ef21``, ``tagc-balanced`` until issue 42; ``ternary-ef21``,
+the former ``tagc-lean``), derived from the preset files so that they follow them.
 
 Each run keeps its folder under ``--out_dir`` with ``suite_run.json``: the command, the
 resolved TAGC config, and the code it ran (the git tree of the code directories, plus a
@@ -108,14 +109,27 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "tagc-lean": ("tagc-lean", {}),
     "int4-nofb": ("tagc-balanced", {"error_feedback": False, "ef21": False}),
     "ternary-nofb": ("tagc-lean", {"error_feedback": False, "ef21": False}),
-    "int4-res": ("tagc-balanced", {"error_feedback": True, "ef21": False}),
-    "ternary-res": ("tagc-lean", {"error_feedback": True, "ef21": False}),
+    "int4-res": ("tagc-balanced", {"error_feedback": True, "ef21": False, "residual_code": None}),
+    "ternary-res": ("tagc-lean", {"error_feedback": True, "ef21": False, "residual_code": None}),
+    # the residual kept as block codes (residual_code, issue 42's memory budget)
+    "int4-res8": ("tagc-balanced", {"error_feedback": True, "ef21": False,
+                                    "residual_code": "int8"}),
+    "int4-res4": ("tagc-balanced", {"error_feedback": True, "ef21": False,
+                                    "residual_code": "int4"}),
+    "ternary-res4": ("tagc-lean", {"error_feedback": True, "ef21": False,
+                                   "residual_code": "int4"}),
+    # tagc-balanced until issue 42: int4 + damped EF21 on an fp32 residual
+    "int4-ef21": ("tagc-balanced", {"error_feedback": True, "ef21": True,
+                                    "residual_code": None}),
     # tagc-lean before it dropped its feedback (SUITE.md): ternary + damped EF21
-    "ternary-ef21": ("tagc-lean", {"error_feedback": True, "ef21": True}),
+    "ternary-ef21": ("tagc-lean", {"error_feedback": True, "ef21": True,
+                                   "residual_code": None}),
 }
 # a method with feedback -> its quantizer without (the "earns its memory" check)
 NO_FEEDBACK = {"tagc-balanced": "int4-nofb", "ternary-ef21": "ternary-nofb",
-               "int4-res": "int4-nofb", "ternary-res": "ternary-nofb"}
+               "int4-res": "int4-nofb", "ternary-res": "ternary-nofb",
+               "int4-res8": "int4-nofb", "int4-res4": "int4-nofb",
+               "ternary-res4": "ternary-nofb", "int4-ef21": "int4-nofb"}
 
 
 def method_config(method: str) -> Optional[Dict[str, Any]]:

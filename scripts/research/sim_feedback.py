@@ -25,8 +25,10 @@ scale differs) and ``tmax`` (ternary at s = max|x|).
     python3 scripts/research/sim_feedback.py --task ts ef21:q=ternary ef21:q=tl2 res:q=ternary
     python3 scripts/research/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
 
-Methods ``FEEDBACK:q=Q[,guard=R][,resp=zero][,damp=1[,cut=T]][,down=Q2[,downfb=F]]``: FEEDBACK
-is ``none``, ``res`` (residual) or ``ef21``; ``guard=R`` resets a unit through the exact path when its
+Methods ``FEEDBACK:q=Q[,store=S][,guard=R][,resp=zero][,damp=1[,cut=T]][,down=Q2[,downfb=F]]``:
+FEEDBACK is ``none``, ``res`` (residual) or ``ef21``; ``store=S`` keeps the residual
+between calls as ``fp32`` (default), ``bf16``, ``int8`` or ``int4`` (block codes: the
+memory question of issue 42); ``q=int4sr`` is int4 with stochastic rounding; ``guard=R`` resets a unit through the exact path when its
 pooled ``est_err`` exceeds R (the hook's ``guard_ratio``), or with ``resp=zero``
 restarts EF21 from h = 0 instead (that call sends C(g), as without feedback, at the
 same bytes); ``damp=1``: every rank compresses ``g - lam h`` with the lam in [0, 1]
@@ -111,6 +113,33 @@ def ternary_max(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     return out[:x.numel()] if pad else out
 
 
+def int4_stochastic(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """int4's grid (15 levels of max|x|/7 per block) with stochastic rounding: x/s
+    rounds up with probability equal to its fraction, so the code is unbiased
+    (E[C(x)] = x) and needs no feedback to deliver small entries on average.  A
+    prototype in torch (the generator is torch's global one, not a seed per rank,
+    unit and step as the codec would derive it)."""
+    b, pad = _blocks(x, block)
+    s = b.abs().amax(dim=1, keepdim=True) / 7
+    y = b / s.clamp_min(1e-38)
+    q = torch.floor(y + torch.rand_like(y)).clamp(-7, 7)
+    out = torch.where(s > 0, q * s, torch.zeros_like(b)).reshape(-1)
+    return out[:x.numel()] if pad else out
+
+
+def stored(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a residual is kept between calls (``store=``): ``fp32`` as is, ``bf16``
+    rounded to bfloat16, or a codec format (``int8``, ``int4``: block codes with
+    one fp32 scale per 256, round to nearest); what storing rounds away is lost."""
+    if name == "fp32":
+        return lambda x: x
+    if name == "bf16":
+        return lambda x: x.to(torch.bfloat16).float()
+    if name in CODEC_FORMATS:
+        return lambda x: codec(name, x)
+    raise SystemExit(f"store= must be fp32, bf16 or one of {CODEC_FORMATS}, got {name!r}")
+
+
 def codec(fmt: str, x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """The codec's code of ``x`` (``_tagc.quant_encode`` then ``quant_decode_add``)."""
     import _tagc
@@ -127,7 +156,7 @@ def quantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The code ``C`` of a quantizer name (see the module docstring)."""
     if name in CODEC_FORMATS:
         return lambda x: codec(name, x)
-    return {"tl2": ternary_l2, "tmax": ternary_max}[name]
+    return {"tl2": ternary_l2, "tmax": ternary_max, "int4sr": int4_stochastic}[name]
 
 
 def lam_of(gh: float, hh: float) -> float:
@@ -200,8 +229,9 @@ class Exchange:
 
     def __init__(self, unit: Unit, feedback: str, q: str, guard: float,
                  response: str = "exact", damp: bool = False, down: str = "",
-                 down_fb: str = "", cut: float = 0.0) -> None:
+                 down_fb: str = "", cut: float = 0.0, store: str = "fp32") -> None:
         self.unit, self.fb, self.qname, self.guard = unit, feedback, q, guard
+        self.store = stored(store)
         self.cut = cut
         self.response, self.damp = response, damp
         self.C = quantizer(q)
@@ -284,7 +314,7 @@ class Exchange:
                             cv = sent if c == self.qname else quantizer(c)(v)
                             self.alphas[c].append(block_alpha(v, cv))
                     if self.fb == "res":
-                        self.state[i][r] = v - sent
+                        self.state[i][r] = self.store(v - sent)
                 if self.fb == "ef21":
                     self.state[i][r] += sent
                 out[r] += sent
@@ -412,11 +442,15 @@ def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
     opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
     if fb not in ("plain", "none", "res", "ef21"):
         raise SystemExit(f"unknown feedback {fb!r}")
-    codes = CODEC_FORMATS + ("tl2", "tmax")
+    codes = CODEC_FORMATS + ("tl2", "tmax", "int4sr")
     if fb != "plain" and opts.get("q") not in codes:
         raise SystemExit(f"{spec}: give q= one of {codes}")
     if "cut" in opts and (fb != "ef21" or opts.get("damp") != "1"):
         raise SystemExit(f"{spec}: cut= thresholds the damped EF21 (ef21:...,damp=1)")
+    if "store" in opts:
+        if fb != "res":
+            raise SystemExit(f"{spec}: store= is how the residual is kept (res:...)")
+        stored(opts["store"])
     if "down" in opts and opts["down"] not in codes:
         raise SystemExit(f"{spec}: down= must be one of {codes}")
     if "downfb" in opts and (opts["downfb"] not in ("none", "res", "ef21", "ef21d")
@@ -434,7 +468,7 @@ def run(spec: str, task: Any, args: argparse.Namespace) -> Dict[str, Any]:
     ex = {name: Exchange(Unit(name, ps, n), fb, opts["q"], float(opts.get("guard", 0)),
                          opts.get("resp", "exact"), opts.get("damp") == "1",
                          opts.get("down", ""), opts.get("downfb", ""),
-                         float(opts.get("cut", 0)))
+                         float(opts.get("cut", 0)), opts.get("store", "fp32"))
           for name, ps in units} if fb != "plain" else {}
     params = list(m.parameters())
     curve = []

@@ -1,0 +1,121 @@
+"""What TAGC's feedback state costs in memory: one place for the layout of a reducer's
+persistent buffers and their bytes (issue 42).
+
+A compressing unit with ``error_feedback`` keeps, per rank and across steps:
+
+* a **residual** over the reducer's whole input (every shard this rank sends, its own
+  included): ``residual_dtype`` values (4 or 2 bytes per entry) or, with
+  ``residual_code``, block codes of ``quant_block`` entries (``int8``: 1 + 4/block
+  bytes per entry, ``int4``: 0.5 + 4/block), decoded into a transient fp32 copy only
+  for the length of a call;
+* with ``ef21``, the owner's **estimate** of its shard of the sum (fp32, 1/N of the
+  input);
+* under TAGC's two-phase HSDP, the to-everyone phase's state: ``residual_out`` (one
+  chunk, the residual's storage) or EF21's ``estimate_out`` (every chunk, fp32).
+
+The reducers take their buffers' layout from here (checkpoints store exactly those),
+``TAGCState.stats()`` adds up what they hold, and the cost model's cluster table asks
+what a model would need before it is built.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+import torch
+
+from .config import TAGCConfig
+
+# (attribute, length, dtype) of one persistent buffer
+Buffer = Tuple[str, int, torch.dtype]
+
+
+def coded_bytes(n: int, fmt: str, block: int) -> int:
+    """Bytes of ``n`` values on ``fmt`` block codes (the codec's size rule).
+
+    Args:
+        n: values.
+        fmt: a quant format (``int8``, ``int4``, ...).
+        block: values per fp32 scale.
+    Returns:
+        ``_tagc.quant_bytes(n, fmt, block)``.
+    """
+    from .codec import _tagc, require_codec
+
+    require_codec()
+    return int(_tagc.quant_bytes(n, fmt, block))
+
+
+def residual_buffer(cfg: TAGCConfig, name: str, length: int) -> Buffer:
+    """The persistent form of a residual over ``length`` gradient entries.
+
+    Args:
+        cfg: the config (``residual_code``, ``residual_dtype``, ``quant_block``).
+        name: the reducer attribute holding it.
+        length: entries the residual covers.
+    Returns:
+        ``(name, length, residual_dtype)``, or with ``residual_code`` the codes'
+        ``(name, bytes, torch.uint8)``.
+    """
+    if cfg.residual_code is None:
+        return name, length, cfg.residual_dtype
+    return name, coded_bytes(length, cfg.residual_code, cfg.quant_block), torch.uint8
+
+
+def unit_buffers(cfg: TAGCConfig, length: int, estimate: int) -> List[Buffer]:
+    """The to-the-owner phase's persistent buffers of one compressed unit.
+
+    Args:
+        cfg: the config.
+        length: the reducer's input (the flat unit: every shard this rank sends).
+        estimate: the sum this rank receives (its shard; HSDP's all-gather form:
+            the whole input), EF21's estimate.
+    Returns:
+        the residual, then EF21's estimate; empty without feedback.
+    """
+    if not cfg.feeds_back:
+        return []
+    out = [residual_buffer(cfg, "residual", length)]
+    if cfg.ef21:
+        out.append(("estimate", estimate, torch.float32))
+    return out
+
+
+def buffer_bytes(buffers: List[Buffer]) -> int:
+    """Bytes the buffers hold."""
+    return sum(n * torch.empty((), dtype=d).element_size() for _, n, d in buffers)
+
+
+def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -> int:
+    """Persistent bytes one rank holds for one compressed unit of ``numel`` parameters,
+    before the model exists (the cost model's memory column).
+
+    FULL_SHARD (``replicas`` 1): the unit is reduced over ``world`` ranks.  TAGC's
+    HSDP (``replicas`` R > 1): the unit is sharded over ``world`` ranks of a node, and
+    each shard all-reduced over R replicas in the form :func:`tagc.hsdp.form` picks.
+
+    Args:
+        cfg: the config.
+        numel: the unit's parameters.
+        world: ranks the unit is sharded over.
+        replicas: R (1: no HSDP).
+    Returns:
+        bytes.
+    """
+    if not cfg.compresses or not cfg.feeds_back:
+        return 0
+    from .hsdp import allreduce_form
+
+    shard = math.ceil(numel / world)
+    if replicas <= 1:
+        return buffer_bytes(unit_buffers(cfg, shard * world, shard))
+    if allreduce_form(cfg, replicas, True, shard) == "gather":
+        return buffer_bytes(unit_buffers(cfg, shard, shard))
+    chunk = math.ceil(shard / replicas)
+    held = buffer_bytes(unit_buffers(cfg, chunk * replicas, chunk))
+    if cfg.sketched:  # lossless codes out: no state for the second phase
+        return held
+    if cfg.ef21:
+        return held + 4 * chunk * replicas
+    return held + buffer_bytes([residual_buffer(cfg, "residual_out", chunk)])
