@@ -5,12 +5,18 @@
 * ``tiny``: the quality runs' model, the shipped ``train-tiny`` preset
   (``tagc.train.config.TrainConfig.gpt_config``) on the byte tokenizer
   (``tagc.train.data.byte_tokenizer``: 257 ids, padded to a multiple of 64);
-* ``gpt2-124m``: GPT-2 small, ``tagc.train.model.GPTConfig``'s defaults.
+* ``gpt2-124m``: GPT-2 small, ``tagc.train.model.GPTConfig``'s defaults;
+* ``gpt2-124m-c256``: GPT-2 small as the step benchmark runs it (``bench_step.py
+  --model gpt2-124m``): GPT-2's own vocabulary of 50257 tokens, a context of 256.
+
+:data:`BENCH_MODELS` are the models ``bench_step.py --model`` runs, each with the run
+plan its defaults follow (a 124M model's step is seconds of compute on this CPU, the
+default model's a fraction of one).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 from tagc.train.model import GPTConfig
 
@@ -66,6 +72,55 @@ def gpt2_124m() -> GPTConfig:
     return GPTConfig()
 
 
+@dataclass(frozen=True)
+class BenchModel:
+    """A model of ``bench_step.py --model`` and the defaults of its run plan.
+
+    Args:
+        shape: the model and batch.
+        layout: its name in :data:`GPT_SHAPES` (the cost model's layout of it).
+        warmup: untimed steps per trial.
+        steps: timed steps per trial.
+        repeats: round-robin passes on each shaped link.
+        unshaped_repeats: passes on the unshaped link.
+        configs: the configurations run when ``--configs`` is left out (names of
+            ``tagc.bench.rows.ROWS``).
+    """
+
+    shape: ModelShape
+    layout: str
+    warmup: int
+    steps: int
+    repeats: int
+    unshaped_repeats: int
+    configs: Tuple[str, ...]
+
+
+BENCH_MODELS: Dict[str, BenchModel] = {
+    # the default model: steps of a fraction of a second, so several repeats; every row
+    # but issue 42's gather-once and int4-gather ones
+    "bench": BenchModel(ModelShape(), "bench", warmup=1, steps=3, repeats=4, unshaped_repeats=2,
+                        configs=("fsdp", "dense", "10x-1bit", "10x-4bit", "exact", "sparse",
+                                 "auto", "balanced", "lean", "full", "fsdp-bf16",
+                                 "full-bf16")),
+    # GPT-2 small at the sizes users train (issue 42): 5-7 s of compute per step on this
+    # CPU and up to a minute on a 200 Mbit/s link, so one warm-up step, two timed steps
+    # and two shaped passes keep 8 rows at 3 link rates within about 40 minutes
+    # (cost_model.py's estimate from its predictions)
+    "gpt2-124m": BenchModel(ModelShape(n_layer=12, n_head=12, n_embd=768, vocab_size=50257,
+                                       block_size=256, batch=1), "gpt2-124m-c256",
+                            warmup=1, steps=2, repeats=2, unshaped_repeats=1,
+                            configs=("fsdp", "fsdp-bf16", "fsdp-noreshard", "balanced", "full",
+                                     "full-bf16", "full-int4g", "full-noreshard")),
+}
+
+
+def gpt2_124m_c256() -> GPTConfig:
+    """GPT-2 small as ``bench_step.py --model gpt2-124m`` runs it (vocab 50257, block 256)."""
+    return BENCH_MODELS["gpt2-124m"].shape.gpt_config()
+
+
 # name -> the shape's architecture
 GPT_SHAPES: Dict[str, Callable[[], GPTConfig]] = {
-    "bench": bench_gpt, "tiny": tiny_gpt, "gpt2-124m": gpt2_124m}
+    "bench": bench_gpt, "tiny": tiny_gpt, "gpt2-124m": gpt2_124m,
+    "gpt2-124m-c256": gpt2_124m_c256}

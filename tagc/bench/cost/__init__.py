@@ -41,18 +41,20 @@ See ``docs/COST_MODEL.md``; ``scripts/bench/cost_model.py`` is the command line.
 Modules: :mod:`.layouts` (models as FSDP units), :mod:`.links` (the cluster, measured
 collective rates, the codec's throughput), :mod:`.configs` (configurations and the
 library's size rules), :mod:`.predict` (one step's bytes and time, sweeps and the
-report), :mod:`.check` (against measured runs).
+report), :mod:`.check` (against measured runs), :mod:`.bench` (the step benchmark's
+rows: predictions before a run, the comparison after it).
 """
 from .check import (CALIBRATABLE, TCP_FRAME_OVERHEAD, CheckRow, calibrate, check, check_report,
                     load_runs)
 from .configs import (DEFAULT_CONFIGS, DTYPE_BYTES, FORM_SUFFIX, GRAD_MODES, HSDP_FORMS,
                       PRESETS, VOTE_BYTES_EF21, VOTE_BYTES_PLAIN, Compression, Config,
                       gather_bytes, hsdp_form, keep_count, make_config, pairs_message,
-                      quant_bytes)
+                      quant_bytes, row_config)
 from .layouts import (DEFAULT_LAYERS, DEFAULT_MIN_NUMEL, DEFAULT_SELECTED_FRACTION,
                       DEFAULT_UNITS, LAYER_POLICIES, MODELS, RUN_MODELS, CountedModel,
                       ModelSpec, Unit, bench_gpt2, default_selected_fraction, generic_model,
-                      gpt2_124m, gpt2_model, linear_pair_model, named_gpt2, run_model,
+                      gpt2_124m, gpt2_124m_c256, gpt2_model, linear_pair_model, named_gpt2,
+                      run_model,
                       tiny_gpt2, unit_counts)
 from .links import (COLLECTIVE_GROUPS, COLLECTIVE_KINDS, DEFAULT_CODEC, Cluster,
                     CollectiveRates, codec_rates)

@@ -2,10 +2,10 @@
 
 A runs file (``docs/cost_model_runs.json``) holds setups (the topology, link, model
 layout and compute time of a measured run) and rows (what a configuration measured on
-it: the step time, and bytes counted where they are measured: ``stats_wire_mb`` and
-``gathers_mb`` at the ``torch.distributed`` call, by the hook's counters and the step
-benchmark's wrapper around the collectives, ``veth_tx_mb`` by the emulated link's own
-counter).  :func:`check` predicts each row from first principles (and calibrated on
+it: the step time, and bytes counted where they are measured: ``stats_wire_mb``,
+``gathers_mb`` and ``call_mb`` (every collective) at the ``torch.distributed`` call, by
+the hook's counters and the step benchmark's wrapper around the collectives,
+``veth_tx_mb`` by the emulated link's own counter).  :func:`check` predicts each row from first principles (and calibrated on
 the setup's plain row); :func:`check_report` tabulates both.
 
 Every number checked is in a report committed in the repository (each setup's
@@ -22,7 +22,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .configs import Compression, Config, make_config
+from tagc.bench.rows import ROWS
+
+from .configs import Compression, Config, make_config, row_config
 from .layouts import RUN_MODELS, ModelSpec, run_model
 from .links import Cluster, CollectiveRates
 from .predict import predict
@@ -35,8 +37,10 @@ from .predict import predict
 TCP_FRAME_OVERHEAD = 1514 / 1448
 
 # A row's measured fields (``step_s`` is checked only where the setup has ``compute``).
-MEASURED = ("step_s", "stats_wire_mb", "gathers_mb", "veth_tx_mb", "in_collectives_s",
-            "codec_s")
+MEASURED = ("step_s", "stats_wire_mb", "gathers_mb", "call_mb", "veth_tx_mb",
+            "in_collectives_s", "codec_s")
+# the byte quantities: exact ones at the call (two decimals of MB), the veth's within 1%
+BYTE_QUANTITIES = ("stats_wire_mb", "gathers_mb", "call_mb", "veth_tx_mb")
 
 
 @dataclass
@@ -128,9 +132,10 @@ def load_runs(path: str) -> Dict[str, Any]:
         except (ValueError, TypeError) as e:
             raise ValueError(f"runs file {path}: link table {lname!r}: {e}") from e
     for name, st in data["setups"].items():
-        if "collectives" in st and st["collectives"] not in links:
-            raise ValueError(f"runs file {path}: setup {name!r} names unknown link table "
-                             f"{st['collectives']!r}")
+        for table in (st.get("collectives"), st.get("compute", {}).get("fast_collectives")):
+            if table is not None and table not in links:
+                raise ValueError(f"runs file {path}: setup {name!r} names unknown link table "
+                                 f"{table!r}")
     for i, run in enumerate(data["runs"]):
         if run.get("setup") not in data["setups"]:
             raise ValueError(f"runs file {path}: run {i} names unknown setup {run.get('setup')!r}")
@@ -168,7 +173,11 @@ def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[f
 
 
 def _run_config(st: Dict[str, Any], name: str) -> Config:
-    """A runs-file row's configuration: ``fsdp`` is the setup's plain layout."""
+    """A runs-file row's configuration: ``fsdp`` is the setup's plain layout; on
+    FULL_SHARD a step benchmark row (``tagc.bench.rows``: ``fsdp-bf16``,
+    ``full-noreshard``, ...) as the benchmark ran it."""
+    if st["layout"] != "hsdp" and name in ROWS:
+        return row_config(name, st["dtype"], st["fsdp"])
     layout = "hsdp" if st["layout"] == "hsdp" else "fsdp"
     full = layout if name == "fsdp" else f"{layout}+{name}"
     return make_config(full, st["dtype"], st["fsdp"])
@@ -176,18 +185,20 @@ def _run_config(st: Dict[str, Any], name: str) -> Config:
 
 def _setup_state(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, float]],
                  efficiency: float = 1.0, intra_mbit: Optional[float] = None,
-                 collectives: Optional[CollectiveRates] = None) -> Tuple[Cluster, float]:
+                 collectives: Optional[CollectiveRates] = None,
+                 fast_rates: Optional[CollectiveRates] = None) -> Tuple[Cluster, float]:
     """(cluster, compute seconds) of a setup.
 
     Compute is the plain row's time outside collectives (``rest_s``), or the plain
-    step on the fast link minus the communication predicted there (without the
-    measured collective rates, which are of the slow link).
+    step on the fast link minus the communication predicted there (from the fast
+    link's own measured collective rates where the setup names them,
+    ``fast_collectives``, else from its bandwidth alone).
     """
     cl = _setup_cluster(st, st["inter_mbit"], intra_mbit, efficiency, collectives)
     c = st["compute"]
     if "rest_s" in c:
         return cl, float(c["rest_s"])
-    fast = _setup_cluster(st, c["fast_mbit"], intra_mbit, efficiency)
+    fast = _setup_cluster(st, c["fast_mbit"], intra_mbit, efficiency, fast_rates)
     fast = replace(fast, intra_gbit=max(fast.intra_gbit, c["fast_mbit"] / 1000))
     comm = predict(model, fast, _run_config(st, "fsdp"), 0.0, codec).comm_s
     return cl, c["plain_fast_step_s"] - comm
@@ -199,8 +210,8 @@ CALIBRATABLE = {"link_efficiency": ((0.05, 1.0), "efficiency"),
 
 
 def calibrate(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, float]],
-              measured_plain_s: float, collectives: Optional[CollectiveRates] = None
-              ) -> Optional[Tuple[str, float]]:
+              measured_plain_s: float, collectives: Optional[CollectiveRates] = None,
+              fast_rates: Optional[CollectiveRates] = None) -> Optional[Tuple[str, float]]:
     """Fit the setup's ``calibrate`` figure so the plain row's step time is matched.
 
     The predicted plain step falls as the figure grows (more efficiency, a faster
@@ -213,6 +224,7 @@ def calibrate(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, fl
         codec: codec throughputs.
         measured_plain_s: the plain row's measured step time.
         collectives: the setup's measured collective rates, if any.
+        fast_rates: those of its fast link (``compute.fast_collectives``), if any.
     Returns:
         (figure, fitted value), or None when the setup has no plain row.
     """
@@ -224,7 +236,8 @@ def calibrate(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, fl
 
     def step(x: float) -> float:
         """The predicted plain step at figure value x."""
-        cl, compute = _setup_state(st, model, codec, collectives=collectives, **{kw: x})
+        cl, compute = _setup_state(st, model, codec, collectives=collectives,
+                                   fast_rates=fast_rates, **{kw: x})
         if compute < 0:  # so slow a link that the fast-link step holds no compute
             return math.inf
         return predict(model, cl, plain, compute, codec).step_s
@@ -259,15 +272,16 @@ def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> Lis
         model = run_model(st["model"])
         coll = links[st["collectives"]] if "collectives" in st else None
         timed = "compute" in st
+        fast = links.get(st.get("compute", {}).get("fast_collectives", ""))
         if timed:
-            cl, compute = _setup_state(st, model, codec, collectives=coll)
+            cl, compute = _setup_state(st, model, codec, collectives=coll, fast_rates=fast)
         else:  # bytes only: they do not depend on the compute time
             cl, compute = _setup_cluster(st, st["inter_mbit"], collectives=coll), 0.0
         runs = [r for r in data["runs"] if r["setup"] == name]
         meas_plain = next((r["step_s"] for r in runs if r["config"] == "fsdp" and "step_s" in r),
                           None) if timed else None
-        fit = calibrate(st, model, codec, meas_plain, coll) if meas_plain else None
-        cal = _setup_state(st, model, codec, collectives=coll,
+        fit = calibrate(st, model, codec, meas_plain, coll, fast) if meas_plain else None
+        cal = _setup_state(st, model, codec, collectives=coll, fast_rates=fast,
                            **{CALIBRATABLE[fit[0]][1]: fit[1]}) if fit else None
         for run in runs:
             cfg = _run_config(st, run["config"])
@@ -277,6 +291,7 @@ def check(data: Dict[str, Any], codec: Optional[Dict[str, float]] = None) -> Lis
             label = cfg.name
             for key, pred, dec in (("stats_wire_mb", hook / 1e6, 2),
                                    ("gathers_mb", p.ideal.get("gather", 0.0) / 1e6, 2),
+                                   ("call_mb", p.ideal_bytes_per_rank / 1e6, 2),
                                    ("veth_tx_mb", p.node_inter * TCP_FRAME_OVERHEAD / 1e6, None)):
                 if key in run:
                     rows.append(CheckRow(name, label, key, pred, run[key], dec))
@@ -330,7 +345,7 @@ def check_report(rows: List[CheckRow], tolerance: float = 0.25,
            "veth = the link's counter, TCP/IP framing added as 1514/1448)", "",
            "| setup | config | quantity | predicted | measured | error | match |",
            "|---|---|---|---|---|---|---|"]
-    byte_rows = [r for r in rows if r.quantity in ("stats_wire_mb", "gathers_mb", "veth_tx_mb")
+    byte_rows = [r for r in rows if r.quantity in BYTE_QUANTITIES
                  or r.quantity.startswith("bits/param")]
     for r in byte_rows:
         match = ("exact" if r.exact else "NOT exact") if r.decimals is not None else \

@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from tagc import codec
+from tagc.bench.rows import ROWS
 from tagc.config import GATHER_FORMATS, QUANT_FORMATS, TAGCConfig, keep_count
 from tagc.hsdp import allreduce_form
 from tagc.transports import pairs_wire
@@ -222,6 +223,8 @@ class Config:
         dtype: parameter and gradient dtype on the wire, ``fp32`` or ``bf16``
             (FSDP2 MixedPrecisionPolicy param_dtype = reduce_dtype).
         fsdp: 1 or 2 (FSDP1 gathers the root once per step; no gathers hook, no HSDP).
+        reshard: parameters resharded after forward (FSDP2's ``reshard_after_forward``;
+            False: every unit gathered once per step, in forward, and kept for backward).
     """
 
     name: str
@@ -230,6 +233,7 @@ class Config:
     cross: str = "auto"
     dtype: str = "fp32"
     fsdp: int = 2
+    reshard: bool = True
 
     def __post_init__(self) -> None:
         if self.layout not in ("full_shard", "hsdp"):
@@ -295,6 +299,36 @@ def make_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
     if comp is not None and out:
         comp = replace(comp, out_format=out)
     return Config(name, layouts[layout_s], comp, FORM_SUFFIX[topo], dtype, fsdp)
+
+
+def row_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
+    """A step benchmark row (``tagc.bench.rows.ROWS``) on FULL_SHARD as the model sees
+    it: its preset's compression with the row's overrides, its precision, its resharding.
+
+    Args:
+        name: a key of ``ROWS``.
+        dtype: the precision of a row without the bf16 policy (a runs-file setup's).
+        fsdp: 1 or 2.
+    Returns:
+        the configuration, named as :func:`make_config` names it (``fsdp``,
+        ``fsdp-bf16``, ``fsdp+full-int4g``).
+    Raises:
+        ValueError: a row whose preset or override the model does not cover.
+    """
+    row = ROWS[name]
+    if row.preset is None:
+        comp, label = None, name
+    else:
+        key = row.preset[len("tagc-"):]
+        if key not in PRESETS:
+            raise ValueError(f"row {name!r}: preset {row.preset} is not modelled (its bytes "
+                             f"depend on the data or it is not a preset of {sorted(PRESETS)})")
+        unknown = set(row.fields) - set(Compression.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"row {name!r}: override of {sorted(unknown)} is not modelled")
+        comp, label = replace(PRESETS[key], **row.fields), f"fsdp+{name}"
+    return Config(label, "full_shard", comp, dtype="bf16" if row.bf16 else dtype, fsdp=fsdp,
+                  reshard=row.reshard)
 
 
 DEFAULT_CONFIGS = ("fsdp", "hsdp", "fsdp+balanced", "fsdp+lean", "fsdp+full",

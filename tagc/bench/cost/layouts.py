@@ -275,7 +275,8 @@ def gpt2_label(shape: str, cfg: GPTConfig) -> str:
     """A shape's name in reports (the step benchmark's with its size)."""
     if shape == "bench":
         return f"bench GPT-2 ({cfg.n_layer}x{cfg.n_embd}, vocab {cfg.vocab_size})"
-    return {"tiny": "tiny GPT-2", "gpt2-124m": "GPT-2 124M"}.get(shape, shape)
+    return {"tiny": "tiny GPT-2", "gpt2-124m": "GPT-2 124M",
+            "gpt2-124m-c256": "GPT-2 124M (vocab 50257, context 256)"}.get(shape, shape)
 
 
 def named_gpt2(shape: str, layers: str = DEFAULT_LAYERS) -> ModelSpec:
@@ -311,6 +312,12 @@ def gpt2_124m(layers: str = DEFAULT_LAYERS) -> ModelSpec:
     return named_gpt2("gpt2-124m", layers)
 
 
+def gpt2_124m_c256(layers: str = DEFAULT_LAYERS) -> ModelSpec:
+    """GPT-2 small as ``bench_step.py --model gpt2-124m`` runs it:
+    ``named_gpt2("gpt2-124m-c256", layers)``."""
+    return named_gpt2("gpt2-124m-c256", layers)
+
+
 def linear_pair_model(width: int = 512, layers: str = DEFAULT_LAYERS) -> ModelSpec:
     """``scripts/bench/measure_bytes.py``'s model: Linear(w, 4w) and Linear(4w, w), no bias,
     ``layers: all``, ``min_numel`` 4096: two compressed units and an empty root.
@@ -332,16 +339,18 @@ def linear_pair_model(width: int = 512, layers: str = DEFAULT_LAYERS) -> ModelSp
 # The layouts ``--model`` offers, each built for a selection policy (``--layers``).
 MODELS: Dict[str, Callable[..., ModelSpec]] = {
     "bench": bench_gpt2, "tiny": tiny_gpt2, "gpt2-124m": gpt2_124m,
-    "linear-pair": linear_pair_model}
+    "gpt2-124m-c256": gpt2_124m_c256, "linear-pair": linear_pair_model}
 
 # The layouts the measured runs used, by the name docs/cost_model_runs.json gives them:
 # (layout, policy).  Every run there predates the presets' move to `layers: all`, so a
 # bare name is the policy they had then (non_attention); "bench-all" is bench_step.py's
-# `--override layers=all`.  Fixed here, not taken from --layers, so that --check
-# compares each run with the layout it ran.
+# `--override layers=all`; "gpt2-124m-c256" (issue 42) ran the presets' `layers: all`.
+# Fixed here, not taken from --layers, so that --check compares each run with the
+# layout it ran.
 RUN_MODELS: Dict[str, Tuple[str, str]] = {
     "bench": ("bench", "non_attention"), "bench-all": ("bench", "all"),
-    "tiny": ("tiny", "non_attention"), "linear-pair": ("linear-pair", "all")}
+    "tiny": ("tiny", "non_attention"), "linear-pair": ("linear-pair", "all"),
+    "gpt2-124m-c256": ("gpt2-124m-c256", "all")}
 
 
 def run_model(name: str) -> ModelSpec:

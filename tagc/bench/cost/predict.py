@@ -212,8 +212,9 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
     for u, cnt in zip(model.units, unit_counts(model)):
         segs = u.segments(g, config.fsdp)
         s = sum(segs)
-        # -- parameter all-gathers: forward and backward (FSDP1's root: forward only)
-        calls = 1 if (config.fsdp == 1 and u.root) else 2
+        # -- parameter all-gathers: forward and backward (FSDP1's root and every unit
+        # kept gathered after forward: forward only)
+        calls = 1 if (config.fsdp == 1 and u.root) or not config.reshard else 2
         if t is not None and t.gather != "none":
             msg = gather_bytes(segs, t.gather, t.gather_block)
             st.ring("gather", group, g, "all_gather", msg, calls, calls * cnt, tagc=True)
