@@ -21,6 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from tagc.bench.rows import baseline
+
 logger = logging.getLogger(__name__)
 
 # issue 5 targets: speed-up of a configuration over plain FSDP, same strategy, same run
@@ -136,20 +138,22 @@ def summarize(report: dict) -> dict:
                 "mean_s": _mean([{"m": sum(t["step_s"]) / len(t["step_s"])} for t in tr if t["step_s"]], "m"),
                 "veth_tx": _mean(tr, "veth_tx_per_step_per_host"),
                 "gather_tx": _mean(tr, "gather_tx_per_step_per_host"),
+                "call_tx": _mean(tr, "call_tx_per_step_per_rank"),
+                # the largest rank's peak over the trials (absent before issue 42)
+                "peak_rss": max((b for t in tr for b in t.get("peak_rss_per_rank", [])),
+                                default=None),
                 "stats_bytes": sum(sb) / len(sb) if sb else None,
                 "stats_default_bytes": sum(sd) / len(sd) if sd else None,
             }
-        base = rows.get("fsdp", {}).get("median_s")
-        base_bf16 = rows.get("fsdp-bf16", {}).get("median_s")
         dense = rows.get("dense", {}).get("median_s")
         for cfg, r in rows.items():
-            # a bf16 configuration against plain FSDP under the same bf16 policy
-            r["speedup_vs_fsdp"] = _ratio(base_bf16 if cfg.endswith("-bf16") else base,
-                                          r["median_s"])
+            # against plain FSDP of the same precision and resharding (a bf16 row against
+            # fsdp-bf16, a gather-once row against fsdp-noreshard)
+            base = rows.get(baseline(cfg), {}).get("median_s")
+            r["speedup_vs_fsdp"] = _ratio(base, r["median_s"])
             r["speedup_vs_dense"] = _ratio(dense, r["median_s"])
             # the most a speed-up over plain FSDP could reach on this machine's CPUs
-            r["ceiling_vs_fsdp"] = _ratio(base_bf16 if cfg.endswith("-bf16") else base,
-                                          r["cpu_bound_s"])
+            r["ceiling_vs_fsdp"] = _ratio(base, r["cpu_bound_s"])
         out[strat] = rows
     return out
 
@@ -192,7 +196,16 @@ def _header(report: dict) -> list[str]:
               "`all_gather_into_tensor`/`all_gather_single`, FSDP's or TAGC's), `rest` = veth tx - "
               "gathers (the gradient exchange, control messages and every header); `-bf16` rows: "
               "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`, their `vs FSDP` is "
-              "against `fsdp-bf16`",
+              "against `fsdp-bf16`; `-noreshard` rows: `reshard_after_forward=False` (one "
+              "gather per unit and step), against `fsdp-noreshard`; `at the call` = every "
+              "collective of a rank (FSDP's and TAGC's) by the ideal count at the "
+              "`torch.distributed` call, what NCCL would send (reduce-scatter and all-gather "
+              "(N-1)/N of the full buffer, all-reduce 2(N-1)/N; gloo's reduce-scatter is an "
+              "all-reduce underneath, so the veth carries more)",
+              "- `peak RSS` = the largest rank's peak resident memory over a trial (build, "
+              "warm-up, timed steps; `getrusage` after resetting the process's high-water "
+              "mark at the trial's start); `exposed comm s` = median step on the shaped link "
+              "- median step on the unshaped link, the same configuration",
               "- time split per rank and step (means): `in collectives` = inside torch.distributed "
               "collectives (FSDP's and TAGC's; sync calls whole, async issue + wait; includes waiting "
               "for the slower peer), `of it, peer wait` = the part before the last rank entered "
@@ -232,10 +245,11 @@ def render_markdown(report: dict, summary: dict) -> str:
     for strat, rows in summary.items():
         lines += [f"## {strat}", "",
                   "| config | median step s | spread | vs FSDP | vs dense | stats wire/step "
-                  "(plain RS) | veth tx/step | gathers/step | rest/step | in collectives s "
-                  "| of it, peer wait s | codec s | rest s | CPU s/rank | machine busy "
-                  "| unshaped s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "(plain RS) | at the call/step/rank | veth tx/step | gathers/step | rest/step "
+                  "| in collectives s | of it, peer wait s | codec s | rest s | CPU s/rank "
+                  "| machine busy | peak RSS/rank | unshaped s | exposed comm s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+                  "---|"]
         for cfg, r in rows.items():
             sp = "-" if r["spread"] is None else f"{r['spread'][0]:.3f}..{r['spread'][1]:.3f}"
             vf = "-" if r["speedup_vs_fsdp"] is None else f"{r['speedup_vs_fsdp']:.2f}x"
@@ -243,12 +257,14 @@ def render_markdown(report: dict, summary: dict) -> str:
             rest = (r["mean_s"] - (r["comm_s"] or 0) - (r["codec_s"] or 0)) if r["mean_s"] else None
             plain = "" if r["stats_default_bytes"] is None else f" ({_fmt_bytes(r['stats_default_bytes'])})"
             lines.append(f"| {cfg} | {_fmt_s(r['median_s'])} | {sp} | {vf} | {vd} | "
-                         f"{_fmt_bytes(r['stats_bytes'])}{plain} | {_fmt_bytes(r['veth_tx'])} | "
+                         f"{_fmt_bytes(r['stats_bytes'])}{plain} | {_fmt_bytes(r['call_tx'])} | "
+                         f"{_fmt_bytes(r['veth_tx'])} | "
                          f"{_fmt_bytes(r['gather_tx'])} | {_fmt_bytes(_minus(r['veth_tx'], r['gather_tx']))} | "
                          f"{_fmt_s(r['comm_s'])} | {_fmt_s(r['peer_wait_s'])} | "
                          f"{_fmt_s(r['codec_s'])} | {_fmt_s(rest)} | {_fmt_s(r['cpu_s'])} | "
                          f"{_pct(_busy_share(r, report.get('cpus')))} | "
-                         f"{_fmt_s(r['median_unshaped_s'])} |")
+                         f"{_fmt_bytes(r['peak_rss'])} | {_fmt_s(r['median_unshaped_s'])} | "
+                         f"{_fmt_s(r['link_wait_s'])} |")
         lines.append("")
     lines += _hsdp_targets(summary) if "HSDP" in summary else _targets(summary)
     for t in (report.get("shaped") or {}).get("trials", []):

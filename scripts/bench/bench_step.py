@@ -30,13 +30,23 @@ Usage:
     sudo python3 scripts/bench/bench_step.py --hsdp       # 2 hosts x 2 ranks, HSDP
     sudo python3 scripts/bench/bench_step.py --hsdp --nodes 4 --per-node 1 --strategies HSDP
                                                           # 4 hosts x 1 rank (R = 4)
+    sudo python3 scripts/bench/bench_step.py --model gpt2-124m --fsdp 2 --strategies FULL_SHARD \
+        --rate 200mbit 1gbit --no-codec       # issue 42: GPT-2 124M, 8 rows, 3 link rates
+
+Besides the step times every trial records the bytes of every collective by the ideal
+count at the ``torch.distributed`` call (:func:`call_bytes`: what NCCL would send, FSDP's
+and TAGC's collectives alike), each rank's peak RSS over the trial and, with the
+unshaped pass, each configuration's exposed communication (shaped step - unshaped
+step, in the report).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -49,7 +59,8 @@ from typing import Any, Callable
 
 from tagc import presets, teardown
 from tagc.bench.outputs import run_dir, shown
-from tagc.bench.shapes import ModelShape
+from tagc.bench.rows import ROWS, Row
+from tagc.bench.shapes import BENCH_MODELS, ModelShape
 from tagc.train.runs import NETEM, free_port, netem
 
 logger = logging.getLogger(__name__)
@@ -57,24 +68,6 @@ logger = logging.getLogger(__name__)
 # the checkout this script sits in (scripts/bench/): where --out's default folder goes
 ROOT = Path(__file__).resolve().parents[2]
 
-# configuration name -> YAML preset in --config-dir (None = plain FSDP, no hook)
-CONFIGS: dict[str, str | None] = {
-    "fsdp": None,
-    "dense": "tagc-dense.yaml",
-    "10x-1bit": "tagc-10x-1bit.yaml",
-    "10x-4bit": "tagc-10x-4bit.yaml",
-    "exact": "tagc-exact.yaml",
-    "sparse": "tagc-sparse.yaml",
-    "auto": "tagc-auto.yaml",
-    "balanced": "tagc-balanced.yaml",
-    "lean": "tagc-lean.yaml",
-    "full": "tagc-full.yaml",
-    # under MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16), what GPU users run:
-    # every FSDP collective already at half the bytes (compare the bf16 rows together)
-    "fsdp-bf16": None,
-    "full-bf16": "tagc-full.yaml",
-}
-BF16_CONFIGS = ("fsdp-bf16", "full-bf16")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 HSDP_CONFIGS = ["fsdp", "dense", "exact", "sparse", "balanced", "lean"]
 
@@ -188,7 +181,10 @@ class _CommTimer:
         import threading
 
         self.seconds = 0.0
-        self.gather_bytes = 0
+        # bytes this rank sent by the ideal count (call_bytes), every collective and the
+        # parameter all-gathers of them
+        self.call_bytes = 0.0
+        self.gather_bytes = 0.0
         self.events: list[tuple[str, float, float]] = []
         # a wrapped call made inside another (pair_all_gather's isend/irecv) is part
         # of the outer one's time: counted once
@@ -213,13 +209,20 @@ class _CommTimer:
         tagc.comm.pair_all_gather = self._wrap(tagc.comm.pair_all_gather)
 
     def _wrap(self, fn: Callable) -> Callable:
+        import inspect
+
         gather = fn.__name__ in self.GATHERS
+        sig = inspect.signature(fn)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if getattr(self._inside, "depth", 0):
                 return fn(*args, **kwargs)
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            sent = call_bytes(fn.__name__, bound.arguments)
+            self.call_bytes += sent
             if gather:
-                self._count_gather(fn.__name__, *args, **kwargs)
+                self.gather_bytes += sent
             self._inside.depth = 1
             t0 = time.perf_counter()
             try:
@@ -233,14 +236,71 @@ class _CommTimer:
         timed.__doc__ = fn.__doc__
         return timed
 
-    def _count_gather(self, name: str, output_tensor: Any, input_tensor: Any, *args: Any,
-                      group: Any = None, **_: Any) -> None:
-        """Bytes a ring all-gather sends from this rank: (w-1) x its input."""
-        import torch.distributed as dist
 
-        # pair_all_gather(out, inp, rank, group): two ranks by definition
-        w = 2 if name == "pair_all_gather" else dist.get_world_size(args[0] if args else group)
-        self.gather_bytes += (w - 1) * input_tensor.numel() * input_tensor.element_size()
+
+def _nbytes(t: Any) -> int:
+    """Bytes of a tensor."""
+    return t.numel() * t.element_size()
+
+
+def _own_split(a: dict, rank: int, w: int) -> float:
+    """Bytes of an all_to_all_single's input that stay on this rank (its own split)."""
+    inp, splits = a["input"], a["input_split_sizes"]
+    if not splits:
+        return _nbytes(inp) / w
+    return splits[rank] * _nbytes(inp) / max(inp.shape[0], 1)
+
+
+def _group_rank(a: dict, key: str, group: Any) -> int:
+    """The group rank of a reduce's destination or a broadcast's source."""
+    import torch.distributed as dist
+
+    given = a.get(f"group_{key}")
+    return given if given is not None else dist.get_group_rank(group or dist.group.WORLD, a[key])
+
+
+# name -> bytes this rank sends in one call, from (arguments by name, group size, rank in
+# the group), as NCCL's ring would send them (nccl-tests' bus bytes per rank): the
+# all-gathers (w-1)/w of the gathered buffer, reduce-scatters (w-1)/w of the input,
+# all-reduce 2(w-1)/w, an all-to-all what leaves the rank, a reduce or broadcast the
+# buffer from every rank but one (a reduce: all but the destination, as TAGC's stats
+# count it; a broadcast: (w-1)/w on each), a send its buffer, a receive nothing
+_CALL_BYTES: dict[str, Callable[[dict, int, int], float]] = {
+    "all_gather_into_tensor": lambda a, w, r: (w - 1) * _nbytes(a["input_tensor"]),
+    "all_gather_single": lambda a, w, r: (w - 1) * _nbytes(a["input_tensor"]),
+    "all_gather": lambda a, w, r: (w - 1) * _nbytes(a["tensor"]),
+    "pair_all_gather": lambda a, w, r: (w - 1) * _nbytes(a["inp"]),
+    "reduce_scatter_tensor": lambda a, w, r: (w - 1) / w * _nbytes(a["input"]),
+    "reduce_scatter_single": lambda a, w, r: (w - 1) / w * _nbytes(a["input"]),
+    "reduce_scatter": lambda a, w, r: (w - 1) / w * sum(_nbytes(t) for t in a["input_list"]),
+    "all_reduce": lambda a, w, r: 2 * (w - 1) / w * _nbytes(a["tensor"]),
+    "all_to_all_single": lambda a, w, r: _nbytes(a["input"]) - _own_split(a, r, w),
+    "all_to_all": lambda a, w, r: sum(_nbytes(t) for i, t in enumerate(a["input_tensor_list"])
+                                      if i != r),
+    "reduce": lambda a, w, r: 0 if r == _group_rank(a, "dst", a["group"]) else _nbytes(a["tensor"]),
+    "broadcast": lambda a, w, r: (w - 1) / w * _nbytes(a["tensor"]),
+    "isend": lambda a, w, r: _nbytes(a["tensor"]),
+    "irecv": lambda a, w, r: 0,
+}
+
+
+def call_bytes(name: str, a: dict) -> float:
+    """Bytes one call sends from this rank by the ideal count, counted at the
+    ``torch.distributed`` call: what NCCL would put on the link, not what gloo does
+    (its reduce-scatter is an all-reduce underneath; the veth counters show that).
+
+    Args:
+        name: the function (a name of :attr:`_CommTimer.NAMES` or ``pair_all_gather``).
+        a: its arguments by name, defaults applied (``inspect.BoundArguments``).
+    Returns:
+        the bytes.
+    """
+    import torch.distributed as dist
+
+    group = a.get("group")
+    # pair_all_gather(out, inp, rank, group): two ranks by definition
+    w = 2 if name == "pair_all_gather" else dist.get_world_size(group)
+    return _CALL_BYTES[name](a, w, dist.get_rank(group))
 
 
 def peer_wait(events: list[list[tuple[str, float, float]]]) -> list[float] | None:
@@ -292,19 +352,19 @@ def _hsdp(model: Any, cfg: Any, preset: str | None, per_node: int) -> Any:
     return mesh
 
 
-def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, config_dir: Path,
-           per_node: int = 1, override: dict | None = None, bf16: bool = False):
+def _build(shape: ModelShape, strategy: str, row: Row, fsdp: int, config_dir: Path,
+           per_node: int = 1, override: dict | None = None):
     """Fresh GPT-2 wrapped in FSDP (same units for every configuration), TAGC optional.
 
     Args:
         shape: model and batch shape.
         strategy: "FULL_SHARD", "SHARD_GRAD_OP" or (FSDP2) "HSDP".
-        preset: TAGC YAML preset file name, or None for plain FSDP.
+        row: the configuration (preset, precision, resharding, its own overrides).
         fsdp: 1 (FullyShardedDataParallel) or 2 (fully_shard).
         config_dir: directory holding the presets.
         per_node: ranks per host (the shard dimension of HSDP).
-        override: TAGC config fields replacing the preset's (plain FSDP's units too).
-        bf16: parameters gathered, computed and gradients reduced in bf16 (masters fp32).
+        override: TAGC config fields replacing the preset's in every configuration
+            (plain FSDP's units too); the row's own overrides apply on top.
 
     Returns:
         (model, optimizer, tagc state or None).
@@ -316,11 +376,13 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
     torch.manual_seed(0)
     model = GPT(shape.gpt_config())
     mesh = None  # the HSDP mesh, which register needs too
+    preset, bf16 = row.preset, row.bf16
+    override = {**(override or {}), **row.fields}
     # the wrapping depends on the layer policy only, so plain FSDP gets the same units
     # as TAGC (compressed and uncompressed parameters in different units)
-    path = config_dir / (preset or CONFIGS["exact"])
+    path = config_dir / f"{preset or ROWS['exact'].preset}.yaml"
     cfg = tagc.TAGCConfig.from_yaml(str(path), override) if preset or path.exists() \
-        else tagc.TAGCConfig.from_dict(dict(override or {}))
+        else tagc.TAGCConfig.from_dict(override)
     if fsdp == 1:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
         from torch.distributed.fsdp import ShardingStrategy
@@ -337,8 +399,10 @@ def _build(shape: ModelShape, strategy: str, preset: str | None, fsdp: int, conf
 
         kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                 reduce_dtype=torch.bfloat16)} if bf16 else {}
-        # FSDP2 has no strategy enum: SHARD_GRAD_OP = keep parameters gathered after forward
-        tagc.shard_model(model, cfg, reshard_after_forward=(strategy == "FULL_SHARD"), **kw)
+        # FSDP2 has no strategy enum: SHARD_GRAD_OP = keep parameters gathered after
+        # forward, as a gather-once row does under FULL_SHARD
+        tagc.shard_model(model, cfg, reshard_after_forward=strategy == "FULL_SHARD" and row.reshard,
+                         **kw)
     state = tagc.register(model, cfg, mesh=mesh) if preset is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt, state
@@ -374,7 +438,7 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
         shape: model and batch shape.
         rep: round-robin pass.
         strategy: layout (FULL_SHARD, SHARD_GRAD_OP, HSDP).
-        name: configuration (a key of CONFIGS).
+        name: configuration (a key of ``tagc.bench.rows.ROWS``).
         gen: this rank's batch generator.
         timer: codec time.
         comm: time in collectives.
@@ -388,8 +452,12 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt, state = _build(shape, strategy, CONFIGS[name], args.fsdp, Path(args.config_dir),
-                               args.per_node, _overrides(args.override), name in BF16_CONFIGS)
+    # this trial's peak RSS, not the process's: the previous trial's model collected
+    # first, then the high-water mark reset
+    gc.collect()
+    rss_reset = _reset_peak_rss()
+    model, opt, state = _build(shape, strategy, ROWS[name], args.fsdp, Path(args.config_dir),
+                               args.per_node, _overrides(args.override))
     x = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
     y = torch.randint(0, shape.vocab_size, (shape.batch, shape.block_size), generator=gen)
 
@@ -405,7 +473,7 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     dist.barrier()
     s0 = state.stats() if state is not None else {}
     c0 = _read_counters(ifname) if ifname else (0, 0)
-    k0, m0, g0 = timer.seconds, comm.seconds, comm.gather_bytes
+    k0, m0, g0, b0 = timer.seconds, comm.seconds, comm.gather_bytes, comm.call_bytes
     comm.events.clear()
     busy0, cpu0 = _host_busy(), time.process_time()
     times = []
@@ -415,10 +483,13 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
         times.append(time.perf_counter() - t0)
     cpu1, busy1 = time.process_time(), _host_busy()
     c1 = _read_counters(ifname) if ifname else (0, 0)
-    k1, m1, g1 = timer.seconds, comm.seconds, comm.gather_bytes
+    k1, m1, g1, b1 = timer.seconds, comm.seconds, comm.gather_bytes, comm.call_bytes
+    # kB on Linux (getrusage(2))
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, list(comm.events))  # not a wrapped name: not counted
-    waits = peer_wait(every)
+    # not a wrapped name: neither timed nor counted
+    dist.all_gather_object(every, (list(comm.events), peak_rss))
+    waits = peer_wait([e for e, _ in every])
     s1 = state.stats() if state is not None else {}
     # max over ranks per step: a step ends when its slowest rank ends
     t = torch.tensor(times, dtype=torch.float64)
@@ -428,7 +499,7 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     g_tagc = (hosts - 1) * (_tagc_gathered(s1) - _tagc_gathered(s0))
     # veth counters: sum over hosts; codec and comm time: over ranks
     v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0, g1 - g0 - g_tagc,
-                      cpu1 - cpu0], dtype=torch.float64)
+                      cpu1 - cpu0, b1 - b0], dtype=torch.float64)
     dist.all_reduce(v, op=dist.ReduceOp.SUM)
     trial = {
         "rep": rep, "strategy": strategy, "config": name,
@@ -442,6 +513,13 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
         sum(waits) / args.steps / world,
         # ideal ring bytes of the parameter all-gathers, per host as the veth counters
         "gather_tx_per_step_per_host": v[4].item() / args.steps / hosts,
+        # every collective's bytes by the ideal count at the call (call_bytes), FSDP's
+        # and TAGC's: what NCCL would send
+        "call_tx_per_step_per_rank": v[6].item() / args.steps / world,
+        # each rank's peak resident memory over this trial (build, warm-up, timed
+        # steps); a lifetime peak where it could not be reset (peak_rss_reset false)
+        "peak_rss_per_rank": [r for _, r in every],
+        "peak_rss_reset": rss_reset,
         # CPU time of the rank's process (every thread, user + system) while timed
         "cpu_s_per_step_per_rank": v[5].item() / args.steps / world,
         # the whole machine's busy CPU-seconds over the timed steps (every rank, the
@@ -459,6 +537,20 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
                     strategy, name, statistics.median(trial["step_s"]),
                     trial["veth_tx_per_step_per_host"] / 1e6)
     return trial
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS, which ``getrusage`` reports (Linux: writing 5 to
+    ``/proc/self/clear_refs``, proc(5)), so the next reading is one trial's peak.
+
+    Returns:
+        whether it was reset (False: the reading is the process's peak so far).
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 def _host_busy() -> float | None:
@@ -559,6 +651,19 @@ def _codec_table(timeout: float, quick: bool) -> str:
     return head + r.stdout
 
 
+def _rate_dirs(out: Path, rates: list[str]) -> dict[str, Path]:
+    """Where each shaped rate's report goes: ``out`` itself for one rate, a folder per
+    rate inside it (``out/200mbit``) for several, each a complete report.
+
+    Args:
+        out: the run's folder.
+        rates: the shaped rates, as ``--rate`` gives them.
+    Returns:
+        {rate: folder}.
+    """
+    return {r: out if len(rates) == 1 else out / r for r in rates}
+
+
 def _driver(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         sys.exit("bench_step.py: needs root to build the emulated network (tagc/train/netem.sh); "
@@ -567,43 +672,77 @@ def _driver(args: argparse.Namespace) -> int:
         if shutil.which(tool) is None:
             sys.exit(f"bench_step.py: '{tool}' not found (iproute2: apt-get install -y iproute2)")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    dirs = _rate_dirs(out, args.rate)
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    if args.predictions:
+        from tagc.bench.cost.bench import estimate_text  # noqa: PLC0415 - only with the option
+
+        logger.info("%s", estimate_text(json.loads(Path(args.predictions).read_text()),
+                                        _plan(args)))
     prefix = f"tagcb{os.getpid() % 1000}"
-    net = ["--prefix", prefix, "-n", str(args.nodes), "--rate", args.rate, "--delay", args.delay]
+
+    def net(rate: str) -> list[str]:
+        """netem.sh's options for the emulated hosts at ``rate``."""
+        return ["--prefix", prefix, "-n", str(args.nodes), "--rate", rate, "--delay", args.delay]
+
     t_wall = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    report: dict = {"args": {k: shown(v) if k in ("out", "config_dir") else v
+    common: dict = {"args": {k: shown(v) if k in ("out", "config_dir", "predictions") and v else v
                              for k, v in vars(args).items() if k != "shape_obj"},
-                    "shape": asdict(args.shape_obj), "started_utc": time.strftime("%Y-%m-%d %H:%M:%S",
-                                                                                  time.gmtime())}
-    report["loadavg_start"], report["cpus"] = os.getloadavg(), os.cpu_count()
+                    "shape": asdict(args.shape_obj),
+                    "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+    common["args"]["rates"] = common["args"].pop("rate")
+    common["loadavg_start"], common["cpus"] = os.getloadavg(), os.cpu_count()
+    reports = {r: {"args": {**common["args"], "rate": r}} for r in args.rate}
     try:
-        netem(net, "up")
-        report["link_shaped"] = netem(net, "measure", str(args.measure_mb), timeout=600).strip()
-        logger.info("%s", report["link_shaped"])
-        report["shaped"] = _launch(net, args, args.configs, args.repeats, args.steps,
-                                   out / "raw_shaped.json", args.timeout, args.profile)
+        netem(net(args.rate[0]), "up")
+        for rate in args.rate:
+            netem(net(rate), "rate", rate)
+            rep = reports[rate]
+            rep["link_shaped"] = netem(net(rate), "measure", str(args.measure_mb),
+                                       timeout=600).strip()
+            logger.info("%s", rep["link_shaped"])
+            rep["shaped"] = _launch(net(rate), args, args.configs, args.repeats, args.steps,
+                                    dirs[rate] / "raw_shaped.json", args.timeout, args.profile)
         if not args.no_unshaped:
-            netem(net, "rate", "none")
-            report["link_unshaped"] = netem([*net[:4], "--rate", "none", *net[6:]], "measure",
-                                             str(args.measure_mb), timeout=600).strip()
-            # quick: only plain FSDP (its communication share); full: every configuration
-            uconf = [c for c in args.configs if c == "fsdp"] if args.quick else args.configs
-            report["unshaped"] = _launch(net, args, uconf or args.configs, args.unshaped_repeats, args.steps,
-                                         out / "raw_unshaped.json", args.timeout)
+            netem(net("none"), "rate", "none")
+            link = netem(net("none"), "measure", str(args.measure_mb), timeout=600).strip()
+            # one unshaped pass serves every shaped rate (its exposed communication)
+            unshaped = _launch(net("none"), args, _unshaped_configs(args), args.unshaped_repeats,
+                               args.steps, out / "raw_unshaped.json", args.timeout)
+            for rep in reports.values():
+                rep["link_unshaped"], rep["unshaped"] = link, unshaped
     finally:
-        netem(net, "down", check=False)
-    report["codec_table"] = _codec_table(args.timeout, args.quick) if not args.no_codec else "(skipped)\n"
-    report["wall_s"] = time.perf_counter() - t_wall
-    report["loadavg_end"] = os.getloadavg()
-    report["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
-    (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
-    # report.md and the chart, printed: bench_report.py beside this file (which re-renders
-    # them later)
-    subprocess.run([sys.executable, str(Path(__file__).resolve().with_name("bench_report.py")),
-                    str(out / "results.json")], check=True)
-    print(f"\nwall time {report['wall_s']:.0f} s; report in {out}/report.md, chart {out}/step_time.png")
+        netem(net(args.rate[0]), "down", check=False)
+    codec = _codec_table(args.timeout, args.quick) if not args.no_codec else "(skipped)\n"
+    ended = {"codec_table": codec, "wall_s": time.perf_counter() - t_wall,
+             "loadavg_end": os.getloadavg(),
+             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    for rate, rep in reports.items():
+        rep.update({**common, **ended, "args": rep["args"]})
+        (dirs[rate] / "results.json").write_text(json.dumps(rep, indent=1, default=str))
+        # report.md and the chart, printed: bench_report.py beside this file (which
+        # re-renders them later)
+        subprocess.run([sys.executable, str(Path(__file__).resolve().with_name("bench_report.py")),
+                        str(dirs[rate] / "results.json")], check=True)
+    print(f"\nwall time {ended['wall_s']:.0f} s; reports: "
+          + ", ".join(f"{d}/report.md" for d in dirs.values()))
     return 0
+
+
+def _plan(args: argparse.Namespace) -> dict:
+    """The run's plan as the cost model's run-time estimate takes it."""
+    return {"rates": args.rate, "configs": args.configs, "warmup": args.warmup,
+            "steps": args.steps, "repeats": args.repeats,
+            "unshaped_repeats": 0 if args.no_unshaped else args.unshaped_repeats,
+            "unshaped_configs": _unshaped_configs(args)}
+
+
+def _unshaped_configs(args: argparse.Namespace) -> list[str]:
+    """The configurations of the unshaped pass: with --quick only plain FSDP (its
+    communication share), else every configuration (each one's exposed communication)."""
+    return ([c for c in args.configs if c == "fsdp"] if args.quick else []) or args.configs
 
 
 def _overrides(items: list[str]) -> dict:
@@ -640,9 +779,15 @@ def _layout_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
             p.error("--hsdp needs --per-node >= 1")
     args.fsdp, args.per_node = args.fsdp or 1, args.per_node or 1
     args.strategies = args.strategies or list(STRATEGIES)
-    args.configs = args.configs or list(CONFIGS)
+    args.configs = args.configs or list(BENCH_MODELS[args.model].configs)
     if "HSDP" in args.strategies and not args.hsdp:
         p.error("strategy HSDP needs --hsdp")
+    once = [c for c in args.configs if not ROWS[c].reshard]
+    if once and (args.fsdp == 1 or args.hsdp):
+        p.error(f"{', '.join(once)}: gathering once is FSDP2's reshard_after_forward=False under "
+                "FULL_SHARD (FSDP1: --strategies SHARD_GRAD_OP)")
+    if "none" in args.rate and not args.no_unshaped:
+        p.error("--rate none is the unshaped pass: add --no-unshaped to run it as the only one")
     if args.hsdp and "SHARD_GRAD_OP" in args.strategies:
         p.error("--hsdp compares FULL_SHARD and HSDP")
 
@@ -668,10 +813,21 @@ def main(argv: list[str] | None = None) -> int:
                         "over every rank against HSDP (native and TAGC's)")
     p.add_argument("--per-node", type=int, default=None,
                    help="ranks per emulated host (default 1; 2 with --hsdp)")
-    p.add_argument("--rate", default="200mbit", help="tc rate per link (default 200mbit)")
+    p.add_argument("--rate", nargs="+", default=["200mbit"],
+                   help="tc rate per link (default 200mbit); several: a shaped pass at each, "
+                        "in order, one report folder per rate inside --out, the unshaped pass "
+                        "once for all ('none' alone with --no-unshaped: an unshaped run)")
+    p.add_argument("--model", choices=sorted(BENCH_MODELS), default="bench",
+                   help="the model (default bench: tagc.bench.shapes.ModelShape's defaults; "
+                        "gpt2-124m: GPT-2 small, vocab 50257, context 256); it sets the "
+                        "defaults of --configs, --warmup, --steps, --repeats and "
+                        "--unshaped-repeats, and the --n-layer ... options change its shape")
+    p.add_argument("--predictions", default=None,
+                   help="the cost model's predictions of this run (cost_model.py "
+                        "--predict-rows): the run's estimated wall time is printed first")
     p.add_argument("--delay", default="0.1ms")
     p.add_argument("--fsdp", type=int, choices=(1, 2), default=None, help="default 1 (2 with --hsdp)")
-    p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS), type=_config_name,
+    p.add_argument("--configs", nargs="+", default=None, choices=list(ROWS), type=_config_name,
                    help="configurations: fsdp (plain) or a preset's name, with or without "
                         "tagc- (balanced = tagc-balanced)")
     p.add_argument("--strategies", nargs="+", default=None, choices=[*STRATEGIES, "HSDP"],
@@ -679,8 +835,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="round-robin passes (shaped link)")
     p.add_argument("--unshaped-repeats", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per trial")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--profile", nargs="*", default=[], choices=list(CONFIGS), type=_config_name,
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--profile", nargs="*", default=[], choices=list(ROWS), type=_config_name,
                    help="configurations to profile (one extra untimed step under torch.profiler "
                         "in the last shaped repeat; table in the report)")
     p.add_argument("--config-dir", default=None,
@@ -713,11 +869,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if args.worker:
         return _worker(args)
-    args.repeats = args.repeats or (1 if args.quick else 4)
-    args.steps = args.steps or (2 if args.quick else 3)
-    args.unshaped_repeats = args.unshaped_repeats or (1 if args.quick else 2)
-    shape = {f: getattr(args, f) for f in asdict(ModelShape()) if getattr(args, f) is not None}
-    args.shape_obj = ModelShape(**shape)
+    plan = BENCH_MODELS[args.model]
+    args.warmup = plan.warmup if args.warmup is None else args.warmup
+    args.repeats = args.repeats or (1 if args.quick else plan.repeats)
+    args.steps = args.steps or (2 if args.quick else plan.steps)
+    args.unshaped_repeats = args.unshaped_repeats or (1 if args.quick else plan.unshaped_repeats)
+    shape = {f: getattr(args, f) for f in asdict(plan.shape) if getattr(args, f) is not None}
+    args.shape_obj = ModelShape(**{**asdict(plan.shape), **shape})
     args.out = args.out or str(run_dir(ROOT, "step"))
     return _driver(args)
 
