@@ -96,7 +96,8 @@ def _results(rate: str, steps: dict, call: dict, unshaped: dict) -> dict:
     """A fake bench_step.py results.json of one rate."""
     def trials(d: dict) -> list:
         return [{"config": c, "step_s": [s], "call_tx_per_step_per_rank": call[c],
-                 "veth_tx_per_step_per_host": 1.1 * call[c]} for c, s in d.items()]
+                 "veth_tx_per_step_per_host": 1.1 * call[c], "stats_delta_per_step": {}}
+                for c, s in d.items()]
     return {"args": {"rate": rate}, "shaped": {"trials": trials(steps)},
             "unshaped": {"trials": trials(unshaped)}}
 
@@ -186,3 +187,51 @@ def test_runs_file_takes_bench_rows_and_bytes_at_the_call() -> None:
     assert rows[("fsdp-noreshard", "call_mb")].exact
     # compute = 5 s exactly, because the fast link is timed from its own table
     assert rows[("fsdp-noreshard", "step_s")].error == pytest.approx(0.0, abs=1e-9)
+
+
+def test_add_a_run_to_the_check_set(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--check PREDICTIONS --measured RUN --add-to RUNS: a setup per rate (the unshaped one
+    too) whose compute is the predictions' input, rows with the run's numbers, the link
+    tables; the runs file's check then predicts the rows as the predictions did."""
+    model = cm.run_model("gpt2-124m-c256")
+    tables = {}
+    for rate, (mbit, bps) in {"slow": (200.0, 2e7), bench.UNSHAPED: (9000.0, 5e8)}.items():
+        f = tmp_path / f"collectives-{rate}" / "collectives.json"
+        f.parent.mkdir()
+        f.write_text(json.dumps(link(mbit, bps)))
+        tables[rate] = str(f)
+    clusters = {r: bench.rate_cluster(2, link(*v), r)
+                for r, v in {"slow": (200.0, 2e7), bench.UNSHAPED: (9000.0, 5e8)}.items()}
+    pred = bench.predict_rows(model, ["fsdp", "full-noreshard"], clusters, plain_s=20.0)
+    pred.update({"kind": cli.PREDICTIONS_KIND, "bench_model": "gpt2-124m", "layout": "gpt2-124m-c256",
+                 "fsdp": 2, "nodes": 2,
+                 "inputs": {"plain_step": {"step_s": 20.0, "report": "step/results.json"},
+                            "links": {r: {"table": t, "inter_mbit": bench.measured_mbit(
+                                link(*{"slow": (200.0, 2e7)}.get(r, (9000.0, 5e8)))["link_measured"])}
+                                      for r, t in tables.items()}}})
+    p = pred["rows"]
+    call = {c: p[c]["slow"]["call_mb"] * 1e6 for c in p}
+    rep = _results("slow", {c: p[c]["slow"]["step_s"] for c in p}, call,
+                   {c: p[c][bench.UNSHAPED]["step_s"] for c in p})
+    rep.update({"started_utc": "2026-11-28 10:00:00", "command": "bench_step.py (fake)",
+                "link_shaped": "netem.sh: measured 200.0 Mbit/s",
+                "link_unshaped": "netem.sh: measured 9000.0 Mbit/s"})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text(json.dumps(rep))
+    pf = tmp_path / "predictions.json"
+    pf.write_text(json.dumps(pred))
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps({"links": {}, "setups": {}, "runs": []}))
+    argv = ["--check", str(pf), "--measured", str(tmp_path / "run"), "--add-to", str(runs)]
+    assert cli.main(argv) == 0
+    assert "added 2 setups, 4 rows and 2 link tables" in capsys.readouterr().out
+    data = cm.load_runs(str(runs))
+    got = {(r.setup, r.config, r.quantity): r for r in check(data)}
+    for rate in ("slow", bench.UNSHAPED):
+        for c in p:
+            r = got[(f"gpt2-124m-202611281000-{rate}", cm.row_config(c).name, "step_s")]
+            assert r.error == pytest.approx(0.0, abs=1e-3), (rate, c, r)
+    assert got[("gpt2-124m-202611281000-slow", "fsdp", "call_mb")].exact
+    with pytest.raises(SystemExit):  # the same run twice
+        cli.main(argv)
+    assert "already there" in capsys.readouterr().err

@@ -144,14 +144,41 @@ def _links(items: Iterable[str]) -> Dict[str, str]:
     return out
 
 
-def _measured_reports(paths: Sequence[str]) -> List[dict]:
-    """The results.json files of ``--measured`` (a folder: every results.json in it)."""
+def _measured_reports(paths: Sequence[str]) -> Dict[str, dict]:
+    """The results.json files of ``--measured`` (a folder: every results.json in it), by
+    their path as a committed file names it."""
     files: List[Path] = []
     for p in map(Path, paths):
         files += sorted(p.rglob("results.json")) if p.is_dir() else [p]
     if not files:
         raise ValueError(f"--measured {' '.join(paths)}: no results.json")
-    return [json.loads(f.read_text()) for f in files]
+    return {shown(f): json.loads(f.read_text()) for f in files}
+
+
+def _add_to_runs(runs_file: str, pred_path: str, pred: dict, reports: Dict[str, dict]) -> None:
+    """--add-to: the run's setups, rows and link tables merged into a runs file (an
+    existing setup or table of the same name is refused), which is then loaded back.
+
+    Args:
+        runs_file: the runs file (``docs/cost_model_runs.json``).
+        pred_path: the predictions file, as given.
+        pred: its content.
+        reports: the run's results.json by path.
+    """
+    tables = {v["table"]: json.loads(Path(v["table"]).read_text())
+              for v in pred["inputs"]["links"].values()}
+    new = bench.runs_entries(pred, shown(Path(pred_path)), reports, tables)
+    data = json.loads(Path(runs_file).read_text())
+    for key in ("links", "setups"):
+        clash = set(new[key]) & set(data[key])
+        if clash:
+            raise ValueError(f"--add-to {runs_file}: {key} {sorted(clash)} already there")
+        data[key].update(new[key])
+    data["runs"] += new["runs"]
+    Path(runs_file).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    load_runs(runs_file)
+    print(f"\nadded {len(new['setups'])} setups, {len(new['runs'])} rows and "
+          f"{len(new['links'])} link tables to {runs_file}")
 
 
 def _predict_bench(args: argparse.Namespace, codec: Dict[str, float]) -> int:
@@ -321,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--measured", nargs="+", metavar="PATH",
                    help="with --check PREDICTIONS: the run's bench_step.py results.json files "
                         "or folders holding them (a multi-rate run: its folder)")
+    a.add_argument("--add-to", metavar="RUNS_JSON",
+                   help="with --check PREDICTIONS --measured: add the run to this runs file "
+                        "(a setup per rate, its rows, the predictions' link tables)")
     b = p.add_argument_group("predictions of a bench_step.py run (--predict-bench)")
     b.add_argument("--predict-bench", metavar="MODEL", choices=sorted(BENCH_MODELS),
                    help="predict every row of bench_step.py --model MODEL (its default rows "
@@ -368,8 +398,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             if data.get("kind") == PREDICTIONS_KIND:
                 if not args.measured:
                     raise ValueError("--check of predictions needs --measured (the run)")
-                rows = bench.compare(data, _measured_reports(args.measured))
+                reports = _measured_reports(args.measured)
+                rows = bench.compare(data, list(reports.values()))
                 print(bench.compare_report(rows, PREDICTION_TOLERANCE))
+                if args.add_to:
+                    _add_to_runs(args.add_to, args.check, data, reports)
                 return 0
             data = load_runs(args.check)
             print(check_report(check(data, codec), data=data))

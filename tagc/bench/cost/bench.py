@@ -266,3 +266,63 @@ def compare_report(rows: List[CheckRow], tolerance: float) -> str:
             f"{len(calls)}",
             f"- veth bytes within 1%: {sum(abs(r.error) <= 0.01 for r in veth)} of {len(veth)}"]
     return "\n".join(out)
+
+
+def runs_entries(pred: Dict[str, Any], pred_path: str, reports: Dict[str, Dict[str, Any]],
+                 tables: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """A run of the predicted rows as entries of the check set (``docs/cost_model_runs.json``):
+    a setup per rate (the unshaped one too), its rows, and the link tables they name.
+
+    A setup's compute is the predictions' own input (the unshaped plain step, timed on
+    the unshaped link's table), so ``--check`` predicts each row as the predictions did,
+    with the model as it is then; its numbers are the run's, to the precision
+    ``--check`` compares them at.
+
+    Args:
+        pred: the predictions file.
+        pred_path: where it is (named in each setup).
+        reports: the run's ``results.json`` by path.
+        tables: the predictions' link tables by their path (``inputs.links.*.table``).
+    Returns:
+        ``{"links": {...}, "setups": {...}, "runs": [...]}`` to merge into a runs file.
+    """
+    inp = pred["inputs"]
+    link_name = {rate: f"{rate}-{v['table'].split('/')[-2]}" for rate, v in inp["links"].items()}
+    out: Dict[str, Any] = {"links": {link_name[r]: {**tables[v["table"]], "report": v["table"]}
+                                     for r, v in inp["links"].items()},
+                           "setups": {}, "runs": []}
+    for path, rep in reports.items():
+        runs = [(rep["args"]["rate"], rep.get("shaped"), rep.get("link_shaped"))]
+        if rep.get("unshaped") and not any(s.endswith(f"-{UNSHAPED}") for s in out["setups"]):
+            runs.append((UNSHAPED, rep["unshaped"], rep.get("link_unshaped")))
+        stamp = re.sub(r"\D", "", rep.get("started_utc", ""))[:12]
+        for rate, run, link_line in runs:
+            name = f"{pred['bench_model']}-{stamp}-{rate}"
+            out["setups"][name] = {
+                "section": f"{path.rsplit('/', 1)[0]}/report.md '## FULL_SHARD' table"
+                           + (" (its unshaped s column)" if rate == UNSHAPED else ""),
+                "command": rep.get("command"), "date": f"{rep.get('started_utc')} UTC, load "
+                f"{rep.get('loadavg_start')} -> {rep.get('loadavg_end')} (its report)",
+                "model": pred["layout"], "fsdp": pred["fsdp"], "layout": "fsdp", "dtype": "fp32",
+                "ranks_per_node": 1, "nodes": pred["nodes"], "inter_mbit": measured_mbit(link_line),
+                "inter_source": f"{link_line} (its report)",
+                "compute": {"plain_fast_step_s": inp["plain_step"]["step_s"],
+                            "fast_mbit": inp["links"][UNSHAPED]["inter_mbit"],
+                            "fast_collectives": link_name[UNSHAPED],
+                            "source": f"the predictions' input ({pred_path}): the unshaped plain "
+                                      f"step of {inp['plain_step']['report']}"},
+                "collectives": link_name[rate], "report": path.rsplit("/", 1)[0] + "/report.md"}
+            for c in dict.fromkeys(t["config"] for t in run["trials"]):
+                row = {"setup": name, "config": c, "step_s": round(_median(run, c), 3)}
+                for key, field in (("call_mb", "call_tx_per_step_per_rank"),
+                                   ("gathers_mb", "gather_tx_per_step_per_host"),
+                                   ("veth_tx_mb", "veth_tx_per_step_per_host")):
+                    v = _mean(run, c, field)
+                    if v is not None:
+                        row[key] = round(v / 1e6, 2)
+                wire = [t["stats_delta_per_step"].get("total", {}).get("wire_bytes")
+                        for t in run["trials"] if t["config"] == c]
+                if wire and None not in wire:
+                    row["stats_wire_mb"] = round(sum(wire) / len(wire) / 1e6, 2)
+                out["runs"].append(row)
+    return out
