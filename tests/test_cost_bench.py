@@ -213,7 +213,12 @@ def test_add_a_run_to_the_check_set(tmp_path: Path, capsys: pytest.CaptureFixtur
     call = {c: p[c]["slow"]["call_mb"] * 1e6 for c in p}
     rep = _results("slow", {c: p[c]["slow"]["step_s"] for c in p}, call,
                    {c: p[c][bench.UNSHAPED]["step_s"] for c in p})
-    rep.update({"started_utc": "2026-11-28 10:00:00", "command": "bench_step.py (fake)",
+    from dataclasses import asdict
+
+    from tagc.bench.shapes import BENCH_MODELS
+
+    rep.update({"shape": asdict(BENCH_MODELS["gpt2-124m"].shape),
+                "started_utc": "2026-11-28 10:00:00", "command": "bench_step.py (fake)",
                 "link_shaped": "netem.sh: measured 200.0 Mbit/s",
                 "link_unshaped": "netem.sh: measured 9000.0 Mbit/s"})
     (tmp_path / "run").mkdir()
@@ -235,3 +240,5 @@ def test_add_a_run_to_the_check_set(tmp_path: Path, capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):  # the same run twice
         cli.main(argv)
     assert "already there" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="the run measured"):  # a run of another model
+        bench.compare(pred, [{**rep, "shape": {**rep["shape"], "n_layer": 1}}])

@@ -210,11 +210,11 @@ def _predict_bench(args: argparse.Namespace, codec: Dict[str, float]) -> int:
     run_plan = {"rates": shaped, "configs": list(plan.configs), "warmup": plan.warmup,
                 "steps": plan.steps, "repeats": plan.repeats,
                 "unshaped_repeats": plan.unshaped_repeats, "unshaped_configs": list(plan.configs)}
-    command = ("sudo python3 scripts/bench/bench_step.py --model " + args.predict_bench
-               + " --fsdp 2 --strategies FULL_SHARD --rate " + " ".join(shaped)
-               + " --no-codec --predictions PREDICTIONS")
     out = Path(args.out) if args.out else run_dir(ROOT, f"predictions-{args.predict_bench}")
     out.mkdir(parents=True, exist_ok=True)
+    command = ("sudo python3 scripts/bench/bench_step.py --model " + args.predict_bench
+               + " --fsdp 2 --strategies FULL_SHARD --rate " + " ".join(shaped)
+               + " --no-codec --predictions " + shown(out / "predictions.json"))
     data = {"kind": PREDICTIONS_KIND,
             "about": "Predictions of the cost model made BEFORE the run they predict (issue 42): "
                      "inputs are only each rate's link and collective table and one unshaped "

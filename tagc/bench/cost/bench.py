@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import re
 import statistics
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence
+
+from tagc.bench.shapes import BENCH_MODELS
 
 from .check import TCP_FRAME_OVERHEAD, CheckRow, _pct, _setup_cluster
 from .configs import row_config
@@ -220,7 +223,15 @@ def compare(pred: Dict[str, Any], reports: Sequence[Dict[str, Any]]) -> List[Che
         reports: the run's ``results.json`` (:func:`measured_rows`).
     Returns:
         one :class:`CheckRow` per compared number (setup = the rate).
+    Raises:
+        ValueError: a report of another model than the predicted benchmark model's.
     """
+    if "bench_model" in pred:
+        want = asdict(BENCH_MODELS[pred["bench_model"]].shape)
+        other = [r["shape"] for r in reports if r.get("shape") != want]
+        if other:
+            raise ValueError(f"the predictions are of {pred['bench_model']} ({want}); the run "
+                             f"measured {other[0]}")
     meas = measured_rows(reports)
     out = []
     for row, by_rate in pred["rows"].items():
