@@ -34,6 +34,9 @@ def test_changes_are_per_seed_against_the_same_tasks_plain() -> None:
     assert a["pct"] == pytest.approx(0.0) and a["lo"] == pytest.approx(-1.0)
     assert a["hi"] == pytest.approx(1.0) and a["seeds"] == 2
     assert a["loss"] == pytest.approx(2.99)
+    # two seeds, +1 and -1: sd sqrt(2), t(1 df) 12.706, n 2: half-width 12.706
+    assert a["ci"] == pytest.approx(12.706)
+    assert cells[("b", "tagc-lean")]["ci"] is None
     assert cells[("b", "tagc-lean")]["pct"] == pytest.approx(50.0)
     assert cells[("a", "plain")]["pct"] == 0.0 and cells[("a", "plain")]["cbits"] is None
 

@@ -118,6 +118,9 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
                                     "residual_code": "int4"}),
     "ternary-res4": ("tagc-lean", {"error_feedback": True, "ef21": False,
                                    "residual_code": "int4"}),
+    # a top-k preset with its residual on codes
+    "sparse-res8": ("tagc-sparse", {"residual_code": "int8"}),
+    "sparse-res4": ("tagc-sparse", {"residual_code": "int4"}),
     # tagc-balanced until issue 42: int4 + damped EF21 on an fp32 residual
     "int4-ef21": ("tagc-balanced", {"error_feedback": True, "ef21": True,
                                     "residual_code": None}),
@@ -129,7 +132,8 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
 NO_FEEDBACK = {"tagc-balanced": "int4-nofb", "ternary-ef21": "ternary-nofb",
                "int4-res": "int4-nofb", "ternary-res": "ternary-nofb",
                "int4-res8": "int4-nofb", "int4-res4": "int4-nofb",
-               "ternary-res4": "ternary-nofb", "int4-ef21": "int4-nofb"}
+               "ternary-res4": "ternary-nofb", "int4-ef21": "int4-nofb",
+               "sparse-res8": "tagc-sparse", "sparse-res4": "tagc-sparse"}
 
 
 def method_config(method: str) -> Optional[Dict[str, Any]]:
@@ -271,6 +275,24 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
 
 
+# Student's t, the 0.975 quantile, by degrees of freedom 1..30 (beyond: the normal
+# 1.96): the half-width of a 95% interval of a mean over few seeds.
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201,
+        2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074,
+        2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def ci95(xs: Sequence[float]) -> Optional[float]:
+    """Half-width of the 95% confidence interval of the mean of ``xs`` (t interval,
+    sample standard deviation); None for fewer than two values."""
+    n = len(xs)
+    if n < 2:
+        return None
+    m = _mean(xs)
+    sd = (sum((x - m) ** 2 for x in xs) / (n - 1)) ** 0.5
+    return (T975[n - 2] if n - 1 <= len(T975) else 1.96) * sd / n ** 0.5
+
+
 def summarize(runs: Sequence[Run]) -> Dict[Tuple[str, str], Dict[str, Any]]:
     """Per (task, method): the mean final loss, the per-seed change vs plain FSDP of the
     same seed (mean, min, max, in %) and the mean bits/param.
@@ -278,7 +300,8 @@ def summarize(runs: Sequence[Run]) -> Dict[Tuple[str, str], Dict[str, Any]]:
     Args:
         runs: every run, plain included for each (task, seed).
     Returns:
-        ``{(task, method): {"loss", "pct", "lo", "hi", "seeds", "bits", "cbits"}}``.
+        ``{(task, method): {"loss", "pct", "ci", "lo", "hi", "seeds", "bits", "cbits"}}``
+        (``ci``: :func:`ci95` of the per-seed changes, None for one seed).
     Raises:
         ValueError: a (task, seed) without its plain run.
     """
@@ -292,7 +315,8 @@ def summarize(runs: Sequence[Run]) -> Dict[Tuple[str, str], Dict[str, Any]]:
     for key, rs in cells.items():
         pct = [100.0 * (r.final / base[(r.task, r.seed)] - 1.0) for r in rs]
         cb = [r.cbits for r in rs if r.cbits is not None]
-        out[key] = {"loss": _mean([r.final for r in rs]), "pct": _mean(pct), "lo": min(pct),
+        out[key] = {"loss": _mean([r.final for r in rs]), "pct": _mean(pct), "ci": ci95(pct),
+                    "lo": min(pct),
                     "hi": max(pct), "seeds": len(rs), "bits": _mean([r.bits for r in rs]),
                     "cbits": _mean(cb) if cb else None}
     return out
@@ -314,7 +338,8 @@ def write_doc(runs: Sequence[Run], wall: Dict[str, float], path: Path, command: 
              + ("" if scale == 1 else f" **Scale {scale:g}: every task at {scale:g}x its steps "
                 "(a smoke run, not the suite's result).**"),
              "", "2 gloo ranks on the CPU. Change: final validation loss vs plain FSDP of the "
-             "same task and seed (mean over seeds; min..max when several). Bits/param: what a "
+             "same task and seed (mean over seeds; with several, ± the 95% interval of that mean "
+             "(t) and min..max over seeds). Bits/param: what a "
              "rank sends per gradient element per step, over all parameters / over the "
              "compressed units.", "",
              "| task | what | seeds | plain loss | wall |", "|---|---|---|---|---|"]
@@ -334,7 +359,7 @@ def write_doc(runs: Sequence[Run], wall: Dict[str, float], path: Path, command: 
             if c is None:
                 row.append("-")
                 continue
-            rng = f" ({c['lo']:+.1f}..{c['hi']:+.1f})" if c["seeds"] > 1 else ""
+            rng = f" ±{c['ci']:.2f} ({c['lo']:+.1f}..{c['hi']:+.1f})" if c["seeds"] > 1 else ""
             cb = f" / {c['cbits']:.2f}" if c["cbits"] is not None else ""
             row.append(f"{c['pct']:+.2f}%{rng}, {c['bits']:.2f}{cb} b")
         lines.append(f"| {t} | " + " | ".join(row) + " |")
