@@ -12,6 +12,7 @@ loads into must hold every tensor before the first backward.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -93,13 +94,22 @@ def _comparable(config: Dict[str, Any]) -> Dict[str, Any]:
 
 def _saved_config(saved: Dict[str, Any], cfg: TAGCConfig) -> Dict[str, Any]:
     """The saved config with the knobs added since it was written: a key it lacks
-    counts as the current value when that is the knob's default (a checkpoint older
-    than ``hsdp_out_format`` resumes under the default, not under another value)."""
-    defaults = TAGCConfig().resolved_dict()
+    counts as what the saved knobs resolve it to now (a checkpoint older than
+    ``hsdp_out_format`` resumes under that knob's default, an EF21 one older than
+    ``residual_code`` with the fp32 residual it holds), never as another value."""
     current = cfg.resolved_dict()
-    missing = {k: current[k] for k in current
-               if k not in saved and current[k] == defaults.get(k)}
-    return {**saved, **missing}
+    lacking = [k for k in current if k not in saved]
+    if not lacking:
+        return saved
+    known = {f.name for f in dataclasses.fields(TAGCConfig)}
+    given = {k: v for k, v in saved.items() if k in known}
+    if str(given.get("layers", "")).startswith("callable:"):
+        given["layers"] = cfg.layers  # resolved_dict names a callable; compared as named
+    try:
+        then = TAGCConfig.from_dict(given).resolved_dict()
+    except ValueError:
+        return saved  # not a config this code builds: the comparison reports the difference
+    return {**saved, **{k: then[k] for k in lacking}}
 
 
 def validate(sd: Dict[str, Any], reducers: List[UnitReducer], cfg: TAGCConfig, world: int,

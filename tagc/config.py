@@ -1,7 +1,7 @@
 """TAGCConfig: every knob of TAGC, documented and validated (the tuning guide).
 
 ``TAGCConfig()`` is the recommended preset, ``tagc-balanced`` (mode ``quant``, int4
-codes, EF21 on every layer: about 8x fewer gradient bytes than FSDP's reduce-scatter for
+codes on every layer, residual feedback kept on int4 codes: about 8x fewer gradient bytes than FSDP's reduce-scatter for
 the same model), as PyTorch's ``PowerSGDState`` defaults are its recommendation; the
 other shipped presets load by name, ``TAGCConfig.preset("full")`` (int8 parameter
 gathers too, FSDP2) or ``TAGCConfig.preset("lean")`` (ternary codes, no feedback state:
@@ -33,8 +33,9 @@ QUANT_BITS = {"sign": 1.0, "ternary": 1.6, "int4": 4.0, "int8": 8.0}
 # Parameter all-gather formats (FSDP2): "none" leaves FSDP's own all-gather alone.
 GATHER_FORMATS = ("none", "int8", "int4")
 HSDP_ALLREDUCE_FORMS = ("auto", "two_phase", "gather")
-# How a residual may be kept between calls as block codes (TAGCConfig.residual_code).
-RESIDUAL_CODES = ("int8", "int4")
+# How a residual is kept between calls (TAGCConfig.residual_code): "none" as values of
+# residual_dtype, or as block codes.
+RESIDUAL_CODES = ("none", "int8", "int4")
 # The paper's compression presets: ratio -> sparsity (Table/Section 4 of the paper).
 PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
 # The feedback guard's threshold when guard_ratio is left at None and EF21 is on
@@ -44,7 +45,7 @@ PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
 DEFAULT_GUARD_RATIO = 256.0
 # Knobs whose default follows other knobs (resolved in __post_init__); to_dict() writes
 # them as None unless given, so a changed source re-derives them.
-DERIVED = ("theta", "ratio", "ef21", "ef21_damping")
+DERIVED = ("theta", "ratio", "ef21", "ef21_damping", "residual_code")
 _FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
                  "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -148,9 +149,8 @@ class TAGCConfig:
         seed: base of the sketch hash seeds, ``_tagc.seed_derive(seed, unit, step)``.
         residual_dtype: residual storage, ``torch.float32`` (default) or
             ``torch.bfloat16`` (halves the memory, rounds the feedback).
-        residual_code: ``None`` (default): the residual is kept as
-            ``residual_dtype`` values.  ``"int8"`` / ``"int4"``: kept between
-            calls as block codes of ``quant_block`` entries (round to nearest,
+        residual_code: how the residual is kept between calls: ``"none"`` as
+            ``residual_dtype`` values; ``"int8"`` / ``"int4"`` as block codes of ``quant_block`` entries (round to nearest,
             one fp32 scale per block; LoCo keeps an 8-bit error buffer, arXiv
             2407.04480), decoded into an fp32 working copy for the length of a
             call and coded again after it; what that coding rounds away is
@@ -158,10 +158,15 @@ class TAGCConfig:
             fraction of the gradient).  Memory per rank and entry of a unit:
             ``quant_bytes(n)/n`` bytes (int8 1.016, int4 0.516 at block 256)
             instead of 4, plus the working copy during a call (transient,
-            one unit).  Residual feedback only (EF21's ``h`` must match the
-            owner's sum exactly: ``ef21`` then defaults to off), ``residual_dtype``
-            float32; like ``residual_dtype`` it has no effect where no residual is
-            kept (``error_feedback`` off, ``dense``).  Memory of every state:
+            one unit).  ``None`` (default): ``"int4"`` for ``quant`` mode's
+            residual feedback (``tagc-balanced``/``tagc-full``: 0.52 bytes per
+            parameter per rank, level with an fp32 residual and with EF21 on the
+            suite, docs/SUITE.md), ``"none"`` for the top-k modes (their
+            residual holds most of what they do not send; measured with fp32),
+            for EF21 (``h`` must match the owner's sum exactly) and for a
+            ``bfloat16`` ``residual_dtype``.  A code needs ``residual_dtype``
+            float32 and no EF21; it has no effect where no residual is kept
+            (``error_feedback`` off, ``dense``).  Memory of every state:
             ``tagc.memory``.
         sketch_factor: exact mode: buckets per possible union entry,
             ``m = ceil(sketch_factor * min(S, N*k))``; 3-hash peeling needs
@@ -213,11 +218,14 @@ class TAGCConfig:
             5 and 8 the mechanism).  Cost: the same bytes; memory:
             the residual buffer holds ``-h`` (as before, one unit per rank)
             plus one fp32 estimate of the owner's shard (1/N of the unit).
-            Needs ``error_feedback`` and float32 residuals (a rounded ``h``
-            would drift from the owner's sum); not in ``dense`` mode.
-            ``None`` (default): on in ``quant`` mode where it can run
-            (``error_feedback`` and float32 residuals), off otherwise (the
-            top-k modes keep the residual feedback they were measured with).
+            Needs ``error_feedback`` and an fp32 residual (``residual_code``
+            ``"none"``, which it then derives: a rounded ``h`` would drift from
+            the owner's sum); not in ``dense`` mode.  ``None`` (default): off.
+            It was ``tagc-balanced``'s feedback until issue 42; its state, an
+            unsharded fp32 copy of every unit per rank plus a shard, is 4(1 +
+            1/N) bytes per parameter (31 GB per GPU at 7B on 8 GPUs), while the
+            residual on int4 codes trains as well on the suite at 0.52
+            (docs/SUITE.md).
         ef21_damping: EF21 with a damped estimate: each call first scales
             every rank's ``h`` and the owners' estimates by one factor
             ``lam = clip(sum <g, h> / sum ||h||^2, 0, 1)`` (sums over the
@@ -407,16 +415,16 @@ class TAGCConfig:
             raise ValueError(f"quant_format: must be one of {QUANT_FORMATS}, "
                              f"got {self.quant_format!r}")
         _check_int("quant_block", self.quant_block, 1, 65536)
-        self._check_residual_code()
         if self.ef21 is None:
-            self.ef21 = self.mode == "quant" and self.error_feedback is True and \
-                self.residual_dtype == torch.float32 and self.residual_code is None
+            # opt-in since issue 42: its state is an unsharded fp32 copy per rank
+            self.ef21 = False
         _check_bool("ef21", self.ef21)
+        self._resolve_residual_code()
         if self.ef21 and (self.mode == "dense" or not self.error_feedback
                           or self.residual_dtype != torch.float32
-                          or self.residual_code is not None):
+                          or self.residual_code != "none"):
             raise ValueError("ef21: needs a compressing mode, error_feedback=True, "
-                             "residual_dtype float32 and no residual_code (the ranks' "
+                             "residual_dtype float32 and residual_code 'none' (the ranks' "
                              "estimates must add up to the owner's exactly)")
         if self.ef21_damping is None:
             self.ef21_damping = self.ef21
@@ -441,16 +449,22 @@ class TAGCConfig:
                              f"got {self.hsdp_out_format!r}")
         self._check_guard()
 
-    def _check_residual_code(self) -> None:
+    def _resolve_residual_code(self) -> None:
         c = self.residual_code
         if c is None:
-            return
+            # quant mode's residual on int4 codes (issue 42: the presets' state within
+            # one byte per parameter, quality level on the suite); the top-k modes keep
+            # the fp32 residual they were measured with (it holds most of what they
+            # do not send), EF21 needs it exact
+            c = "int4" if self.mode == "quant" and self.error_feedback is True and \
+                not self.ef21 and self.residual_dtype == torch.float32 else "none"
         if c not in RESIDUAL_CODES:
-            raise ValueError(f"residual_code: must be None or one of {RESIDUAL_CODES}, "
-                             f"got {c!r}")
-        if self.residual_dtype != torch.float32:
+            raise ValueError(f"residual_code: must be None (derived) or one of "
+                             f"{RESIDUAL_CODES}, got {c!r}")
+        if c != "none" and self.residual_dtype != torch.float32:
             raise ValueError("residual_code: the residual's working copy is float32; leave "
-                             "residual_dtype at float32")
+                             "residual_dtype at float32 (or residual_code 'none')")
+        self.residual_code = c
 
     def _check_guard(self) -> None:
         g = self.guard_ratio

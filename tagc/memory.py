@@ -58,7 +58,7 @@ def residual_buffer(cfg: TAGCConfig, name: str, length: int) -> Buffer:
         ``(name, length, residual_dtype)``, or with ``residual_code`` the codes'
         ``(name, bytes, torch.uint8)``.
     """
-    if cfg.residual_code is None:
+    if cfg.residual_code == "none":
         return name, length, cfg.residual_dtype
     return name, coded_bytes(length, cfg.residual_code, cfg.quant_block), torch.uint8
 

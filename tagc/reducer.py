@@ -106,7 +106,7 @@ class UnitReducer:
     def coded_residuals(self) -> Dict[str, int]:
         """The residuals kept as codes (``residual_code``): attribute -> entries of
         its fp32 working copy."""
-        if not self.keeps_feedback or self.cfg.residual_code is None:
+        if not self.keeps_feedback or self.cfg.residual_code == "none":
             return {}
         return {"residual": self.flat_numel}
 

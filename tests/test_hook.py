@@ -27,6 +27,7 @@ def _cfg(mode: str, **kw: Any) -> tagc.TAGCConfig:
     # values these tests were written for: the paper's selection, residual feedback
     kw.setdefault("layers", "non_attention")
     kw.setdefault("ef21", False)
+    kw.setdefault("residual_code", "none")  # the fp32 residual (issue 42's default: int4 codes)
     return tagc.TAGCConfig(mode=mode, min_numel=MIN_NUMEL, **kw)
 
 

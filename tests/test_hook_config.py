@@ -75,7 +75,8 @@ def test_paper_theta_defaults_from_ratio():
 
 def test_quant_mode_sends_every_entry():
     c = tagc.TAGCConfig(mode="quant")
-    assert (c.theta, c.quant_format, c.quant_block, c.ef21) == (0.0, "int4", 256, True)
+    assert (c.theta, c.quant_format, c.quant_block, c.ef21, c.residual_code) == \
+        (0.0, "int4", 256, False, "int4")
     assert tagc.TAGCConfig(mode="quant", theta=0).theta == 0.0
     assert c.theta_at(0) == 0.0
     assert tagc.TAGCConfig(mode="quant", dense_steps=3).theta_at(2) is None
@@ -105,18 +106,26 @@ def _figure_matches(quoted: str, computed: float) -> bool:
 @pytest.mark.codec
 def test_recommended_presets():
     """tagc-balanced / tagc-lean / tagc-full: quant mode on every layer (attention
-    inputs included: block quantization does not hurt them, RESULTS.md), EF21 on int4
-    and no feedback on ternary (it did not earn its memory there, SUITE.md), no
-    warm-up to size, and bits/param per rank at N=2 (``_tagc.quant_bytes``) within
-    their budgets (2.6 and 1.0)."""
-    for name, budget, feedback in (("tagc-balanced", 2.6, True), ("tagc-lean", 1.0, False),
-                                   ("tagc-full", 2.6, True)):
+    inputs included: block quantization does not hurt them, RESULTS.md), residual
+    feedback kept on int4 codes for int4 and no feedback on ternary (it did not earn
+    its memory there, SUITE.md), no warm-up to size, bits/param per rank at N=2
+    (``_tagc.quant_bytes``) within their budgets (2.6 and 1.0), and at most one byte
+    of feedback state per parameter and rank at any N (issue 42)."""
+    from tagc import memory
+
+    for name, budget, feedback, code in (("tagc-balanced", 2.6, True, "int4"),
+                                         ("tagc-lean", 1.0, False, "none"),
+                                         ("tagc-full", 2.6, True, "int4")):
         c = tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"{name}.yaml"))
         assert c.mode == "quant" and c.layers == "all"
-        assert c.error_feedback == c.ef21 == feedback, name
+        assert (c.error_feedback, c.ef21, c.residual_code) == (feedback, False, code), name
         assert c.dense_steps == 0 and c.warmup_steps == 0
         bits = _quant_bits_per_param(c.quant_format, c.quant_block)
         assert bits <= budget, (name, bits)
+        n = 1 << 20
+        for world in (2, 8, 64):
+            assert memory.feedback_bytes(c, n, world) <= n, (name, world)
+            assert memory.feedback_bytes(c, n, world, replicas=4) <= n, (name, world)
 
 
 @pytest.mark.codec
@@ -203,9 +212,9 @@ def test_presets_load_and_unknown_keys_raise(tmp_path):
     assert tagc.TAGCConfig.from_dict(c.to_dict()) == c
     # overrides apply before defaults resolve: ef21_damping follows an overridden ef21
     balanced = os.path.join(ROOT, "configs", "tagc-balanced.yaml")
-    assert tagc.TAGCConfig.from_yaml(balanced).ef21_damping
-    off = tagc.TAGCConfig.from_yaml(balanced, {"ef21": False})
-    assert off.error_feedback and not (off.ef21 or off.ef21_damping)
+    assert not tagc.TAGCConfig.from_yaml(balanced).ef21_damping
+    on = tagc.TAGCConfig.from_yaml(balanced, {"ef21": True, "residual_code": "none"})
+    assert on.error_feedback and on.ef21 and on.ef21_damping
     with pytest.raises(ValueError, match="thetta"):
         tagc.TAGCConfig.from_yaml(balanced, {"thetta": 0.8})
     bad.write_text("- mode\n- exact\n")
@@ -374,6 +383,19 @@ def test_a_checkpoint_from_before_a_knob_resumes_under_its_default() -> None:
     assert _saved_config(cfg.to_dict(), other) != other.to_dict()
 
 
+def test_an_ef21_checkpoint_from_before_residual_code_resumes_with_its_fp32_state() -> None:
+    """An EF21 run's saved config (tagc-balanced before issue 42) lacks residual_code:
+    it counts as what its knobs resolve to now, "none", so the same knobs resume and
+    today's tagc-balanced (int4 codes, no EF21) is refused."""
+    from tagc.checkpoint import _saved_config
+
+    ef21 = tagc.TAGCConfig(ef21=True)
+    old = ef21.resolved_dict()
+    del old["residual_code"]
+    assert _saved_config(old, ef21) == ef21.resolved_dict()
+    assert _saved_config(old, tagc.TAGCConfig()) != tagc.TAGCConfig().resolved_dict()
+
+
 def test_a_checkpoint_resumes_under_either_hsdp_overlap() -> None:
     """``hsdp_overlap`` changes how the hook runs, not its values: a checkpoint saved
     with it on loads with it off and back; a knob that changes values still refuses."""
@@ -392,8 +414,11 @@ def test_a_checkpoint_resumes_under_either_hsdp_overlap() -> None:
 # --------------------------------------------------------------------------- defaults, presets
 
 PRESETS_BEFORE = os.path.join(ROOT, "tests", "data", "presets_resolved_f1cb654.json")
-# presets changed since that record, and why (each change named here, nothing silent)
-CHANGED_ON_PURPOSE: dict = {}
+# presets changed since that record, and why (each change named here, nothing silent):
+# issue 42 moved tagc-balanced/-full from EF21 (4(1 + 1/N) bytes of state per parameter)
+# to the residual feedback on int4 codes (0.52), level on the suite (docs/SUITE.md)
+CHANGED_ON_PURPOSE = {name: {"ef21": False, "ef21_damping": False, "residual_code": "int4"}
+                      for name in ("tagc-balanced", "tagc-full")}
 
 
 def test_defaults_are_the_recommended_preset():
@@ -404,7 +429,7 @@ def test_defaults_are_the_recommended_preset():
                  os.path.join(ROOT, "configs", "tagc-balanced.yaml")):
         assert tagc.TAGCConfig.preset(name).resolved_dict() == default.resolved_dict(), name
     assert (default.mode, default.quant_format, default.layers, default.ef21,
-            default.ef21_damping) == ("quant", "int4", "all", True, True)
+            default.residual_code) == ("quant", "int4", "all", False, "int4")
 
 
 def test_unknown_preset_names_the_shipped_ones():
@@ -423,9 +448,9 @@ def test_preset_resolves_as_before_the_defaults_changed(name):
         before = json.load(fh)["presets"]
     assert name in before, f"{name}: a new preset; add it to {PRESETS_BEFORE}"
     now = tagc.TAGCConfig.preset(name).resolved_dict()
-    # knobs added since: the fixture's preset had their defaults
-    defaults = tagc.TAGCConfig().resolved_dict()
-    want = {**{k: defaults[k] for k in now if k not in before[name]}, **before[name],
+    # knobs added since: what the fixture's knobs resolve them to today
+    then = tagc.TAGCConfig.from_dict(before[name]).resolved_dict()
+    want = {**{k: then[k] for k in now if k not in before[name]}, **before[name],
             **CHANGED_ON_PURPOSE.get(name, {})}
     assert now == want
 
@@ -479,13 +504,16 @@ def test_every_config_round_trips_with_one_change(change):
 
 def test_round_trip_drops_derived_knobs_with_their_source():
     """The case that raised before: EF21's damping was written out as True, so turning
-    EF21 off on tagc-balanced conflicted with it."""
+    EF21 off on an EF21 config conflicted with it."""
     bal = tagc.TAGCConfig.preset("balanced")
-    off = tagc.TAGCConfig.from_dict({**bal.to_dict(), "ef21": False})
-    assert (off.ef21, off.ef21_damping) == (False, False)
+    ef21 = tagc.TAGCConfig(ef21=True)
+    off = tagc.TAGCConfig.from_dict({**ef21.to_dict(), "ef21": False})
+    assert (off.ef21, off.ef21_damping, off.residual_code) == (False, False, "int4")
     exact = tagc.TAGCConfig().replace(mode="exact")   # EF21 derived, not given: follows
     assert (exact.theta, exact.ef21) == (0.9875, False)
-    assert bal.replace(mode="exact").ef21 is True       # the preset states ef21: true
+    # the preset states ef21 and residual_code: they stay as given
+    assert (bal.replace(mode="exact").ef21, bal.replace(mode="exact").residual_code) == \
+        (False, "int4")
     # a derived knob given explicitly stays as given
     assert tagc.TAGCConfig(mode="exact", ef21=True).replace(seed=3).ef21 is True
     assert bal.to_dict()["theta"] is None and bal.resolved_dict()["theta"] == 0.0

@@ -28,6 +28,7 @@ def _cfg(mode: str = "exact", **kw: Any) -> tagc.TAGCConfig:
     # values these tests were written for: the paper's selection, residual feedback
     kw.setdefault("layers", "non_attention")
     kw.setdefault("ef21", False)
+    kw.setdefault("residual_code", "none")  # the fp32 residual (issue 42's default: int4 codes)
     return tagc.TAGCConfig(mode=mode, min_numel=64, **kw)
 
 
@@ -181,7 +182,7 @@ def _resume_cfg(mode: str, other: bool = False) -> tagc.TAGCConfig:
     if mode.startswith("quant"):
         return _cfg("quant", quant_format="int4" if other else "ternary",
                     ef21=mode.endswith("ef21"),
-                    residual_code="int4" if mode.endswith("rcode") else None)
+                    residual_code="int4" if mode.endswith("rcode") else "none")
     return _cfg(mode, theta=theta)
 
 

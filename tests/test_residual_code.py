@@ -47,6 +47,8 @@ def _q(v: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
 
 
 def _cfg(**kw: Any) -> tagc.TAGCConfig:
+    """Quant, residual feedback on int8 codes; ``kw`` overrides (``residual_code``
+    ``"none"``: the fp32 residual)."""
     base = dict(mode="quant", quant_format="int4", quant_block=256, error_feedback=True,
                 ef21=False, residual_code="int8", bypass_every=0, guard_ratio=0,
                 dense_steps=0)
@@ -212,7 +214,7 @@ def test_stats_report_the_feedback_memory() -> None:
         assert r["per_param"] == r["want"] / r["params"] and r["per_param"] < 1.0, r
 
 
-@pytest.mark.parametrize("code,per_entry", [(None, 4.0), ("int8", 260 / 256),
+@pytest.mark.parametrize("code,per_entry", [("none", 4.0), ("int8", 260 / 256),
                                             ("int4", 132 / 256)])
 def test_feedback_bytes_per_format(code: Any, per_entry: float) -> None:
     """Residual feedback: the residual over the unit, nothing else (FULL_SHARD)."""
@@ -223,7 +225,7 @@ def test_feedback_bytes_per_format(code: Any, per_entry: float) -> None:
 
 def test_feedback_bytes_ef21_and_none() -> None:
     n, world = 3 * 1024, 3
-    ef21 = _cfg(residual_code=None, ef21=True)
+    ef21 = _cfg(residual_code="none", ef21=True)
     assert memory.feedback_bytes(ef21, n, world) == 4 * n + 4 * n // world
     assert memory.feedback_bytes(_cfg(error_feedback=False), n, world) == 0
     assert memory.feedback_bytes(_cfg(mode="dense"), n, world) == 0
@@ -249,9 +251,19 @@ def test_unit_buffers_are_what_reducers_keep() -> None:
 # ----------------------------------------------------------------------------- config
 
 def test_residual_code_rules() -> None:
-    assert tagc.TAGCConfig(residual_code="int4").ef21 is False  # derived: no EF21
+    # derived: int4 codes for quant's residual feedback, values elsewhere
+    assert tagc.TAGCConfig().residual_code == "int4"
+    assert tagc.TAGCConfig(ef21=True).residual_code == "none"
+    assert tagc.TAGCConfig(mode="sparse").residual_code == "none"
+    assert tagc.TAGCConfig(residual_dtype="bfloat16").residual_code == "none"
+    assert tagc.TAGCConfig(error_feedback=False).residual_code == "none"
+    # it follows its source when not given (to_dict writes it as None)
+    assert tagc.TAGCConfig().replace(ef21=True).residual_code == "none"
+    assert tagc.TAGCConfig(residual_code="int8").replace(seed=3).residual_code == "int8"
     with pytest.raises(ValueError, match="^residual_code"):
         tagc.TAGCConfig(residual_code="int3")
+    with pytest.raises(ValueError, match="^residual_code"):
+        tagc.TAGCConfig(residual_code="ternary")
     with pytest.raises(ValueError, match="^residual_code"):
         tagc.TAGCConfig(residual_code="int8", ef21=False, residual_dtype="bfloat16")
     with pytest.raises(ValueError, match="^ef21"):

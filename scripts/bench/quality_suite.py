@@ -109,8 +109,8 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "tagc-lean": ("tagc-lean", {}),
     "int4-nofb": ("tagc-balanced", {"error_feedback": False, "ef21": False}),
     "ternary-nofb": ("tagc-lean", {"error_feedback": False, "ef21": False}),
-    "int4-res": ("tagc-balanced", {"error_feedback": True, "ef21": False, "residual_code": None}),
-    "ternary-res": ("tagc-lean", {"error_feedback": True, "ef21": False, "residual_code": None}),
+    "int4-res": ("tagc-balanced", {"error_feedback": True, "ef21": False, "residual_code": "none"}),
+    "ternary-res": ("tagc-lean", {"error_feedback": True, "ef21": False, "residual_code": "none"}),
     # the residual kept as block codes (residual_code, issue 42's memory budget)
     "int4-res8": ("tagc-balanced", {"error_feedback": True, "ef21": False,
                                     "residual_code": "int8"}),
@@ -118,15 +118,16 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
                                     "residual_code": "int4"}),
     "ternary-res4": ("tagc-lean", {"error_feedback": True, "ef21": False,
                                    "residual_code": "int4"}),
-    # a top-k preset with its residual on codes
+    # a top-k preset, and with its residual on codes
+    "tagc-sparse": ("tagc-sparse", {}),
     "sparse-res8": ("tagc-sparse", {"residual_code": "int8"}),
     "sparse-res4": ("tagc-sparse", {"residual_code": "int4"}),
     # tagc-balanced until issue 42: int4 + damped EF21 on an fp32 residual
     "int4-ef21": ("tagc-balanced", {"error_feedback": True, "ef21": True,
-                                    "residual_code": None}),
+                                    "residual_code": "none"}),
     # tagc-lean before it dropped its feedback (SUITE.md): ternary + damped EF21
     "ternary-ef21": ("tagc-lean", {"error_feedback": True, "ef21": True,
-                                   "residual_code": None}),
+                                   "residual_code": "none"}),
 }
 # a method with feedback -> its quantizer without (the "earns its memory" check)
 NO_FEEDBACK = {"tagc-balanced": "int4-nofb", "ternary-ef21": "ternary-nofb",

@@ -337,8 +337,15 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
         "compressed_bits_per_param": gb.comp_bits, "unpeeled": gb.unpeeled,
         "recovered": gb.recovered, "guard_resets": gb.guard_resets,
     }
+    # what TAGC keeps across steps on this rank (issue 42: the presets' budget is one
+    # byte per parameter)
+    mem = tagc_state.memory() if tagc_state is not None else None
+    summary["feedback_bytes"] = mem["feedback_bytes"] if mem else 0
+    summary["feedback_bytes_per_param"] = mem["feedback_bytes_per_param"] if mem else 0.0
     logger.info("final: iter %d, val loss %.4f, %.0f ms/step, grad bytes/rank %s "
-                "(gradients: %.2f bits/param/step, %s on compressed units)", iter_num,
+                "(gradients: %.2f bits/param/step, %s on compressed units)%s", iter_num,
                 val_loss, summary["mean_step_ms"], gb.line(), summary["bits_per_param"],
-                "none" if math.isnan(gb.comp_bits) else f"{gb.comp_bits:.2f}")
+                "none" if math.isnan(gb.comp_bits) else f"{gb.comp_bits:.2f}",
+                f"; feedback state {mem['feedback_bytes'] / 1e6:.1f} MB/rank "
+                f"({mem['feedback_bytes_per_param']:.2f} bytes/param)" if mem else "")
     return summary

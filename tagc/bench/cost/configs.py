@@ -19,7 +19,7 @@ import torch
 
 from tagc import codec
 from tagc.bench.rows import ROWS
-from tagc.config import GATHER_FORMATS, QUANT_FORMATS, TAGCConfig, keep_count
+from tagc.config import GATHER_FORMATS, QUANT_FORMATS, RESIDUAL_CODES, TAGCConfig, keep_count
 from tagc.hsdp import allreduce_form
 from tagc.transports import pairs_wire
 
@@ -116,6 +116,8 @@ class Compression:
         gather_block: values per fp32 scale of the gather codes.
         out_format: two-phase HSDP's to-everyone code (``hsdp_out_format``); ``auto``:
             the library's choice (``TAGCConfig.out_format``).
+        residual_code: how the residual is kept between calls (``residual_code``):
+            ``none`` (fp32 values) or a block code, decoded and coded again every call.
     """
 
     mode: str
@@ -127,6 +129,7 @@ class Compression:
     gather: str = "none"
     gather_block: int = 256
     out_format: str = "auto"
+    residual_code: str = "none"
 
     def __post_init__(self) -> None:
         if self.mode not in GRAD_MODES:
@@ -148,6 +151,17 @@ class Compression:
         if self.gather not in GATHER_FORMATS:
             raise ValueError(f"unknown gather format {self.gather!r}; known: "
                              f"{', '.join(GATHER_FORMATS)}")
+        if self.residual_code not in RESIDUAL_CODES or (self.ef21 and self.residual_code != "none"):
+            raise ValueError(f"residual_code must be one of {RESIDUAL_CODES} ('none' with "
+                             f"EF21), got {self.residual_code!r}")
+
+    def residual_codec_s(self, n: int, rates: Dict[str, float]) -> float:
+        """Seconds to decode and code again a residual of ``n`` entries (0 when it is
+        kept as values: the encoder updates it in place)."""
+        c = self.residual_code
+        if c == "none" or self.mode == "dense":
+            return 0.0
+        return n * (1 / rates[f"quant_decode_{c}"] + 1 / rates[f"quant_encode_{c}"])
 
     def library(self, cross: str = "auto") -> TAGCConfig:
         """The hook's config of this compression (every knob the rules read explicit),
@@ -182,6 +196,7 @@ def _library_config(t: Compression, cross: str) -> TAGCConfig:
     return TAGCConfig(mode=t.mode, quant_format=t.quant_format, quant_block=t.quant_block,
                       value_dtype=VALUE_DTYPES[t.value_bytes], error_feedback=True,
                       ef21=t.ef21, gather=t.gather, gather_block=t.gather_block,
+                      residual_code=t.residual_code,
                       hsdp_allreduce=HSDP_ALLREDUCE[cross], **kw)
 
 
@@ -191,11 +206,14 @@ PRESETS: Dict[str, Compression] = {
     "dense": Compression("dense"),                                     # tagc-dense.yaml
     "sparse": Compression("sparse", theta=0.9875),                     # tagc-sparse.yaml
     "auto": Compression("auto", theta=0.9875),                         # tagc-auto.yaml
-    "balanced": Compression("quant", "int4", ef21=True),               # tagc-balanced.yaml
+    "balanced": Compression("quant", "int4", residual_code="int4"),    # tagc-balanced.yaml
     "lean": Compression("quant", "ternary"),                           # tagc-lean.yaml
-    # tagc-lean until it dropped its feedback: the runs file's lean rows ran it
+    "full": Compression("quant", "int4", residual_code="int4", gather="int8"),  # tagc-full.yaml
+    # the presets as the runs file's older rows ran them: tagc-lean until it dropped
+    # its feedback, tagc-balanced / tagc-full until issue 42 (EF21, a 32-byte vote)
     "lean-ef21": Compression("quant", "ternary", ef21=True),
-    "full": Compression("quant", "int4", ef21=True, gather="int8"),    # tagc-full.yaml
+    "balanced-ef21": Compression("quant", "int4", ef21=True),
+    "full-ef21": Compression("quant", "int4", ef21=True, gather="int8"),
 }
 
 

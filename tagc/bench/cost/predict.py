@@ -256,9 +256,11 @@ def _exchange(st: _Step, p: Prediction, t: Compression, g: int, s: int, eb: int,
     elif t.mode == "quant":  # transports.quant: a message per owner, isend/irecv
         fmt = t.quant_format
         st.all_to_all("grad", "world", g, quant_bytes(s, fmt, t.quant_block), 1, cnt, "p2p")
-        # the own shard stays exact: g - 1 shards encoded, g - 1 messages decoded
+        # the own shard stays exact: g - 1 shards encoded, g - 1 messages decoded; a
+        # coded residual over the whole unit decoded and coded again
         p.codec_s += (g - 1) * s * (1 / rates[f"quant_encode_{fmt}"]
-                                    + 1 / rates[f"quant_decode_{fmt}"])
+                                    + 1 / rates[f"quant_decode_{fmt}"]) \
+            + t.residual_codec_s(g * s, rates)
     else:  # every shard selected (the own one too), g messages added at the owner
         st.all_to_all("grad", "world", g, pairs_message(t, s, eb), 1, cnt, "p2p")
         p.codec_s += _pairs_codec(t, s, g, g, rates)
@@ -278,7 +280,8 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
             fmt = t.quant_format
             st.ring("cross", "replica", r, "all_gather", quant_bytes(s, fmt, t.quant_block),
                     1, cnt, tagc=True)
-            p.codec_s += s / rates[f"quant_encode_{fmt}"] + r * s / rates[f"quant_decode_{fmt}"]
+            p.codec_s += s / rates[f"quant_encode_{fmt}"] + r * s / rates[f"quant_decode_{fmt}"] \
+                + t.residual_codec_s(s, rates)
         else:  # spread_pairs: the k pairs of the shard all-gathered, all r added
             st.ring("cross", "replica", r, "all_gather", pairs_message(t, s, eb), 1, cnt,
                     tagc=True)
@@ -304,7 +307,8 @@ def _cross(st: _Step, p: Prediction, t: Compression, cross: str, r: int, s: int,
         # r - 1 received messages decoded; spread_quant: one chunk encoded, r decoded,
         # on the owner's code
         p.codec_s += (r - 1) * chunk * (1 / enc + 1 / dec) + chunk / rates[f"quant_encode_{out}"] \
-            + r * chunk / rates[f"quant_decode_{out}"]
+            + r * chunk / rates[f"quant_decode_{out}"] \
+            + t.residual_codec_s((r + 1) * chunk, rates)  # residual and residual_out
     else:
         # transports.pairs: every chunk selected (the own one too), r messages added at
         # the owner; spread_pairs: k of the owner's sum selected, r messages added
