@@ -156,6 +156,8 @@ def test_cells_follow_the_presets_as_loaded(capsys: pytest.CaptureFixture) -> No
             memory.feedback_bytes(cfg, u.numel, world, c.nodes if hsdp else 1)
             for u in model.units if u.compressed)
     assert cl.compression_of(cfg).ef21 == bool(cfg.ef21)
+    # the codec term times the residual's decode and re-code as the preset keeps it
+    assert cl.compression_of(cfg).residual_code == cfg.residual_code == "int4"
 
 
 def test_model_shapes_have_the_published_sizes() -> None:

@@ -395,7 +395,8 @@ def compression_of(cfg: TAGCConfig) -> Compression:
     """
     value_bytes = next(b for b, d in VALUE_DTYPES.items() if d == cfg.value_dtype)
     return Compression(cfg.mode, cfg.quant_format, cfg.quant_block, cfg.theta, value_bytes,
-                       bool(cfg.ef21), cfg.gather, cfg.gather_block, cfg.hsdp_out_format)
+                       bool(cfg.ef21), cfg.gather, cfg.gather_block, cfg.hsdp_out_format,
+                       cfg.residual_code if cfg.feeds_back else "none")
 
 
 def configuration(name: str, hsdp: bool, cfg: Optional[TAGCConfig]) -> Config:
