@@ -25,7 +25,7 @@ from typing import List, Tuple
 
 import torch
 
-from .config import TAGCConfig
+from .config import TAGCConfig, allreduce_form
 
 # (attribute, length, dtype) of one persistent buffer
 Buffer = Tuple[str, int, torch.dtype]
@@ -105,8 +105,6 @@ def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -
     """
     if not cfg.compresses or not cfg.feeds_back:
         return 0
-    from .hsdp import allreduce_form
-
     shard = math.ceil(numel / world)
     if replicas <= 1:
         return buffer_bytes(unit_buffers(cfg, shard * world, shard))
