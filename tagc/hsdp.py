@@ -206,10 +206,8 @@ class TwoPhaseReducer(ReplicaReducer):
 
     def feedback_buffers(self) -> List[Any]:
         out = super().feedback_buffers()
-        if self.out_state == "residual_out":
-            out.append(memory.residual_buffer(self.cfg, "residual_out", self.chunk))
-        elif self.out_state == "estimate_out":
-            out.append(("estimate_out", self.flat_numel, torch.float32))
+        if self.keeps_feedback:
+            out += memory.out_buffers(self.cfg, self.chunk, self.world)
         return out
 
     def coded_residuals(self) -> Dict[str, int]:

@@ -82,6 +82,25 @@ def unit_buffers(cfg: TAGCConfig, length: int, estimate: int) -> List[Buffer]:
     return out
 
 
+def out_buffers(cfg: TAGCConfig, chunk: int, replicas: int) -> List[Buffer]:
+    """Two-phase HSDP's to-everyone state of one compressed unit (``TwoPhaseReducer``):
+    the owner's ``residual_out`` over its chunk, or EF21's ``estimate_out`` of every
+    owner's chunk; none without feedback or with lossless codes (``exact``/``paper``).
+
+    Args:
+        cfg: the config.
+        chunk: one owner's chunk of the shard.
+        replicas: R, the owners.
+    Returns:
+        the buffers.
+    """
+    if not cfg.feeds_back or cfg.sketched:
+        return []
+    if cfg.ef21:
+        return [("estimate_out", chunk * replicas, torch.float32)]
+    return [residual_buffer(cfg, "residual_out", chunk)]
+
+
 def buffer_bytes(buffers: List[Buffer]) -> int:
     """Bytes the buffers hold."""
     return sum(n * torch.empty((), dtype=d).element_size() for _, n, d in buffers)
@@ -93,7 +112,8 @@ def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -
 
     FULL_SHARD (``replicas`` 1): the unit is reduced over ``world`` ranks.  TAGC's
     HSDP (``replicas`` R > 1): the unit is sharded over ``world`` ranks of a node, and
-    each shard all-reduced over R replicas in the form :func:`tagc.hsdp.form` picks.
+    each shard all-reduced over R replicas in the form
+    :func:`tagc.config.allreduce_form` picks.
 
     Args:
         cfg: the config.
@@ -111,9 +131,5 @@ def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -
     if allreduce_form(cfg, replicas, True, shard) == "gather":
         return buffer_bytes(unit_buffers(cfg, shard, shard))
     chunk = math.ceil(shard / replicas)
-    held = buffer_bytes(unit_buffers(cfg, chunk * replicas, chunk))
-    if cfg.sketched:  # lossless codes out: no state for the second phase
-        return held
-    if cfg.ef21:
-        return held + 4 * chunk * replicas
-    return held + buffer_bytes([residual_buffer(cfg, "residual_out", chunk)])
+    return buffer_bytes(unit_buffers(cfg, chunk * replicas, chunk)
+                        + out_buffers(cfg, chunk, replicas))

@@ -152,18 +152,16 @@ class UnitReducer:
 
     def scale_feedback(self, factor: float) -> None:
         """Multiply every feedback state by ``factor`` (``TAGCState.scale_residuals``);
-        a coded residual is decoded, scaled and coded again."""
-        for name, _, _ in self.feedback_buffers():
-            t = getattr(self, name)
-            if t is None:
-                continue
-            if name not in self.coded_residuals():
-                t.mul_(factor)
-                continue
-            dev = Exec(t)
-            held = self._open_codes(dev)
+        the coded residuals are decoded, scaled and coded again, all of them in one
+        open/close (opening decodes every coded residual)."""
+        names = [n for n, _, _ in self.feedback_buffers() if getattr(self, n) is not None]
+        if not names:
+            return
+        dev = Exec(getattr(self, names[0]))
+        held = self._open_codes(dev)
+        for name in names:
             getattr(self, name).mul_(factor)
-            self._close_codes(dev, {name: held[name]}, True)
+        self._close_codes(dev, held, True)
 
     @property
     def estimate_numel(self) -> int:
@@ -210,15 +208,14 @@ class UnitReducer:
         self.stats.add("default_wire_bytes", self.default_wire_bytes(inp))
         self.last_path = "plain"
         step = self.step
-        held = self._open_codes(dev) if self.coded_residuals() else None
+        held = self._open_codes(dev)  # empty unless the residuals are kept as codes
         done = False
         try:
             self._route(comm, dev, inp, out)
             self.after(comm, dev, out, step)
             done = True
         finally:
-            if held is not None:
-                self._close_codes(dev, held, done and self.last_path != "plain")
+            self._close_codes(dev, held, done and self.last_path != "plain")
 
     def after(self, comm: Comm, dev: Exec, out: torch.Tensor, step: int) -> None:
         """What follows the to-the-owner phase once its path is known

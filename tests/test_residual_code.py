@@ -157,6 +157,15 @@ def _run_two_phase(rank: int, n: int, fields: Dict[str, Any]) -> List[str]:
                            ("residual_out", _decoded(u, "residual_out", S), ref.e_out[rank])):
             if not torch.equal(a, b):
                 bad.append(f"step {step} {what}: max |diff| {float((a - b).abs().max()):.3g}")
+    # a loss-scale change halves both coded residuals (a power of two: the codes stay,
+    # the scales halve, so exactly) and leaves them codes
+    before = {n: _decoded(u, n, ln) for n, ln in (("residual", n * S), ("residual_out", S))}
+    u.scale_feedback(0.5)
+    for name, was in before.items():
+        if getattr(u, name).dtype != torch.uint8:
+            bad.append(f"scale_feedback left {name} as {getattr(u, name).dtype}")
+        elif not torch.equal(_decoded(u, name, was.numel()), was * 0.5):
+            bad.append(f"scale_feedback: {name} is not half of what it was")
     return bad
 
 
