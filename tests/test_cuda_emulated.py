@@ -313,41 +313,53 @@ def test_sparse_unpack_corrupt(lib: C.CDLL) -> None:
 
 
 def quant_encode(lib: C.CDLL, grad: torch.Tensor, res: Optional[torch.Tensor], fmt: str,
-                 block: int) -> torch.Tensor:
-    """The emulated encoder's bytes, written one byte into a larger buffer
-    (records start at any byte)."""
+                 block: int, at: int = 1) -> torch.Tensor:
+    """The emulated encoder's bytes, written ``at`` bytes into a larger buffer:
+    1 puts the records at an odd address (the element-wise route), 4 keeps
+    them word-aligned (the vector route of int4/int8, given 16-byte aligned
+    fp32 inputs and blocks a multiple of 8)."""
     nb = _tagc.quant_bytes(grad.numel(), fmt, block)
-    buf = torch.full((nb + 2,), 0xEE, dtype=torch.uint8)
+    buf = torch.full((nb + at + 1,), 0xEE, dtype=torch.uint8)
     w = ws(lib.tagc_cuda_quant_encode_workspace_size())
-    assert lib.tagc_cuda_quant_encode(P(buf[1:]), nb, P(res), DT.get(getattr(res, "dtype", None), 0),
+    assert lib.tagc_cuda_quant_encode(P(buf[at:]), nb, P(res), DT.get(getattr(res, "dtype", None), 0),
                                       P(grad), DT[grad.dtype], grad.numel(), QFORMAT[fmt], block,
                                       P(w), w.numel(), None) == 0
-    assert buf[0] == 0xEE and buf[-1] == 0xEE
-    return buf[1:-1].clone()
+    assert (buf[:at] == 0xEE).all() and buf[-1] == 0xEE
+    return buf[at:-1].clone()
 
 
 @pytest.mark.parametrize("fmt", list(QFORMAT))
-@pytest.mark.parametrize("n,block", [(1, 256), (300, 64), (1000, 256), (777, 1), (2100, 1000)])
+@pytest.mark.parametrize("n,block", [(1, 256), (300, 64), (1000, 256), (777, 1), (2100, 1000),
+                                     (3000, 8)])
 @pytest.mark.parametrize("gd,rd", [(torch.float32, None), (torch.float32, torch.float32),
                                    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("at,shift", [(1, 0), (4, 0), (4, 1)])
 def test_quant_encode_decode(lib: C.CDLL, fmt: str, n: int, block: int, gd: torch.dtype,
-                             rd: Optional[torch.dtype]) -> None:
+                             rd: Optional[torch.dtype], at: int, shift: int) -> None:
     """The kernels write the C op's bytes and residual bit for bit (the block
-    sums run in the same order), and decode to the same values."""
-    grad = gradient(n, gd, False, seed=n)
-    res = None if rd is None else (gradient(n, torch.float32, False, seed=n + 1) * 0.2).to(rd)
+    sums run in the same order), and decode to the same values, on either
+    route: records at an odd byte, word-aligned (int4/int8 with fp32 inputs:
+    the vector route for whole blocks, the tail block element-wise), and with
+    the gradient and residual one element off 16-byte alignment."""
+    grad = gradient(n + shift, gd, False, seed=n)[shift:]
+    res = None if rd is None else (
+        gradient(n + shift, torch.float32, False, seed=n + 1) * 0.2).to(rd)[shift:]
     c_res = None if res is None else res.clone()
     c_buf = torch.empty(_tagc.quant_bytes(n, fmt, block), dtype=torch.uint8)
     _tagc.quant_encode(c_buf, c_res, grad, fmt, block)
-    e_res = None if res is None else res.clone()
-    e_buf = quant_encode(lib, grad, e_res, fmt, block)
+    e_res = None
+    if res is not None:  # a copy at res's alignment
+        e_res = torch.empty(n + shift, dtype=res.dtype)[shift:]
+        e_res.copy_(res)
+    e_buf = quant_encode(lib, grad, e_res, fmt, block, at)
     assert torch.equal(e_buf, c_buf)
     if res is not None:
         assert same_bits(e_res, c_res)
     base = gradient(n, torch.float32, False, seed=n + 2)
     c_out = base.clone()
     _tagc.quant_decode_add(c_out, c_buf, fmt, block)
-    e_out = base.clone()
+    e_out = torch.empty(n + shift)[shift:]  # the sum at the gradient's alignment
+    e_out.copy_(base)
     w = ws(lib.tagc_cuda_quant_decode_add_workspace_size())
     assert lib.tagc_cuda_quant_decode_add(P(e_out), n, P(e_buf), e_buf.numel(), QFORMAT[fmt],
                                           block, None, P(w), w.numel(), None) == 0
@@ -355,14 +367,15 @@ def test_quant_encode_decode(lib: C.CDLL, fmt: str, n: int, block: int, gd: torc
 
 
 @pytest.mark.parametrize("fmt", list(QFORMAT))
-def test_quant_nonfinite_poisons_every_record(lib: C.CDLL, fmt: str) -> None:
+@pytest.mark.parametrize("at", [1, 4])
+def test_quant_nonfinite_poisons_every_record(lib: C.CDLL, fmt: str, at: int) -> None:
     """NaN in one block: every scale NaN, residual untouched, every decoded
-    value NaN (the C op raises NonFiniteError instead)."""
+    value NaN (the C op raises NonFiniteError instead), on both routes."""
     grad = gradient(600, torch.float32, False, seed=3)
     grad[5] = float("nan")
     res = gradient(600, torch.float32, False, seed=4)
     r0 = res.clone()
-    buf = quant_encode(lib, grad, res, fmt, 256)
+    buf = quant_encode(lib, grad, res, fmt, 256, at)
     assert torch.equal(res, r0)
     out = torch.zeros(600)
     w = ws(lib.tagc_cuda_quant_decode_add_workspace_size())
