@@ -18,7 +18,8 @@ Memory per GPU adds four estimates and one library figure:
 
 Every input the model cannot measure on this machine (GPU throughput and MFU, NCCL's
 efficiency, overlap, the codec's GPU speed) is an :class:`Assumptions` field, printed
-beside the table with its source.  Nothing here has run on a GPU.
+beside the table with its source.  Of these only the codec's speed has been measured on
+a GPU (one H200, docs/gpu); nothing here has run NCCL between ranks.
 """
 from __future__ import annotations
 
@@ -212,7 +213,12 @@ class Assumptions:
     mfu: float = 0.4
     mfu_source: str = "typical reported FSDP bf16 MFU; pass your own"
     nccl_efficiency: float = 0.8
-    codec_speedup: float = 100.0
+    # docs/gpu/report-20261127-155224.md (H200): tagc-balanced's int4 encode with
+    # feedback and its decode took 5.59 ms for GPT-2 124M's 50 units, 22.3e9 values/s,
+    # against 0.80e9 on this CPU core (links.DEFAULT_CODEC, encode + decode): 28x.  The
+    # kernels alone at 2^24 values ran 61x (decode) to 149x (encode); launches per unit
+    # make up the rest at 124M.
+    codec_speedup: float = 28.0
     overlap: float = 1.0
     state_bytes: float = 16.0
     act_ckpt: str = "full"
@@ -253,8 +259,9 @@ class Assumptions:
             "collectives assumed to overlap alike, its codec not at all; on this project's "
             "CPU runs nothing overlapped)",
             f"TAGC codec on the GPU: {self.codec_speedup:g}x this CPU core's measured "
-            "throughput (assumption: the codec has never run on a GPU, docs/gpu/README.md; "
-            "100x is an A100's memory bandwidth over this core's memcpy)",
+            "throughput (28x measured on an H200: int4 encode with feedback and decode of "
+            "GPT-2 124M's 50 units in 5.59 ms a step, docs/gpu/report-20261127-155224.md; "
+            "the kernels alone at 2^24 values ran 61-149x; another GPU: pass your own)",
             f"training state: {self.state_bytes:g} bytes per parameter, sharded (bf16 "
             "mixed precision with fp32 master weights and AdamW: FSDP2 keeps the sharded "
             "parameter and its gradient in fp32 (8) plus two fp32 moments (8); the ZeRO "
@@ -769,7 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{d.nccl_efficiency:g})")
     s.add_argument("--codec-speedup", type=float, default=d.codec_speedup,
                    help=f"codec GPU throughput over this CPU core's (default {d.codec_speedup:g}; "
-                        "no GPU has run the codec)")
+                        "measured on an H200, docs/gpu)")
     s.add_argument("--overlap", type=float, default=d.overlap,
                    help=f"fraction of compute hiding communication (default {d.overlap:g})")
     s.add_argument("--state-bytes", type=float, default=d.state_bytes,
