@@ -24,6 +24,7 @@ buffers between ranks and keeps per-unit state:
 * ``tagc/fsdp1.py``, ``tagc/fsdp2.py``  the FSDP glue (all torch internals)
 * ``tagc/hsdp.py``        custom HSDP: the all-reduce between replicas, compressed
 * ``tagc/overlap.py``     custom HSDP on the CPU: that all-reduce beside the backward
+* ``tagc/local.py``       custom HSDP's local steps (DiLoCo): an outer step every H
 * ``tagc/reducer.py``     UnitReducer: what FSDP holds per unit; one reduction
 * ``tagc/bypass.py``      the timing-based bypass (``bypass_every``): compress or not
 * ``tagc/memory.py``      what the feedback state keeps per rank: its layout and bytes

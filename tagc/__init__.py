@@ -6,7 +6,8 @@ Reading order: ``config`` (the knobs; ``presets`` finds the shipped YAML files),
 (the glue), ``reducer`` (one unit's reduction; ``memory`` the layout and bytes of its
 feedback state), ``bypass`` (its timing-based choice of path), ``transports`` (what crosses the network; ``codec`` holds the handle on the C
 module ``_tagc``), ``hsdp`` (custom HSDP's compressed all-reduce between replicas;
-``overlap`` runs it beside the backward on the CPU), ``gather`` (quantized parameter
+``overlap`` runs it beside the backward on the CPU, ``local`` takes it once every H
+steps instead: DiLoCo's outer step), ``gather`` (quantized parameter
 all-gathers), then ``comm``, ``device``, ``stats``, ``checkpoint`` and ``teardown`` (the
 exit drain for gloo's workers).
 """

@@ -64,7 +64,7 @@ def state_dict(reducers: List[UnitReducer], cfg: TAGCConfig, kind: str, world: i
     for u in reducers:
         entry: Dict[str, Any] = {"index": u.index, "numel": u.numel,
                                  "flat_numel": u.flat_numel, "step": u.step}
-        for name, length, dtype in u.feedback_buffers():
+        for name, length, dtype in u.state_buffers():
             t = getattr(u, name)
             entry[f"has_{name}"] = t is not None
             row = (torch.zeros(length, dtype=dtype) if t is None
@@ -142,7 +142,7 @@ def validate(sd: Dict[str, Any], reducers: List[UnitReducer], cfg: TAGCConfig, w
             raise ValueError(f"load_state_dict: unit {u.name!r} differs (numel "
                              f"{entry['numel']}/{entry['flat_numel']} saved, "
                              f"{u.numel}/{u.flat_numel} now)")
-        for name, length, _ in u.feedback_buffers():
+        for name, length, _ in u.state_buffers():
             row = None
             if entry.get(f"has_{name}"):
                 row = local_part(entry[name]).reshape(-1)
@@ -158,7 +158,7 @@ def restore(sd: Dict[str, Any], reducers: List[UnitReducer],
     """Apply a validated checkpoint: steps and feedback state."""
     for u in reducers:
         u.step = int(sd["units"][u.name]["step"])
-        for name, _, dtype in u.feedback_buffers():
+        for name, _, dtype in u.state_buffers():
             row, old = rows[u.name, name], getattr(u, name)
             dev = old.device if old is not None else u.device
             setattr(u, name, None if row is None else

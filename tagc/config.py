@@ -356,6 +356,21 @@ class TAGCConfig:
             average) at 4 nodes sharing 2 cores, where the exchange needs the
             cores the backward holds.  No effect on CUDA tensors (FSDP's
             streams overlap them) or without HSDP.
+        outer_every: custom HSDP only: local steps (DiLoCo, arXiv 2311.08105;
+            tagc/local.py).  0 (default): every backward all-reduces between the
+            nodes.  ``H >= 1``: each node takes H steps of the user's optimizer
+            with plain FSDP inside the node (gradients averaged over the node's
+            ranks, nothing between nodes), then an outer step: each rank's shard
+            change since the round began (the pseudo-gradient) goes through this
+            config's compressed all-reduce between the replicas (``mode``,
+            ``quant_format``, feedback as for gradients), averaged, and a
+            Nesterov step of ``outer_lr`` / ``outer_momentum`` moves the round's
+            starting shard; every replica ends it bit-identical.  Needs
+            ``register(..., optimizer=)``.  Memory: two fp32 copies of the
+            shard (the round's start, the momentum) on top of the feedback.
+        outer_lr: the outer step's learning rate (DiLoCo's 0.7), > 0.
+        outer_momentum: the outer step's Nesterov momentum (DiLoCo's 0.9), in
+            [0, 1).
     """
 
     mode: str = "quant"
@@ -384,6 +399,9 @@ class TAGCConfig:
     hsdp_allreduce: str = "auto"
     hsdp_out_format: str = "auto"
     hsdp_overlap: bool = True
+    outer_every: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         # which derived knobs the caller gave: to_dict() writes the others as None
@@ -444,6 +462,13 @@ class TAGCConfig:
             raise ValueError(f"hsdp_allreduce: must be one of {HSDP_ALLREDUCE_FORMS}, got "
                              f"{self.hsdp_allreduce!r}")
         _check_bool("hsdp_overlap", self.hsdp_overlap)
+        _check_int("outer_every", self.outer_every, 0)
+        for name, ok in (("outer_lr", lambda v: v > 0),
+                         ("outer_momentum", lambda v: 0 <= v < 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                    not math.isfinite(v) or not ok(v):
+                raise ValueError(f"{name}: out of range, got {v!r}")
         if self.hsdp_out_format != "auto" and self.hsdp_out_format not in QUANT_FORMATS:
             raise ValueError(f"hsdp_out_format: must be 'auto' or one of {QUANT_FORMATS}, "
                              f"got {self.hsdp_out_format!r}")

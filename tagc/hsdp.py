@@ -109,6 +109,19 @@ class ReplicaReducer(UnitReducer):
         self.shard_numel = shard_numel
         # replicas x shards, set by install(): the hook averages, FSDP does not
         self.divide = 1.0
+        # local steps (tagc/local.py): the round's starting shard, the outer momentum
+        # and the round's inner step count, this rank's own
+        self.local = False
+        self.outer_start: Optional[torch.Tensor] = None
+        self.outer_momentum: Optional[torch.Tensor] = None
+        self.outer_inner: Optional[torch.Tensor] = None
+
+    def outer_buffers(self) -> List[Any]:
+        if not self.local:
+            return []
+        return [("outer_start", self.shard_numel, torch.float32),
+                ("outer_momentum", self.shard_numel, torch.float32),
+                ("outer_inner", 1, torch.int64)]
 
     def hook(self, t: torch.Tensor) -> None:
         """FSDP's all-reduce hook: ``t`` (this rank's shard, summed over its node) is

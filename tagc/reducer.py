@@ -103,6 +103,16 @@ class UnitReducer:
             return []
         return memory.unit_buffers(self.cfg, self.flat_numel, self.estimate_numel)
 
+    def outer_buffers(self) -> List[Tuple[str, int, torch.dtype]]:
+        """(attribute, length, dtype) of local steps' outer state (tagc/local.py):
+        none outside custom HSDP's local steps."""
+        return []
+
+    def state_buffers(self) -> List[Tuple[str, int, torch.dtype]]:
+        """Every persistent buffer a checkpoint holds: :meth:`feedback_buffers`, then
+        :meth:`outer_buffers`."""
+        return self.feedback_buffers() + self.outer_buffers()
+
     def coded_residuals(self) -> Dict[str, int]:
         """The residuals kept as codes (``residual_code``): attribute -> entries of
         its fp32 working copy."""

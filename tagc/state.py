@@ -7,10 +7,12 @@ import logging
 import math
 from typing import Any, ContextManager, Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint, codec, fsdp1, fsdp2, gather, hsdp, memory, overlap, stats, teardown
+from . import (checkpoint, codec, fsdp1, fsdp2, gather, hsdp, local, memory, overlap, stats,
+               teardown)
 from .config import TAGCConfig
 from .device import CodecStreams
 from .reducer import UnitReducer
@@ -36,6 +38,8 @@ class TAGCState:
         self._modules = modules or []
         self._switch = gather.GatherSwitch()
         self.gathers: List[gather.GatherComm] = []
+        # local steps' outer loop (outer_every; tagc/local.py), else None
+        self.local: Optional[local.LocalSteps] = None
 
     def exact_gathers(self) -> ContextManager[None]:
         """Context manager: FSDP's parameter all-gathers are exact inside it.
@@ -127,24 +131,25 @@ class TAGCState:
             :func:`tagc.memory.unit_buffers` of each), ``params`` (the units'
             parameters, every parameter FSDP manages) and
             ``feedback_bytes_per_param`` (steady / params; the preset's memory
-            cost per parameter of the model, docs/USAGE.md).
+            cost per parameter of the model, docs/USAGE.md); ``outer_bytes``, local
+            steps' outer state (``outer_every``: two fp32 shards per unit).
         """
-        held = steady = params = 0
+        held = steady = params = outer = 0
         for u in self.units:
             params += u.numel
             bufs = u.feedback_buffers()
             steady += memory.buffer_bytes(bufs)
+            outer += memory.buffer_bytes(u.outer_buffers())
             for name, _, _ in bufs:
                 t = getattr(u, name)
                 if t is not None:
                     held += t.numel() * t.element_size()
         return {"feedback_bytes": held, "feedback_bytes_steady": steady, "params": params,
-                "feedback_bytes_per_param": steady / params if params else 0.0}
+                "feedback_bytes_per_param": steady / params if params else 0.0,
+                "outer_bytes": outer}
 
     def _global(self, tot: Dict[str, Any], comp: Dict[str, Any]) -> Dict[str, Any]:
         """The counters of both totals summed over the ranks (one all-reduce)."""
-        import torch
-
         group = self.units[0].row_group if self.units else None
         dev = self.units[0].device if self.units and self.units[0].device.type == "cuda" \
             else torch.device("cpu")
@@ -313,7 +318,8 @@ def _why_little(units: List[UnitReducer], cfg: TAGCConfig) -> str:
             f"of the model (layers={cfg.layers!r}, min_numel={cfg.min_numel})")
 
 
-def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
+def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None,
+             optimizer: Optional[torch.optim.Optimizer] = None) -> TAGCState:
     """Make an FSDP model's gradient reduce-scatter use TAGC.
 
     Args:
@@ -325,6 +331,9 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
             sharded with (``shard_model(model, cfg, mesh=mesh)``); the hook then
             compresses the all-reduce over "replicate".  None: FSDP1/FSDP2 over one
             group.
+        optimizer: local steps only (``cfg.outer_every`` > 0, custom HSDP): the
+            user's optimizer, whose every ``outer_every``-th step ends a round with
+            the outer step (tagc/local.py).
     Returns:
         the :class:`TAGCState` (stats, checkpoints).  Registering also installs
         :func:`tagc.teardown.install`'s exit drain (once per process), so a program
@@ -333,7 +342,8 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
         TypeError: not an FSDP model, or ``cfg`` not a TAGCConfig.
         ValueError: unsupported sharding strategy, configs differ between ranks, a
             mesh that is not the HSDP layout or not the model's, an HSDP model
-            without its mesh.
+            without its mesh; ``outer_every`` without a mesh or an optimizer, or an
+            optimizer without ``outer_every``.
         RuntimeError: registered twice.
     """
     if not isinstance(cfg, TAGCConfig):
@@ -361,8 +371,6 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
         elif any(isinstance(m, FSDP) for m in model.modules()):
             raise TypeError("register: pass the root FullyShardedDataParallel module")
         else:
-            import torch
-
             hint = "" if torch.cuda.is_available() else (
                 "; on a machine without a GPU, FSDP1 needs device_id=torch.device('cpu') "
                 "(else it fails with 'FSDP needs a non-CPU accelerator device')")
@@ -370,6 +378,12 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
                             "with FullyShardedDataParallel(model, auto_wrap_policy=tagc."
                             "fsdp1_auto_wrap_policy(model, cfg)) or tagc.shard_model(model, "
                             f"cfg) first){hint}")
+    if cfg.outer_every and (mesh is None or optimizer is None):
+        raise ValueError("register: outer_every (local steps) is for TAGC's custom HSDP: "
+                         "register(model, cfg, mesh=mesh, optimizer=optimizer) with the "
+                         "model sharded by tagc.shard_model(model, cfg, mesh=mesh)")
+    if optimizer is not None and not cfg.outer_every:
+        raise ValueError("register: optimizer= is for local steps (outer_every >= 1)")
     if kind == "fsdp2":
         fsdp2.check_torch(hsdp=mesh is not None, gather=cfg.gather != "none")
     streams = CodecStreams()
@@ -385,13 +399,18 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None) -> TAGCState:
         group, kind = None, "fsdp2-hsdp"
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     _check_agreement(cfg, units, world, group)
-    ov = overlap.Overlap() if mesh is not None and cfg.hsdp_overlap else None
-    if mesh is not None:
+    ov = overlap.Overlap() if mesh is not None and cfg.hsdp_overlap and \
+        not cfg.outer_every else None
+    outer = None
+    if cfg.outer_every:  # no hook: FSDP averages inside the node, the rounds do the rest
+        outer = local.LocalSteps(mods, units, mesh.get_group("replicate"), optimizer)
+    elif mesh is not None:
         hsdp.install(mods, units, shards, ov)
     else:
         glue.install(model, units, mods)
     state = TAGCState(cfg, kind, units, rank, world, streams,
                       mods if kind != "fsdp1" else None, ov)
+    state.local = outer
     if cfg.gather != "none":
         state.gathers = gather.install(cfg, mods, [u.stats for u in units],
                                        [u.name for u in units], state._switch)

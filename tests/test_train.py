@@ -332,6 +332,40 @@ def test_resume_is_bit_exact(tmp_path: Path, cache_dir: Path) -> None:
             assert (u["step"], u.get("has_residual")) == (v["step"], v.get("has_residual"))
 
 
+@needs_tagc
+@pytest.mark.dist
+@pytest.mark.slow
+def test_local_steps_resume_mid_round_is_bit_exact(tmp_path: Path, cache_dir: Path) -> None:
+    """Local steps (tagc-local, 2 replicas of one rank, a round of 2 steps): 5 steps
+    straight == 3 steps (checkpoint in the middle of a round), new processes, resume,
+    2 steps; each replica's model and optimizer state under its own key (DCP would
+    keep one copy of a key both replicas wrote), and the two differ mid-round."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    common = ["--fsdp=2", "--replicas=2", "--lr_decay_iters=5", "--warmup_iters=2",
+              f"--tagc={PRESETS / 'tagc-local.yaml'}", "--tagc_set=outer_every=2,min_numel=4096"]
+    run_dist(_run_mains, 2, [_base(tmp_path, cache_dir, "straight", "--max_iters=5", *common),
+                             _base(tmp_path, cache_dir, "split", "--max_iters=3", *common)],
+             timeout=300)
+    run_dist(_run_mains, 2, [_base(tmp_path, cache_dir, "split", "--max_iters=5",
+                                   "--init_from=resume", *common)], timeout=300)
+    full = {}
+    for kind in ("straight", "split"):
+        dcp_to_torch_save(tmp_path / kind / "ckpt", tmp_path / f"{kind}.pt")
+        full[kind] = _flat(torch.load(tmp_path / f"{kind}.pt", weights_only=False))
+    assert sorted(full["straight"]) == sorted(full["split"])
+    for k, v in full["straight"].items():
+        assert torch.equal(v, full["split"][k]), f"{k} differs after resume"
+    mine = {k[len("replica0."):]: v for k, v in full["split"].items()
+            if k.startswith("replica0.model.")}
+    theirs = {k[len("replica1."):]: v for k, v in full["split"].items()
+              if k.startswith("replica1.model.")}
+    assert mine and sorted(mine) == sorted(theirs)
+    # step 5 is one step into the third round: the replicas have moved apart
+    assert any(not torch.equal(v, theirs[k]) for k, v in mine.items())
+    assert any(k.startswith("tagc.units.") and k.endswith(".outer_start")
+               for k in full["split"])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

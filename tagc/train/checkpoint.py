@@ -33,6 +33,21 @@ def _quiet_checkpoint_warnings() -> typing.Iterator[None]:
         yield
 
 
+def _replica_key(tagc_state: Any) -> str:
+    """Local steps (TAGC's ``outer_every``): ``replica<r>``, else ``""``.  Mid-round each
+    replica's parameters and optimizer state are its own, while DCP keeps one copy of
+    every (key, shard) it sees on several ranks: under shared keys one replica's state
+    would silently stand for all."""
+    outer = getattr(tagc_state, "local", None)
+    return f"replica{dist.get_rank(outer.group)}" if outer is not None else ""
+
+
+def _keyed(tagc_state: Any, sd: Dict[str, Any]) -> Dict[str, Any]:
+    """``sd`` under this replica's key with local steps, else as it is."""
+    key = _replica_key(tagc_state)
+    return {key: sd} if key else dict(sd)
+
+
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     tagc_state: Any, iter_num: int, cfg: RunConfig) -> None:
     """Write a checkpoint atomically (all ranks call this).
@@ -50,7 +65,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     dist.barrier()
     with _quiet_checkpoint_warnings():
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state: Dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        state: Dict[str, Any] = _keyed(tagc_state, {"model": model_sd, "optim": optim_sd})
         if tagc_state is not None:
             state["tagc"] = tagc_state  # a DCP Stateful: state_dict() now, per-rank rows
         dcp.save(state, checkpoint_id=str(tmp))
@@ -92,12 +107,13 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                          f"tagc={cfg.tagc}")
     with _quiet_checkpoint_warnings():
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = _keyed(tagc_state, {"model": model_sd, "optim": optim_sd})
         if tagc_state is not None:
             state["tagc"] = tagc_state  # dcp.load calls its load_state_dict (checks config)
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        mine = state[_replica_key(tagc_state)] if _replica_key(tagc_state) else state
+        set_state_dict(model, optimizer, model_state_dict=mine["model"],
+                       optim_state_dict=mine["optim"])
     local = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=True)
     torch.set_rng_state(local["rng"])
     return int(local["iter_num"])

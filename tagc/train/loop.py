@@ -214,11 +214,13 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: TokenData,
     mesh = device_mesh(cfg, env.device)
     model = wrap_model(spec.module, cfg, tagc_cfg, env.device, env.param_dtype, spec.blocks,
                        mesh)
-    if tagc_cfg is not None:
-        tagc_state = tagc.register(model, tagc_cfg,
-                                   mesh=mesh if cfg.replicas > 1 else None)
     optimizer = configure_optimizer(model, spec.decayed, cfg.weight_decay, cfg.learning_rate,
                                     (cfg.beta1, cfg.beta2))
+    if tagc_cfg is not None:
+        # local steps (outer_every) end each round from the optimizer's step hook
+        tagc_state = tagc.register(model, tagc_cfg,
+                                   mesh=mesh if cfg.replicas > 1 else None,
+                                   optimizer=optimizer if tagc_cfg.outer_every else None)
     logger.info("%s, %.2fM params; FSDP%d %s, world %d on %s (%s), %s", spec.describe,
                 spec.n_params / 1e6, cfg.fsdp, cfg.sharding, env.world, env.device.type,
                 str(env.param_dtype).replace("torch.", ""),

@@ -19,7 +19,9 @@ class GradBytes:
     the compressed units' wire bits per gradient element.  Plain FSDP: the ideal ring
     reduce-scatter volume, (N-1)/N of the fp32 gradient per synced step (padding
     ignored), sent and "uncompressed" alike; native HSDP: the ring all-reduce of this
-    rank's shard over the R replicas, 2(R-1)/R of it (the bytes between nodes).
+    rank's shard over the R replicas, 2(R-1)/R of it (the bytes between nodes), which
+    is also the "uncompressed" figure of TAGC's local steps (``outer_every``: one
+    compressed all-reduce a round against native HSDP's one a step).
 
     Args:
         state: the TAGCState, or None for plain FSDP.
@@ -63,6 +65,9 @@ class GradBytes:
         now, s0 = self._totals(), self.start
         self.sent = now["sent"] - s0["sent"]
         self.uncompressed = now["uncompressed"] - s0["uncompressed"]
+        if getattr(self.state, "local", None) is not None:
+            # local steps: the hook is called once a round, native HSDP every step
+            self.uncompressed = float(self.plain_per_step * self.steps)
         self.unpeeled = now["unpeeled"] - s0["unpeeled"]
         self.recovered = now["recovered"] - s0["recovered"]
         self.guard_resets = now["guard_resets"] - s0["guard_resets"]

@@ -1,0 +1,243 @@
+"""Local steps on TAGC's HSDP route (``outer_every``, tagc/local.py, issue 41): two
+replicas of one rank each (gloo), a ToyGPT, SGD inside.
+
+Cases: with ``dense`` the parameters after two rounds equal an independent one-process
+reference bit for bit (two plain ``nn.Module`` replicas trained apart, the average of
+their changes, torch's Nesterov update written out); with int4 codes and no feedback
+every unit's all-reduced pseudo-gradient equals :func:`test_hsdp.reference_allreduce`;
+with the shipped preset's feedback the replicas end every round bit-identical; nothing
+crosses between the replicas during the inner steps; a non-finite pseudo-gradient on
+one replica skips the outer step on both and puts every shard back at the round's
+start; resume in the middle of a round (torch.save per rank) is bitwise; misuse raises.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import warnings
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tagc_hook as tagc
+from dist_helpers import SharedSpawn, ToyGPT, run_cases, run_dist, toy_batch
+from test_hsdp import _tap, reference_allreduce
+
+pytestmark = [pytest.mark.codec, pytest.mark.dist]
+R, H, LR = 2, 3, 0.1
+
+
+def _mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (R, 1), mesh_dim_names=("replicate", "shard"))
+
+
+def _cfg(mode: str = "quant", **kw: Any) -> tagc.TAGCConfig:
+    kw.setdefault("min_numel", 64)
+    return tagc.TAGCConfig(mode=mode, outer_every=H, outer_lr=0.7, outer_momentum=0.9, **kw)
+
+
+def _build(cfg: tagc.TAGCConfig) -> Tuple[Any, Any, Any]:
+    torch.manual_seed(0)
+    mesh = _mesh()
+    model = tagc.shard_model(ToyGPT(), cfg, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    return model, opt, tagc.register(model, cfg, mesh=mesh, optimizer=opt)
+
+
+def _local(p: Any) -> torch.Tensor:
+    return (p._local_tensor if hasattr(p, "_local_tensor") else p.data).detach()
+
+
+def _train(model: Any, opt: Any, rank: int, steps: range) -> None:
+    for i in steps:
+        model(toy_batch(rank, i)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _reference(rounds: int) -> List[torch.Tensor]:
+    """DiLoCo in one process: R plain replicas, H SGD steps each on the data their
+    rank sees, then the average change and the Nesterov step, per parameter."""
+    torch.manual_seed(0)
+    base = ToyGPT()
+    start = [p.detach().clone() for p in base.parameters()]
+    mom = [torch.zeros_like(p) for p in start]
+    step = 0
+    for _ in range(rounds):
+        ends = []
+        for r in range(R):
+            m = copy.deepcopy(base)
+            with torch.no_grad():
+                for p, s in zip(m.parameters(), start):
+                    p.copy_(s)
+            opt = torch.optim.SGD(m.parameters(), lr=LR)
+            for i in range(step, step + H):
+                m(toy_batch(r, i)).backward()
+                opt.step()
+                opt.zero_grad()
+            ends.append([p.detach().clone() for p in m.parameters()])
+        step += H
+        for k in range(len(start)):
+            d = (start[k] - ends[0][k]) + (start[k] - ends[1][k])  # the all-reduce's SUM
+            d = d / R
+            mom[k].mul_(0.9).add_(d)
+            start[k] = start[k].sub(d.add(mom[k], alpha=0.9), alpha=0.7)
+    return start
+
+
+def _dense_reference(rank: int, n: int) -> int:
+    model, opt, state = _build(_cfg("dense"))
+    _train(model, opt, rank, range(2 * H))
+    want = _reference(2)
+    got = [_local(p) for p in model.parameters()]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), (i, float((a - b).abs().max()))
+    st = state.stats()["total"]
+    # two outer all-reduces per unit and nothing else between the replicas
+    assert st["calls"] == 2 * len(state.units), st["calls"]
+    assert state.memory()["outer_bytes"] == sum(8 * u.shard_numel + 8 for u in state.units)
+    return len(got)
+
+
+def _int4_reference(rank: int, n: int) -> int:
+    cfg = _cfg(error_feedback=False)
+    model, opt, state = _build(cfg)
+    seen = _tap(state)
+    _train(model, opt, rank, range(H))
+    group = state.local.group
+    checked = 0
+    for u in state.units:
+        if not u.compressed:
+            continue
+        x, got = seen[u.name]
+        every = [torch.empty_like(x) for _ in range(R)]
+        dist.all_gather(every, x, group=group)
+        want = reference_allreduce(every, cfg, "gather")
+        assert torch.equal(got, want), (u.name, float((got - want).abs().max()))
+        checked += 1
+    assert checked
+    return checked
+
+
+def _params_agree(model: Any, group: Any) -> bool:
+    flat = torch.cat([_local(p).reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(R)]
+    dist.all_gather(every, flat, group=group)
+    return all(torch.equal(e, every[0]) for e in every)
+
+
+def _preset_agree(rank: int, n: int) -> List[bool]:
+    cfg = tagc.TAGCConfig.preset("tagc-balanced").replace(
+        min_numel=64, outer_every=H, outer_lr=0.7, outer_momentum=0.9)
+    model, opt, state = _build(cfg)
+    agree = []
+    for k in range(3):
+        _train(model, opt, rank, range(k * H, k * H + H - 1))
+        agree.append(_params_agree(model, state.local.group))  # mid-round: apart
+        _train(model, opt, rank, range(k * H + H - 1, k * H + H))
+        agree.append(_params_agree(model, state.local.group))  # after the round: equal
+    assert agree == [False, True] * 3, agree
+    return agree
+
+
+def _nonfinite(rank: int, n: int) -> bool:
+    model, opt, state = _build(_cfg())
+    _train(model, opt, rank, range(H))  # one clean round
+    start = [u.outer_start.clone() for u in state.units]
+    mom = [u.outer_momentum.clone() for u in state.units]
+    _train(model, opt, rank, range(H, 2 * H - 1))
+    if rank == 1:
+        with torch.no_grad():
+            _local(next(model.parameters())).view(-1)[0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        applied = state.local.outer_step()
+    assert not applied
+    for u, s, m in zip(state.units, start, mom):
+        assert torch.equal(u.outer_start, s) and torch.equal(u.outer_momentum, m)
+    assert _params_agree(model, state.local.group)
+    assert state.local.inner_steps == 0
+    return applied
+
+
+def _misuse(rank: int, n: int) -> str:
+    torch.manual_seed(0)
+    mesh = _mesh()
+    cfg = _cfg()
+    model = tagc.shard_model(ToyGPT(), cfg, mesh=mesh)
+    with pytest.raises(ValueError, match="outer_every"):
+        tagc.register(model, cfg, mesh=mesh)  # no optimizer
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match="optimizer= is for local steps"):
+        tagc.register(model, cfg.replace(outer_every=0), mesh=mesh, optimizer=opt)
+    plain = tagc.shard_model(ToyGPT(), cfg)
+    with pytest.raises(ValueError, match="custom HSDP"):
+        tagc.register(plain, cfg, optimizer=opt)
+    return "ok"
+
+
+def _suite(rank: int, n: int) -> Dict[str, Tuple[str, Any]]:
+    warnings.filterwarnings("ignore")
+    return run_cases(rank, n, [("dense_reference", _dense_reference),
+                               ("int4_reference", _int4_reference),
+                               ("preset_agree", _preset_agree),
+                               ("nonfinite", _nonfinite),
+                               ("misuse", _misuse)])
+
+
+_SPAWN = SharedSpawn(_suite, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["dense_reference", "int4_reference", "preset_agree",
+                                  "nonfinite", "misuse"])
+def test_local_steps(case: str) -> None:
+    _SPAWN.case(R, case)
+
+
+def _snapshot(model: Any, opt: Any, state: Any) -> Dict[str, Any]:
+    return {"params": [_local(p).clone() for p in model.parameters()],
+            "tagc": state.state_dict()}
+
+
+def _resume(rank: int, n: int, tmp: str) -> List[bool]:
+    """Mid-round (after 4 of 2 x 3 inner steps): a straight run against one that saves,
+    builds everything anew, loads and goes on (torch.save per rank; plain SGD, so the
+    optimizer holds nothing)."""
+    warnings.filterwarnings("ignore")
+    cfg = tagc.TAGCConfig.preset("tagc-balanced").replace(
+        min_numel=64, outer_every=H, outer_lr=0.7, outer_momentum=0.9)
+    model, opt, state = _build(cfg)
+    _train(model, opt, rank, range(2 * H))
+    straight = [_local(p).clone() for p in model.parameters()]
+    model, opt, state = _build(cfg)
+    _train(model, opt, rank, range(H + 1))
+    torch.save(_snapshot(model, opt, state), os.path.join(tmp, f"ck-{rank}.pt"))
+    model, opt, state = _build(cfg)
+    ck = torch.load(os.path.join(tmp, f"ck-{rank}.pt"), weights_only=False)
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), ck["params"]):
+            _local(p).copy_(saved)
+    state.load_state_dict(ck["tagc"])
+    assert state.local.inner_steps == 1
+    _train(model, opt, rank, range(H + 1, 2 * H))
+    return [torch.equal(_local(p), s) for p, s in zip(model.parameters(), straight)]
+
+
+def test_local_steps_resume_mid_round() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for same in run_dist(_resume, R, tmp, timeout=300):
+            assert all(same), same
+
+
+def test_outer_knobs_validate() -> None:
+    for bad in (dict(outer_every=-1), dict(outer_every=1.5), dict(outer_lr=0),
+                dict(outer_lr=float("nan")), dict(outer_momentum=1.0),
+                dict(outer_momentum=-0.1), dict(outer_momentum=True)):
+        with pytest.raises(ValueError, match="outer_"):
+            tagc.TAGCConfig(**bad)
+    assert tagc.TAGCConfig().outer_every == 0
