@@ -149,9 +149,10 @@ class LocalSteps:
     def _check_agree(self) -> None:
         """Raise when the replicas' shards differ (a sum and a sum of squares per
         unit, in float64, compared over the replicate group)."""
-        mine = torch.tensor([[float(u.outer_start.double().sum()),
-                              float(u.outer_start.double().square().sum())]
-                             for u in self.units], dtype=torch.float64)
+        # on the units' device: NCCL moves no host tensors
+        mine = torch.stack([torch.stack((u.outer_start.double().sum(),
+                                         u.outer_start.double().square().sum()))
+                            for u in self.units])
         everyone = [torch.empty_like(mine) for _ in range(self.replicas)]
         dist.all_gather(everyone, mine, group=self.group)
         bad = [i for i, t in enumerate(everyone) if not torch.equal(t, everyone[0])]

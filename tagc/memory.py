@@ -13,6 +13,9 @@ A compressing unit with ``error_feedback`` keeps, per rank and across steps:
 * under TAGC's two-phase HSDP, the to-everyone phase's state: ``residual_out`` (one
   chunk, the residual's storage) or EF21's ``estimate_out`` (every chunk, fp32).
 
+With local steps (``outer_every``) every unit's reducer also keeps the outer state:
+two fp32 shards and a step count (:func:`outer_bytes`).
+
 The reducers take their buffers' layout from here (checkpoints store exactly those),
 ``TAGCState.stats()`` adds up what they hold, and the cost model's cluster table asks
 what a model would need before it is built.
@@ -133,3 +136,22 @@ def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -
     chunk = math.ceil(shard / replicas)
     return buffer_bytes(unit_buffers(cfg, chunk * replicas, chunk)
                         + out_buffers(cfg, chunk, replicas))
+
+
+def outer_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int) -> int:
+    """Persistent bytes one rank holds for local steps' outer state of one unit of
+    ``numel`` parameters (``outer_every``, tagc/local.py): the round's starting shard
+    and the outer momentum, fp32, plus the round's step count; every unit, compressed
+    or not (each has an outer step).
+
+    Args:
+        cfg: the config.
+        numel: the unit's parameters.
+        world: ranks the unit is sharded over (a node's).
+        replicas: R (local steps need R > 1).
+    Returns:
+        bytes (0 without local steps).
+    """
+    if not cfg.outer_every or replicas <= 1:
+        return 0
+    return 2 * 4 * math.ceil(numel / world) + 8

@@ -282,14 +282,39 @@ def test_size_rules_are_the_librarys() -> None:
     # the compressions the model names are the hook's configs of the shipped presets
     for name, preset in (("balanced", "tagc-balanced"), ("lean", "tagc-lean"),
                          ("full", "tagc-full"), ("sparse", "tagc-sparse"),
-                         ("auto", "tagc-auto"), ("dense", "tagc-dense")):
+                         ("auto", "tagc-auto"), ("dense", "tagc-dense"),
+                         ("local", "tagc-local")):
         mine, shipped = cm.PRESETS[name].library(), tagc.config.TAGCConfig.preset(preset)
         for knob in ("mode", "quant_format", "quant_block", "ef21", "gather", "gather_block",
-                     "value_dtype"):
+                     "value_dtype", "residual_code", "outer_every"):
             assert getattr(mine, knob) == getattr(shipped, knob), (name, knob)
         if shipped.top_k:
             assert mine.theta == shipped.theta, name
         assert mine.out_format() == shipped.out_format(), name
+
+
+@pytest.mark.parametrize("r", [2, 4, 64])
+def test_local_steps_send_the_per_step_exchange_once_a_round(r: int) -> None:
+    """hsdp+local (tagc-local: tagc-balanced's exchange, outer_every 8) puts 1/8 of
+    hsdp+balanced's bytes, time and latency terms between the nodes per step, and
+    leaves FSDP's traffic inside the node alone; FULL_SHARD has no local steps."""
+    model, c = cm.gpt2_124m(), cluster(8, r)
+    per_step = cm.predict(model, c, cm.make_config("hsdp+balanced"))
+    local = cm.predict(model, c, cm.make_config("hsdp+local"))
+    assert cm.PRESETS["local"].outer_every == 8
+    for cat in ("cross", "control"):
+        assert local.ideal[cat] == pytest.approx(per_step.ideal[cat] / 8, rel=1e-12)
+        assert local.link[cat] == pytest.approx(per_step.link[cat] / 8, rel=1e-12)
+    assert local.ideal["gather"] == per_step.ideal["gather"]
+    assert local.ideal["grad"] == per_step.ideal["grad"]
+    assert local.node_inter == pytest.approx(per_step.node_inter / 8, rel=1e-12)
+    assert local.codec_s == pytest.approx(per_step.codec_s / 8, rel=1e-12)
+    native = cm.predict(model, c, cm.make_config("hsdp"))
+    assert local.ideal["cross"] < native.ideal["cross"] / 50
+    with pytest.raises(ValueError, match="local steps"):
+        cm.make_config("fsdp+local")
+    with pytest.raises(ValueError, match="outer_every"):
+        cm.Compression("quant", outer_every=-1)
 
 
 def test_models() -> None:

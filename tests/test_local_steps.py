@@ -5,6 +5,7 @@ Cases: with ``dense`` the parameters after two rounds equal an independent one-p
 reference bit for bit (two plain ``nn.Module`` replicas trained apart, the average of
 their changes, torch's Nesterov update written out); with int4 codes and no feedback
 every unit's all-reduced pseudo-gradient equals :func:`test_hsdp.reference_allreduce`;
+the bytes counted at the call equal the cost model's ``hsdp+local`` prediction;
 with the shipped preset's feedback the replicas end every round bit-identical; nothing
 crosses between the replicas during the inner steps; a non-finite pseudo-gradient on
 one replica skips the outer step on both and puts every shard back at the round's
@@ -100,7 +101,10 @@ def _dense_reference(rank: int, n: int) -> int:
     st = state.stats()["total"]
     # two outer all-reduces per unit and nothing else between the replicas
     assert st["calls"] == 2 * len(state.units), st["calls"]
-    assert state.memory()["outer_bytes"] == sum(8 * u.shard_numel + 8 for u in state.units)
+    # what the reducers hold is what tagc.memory (the cluster table's count) says
+    from tagc import memory
+    assert state.memory()["outer_bytes"] == sum(
+        memory.outer_bytes(state.cfg, u.shard_numel, 1, R) for u in state.units) > 0
     return len(got)
 
 
@@ -165,6 +169,25 @@ def _nonfinite(rank: int, n: int) -> bool:
     return applied
 
 
+def _bytes_model(rank: int, n: int) -> float:
+    """The bytes the hook counts at the call over two rounds equal the cost model's
+    hsdp+local prediction per step (tagc.bench.cost) times the steps."""
+    import tagc.bench.cost as cm
+
+    cfg = tagc.TAGCConfig.preset("tagc-local").replace(min_numel=64, outer_every=H)
+    model, opt, state = _build(cfg)
+    _train(model, opt, rank, range(2 * H))
+    spec = cm.ModelSpec("toy", tuple(cm.Unit(u.name, ((u.shard_numel, 1),), u.compressed)
+                                     for u in state.units))
+    comp = cm.Compression("quant", "int4", residual_code="int4", outer_every=H)
+    p = cm.predict(spec, cm.Cluster(1, R, 100.0, 10.0), cm.Config("local", "hsdp", comp))
+    assert set(p.ideal) == {"cross", "control"}
+    got = state.stats()["total"]["wire_bytes"]
+    assert got == pytest.approx(2 * H * p.ideal_bytes_per_rank, rel=1e-12), \
+        (got, 2 * H * p.ideal_bytes_per_rank)
+    return got
+
+
 def _misuse(rank: int, n: int) -> str:
     torch.manual_seed(0)
     mesh = _mesh()
@@ -187,6 +210,7 @@ def _suite(rank: int, n: int) -> Dict[str, Tuple[str, Any]]:
                                ("int4_reference", _int4_reference),
                                ("preset_agree", _preset_agree),
                                ("nonfinite", _nonfinite),
+                               ("bytes_model", _bytes_model),
                                ("misuse", _misuse)])
 
 
@@ -194,7 +218,7 @@ _SPAWN = SharedSpawn(_suite, timeout=300)
 
 
 @pytest.mark.parametrize("case", ["dense_reference", "int4_reference", "preset_agree",
-                                  "nonfinite", "misuse"])
+                                  "nonfinite", "bytes_model", "misuse"])
 def test_local_steps(case: str) -> None:
     _SPAWN.case(R, case)
 

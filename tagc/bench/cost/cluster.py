@@ -276,9 +276,10 @@ class Assumptions:
             "FSDP2 keeps unsharded through the step; TAGC's own wrapping (a unit per "
             "linear) holds less",
             "TAGC feedback: tagc.memory.feedback_bytes(preset, unit, ...) summed over the "
-            "compressed units of tagc.shard_model's layout, for the presets as shipped now; "
-            "plus one fp32 working copy of the largest compressed unit during a call "
-            "(estimate)",
+            "compressed units of tagc.shard_model's layout, for the presets as shipped now, "
+            "and with local steps (outer_every) tagc.memory.outer_bytes (two fp32 shards) "
+            "over every unit; plus one fp32 working copy of the largest compressed unit "
+            "during a call (estimate)",
             f"fits: total <= (1 - {self.headroom:g}) x GPU memory ({self.headroom:g} kept for "
             "the CUDA context, NCCL buffers and fragmentation: assumption); GB = GiB",
         ]
@@ -336,8 +337,8 @@ def activation_bytes(s: Shape, tokens: int, act_ckpt: str) -> float:
 
 
 def feedback_state(cfg: TAGCConfig, model: ModelSpec, world: int, replicas: int) -> int:
-    """TAGC's persistent feedback bytes per GPU: ``tagc.memory.feedback_bytes`` summed
-    over the compressed units.
+    """TAGC's persistent bytes per GPU: ``tagc.memory.feedback_bytes`` summed over the
+    compressed units, and with local steps ``tagc.memory.outer_bytes`` over every unit.
 
     Args:
         cfg: the preset.
@@ -348,7 +349,8 @@ def feedback_state(cfg: TAGCConfig, model: ModelSpec, world: int, replicas: int)
         bytes.
     """
     return sum(memory.feedback_bytes(cfg, u.numel, world, replicas)
-               for u in model.units if u.compressed)
+               for u in model.units if u.compressed) + \
+        sum(memory.outer_bytes(cfg, u.numel, world, replicas) for u in model.units)
 
 
 def memory_per_gpu(s: Shape, model: ModelSpec, hsdp: bool, nodes: int, gpus_per_node: int,
@@ -403,7 +405,7 @@ def compression_of(cfg: TAGCConfig) -> Compression:
     value_bytes = next(b for b, d in VALUE_DTYPES.items() if d == cfg.value_dtype)
     return Compression(cfg.mode, cfg.quant_format, cfg.quant_block, cfg.theta, value_bytes,
                        bool(cfg.ef21), cfg.gather, cfg.gather_block, cfg.hsdp_out_format,
-                       cfg.residual_code if cfg.feeds_back else "none")
+                       cfg.residual_code if cfg.feeds_back else "none", cfg.outer_every)
 
 
 def configuration(name: str, hsdp: bool, cfg: Optional[TAGCConfig]) -> Config:
@@ -584,8 +586,10 @@ def cells(models: Sequence[str], hw: Hardware, nodes: Sequence[int], tokens: int
         for r in nodes:
             for hsdp in (False, True):
                 base = _cell(s, plain_model, hw, r, hsdp, PLAIN, None, tokens, a, codec)
+                # local steps (outer_every) exist on the HSDP route only
                 group = [base] + [_cell(s, layouts[(c.layers, c.min_numel)], hw, r, hsdp, p, c,
-                                        tokens, a, codec) for p, c in cfgs]
+                                        tokens, a, codec) for p, c in cfgs
+                                  if hsdp or not c.outer_every]
                 for cell in group:
                     cell.baseline_s = base.step_s
                 out += group

@@ -32,7 +32,8 @@ class Prediction:
         comm_s: time in collectives (none overlapped with each other).
         codec_s: time in the codec.
         compute_s: compute time given.
-        messages: latency terms counted.
+        messages: latency terms counted (a fraction under local steps: those of
+            the outer exchange, once every H steps).
     """
 
     config: Config
@@ -42,7 +43,7 @@ class Prediction:
     comm_s: float = 0.0
     codec_s: float = 0.0
     compute_s: float = 0.0
-    messages: int = 0
+    messages: float = 0
     overlap: float = 0.0
 
     @property
@@ -209,6 +210,12 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
     eb = DTYPE_BYTES[config.dtype]
     hsdp = config.layout == "hsdp"
     group, g = ("node", cluster.ranks_per_node) if hsdp else ("world", cluster.world)
+    # local steps (tagc/local.py): the exchange between the replicas, of the
+    # pseudo-gradient instead of the gradient, once every H steps; counted apart, then
+    # added at 1/H per step
+    h = t.outer_every if t is not None else 0
+    outer = Prediction(config) if h else p
+    ost = _Step(cluster, outer) if h else st
     for u, cnt in zip(model.units, unit_counts(model)):
         segs = u.segments(g, config.fsdp)
         s = sum(segs)
@@ -231,10 +238,23 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
         # -- HSDP: each rank's shard over the R replicas
         if hsdp and cluster.nodes > 1:
             if compressed:
-                _cross(st, p, t, config.cross, cluster.nodes, s, eb, cnt, rates)
+                _cross(ost, outer, t, config.cross, cluster.nodes, s, eb, cnt, rates)
             else:
-                st.ring("cross", "replica", cluster.nodes, "all_reduce", s * eb, 1, cnt)
+                ost.ring("cross", "replica", cluster.nodes, "all_reduce", s * eb, 1, cnt)
+    if h:
+        _add_share(p, outer, 1 / h)
     return p
+
+
+def _add_share(p: Prediction, q: Prediction, w: float) -> None:
+    """Add ``w`` times ``q``'s bytes, times and latency terms into ``p``."""
+    for mine, theirs in ((p.ideal, q.ideal), (p.link, q.link)):
+        for cat, v in theirs.items():
+            mine[cat] = mine.get(cat, 0.0) + w * v
+    p.node_inter += w * q.node_inter
+    p.comm_s += w * q.comm_s
+    p.codec_s += w * q.codec_s
+    p.messages += w * q.messages
 
 
 def _pairs_codec(t: Compression, s: int, shards: int, messages: int,
