@@ -371,6 +371,20 @@ class TAGCConfig:
         outer_lr: the outer step's learning rate (DiLoCo's 0.7), > 0.
         outer_momentum: the outer step's Nesterov momentum (DiLoCo's 0.9), in
             [0, 1).
+        outer_fragments: local steps streamed (Streaming DiLoCo, arXiv 2501.18512):
+            the units split into P contiguous fragments of about equal size, each
+            synced every ``outer_every`` steps, fragment p at inner steps
+            ``p * H // P + k H`` (k >= 1), so 1/P of the model crosses at a time.
+            1 (default): every unit at once.  Needs ``outer_every >= P``.
+        outer_overlap: tau, inner steps a fragment's sync overlaps: its all-reduce
+            starts at step t on a worker thread and its outer step is applied at
+            step t + tau (0, default: at once).  Needs tau < H // P (one sync in
+            flight at a time).
+        outer_mix: alpha, the merge of a fragment at its outer step: its shard
+            becomes ``(1 - alpha) * global + alpha * local``, ``global`` the outer
+            step's result and ``local`` the replica's own shard then (0, default:
+            the global one, every replica identical; > 0 keeps part of the tau
+            steps taken meanwhile, and the replicas differ by design).  In [0, 1).
     """
 
     mode: str = "quant"
@@ -402,6 +416,9 @@ class TAGCConfig:
     outer_every: int = 0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_fragments: int = 1
+    outer_overlap: int = 0
+    outer_mix: float = 0.0
 
     def __post_init__(self) -> None:
         # which derived knobs the caller gave: to_dict() writes the others as None
@@ -463,12 +480,24 @@ class TAGCConfig:
                              f"{self.hsdp_allreduce!r}")
         _check_bool("hsdp_overlap", self.hsdp_overlap)
         _check_int("outer_every", self.outer_every, 0)
+        _check_int("outer_fragments", self.outer_fragments, 1)
+        _check_int("outer_overlap", self.outer_overlap, 0)
         for name, ok in (("outer_lr", lambda v: v > 0),
-                         ("outer_momentum", lambda v: 0 <= v < 1)):
+                         ("outer_momentum", lambda v: 0 <= v < 1),
+                         ("outer_mix", lambda v: 0 <= v < 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or \
                     not math.isfinite(v) or not ok(v):
                 raise ValueError(f"{name}: out of range, got {v!r}")
+        if self.outer_every and self.outer_fragments > self.outer_every:
+            raise ValueError(f"outer_fragments: at most outer_every ({self.outer_every}) "
+                             f"fragments, got {self.outer_fragments}")
+        if self.outer_overlap and (not self.outer_every or
+                                   self.outer_overlap >= self.outer_every // self.outer_fragments):
+            raise ValueError(f"outer_overlap: needs outer_every and tau < outer_every // "
+                             f"outer_fragments (one sync in flight), got {self.outer_overlap}")
+        if (self.outer_fragments > 1 or self.outer_mix) and not self.outer_every:
+            raise ValueError("outer_fragments / outer_mix: need outer_every >= 1 (local steps)")
         if self.hsdp_out_format != "auto" and self.hsdp_out_format not in QUANT_FORMATS:
             raise ValueError(f"hsdp_out_format: must be 'auto' or one of {QUANT_FORMATS}, "
                              f"got {self.hsdp_out_format!r}")

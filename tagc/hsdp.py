@@ -115,13 +115,12 @@ class ReplicaReducer(UnitReducer):
         self.outer_start: Optional[torch.Tensor] = None
         self.outer_momentum: Optional[torch.Tensor] = None
         self.outer_inner: Optional[torch.Tensor] = None
+        self.outer_avg: Optional[torch.Tensor] = None  # a streamed sync's, in flight
 
     def outer_buffers(self) -> List[Any]:
         if not self.local:
             return []
-        return [("outer_start", self.shard_numel, torch.float32),
-                ("outer_momentum", self.shard_numel, torch.float32),
-                ("outer_inner", 1, torch.int64)]
+        return memory.outer_buffers(self.cfg, self.shard_numel)
 
     def hook(self, t: torch.Tensor) -> None:
         """FSDP's all-reduce hook: ``t`` (this rank's shard, summed over its node) is

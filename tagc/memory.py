@@ -14,7 +14,8 @@ A compressing unit with ``error_feedback`` keeps, per rank and across steps:
   chunk, the residual's storage) or EF21's ``estimate_out`` (every chunk, fp32).
 
 With local steps (``outer_every``) every unit's reducer also keeps the outer state:
-two fp32 shards and a step count (:func:`outer_bytes`).
+two fp32 shards, step counters, and with ``outer_overlap`` a third shard while a sync
+is in flight (:func:`outer_buffers`).
 
 The reducers take their buffers' layout from here (checkpoints store exactly those),
 ``TAGCState.stats()`` adds up what they hold, and the cost model's cluster table asks
@@ -138,10 +139,30 @@ def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -
                         + out_buffers(cfg, chunk, replicas))
 
 
+def outer_buffers(cfg: TAGCConfig, shard: int) -> List[Buffer]:
+    """Local steps' outer state of one unit (``outer_every``, tagc/local.py), as its
+    replica reducer keeps it.
+
+    Args:
+        cfg: the config.
+        shard: the unit's shard on this rank.
+    Returns:
+        the last sync's shard and the outer momentum (fp32), the step counters (inner
+        steps, the step a sync in flight merges at), and with ``outer_overlap`` the
+        average of a sync in flight (fp32); empty without local steps.
+    """
+    if not cfg.outer_every:
+        return []
+    out = [("outer_start", shard, torch.float32), ("outer_momentum", shard, torch.float32),
+           ("outer_inner", 2, torch.int64)]
+    if cfg.outer_overlap:
+        out.append(("outer_avg", shard, torch.float32))
+    return out
+
+
 def outer_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int) -> int:
     """Persistent bytes one rank holds for local steps' outer state of one unit of
-    ``numel`` parameters (``outer_every``, tagc/local.py): the round's starting shard
-    and the outer momentum, fp32, plus the round's step count; every unit, compressed
+    ``numel`` parameters (:func:`outer_buffers` of its shard); every unit, compressed
     or not (each has an outer step).
 
     Args:
@@ -152,6 +173,6 @@ def outer_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int) -> int:
     Returns:
         bytes (0 without local steps).
     """
-    if not cfg.outer_every or replicas <= 1:
+    if replicas <= 1:
         return 0
-    return 2 * 4 * math.ceil(numel / world) + 8
+    return buffer_bytes(outer_buffers(cfg, math.ceil(numel / world)))

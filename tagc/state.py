@@ -222,6 +222,8 @@ class TAGCState:
             gives this rank's ``(1, length)`` row).
         """
         self._join()
+        if self.local is not None:
+            self.local.prepare_checkpoint()  # a streamed sync's average, not its thread
         return checkpoint.state_dict(self.units, self.cfg, self.kind, self.world_size,
                                      self.rank, self._meshes)
 

@@ -91,6 +91,76 @@ def _reference(rounds: int) -> List[torch.Tensor]:
     return start
 
 
+def _streamed_reference(frag_of: List[int], steps: int, h: int, tau: int,
+                        alpha: float) -> List[torch.Tensor]:
+    """Streaming DiLoCo in one process, per parameter: parameter k belongs to fragment
+    ``frag_of[k]``; fragment p syncs at steps p h // P + j h (j >= 1), its average taken
+    then and its outer step applied tau steps later, each replica's parameter becoming
+    global + alpha (local - global).  Returns every replica's parameters."""
+    torch.manual_seed(0)
+    base = ToyGPT()
+    start = [p.detach().clone() for p in base.parameters()]
+    mom = [torch.zeros_like(p) for p in start]
+    reps = [copy.deepcopy(base) for _ in range(R)]
+    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in reps]
+    parts = max(frag_of) + 1
+    flight = None  # (fragment, merge step, averages)
+    for t in range(1, steps + 1):
+        for r in range(R):
+            reps[r](toy_batch(r, t - 1)).backward()
+            opts[r].step()
+            opts[r].zero_grad()
+        params = [list(m.parameters()) for m in reps]
+        if flight is not None and flight[1] == t:
+            p, _, avg = flight
+            flight = None
+            for k, d in avg.items():
+                mom[k].mul_(0.9).add_(d)
+                start[k] = start[k].sub(d.add(mom[k], alpha=0.9), alpha=0.7)
+                with torch.no_grad():
+                    for r in range(R):
+                        local = params[r][k].detach().clone()
+                        new = start[k].add(local - start[k], alpha=alpha) if alpha else start[k]
+                        params[r][k].copy_(new)
+        for p in range(parts):
+            off = p * h // parts
+            if t - off >= h and (t - off) % h == 0:
+                avg = {k: ((start[k] - params[0][k].detach()) + (start[k] - params[1][k].detach()))
+                       / R for k in range(len(start)) if frag_of[k] == p}
+                assert tau, "the reference streams: tau >= 1"
+                flight = (p, t + tau, avg)
+    return [[p.detach().clone() for p in m.parameters()] for m in reps]
+
+
+def _streamed(rank: int, n: int) -> int:
+    """dense, H = 4, two fragments, tau = 1, alpha = 0.5: every parameter after 13
+    steps (the last merge included) equals :func:`_streamed_reference` bit for bit;
+    the outer state agrees across the replicas, the parameters by design do not."""
+    h, tau, alpha = 4, 1, 0.25
+    cfg = tagc.TAGCConfig(mode="dense", min_numel=64, outer_every=h, outer_fragments=2,
+                          outer_overlap=tau, outer_mix=alpha)
+    torch.manual_seed(0)
+    mesh = _mesh()
+    model = tagc.shard_model(ToyGPT(), cfg, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = tagc.register(model, cfg, mesh=mesh, optimizer=opt)
+    from tagc import fsdp2
+    local = state.local
+    assert len(local.fragments) == 2 and local.offsets == [0, 2]
+    frag = {}
+    for p, idx in enumerate(local.fragments):
+        for i in idx:
+            for fp in fsdp2.unit_params(local.mods[i]):
+                frag[id(fp.sharded_param)] = p
+    frag_of = [frag[id(p)] for p in model.parameters()]
+    _train(model, opt, rank, range(13))
+    want = _streamed_reference(frag_of, 13, h, tau, alpha)[rank]
+    for i, (p, w) in enumerate(zip(model.parameters(), want)):
+        assert torch.equal(_local(p), w), (i, float((_local(p) - w).abs().max()))
+    assert not _params_agree(model, local.group)  # alpha > 0: apart by design
+    return len(frag_of)
+
+
 def _dense_reference(rank: int, n: int) -> int:
     model, opt, state = _build(_cfg("dense"))
     _train(model, opt, rank, range(2 * H))
@@ -165,7 +235,7 @@ def _nonfinite(rank: int, n: int) -> bool:
     for u, s, m in zip(state.units, start, mom):
         assert torch.equal(u.outer_start, s) and torch.equal(u.outer_momentum, m)
     assert _params_agree(model, state.local.group)
-    assert state.local.inner_steps == 0
+    assert state.local.step == 2 * H - 1
     return applied
 
 
@@ -211,6 +281,7 @@ def _suite(rank: int, n: int) -> Dict[str, Tuple[str, Any]]:
                                ("preset_agree", _preset_agree),
                                ("nonfinite", _nonfinite),
                                ("bytes_model", _bytes_model),
+                               ("streamed", _streamed),
                                ("misuse", _misuse)])
 
 
@@ -218,7 +289,7 @@ _SPAWN = SharedSpawn(_suite, timeout=300)
 
 
 @pytest.mark.parametrize("case", ["dense_reference", "int4_reference", "preset_agree",
-                                  "nonfinite", "bytes_model", "misuse"])
+                                  "nonfinite", "bytes_model", "streamed", "misuse"])
 def test_local_steps(case: str) -> None:
     _SPAWN.case(R, case)
 
@@ -228,40 +299,67 @@ def _snapshot(model: Any, opt: Any, state: Any) -> Dict[str, Any]:
             "tagc": state.state_dict()}
 
 
-def _resume(rank: int, n: int, tmp: str) -> List[bool]:
-    """Mid-round (after 4 of 2 x 3 inner steps): a straight run against one that saves,
-    builds everything anew, loads and goes on (torch.save per rank; plain SGD, so the
-    optimizer holds nothing)."""
+# (config, steps straight, steps before the checkpoint): mid-round (4 of 2 x 3 inner
+# steps); streamed with a sync in flight (fragment 0 launched at step 4, merged at 5)
+RESUME = {"mid_round": (dict(outer_every=H), 2 * H, H + 1),
+          "in_flight": (dict(outer_every=4, outer_fragments=2, outer_overlap=1,
+                             outer_mix=0.5), 9, 4)}
+
+
+def _resume(rank: int, n: int, tmp: str) -> Dict[str, List[bool]]:
+    """A straight run against one that saves, builds everything anew, loads and goes
+    on (torch.save per rank; plain SGD, so the optimizer holds nothing)."""
     warnings.filterwarnings("ignore")
-    cfg = tagc.TAGCConfig.preset("tagc-balanced").replace(
-        min_numel=64, outer_every=H, outer_lr=0.7, outer_momentum=0.9)
-    model, opt, state = _build(cfg)
-    _train(model, opt, rank, range(2 * H))
-    straight = [_local(p).clone() for p in model.parameters()]
-    model, opt, state = _build(cfg)
-    _train(model, opt, rank, range(H + 1))
-    torch.save(_snapshot(model, opt, state), os.path.join(tmp, f"ck-{rank}.pt"))
-    model, opt, state = _build(cfg)
-    ck = torch.load(os.path.join(tmp, f"ck-{rank}.pt"), weights_only=False)
-    with torch.no_grad():
-        for p, saved in zip(model.parameters(), ck["params"]):
-            _local(p).copy_(saved)
-    state.load_state_dict(ck["tagc"])
-    assert state.local.inner_steps == 1
-    _train(model, opt, rank, range(H + 1, 2 * H))
-    return [torch.equal(_local(p), s) for p, s in zip(model.parameters(), straight)]
+    out = {}
+    for which, (knobs, steps, at) in RESUME.items():
+        cfg = tagc.TAGCConfig.preset("tagc-balanced").replace(
+            min_numel=64, outer_lr=0.7, outer_momentum=0.9, **knobs)
+        model, opt, state = _build(cfg)
+        _train(model, opt, rank, range(steps))
+        straight = [_local(p).clone() for p in model.parameters()]
+        model, opt, state = _build(cfg)
+        _train(model, opt, rank, range(at))
+        path = os.path.join(tmp, f"{which}-{rank}.pt")
+        torch.save(_snapshot(model, opt, state), path)
+        model, opt, state = _build(cfg)
+        ck = torch.load(path, weights_only=False)
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), ck["params"]):
+                _local(p).copy_(saved)
+        state.load_state_dict(ck["tagc"])
+        assert state.local.step == at
+        # the sync in flight came back as its saved average, merged at its step
+        assert any(u.outer_avg is not None for u in state.units) == (which == "in_flight")
+        _train(model, opt, rank, range(at, steps))
+        out[which] = [torch.equal(_local(p), s) for p, s in zip(model.parameters(), straight)]
+    return out
 
 
-def test_local_steps_resume_mid_round() -> None:
+def test_local_steps_resume_mid_round_and_in_flight() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        for same in run_dist(_resume, R, tmp, timeout=300):
-            assert all(same), same
+        for res in run_dist(_resume, R, tmp, timeout=300):
+            for which, same in res.items():
+                assert all(same), (which, same)
 
 
 def test_outer_knobs_validate() -> None:
     for bad in (dict(outer_every=-1), dict(outer_every=1.5), dict(outer_lr=0),
                 dict(outer_lr=float("nan")), dict(outer_momentum=1.0),
-                dict(outer_momentum=-0.1), dict(outer_momentum=True)):
+                dict(outer_momentum=-0.1), dict(outer_momentum=True),
+                dict(outer_every=4, outer_fragments=0), dict(outer_every=4, outer_fragments=5),
+                dict(outer_every=4, outer_fragments=2, outer_overlap=2),
+                dict(outer_overlap=1), dict(outer_fragments=2), dict(outer_mix=0.5),
+                dict(outer_every=4, outer_mix=1.0), dict(outer_every=4, outer_overlap=-1)):
         with pytest.raises(ValueError, match="outer_"):
             tagc.TAGCConfig(**bad)
     assert tagc.TAGCConfig().outer_every == 0
+    tagc.TAGCConfig(outer_every=4, outer_fragments=2, outer_overlap=1, outer_mix=0.5)
+
+
+def test_fragments_split_by_size_in_order() -> None:
+    from tagc.local import fragments
+
+    assert fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert fragments([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert fragments([5], 3) == [[0]]
+    assert fragments([1, 1, 1], 1) == [[0, 1, 2]]
