@@ -403,8 +403,14 @@ def _build(shape: ModelShape, strategy: str, row: Row, fsdp: int, config_dir: Pa
         # forward, as a gather-once row does under FULL_SHARD
         tagc.shard_model(model, cfg, reshard_after_forward=strategy == "FULL_SHARD" and row.reshard,
                          **kw)
-    state = tagc.register(model, cfg, mesh=mesh) if preset is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if cfg.outer_every and (strategy != "HSDP" or mesh is None):
+        raise SystemExit(f"bench_step: {preset} takes local steps, TAGC's HSDP route: "
+                         "run it with --hsdp")
+    # local steps end a round from the optimizer's step hook
+    state = tagc.register(model, cfg, mesh=mesh,
+                          optimizer=opt if cfg.outer_every else None) \
+        if preset is not None else None
     return model, opt, state
 
 
