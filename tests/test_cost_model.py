@@ -295,22 +295,23 @@ def test_size_rules_are_the_librarys() -> None:
 
 @pytest.mark.parametrize("r", [2, 4, 64])
 def test_local_steps_send_the_per_step_exchange_once_a_round(r: int) -> None:
-    """hsdp+local (tagc-local: tagc-balanced's exchange, outer_every 8) puts 1/8 of
+    """hsdp+local (tagc-local: tagc-balanced's exchange, outer_every H = 32) puts 1/H of
     hsdp+balanced's bytes, time and latency terms between the nodes per step, and
     leaves FSDP's traffic inside the node alone; FULL_SHARD has no local steps."""
     model, c = cm.gpt2_124m(), cluster(8, r)
     per_step = cm.predict(model, c, cm.make_config("hsdp+balanced"))
     local = cm.predict(model, c, cm.make_config("hsdp+local"))
-    assert cm.PRESETS["local"].outer_every == 8
+    h = cm.PRESETS["local"].outer_every
+    assert h == 32
     for cat in ("cross", "control"):
-        assert local.ideal[cat] == pytest.approx(per_step.ideal[cat] / 8, rel=1e-12)
-        assert local.link[cat] == pytest.approx(per_step.link[cat] / 8, rel=1e-12)
+        assert local.ideal[cat] == pytest.approx(per_step.ideal[cat] / h, rel=1e-12)
+        assert local.link[cat] == pytest.approx(per_step.link[cat] / h, rel=1e-12)
     assert local.ideal["gather"] == per_step.ideal["gather"]
     assert local.ideal["grad"] == per_step.ideal["grad"]
-    assert local.node_inter == pytest.approx(per_step.node_inter / 8, rel=1e-12)
-    assert local.codec_s == pytest.approx(per_step.codec_s / 8, rel=1e-12)
+    assert local.node_inter == pytest.approx(per_step.node_inter / h, rel=1e-12)
+    assert local.codec_s == pytest.approx(per_step.codec_s / h, rel=1e-12)
     native = cm.predict(model, c, cm.make_config("hsdp"))
-    assert local.ideal["cross"] < native.ideal["cross"] / 50
+    assert local.ideal["cross"] < native.ideal["cross"] / 100
     with pytest.raises(ValueError, match="local steps"):
         cm.make_config("fsdp+local")
     with pytest.raises(ValueError, match="outer_every"):

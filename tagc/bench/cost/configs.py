@@ -215,8 +215,8 @@ PRESETS: Dict[str, Compression] = {
     "balanced": Compression("quant", "int4", residual_code="int4"),    # tagc-balanced.yaml
     "lean": Compression("quant", "ternary"),                           # tagc-lean.yaml
     "full": Compression("quant", "int4", residual_code="int4", gather="int8"),  # tagc-full.yaml
-    # tagc-local.yaml: tagc-balanced's exchange of the pseudo-gradient, once every 8 steps
-    "local": Compression("quant", "int4", residual_code="int4", outer_every=8),
+    # tagc-local.yaml: tagc-balanced's exchange of the pseudo-gradient, once every 32 steps
+    "local": Compression("quant", "int4", residual_code="int4", outer_every=32),
     # the presets as the runs file's older rows ran them: tagc-lean until it dropped
     # its feedback, tagc-balanced / tagc-full until issue 42 (EF21, a 32-byte vote)
     "lean-ef21": Compression("quant", "ternary", ef21=True),
