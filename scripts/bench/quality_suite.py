@@ -93,6 +93,9 @@ TASKS: Dict[str, Task] = {
     "gpt2-wide": Task("gpt2", 1000, ("--n_layer=4", "--n_head=8", "--n_embd=512"),
                       note="4 x 512 (12.8M params, 7.6x)"),
     "gpt2-long": Task("gpt2", 3000, note="3x the 1000-step grid (the schedule stretches)"),
+    # issue 42: beyond the widest; 500 steps is about 35 minutes a run on this machine
+    "gpt2-25m": Task("gpt2", 500, ("--fsdp=2", "--n_layer=8", "--n_head=8", "--n_embd=512"),
+                     note="8 x 512 (25.45M params), FSDP2"),
     # finetune_hf.py takes train-tiny.yaml's knobs as options (the YAML names a GPT-2 size)
     "llama": Task("hf", 600, (f"--hf_config={LLAMA}", "--block_size=128", "--batch_size=8",
                               "--learning_rate=1e-3", "--min_lr=1e-4", "--warmup_iters=30"),
@@ -107,6 +110,7 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "plain": None,
     "tagc-balanced": ("tagc-balanced", {}),
     "tagc-lean": ("tagc-lean", {}),
+    "tagc-full": ("tagc-full", {}),  # int8 gathers: FSDP2 tasks only
     "int4-nofb": ("tagc-balanced", {"error_feedback": False, "ef21": False}),
     "ternary-nofb": ("tagc-lean", {"error_feedback": False, "ef21": False}),
     "int4-res": ("tagc-balanced", {"error_feedback": True, "ef21": False, "residual_code": "none"}),
@@ -175,6 +179,13 @@ class Run:
     code: Dict[str, str] = field(default_factory=dict)
 
 
+def _finished(folder: Path) -> None:
+    """``--report-only``: ``folder`` must hold a finished run (whatever code it ran:
+    the doc names each run's commit)."""
+    if not ((folder / "suite_run.json").is_file() and (folder / "summary.json").is_file()):
+        raise SystemExit(f"quality_suite: --report-only: no finished run in {folder}")
+
+
 def run_lm(name: str, task: Task, seed: int, method: str, args: argparse.Namespace,
            code: Dict[str, str]) -> Run:
     """One GPT-2 / Hugging Face run (torchrun, 2 ranks) of ``method`` on ``task``."""
@@ -192,7 +203,9 @@ def run_lm(name: str, task: Task, seed: int, method: str, args: argparse.Namespa
         (folder / "tagc.yaml").write_text(yaml.safe_dump(fields, sort_keys=False))
         cmd.append(f"--tagc={folder / 'tagc.yaml'}")
     meta = run_meta(cmd, {"tagc": fields, "steps": steps, "args": list(task.args)}, code)
-    if not (args.reuse and reusable(folder, meta, "summary.json")):
+    if args.report_only:
+        _finished(folder)
+    elif not (args.reuse and reusable(folder, meta, "summary.json")):
         execute(cmd, folder, meta)
     # a reused run keeps the wall time it recorded when it ran
     seconds = json.loads((folder / "suite_run.json").read_text())["seconds"]
@@ -226,7 +239,9 @@ def run_regression(name: str, task: Task, seed: int, methods: Sequence[str],
            "--seed", str(seed), "--steps", str(steps), *task.args, "--out_dir", str(folder),
            "--nproc", str(args.nproc)]
     meta = run_meta(cmd, {"methods": configs, "steps": steps, "args": list(task.args)}, code)
-    if not (args.reuse and reusable(folder, meta, "summary.json")):
+    if args.report_only:
+        _finished(folder)
+    elif not (args.reuse and reusable(folder, meta, "summary.json")):
         execute(cmd, folder, meta)
     # a reused run keeps the wall time it recorded when it ran
     seconds = json.loads((folder / "suite_run.json").read_text())["seconds"]
@@ -440,6 +455,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Tuple[str, str], Dict[str
     p.add_argument("--out_dir", default="out/suite", help="the runs' folders")
     p.add_argument("--reuse", action="store_true",
                    help="take finished runs of the same code and configs from out_dir")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: the doc and curves of the finished runs in out_dir, "
+                        "whatever code each ran (its commit is in the doc)")
     p.add_argument("--doc", default=str(ROOT / "docs" / "SUITE.md"),
                    help="the markdown table (default: this checkout's docs/SUITE.md)")
     p.add_argument("--curves", default=str(ROOT / "docs" / "suite-curves.png"),
