@@ -102,7 +102,8 @@ def test_code_id_sees_uncommitted_changes() -> None:
 
 def test_tiny_end_to_end(tmp_path: Path) -> None:
     """The regression task at 2 steps, plain vs lean: every seed's runs and the doc."""
-    args = SimpleNamespace(out_dir=str(tmp_path), scale=0.02, nproc=2, reuse=False, seeds=[])
+    args = SimpleNamespace(out_dir=str(tmp_path), scale=0.02, nproc=2, reuse=False, seeds=[],
+                           report_only=False)
     runs, wall = qs.run_suite(["regression-b256"], ["tagc-lean"], args)
     assert {(r.seed, r.method) for r in runs} == {(s, m) for s in (0, 1, 2)
                                                   for m in ("plain", "tagc-lean")}
@@ -122,6 +123,15 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
     other, _ = qs.run_suite(["regression-b256"], ["tagc-lean"],
                             SimpleNamespace(**{**vars(args), "seeds": [7]}))
     assert {(r.seed, r.method) for r in other} == {(7, "plain"), (7, "tagc-lean")}
+    # --report-only trains nothing: the finished runs as they are, a missing one refused
+    report, _ = qs.run_suite(["regression-b256"], ["tagc-lean"],
+                             SimpleNamespace(**{**vars(args), "report_only": True}))
+    assert [(r.seed, r.method, r.final) for r in report] == \
+        [(r.seed, r.method, r.final) for r in runs]
+    with pytest.raises(SystemExit, match="report-only"):
+        qs.run_suite(["regression-b256"], ["tagc-lean"],
+                     SimpleNamespace(**{**vars(args), "report_only": True,
+                                        "out_dir": str(tmp_path / "none")}))
 
 
 def test_bad_seeds_are_refused() -> None:
@@ -174,7 +184,8 @@ def test_runs_launch_the_package_not_a_checkout_path(tmp_path: Path,
         raise RuntimeError("not run")
 
     monkeypatch.setattr(qs, "execute", fake_execute)
-    args = SimpleNamespace(out_dir=str(tmp_path), scale=0.01, nproc=2, reuse=False, seeds=[])
+    args = SimpleNamespace(out_dir=str(tmp_path), scale=0.01, nproc=2, reuse=False, seeds=[],
+                           report_only=False)
     code = {"commit": "c", "tree": "t", "dirty": ""}
     for task in ("gpt2", "llama"):
         with pytest.raises(RuntimeError):
