@@ -155,9 +155,8 @@ class LocalSteps:
             u.outer_inner.copy_(torch.tensor([step, merge_at]))
 
     def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        t = self.step + 1
-        self._set_counters(t, int(self.units[0].outer_inner[1]))
-        merge_at = int(self.units[0].outer_inner[1])
+        t, merge_at = self.step + 1, int(self.units[0].outer_inner[1])
+        self._set_counters(t, merge_at)
         if merge_at == t:  # the sync launched tau steps ago: its outer step now
             self._merge_flight()
         h = self.cfg.outer_every

@@ -404,7 +404,7 @@ def _build(shape: ModelShape, strategy: str, row: Row, fsdp: int, config_dir: Pa
         tagc.shard_model(model, cfg, reshard_after_forward=strategy == "FULL_SHARD" and row.reshard,
                          **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if cfg.outer_every and (strategy != "HSDP" or mesh is None):
+    if cfg.outer_every and mesh is None:  # the mesh exists on the HSDP route only
         raise SystemExit(f"bench_step: {preset} takes local steps, TAGC's HSDP route: "
                          "run it with --hsdp")
     # local steps end a round from the optimizer's step hook
