@@ -31,6 +31,8 @@ buffers between ranks and keeps per-unit state:
 * ``tagc/transports.py``  the transports, one signature, a table by mode
 * ``tagc/codec.py``       the handle on the C module ``_tagc`` (its only importer)
 * ``tagc/gather.py``      quantized parameter all-gathers (FSDP2, ``gather``)
+* ``tagc/pipeline.py``    pipeline parallelism: coded stage boundaries
+  (``pipeline_stage``, ``PipelineConfig``; int8/int4 blocks or Protocol Models' subspace)
 * ``tagc/comm.py``, ``tagc/device.py``, ``tagc/stats.py``, ``tagc/checkpoint.py``
 * ``tagc/teardown.py``    the exit drain: gloo's workers done with Python before exit
 
@@ -81,6 +83,7 @@ Decisions documented here (they are visible in behaviour):
 from __future__ import annotations
 
 from tagc.config import MODES, PAPER_THETA, QUANT_BITS, QUANT_FORMATS, TAGCConfig
+from tagc.pipeline import PipelineConfig, pipeline_stage
 from tagc.selection import select_parameter
 from tagc.state import TAGCState, register
 from tagc.wrapping import fsdp1_auto_wrap_policy, shard_model
@@ -92,6 +95,8 @@ __all__ = [
     "fsdp1_auto_wrap_policy",
     "shard_model",
     "select_parameter",
+    "PipelineConfig",
+    "pipeline_stage",
     "MODES",
     "QUANT_FORMATS",
     "QUANT_BITS",

@@ -758,7 +758,11 @@ class TAGCConfig:
         """
         from tagc import presets
 
-        return cls.from_yaml(str(presets.resolve(name)), overrides)
+        path = presets.resolve(name)
+        if path.name.startswith(presets.PIPELINE_PREFIX):
+            raise ValueError(f"{path.name} is a pipeline preset: load it with "
+                             "tagc.pipeline.PipelineConfig.from_yaml (train_gpt2.py --pp)")
+        return cls.from_yaml(str(path), overrides)
 
     @classmethod
     def from_yaml(cls, path: str, overrides: Optional[Dict[str, Any]] = None) -> "TAGCConfig":
@@ -773,13 +777,9 @@ class TAGCConfig:
         Returns:
             the validated config.
         """
-        import yaml
+        from tagc.presets import load_mapping
 
-        with open(path, "r", encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping, got {type(data).__name__}")
-        return cls.from_dict({**data, **(overrides or {})})
+        return cls.from_dict({**load_mapping(path), **(overrides or {})})
 
     def fingerprint(self) -> str:
         """Stable digest of the config, compared across ranks at register()."""

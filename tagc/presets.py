@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import List, Union
+from typing import Any, Dict, List, Union
 
-__all__ = ["config_dir", "names", "resolve"]
+__all__ = ["config_dir", "names", "resolve", "load_mapping", "PIPELINE_PREFIX"]
+
+# The pipeline presets (tagc.pipeline.PipelineConfig, ``train_gpt2.py --pp``) are named
+# tagc-pp-*; every other tagc-* preset is a TAGCConfig of the data-parallel hook.
+PIPELINE_PREFIX = "tagc-pp-"
 
 
 def config_dir() -> Path:
@@ -71,3 +75,18 @@ def resolve(name: Union[str, Path]) -> Path:
             return folder / f"{cand}.yaml"
     raise ValueError(f"no preset or file {str(name)!r}; the shipped presets: "
                      f"{', '.join(names())}")
+
+
+def load_mapping(path: Union[str, Path]) -> Dict[str, Any]:
+    """The field mapping of a YAML preset file (an empty file is an empty mapping).
+
+    Raises:
+        ValueError: the file holds something other than a mapping.
+    """
+    import yaml
+
+    with open(path, "r", encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping, got {type(data).__name__}")
+    return data

@@ -11,6 +11,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def hook_presets():
+    """The shipped TAGCConfig presets: configs/tagc-*.yaml but the pipeline's tagc-pp-*."""
+    from tagc.presets import PIPELINE_PREFIX
+    return [p for p in glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml"))
+            if not os.path.basename(p).startswith(PIPELINE_PREFIX)]
+
 import tagc_hook as tagc
 from dist_helpers import ToyGPT
 from tagc.selection import UnitSpec, modules_to_wrap, module_names, unit_spec
@@ -188,7 +195,7 @@ def test_warmup_schedule_is_dense_then_geometric_in_density():
 
 
 def test_presets_load_and_unknown_keys_raise(tmp_path):
-    names = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml"))}
+    names = {os.path.basename(p) for p in hook_presets()}
     for r in (2, 4, 10):
         for b in (1, 4):
             assert f"tagc-{r}x-{b}bit.yaml" in names
@@ -197,7 +204,7 @@ def test_presets_load_and_unknown_keys_raise(tmp_path):
             assert c.theta == tagc.PAPER_THETA[float(r)]
     for m in ("exact", "sparse", "auto", "dense"):
         assert tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{m}.yaml")).mode == m
-    for path in glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml")):
+    for path in hook_presets():
         tagc.TAGCConfig.from_yaml(path)  # every shipped preset is valid
     for m in ("exact", "sparse"):
         w = tagc.TAGCConfig.from_yaml(os.path.join(ROOT, "configs", f"tagc-{m}-warmup.yaml"))
@@ -435,10 +442,12 @@ def test_defaults_are_the_recommended_preset():
 def test_unknown_preset_names_the_shipped_ones():
     with pytest.raises(ValueError, match="tagc-balanced.*tagc-full|tagc-full.*tagc-balanced"):
         tagc.TAGCConfig.preset("balancd")
+    with pytest.raises(ValueError, match="pipeline preset"):
+        tagc.TAGCConfig.preset("pp-int8")
 
 
 @pytest.mark.parametrize("name", sorted(os.path.basename(p)[:-5] for p in
-                                        glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml"))))
+                                        hook_presets()))
 def test_preset_resolves_as_before_the_defaults_changed(name):
     """Every preset resolves to the knobs it had before TAGCConfig's defaults became
     tagc-balanced's (recorded at commit f1cb654), so no preset silently changed."""
@@ -460,7 +469,7 @@ def test_every_preset_states_the_knobs_whose_defaults_changed():
     so it reads the same whatever the library's defaults are."""
     import yaml
 
-    for path in glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml")):
+    for path in hook_presets():
         with open(path) as fh:
             data = yaml.safe_load(fh)
         need = {"mode", "layers"} | ({"error_feedback", "ef21"} if data["mode"] != "dense"
@@ -485,7 +494,7 @@ def test_every_config_round_trips_with_one_change(change):
     import yaml
 
     sources = {"default": {}}
-    for path in glob.glob(os.path.join(ROOT, "configs", "tagc-*.yaml")):
+    for path in hook_presets():
         with open(path) as fh:
             sources[os.path.basename(path)] = yaml.safe_load(fh)
     built = 0

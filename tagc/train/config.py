@@ -139,11 +139,27 @@ class TrainConfig(RunConfig):
     dropout: float = option(0.0, "dropout probability (0 keeps runs deterministic)")
     bias: bool = option(True, "biases in Linear and LayerNorm layers")
     tie_weights: bool = option(True, "share the token embedding with the LM head")
+    pp: int = option(1, "pipeline stages, one per rank (torch.distributed.pipelining); "
+                        "--tagc then names a tagc-pp-* preset (the stage boundaries' "
+                        "codes), none: fp32 boundaries; needs --tie_weights=false")
 
     def validate(self) -> None:
         super().validate()
         if self.model not in MODEL_SIZES:
             raise ValueError(f"model must be one of {list(MODEL_SIZES)}, got {self.model!r}")
+        if self.pp < 1:
+            raise ValueError(f"pp must be >= 1, got {self.pp}")
+        if self.pp > 1:
+            # the embedding and the LM head sit on different stages, in every run of a
+            # comparison (the fp32 baseline too): untying must be asked for, not implied
+            if self.tie_weights:
+                raise ValueError("--pp needs --tie_weights=false (the token embedding and "
+                                 "the LM head sit on different stages)")
+            if self.dropout:
+                raise ValueError("--pp keeps dropout 0 (bitwise resume, exact subspace)")
+            if self.replicas > 1 or self.grad_accum > 1:
+                raise ValueError("--pp takes neither --replicas nor --grad_accum (the "
+                                 "preset's microbatches split the batch)")
         for name in ("n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

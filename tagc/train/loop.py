@@ -201,6 +201,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         build_parser().exit(2, f"train_gpt2.py: error: {exc}\n")
     env = setup(cfg, "scripts/train_gpt2.py")
     data, tok = load_data(cfg)
+    if cfg.pp > 1:
+        from tagc.train.pipeline import run_pipeline
+        return run_pipeline(cfg, env, data, tok)
     return run(cfg, env, gpt_spec(cfg, env, tok.vocab_size), data, tok)
 
 
@@ -240,6 +243,13 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: TokenData,
     summary.update(n_params=spec.n_params, world_size=env.world, tokenizer=tok.name,
                    tagc=cfg.tagc, fsdp=cfg.fsdp, sharding=cfg.sharding,
                    replicas=cfg.replicas)
+    return finish(env, out_dir, summary, metrics)
+
+
+def finish(env: Env, out_dir: Path, summary: Dict[str, Any], metrics: MetricsLog
+           ) -> Dict[str, Any]:
+    """The end of a run: ``summary.json`` (rank 0), the metrics closed, the process
+    group destroyed if the run made it; returns the summary."""
     if env.master:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     metrics.close()

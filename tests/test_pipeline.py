@@ -1,0 +1,372 @@
+"""Coded pipeline-stage boundaries (tagc/pipeline.py, train_gpt2.py --pp).
+
+* the boundary codes against an independent pure-torch reference of the block
+  layout (per row, blocks of ``block`` values, scale = max|v| / qmax rounded once
+  to fp32, codes = round-half-even of v times the fp32 reciprocal);
+* message sizes against the layout's arithmetic, and the bytes the pipeline hands
+  to ``torch.distributed`` (counted at the call) against the message size;
+* two gloo ranks, GPipe and 1F1B: loss and both stages' gradients bit-equal to a
+  one-process model that applies the same code at the same place (the subspace:
+  to the one-process subspace model, since the coefficients travel exactly);
+* ``train_gpt2.py --pp 2``: resume is bitwise; bad input raises.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_tagc = pytest.importorskip("_tagc", reason="the _tagc codec is not built (pip install -e .)")
+pytestmark = pytest.mark.codec
+
+import tagc.train.data as token_data
+from dist_helpers import run_dist
+from tagc.pipeline import (BoundaryCounter, BoundaryLayout, BoundaryRecv, BoundarySend,
+                           PipelineConfig, Subspace)
+from tagc.train.model import GPT, GPTConfig, GPTStage, stage_ranges
+
+QMAX = {"int8": 127, "int4": 7}
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- reference
+
+def qdq_ref(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    """What the receiver decodes: the values through the code, in fp32 (reference)."""
+    if fmt == "fp32":
+        return x.float().clone()
+    if fmt == "bf16":
+        return x.to(torch.bfloat16).float()
+    rows = x.float().reshape(-1, x.shape[-1])
+    out = torch.empty_like(rows)
+    for j in range(0, rows.shape[1], block):
+        v = rows[:, j:j + block]
+        s = (v.abs().amax(dim=1).double() / QMAX[fmt]).float()
+        s = torch.where(s < torch.finfo(torch.float32).tiny, torch.zeros_like(s), s)
+        inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)),
+                          torch.zeros_like(s))
+        q = torch.round(v * inv[:, None]).clamp(-QMAX[fmt], QMAX[fmt])
+        out[:, j:j + block] = q * s[:, None]
+    return out.view(x.shape)
+
+
+def bytes_ref(rows: int, width: int, fmt: str, block: int) -> int:
+    if fmt in ("fp32", "bf16"):
+        return rows * width * (4 if fmt == "fp32" else 2)
+    per = {"int8": 1, "int4": 2}[fmt]
+    full, tail = divmod(width, block)
+    row = full * (4 + -(-block // per)) + ((4 + -(-tail // per)) if tail else 0)
+    return rows * row
+
+
+# --------------------------------------------------------------------------- codes
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("shape,block", [((1, 1, 1), 1), ((2, 3, 37), 16), ((1, 5, 64), 64),
+                                         ((3, 7, 130), 64), ((1, 2, 4096), 4096)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codes_match_reference(fmt: str, shape: Tuple[int, ...], block: int,
+                               dtype: torch.dtype) -> None:
+    cfg = PipelineConfig(format=fmt, grad_format=fmt, block=block)
+    lay = BoundaryLayout(shape, cfg)
+    g = torch.Generator().manual_seed(math.prod(shape) + block)
+    x = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])).to(dtype)
+    x.view(-1)[0] = 0.0
+    rows = math.prod(shape[:-1])
+    assert lay.forward_bytes == lay.backward_bytes == bytes_ref(rows, shape[-1], fmt, block)
+    assert lay.message_bytes == 4 * -(-lay.forward_bytes // 4)
+    y, ids = lay.unpack_forward(lay.pack_forward(x, None))
+    assert ids is None and y.dtype == torch.float32
+    assert torch.equal(y, qdq_ref(x, fmt, block))
+    assert torch.equal(lay.unpack_backward(lay.pack_backward(x)), qdq_ref(x, fmt, block))
+
+
+def test_zero_and_mixed_legs_and_ids() -> None:
+    """An all-zero row decodes to zeros; a finer gradient code sizes the message both
+    ways; token ids travel exactly (uint16 up to 65536 ids, else int32)."""
+    cfg = PipelineConfig(format="int4", grad_format="fp32", block=8, subspace_k=8)
+    for vocab, per in ((50257, 2), (65536, 2), (65537, 4)):
+        lay = BoundaryLayout((2, 3, 8), cfg, (2, 3), vocab)
+        assert lay.id_bytes == per
+        assert lay.forward_bytes == bytes_ref(6, 8, "int4", 8) + 6 * per
+        assert lay.backward_bytes == 6 * 8 * 4
+        assert lay.message_numel == -(-max(lay.forward_bytes, lay.backward_bytes) // 4)
+        ids = torch.tensor([[0, 1, vocab - 1], [7, vocab // 2, 3]])
+        x = torch.zeros(2, 3, 8)
+        y, got = lay.unpack_forward(lay.pack_forward(x, ids))
+        assert torch.equal(got, ids) and torch.equal(y, x)
+
+
+def test_bad_input_raises() -> None:
+    cfg = PipelineConfig(format="int8", block=16)
+    lay = BoundaryLayout((2, 4, 16), cfg)
+    send, recv = BoundarySend(lay, BoundaryCounter()), BoundaryRecv(lay, BoundaryCounter())
+    with pytest.raises(ValueError, match="shape"):
+        send(torch.zeros(2, 4, 17))
+    with pytest.raises(TypeError, match="dtype"):
+        send(torch.zeros(2, 4, 16, dtype=torch.int64))
+    bad = torch.zeros(2, 4, 16)
+    bad[1, 2, 3] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN"):
+        send(bad)
+    with pytest.raises(FloatingPointError, match="NaN"):
+        send(bad.clone().fill_(float("inf")))
+    with pytest.raises(ValueError, match="message"):
+        recv(torch.zeros(lay.message_numel + 1))
+    with pytest.raises(ValueError, match="message"):
+        recv(torch.zeros(lay.message_numel, dtype=torch.float64))
+    # a corrupt int8 code (-128) in the message
+    msg = lay.pack_forward(torch.ones(2, 4, 16), None)
+    msg.view(torch.uint8)[4] = 0x80
+    with pytest.raises(ValueError):
+        recv(msg)
+    # the gradient leg refuses NaN too, before sending
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    y = recv(send(x.clone()).detach().requires_grad_())
+    with pytest.raises(FloatingPointError, match="gradient"):
+        y.backward(torch.full_like(y, float("nan")))
+    # ids out of the vocabulary
+    sub = PipelineConfig(format="fp32", subspace_k=16)
+    lay = BoundaryLayout((2, 4, 16), sub, (2, 4), 10)
+    with pytest.raises(ValueError, match="vocabulary"):
+        BoundaryRecv(lay, BoundaryCounter())(lay.pack_forward(torch.zeros(2, 4, 16),
+                                                               torch.full((2, 4), 11)))
+    with pytest.raises(ValueError, match="token ids"):
+        BoundarySend(lay, BoundaryCounter())(torch.zeros(2, 4, 16))
+    with pytest.raises(ValueError, match="vocabulary size"):
+        BoundaryLayout((2, 4, 16), sub, (2, 4))
+
+
+def test_config_validation(tmp_path: Path) -> None:
+    for bad in ({"format": "int2"}, {"grad_format": "sign"}, {"block": 0},
+                {"block": 1 << 17}, {"microbatches": 0}, {"schedule": "zb"},
+                {"subspace_k": -1}, {"block": True}):
+        with pytest.raises(ValueError):
+            PipelineConfig(**bad)
+    with pytest.raises(ValueError, match="unknown keys"):
+        PipelineConfig.from_dict({"mode": "quant"})
+    for name in ("tagc-pp-int8", "tagc-pp-subspace"):
+        c = PipelineConfig.from_yaml(REPO / "configs" / f"{name}.yaml")
+        assert c.grad_format is not None
+    p = tmp_path / "x.yaml"
+    p.write_text("- 1\n")
+    with pytest.raises(ValueError, match="mapping"):
+        PipelineConfig.from_yaml(p)
+
+
+def test_subspace_model() -> None:
+    """The stream before the last boundary is x0 + U c exactly as the model keeps it;
+    U is orthonormal and the same from the seed alone; misuse raises."""
+    s1, s2 = Subspace(32, 8, 50, 16, seed=3), Subspace(32, 8, 50, 16, seed=3)
+    assert torch.equal(s1.U, s2.U) and torch.equal(s1.tok, s2.tok)
+    assert torch.allclose(s1.U.t() @ s1.U, torch.eye(8), atol=1e-6)
+    assert not torch.equal(s1.U, Subspace(32, 8, 50, 16, seed=4).U)
+    assert "U" not in s1.state_dict()
+    with pytest.raises(ValueError):
+        Subspace(32, 33, 50, 16, seed=0)
+    with pytest.raises(ValueError, match="tie"):
+        GPTConfig(n_layer=2, n_head=2, n_embd=32, subspace_k=8, subspace_layers=1)
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32,
+                    tie_weights=False, subspace_k=8, subspace_layers=1)
+    with pytest.raises(ValueError, match="inside the subspace"):
+        GPTStage(GPT(cfg), 0, 2)
+    assert stage_ranges(5, 2) == [(0, 3), (3, 5)]
+    with pytest.raises(ValueError):
+        stage_ranges(2, 3)
+    torch.manual_seed(0)
+    m = GPT(dataclass_replace(cfg, subspace_layers=2))
+    idx = torch.randint(0, 64, (2, 16))
+    c, ids = m.blocks(m.embed(idx), 0, 2)
+    assert c.shape == (2, 16, 8) and torch.equal(ids, idx)
+    # the constrained blocks write into U: their projections map to k values
+    assert m.transformer.h[0].attn.c_proj.weight.shape == (8, 32)
+    assert m.transformer.h[3].attn.c_proj.weight.shape == (32, 32)
+
+
+def dataclass_replace(cfg: GPTConfig, **kw: Any) -> GPTConfig:
+    import dataclasses
+    return dataclasses.replace(cfg, **kw)
+
+
+# --------------------------------------------------------------------------- 2 ranks
+
+class _QDQ(torch.autograd.Function):
+    """The boundary in one process: the forward code on values, the backward code on
+    the gradient (the reference's own arithmetic)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cfg: PipelineConfig) -> torch.Tensor:
+        ctx.cfg = cfg
+        return qdq_ref(x, cfg.format, cfg.block)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Any, ...]:
+        return qdq_ref(g, ctx.cfg.grad_format, ctx.cfg.block), None
+
+
+def _reference(model: GPT, cfg: PipelineConfig, idx: torch.Tensor, y: torch.Tensor,
+               mb: int, split: int) -> float:
+    """One-process loss and gradients (in ``model``) of the pipeline's step."""
+    total = 0.0
+    n = idx.shape[0] // mb
+    for m in range(n):
+        x = idx[m * mb:(m + 1) * mb]
+        h = model.blocks(model.embed(x), 0, split)
+        h = (_QDQ.apply(h[0], cfg), h[1]) if isinstance(h, tuple) else _QDQ.apply(h, cfg)
+        logits = model.head(model.blocks(h, split, model.config.n_layer))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y[m * mb:(m + 1) * mb].view(-1))
+        loss.backward()
+        total += loss.item()
+    # the schedule sums the microbatches' gradients, then divides (scale_grads)
+    for p in model.parameters():
+        p.grad.div_(n)
+    return total / n
+
+
+CASES = [("fp32", None, 0, "gpipe"), ("fp32", None, 0, "1f1b"), ("int8", None, 0, "1f1b"),
+         ("int4", "int8", 0, "gpipe"), ("bf16", None, 0, "1f1b"), ("fp32", None, 8, "gpipe"),
+         ("int8", "fp32", 8, "1f1b")]
+
+
+def _pipeline_cases(rank: int, world: int) -> List[Dict[str, Any]]:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from tagc.pipeline import pipeline_stage
+
+    import torch.distributed.distributed_c10d as c10d
+
+    sent: List[int] = []
+    real = c10d.isend
+
+    def counting(tensor: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        # bytes handed to torch.distributed, at the call (not the library's own count);
+        # P2POp checks its op against c10d's isend, so both names point here
+        sent.append(tensor.numel() * tensor.element_size())
+        return real(tensor, *a, **kw)
+
+    dist.isend = c10d.isend = counting
+    out = []
+    for fmt, gfmt, k, sched in CASES:
+        cfg = PipelineConfig(format=fmt, grad_format=gfmt, block=16, subspace_k=k,
+                             microbatches=3, schedule=sched)
+        gcfg = GPTConfig(block_size=8, vocab_size=64, n_layer=3, n_head=2, n_embd=40,
+                         tie_weights=False, subspace_k=k, subspace_layers=2 if k else 0)
+        torch.manual_seed(0)
+        ref = GPT(gcfg)
+        torch.manual_seed(0)
+        mod = GPTStage(GPT(gcfg), rank, 2)
+        mb = 2
+        gen = torch.Generator().manual_seed(5)
+        idx = torch.randint(0, 64, (6, 8), generator=gen)
+        y = torch.randint(0, 64, (6, 8), generator=gen)
+        stage = pipeline_stage(mod, rank, 2, torch.device("cpu"), cfg,
+                               boundary_shape=(mb, 8, k or 40), input_example=idx[:mb],
+                               vocab_size=64)
+        loss_fn = lambda o, t: F.cross_entropy(o.view(-1, o.size(-1)), t.view(-1))  # noqa
+        s = (ScheduleGPipe if sched == "gpipe" else Schedule1F1B)(stage, n_microbatches=3,
+                                                                  loss_fn=loss_fn)
+        losses: List[torch.Tensor] = []
+        sent.clear()
+        if rank == 0:
+            s.step(idx)
+        else:
+            s.step(target=y, losses=losses)
+        ref_loss = _reference(ref, cfg, idx, y, mb, stage_ranges(3, 2)[0][1])
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        mine = {n: p.grad for n, p in mod.model.named_parameters()}
+        out.append({"loss": sum(v.item() for v in losses) / 3 if losses else None,
+                    "ref_loss": ref_loss,
+                    "equal": sorted(n for n in mine if torch.equal(mine[n], grads[n])),
+                    "names": sorted(mine), "none": sorted(n for n in mine if mine[n] is None),
+                    "sent": list(sent), "message": stage.submod.layout.message_bytes,
+                    "counts": dict(stage.submod.counter.counts)})
+    dist.isend = c10d.isend = real
+    return out
+
+
+@pytest.mark.dist
+def test_two_stage_gradients_equal_one_process_reference() -> None:
+    res = run_dist(_pipeline_cases, 2, timeout=240)
+    for i, (fmt, gfmt, k, sched) in enumerate(CASES):
+        tag = f"{fmt}/{gfmt}/k={k}/{sched}"
+        r0, r1 = res[0][i], res[1][i]
+        assert r1["loss"] == r1["ref_loss"], tag
+        for r in (r0, r1):
+            assert not r["none"] and r["equal"] == r["names"], (tag, set(r["names"]) -
+                                                                 set(r["equal"]))
+            # three microbatches, one message each, one way per stage; besides them
+            # only the schedule's first-step vote (a few bytes) is sent
+            msgs = [b for b in r["sent"] if b == r["message"]]
+            assert len(msgs) == 3 and sum(r["sent"]) - sum(msgs) <= 16, (tag, r["sent"])
+        assert r0["counts"]["forward_messages"] == r1["counts"]["backward_messages"] == 3
+        assert r0["counts"]["forward_bytes"] == 3 * r0["message"]
+        rows = 2 * 8
+        want = bytes_ref(rows, k or 40, fmt, 16) + (rows * 2 if k else 0)
+        back = bytes_ref(rows, k or 40, gfmt or fmt, 16)
+        assert r0["message"] == 4 * -(-max(want, back) // 4), tag
+
+
+# --------------------------------------------------------------------------- training
+
+FAST = ["--progress=false", "--tokenizer=byte", "--batch_size=4", "--block_size=16",
+        "--eval_iters=2", "--eval_interval=1000", "--log_interval=2", "--warmup_iters=1",
+        "--lr_decay_iters=6", "--learning_rate=2e-3", "--pp=2", "--tie_weights=false",
+        "--n_layer=2", "--n_embd=64", "--n_head=2"]
+
+
+def _mains(rank: int, world: int, argvs: List[List[str]]) -> List[Dict[str, Any]]:
+    from tagc.train.loop import main
+    return [main(argv) for argv in argvs]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_train_pp_resume_is_bitwise(tmp_path: Path) -> None:
+    """6 steps straight == 3 steps, checkpoint, new processes, 3 more (every stage's
+    parameters and optimizer state bit-equal), for int8 and the subspace."""
+    cache = tmp_path / "cache"
+    token_data.prepare(token_data.get_source("stdlib"), token_data.byte_tokenizer(), cache)
+    presets = {"int8": "--tagc=tagc-pp-int8",
+               "sub": "--tagc=tagc-pp-subspace"}
+    first, second = [], []
+    for tag, preset in presets.items():
+        extra = [preset, "--tagc_set=microbatches=2,subspace_k=16" if tag == "sub" else
+                 "--tagc_set=microbatches=2", f"--cache_dir={cache}", *FAST]
+        first += [[f"--out_dir={tmp_path / tag}-a", "--max_iters=6", *extra],
+                  [f"--out_dir={tmp_path / tag}-b", "--max_iters=3", *extra]]
+        second.append([f"--out_dir={tmp_path / tag}-b", "--max_iters=6", "--init_from=resume",
+                       *extra])
+    res = run_dist(_mains, 2, first, timeout=300)
+    run_dist(_mains, 2, second, timeout=300)
+    for i, tag in enumerate(presets):
+        s = res[0][2 * i]
+        assert s["boundary_ratio"] > 3.0 and math.isfinite(s["final_val_loss"])
+        # 6 steps and two evaluations (iter 0 and 6) of 2 batches, 2 microbatches each
+        assert s["sent"]["forward_messages"] == 6 * 2 + 2 * 2 * 2
+        for st in (0, 1):
+            a = torch.load(tmp_path / f"{tag}-a" / "ckpt" / f"stage{st}.pt", weights_only=False)
+            b = torch.load(tmp_path / f"{tag}-b" / "ckpt" / f"stage{st}.pt", weights_only=False)
+            assert a["iter"] == b["iter"] == 6
+            for n, v in a["model"].items():
+                assert torch.equal(v, b["model"][n]), (tag, st, n)
+            sa, sb = a["optim"]["state"], b["optim"]["state"]
+            assert sa.keys() == sb.keys() and sa
+            for p in sa:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(sa[p][key], sb[p][key]), (tag, st, p, key)
+
+
+def test_train_pp_config_errors() -> None:
+    from tagc.train.config import parse_config
+    with pytest.raises(ValueError, match="tie_weights"):
+        parse_config(["--pp=2"])
+    with pytest.raises(ValueError, match="dropout"):
+        parse_config(["--pp=2", "--tie_weights=false", "--dropout=0.1"])
+    with pytest.raises(ValueError, match="replicas"):
+        parse_config(["--pp=2", "--tie_weights=false", "--grad_accum=2"])
+    with pytest.raises(ValueError):
+        parse_config(["--pp=0"])
