@@ -83,6 +83,8 @@ class PipelineConfig:
             (``GPTConfig.subspace_k``); 0 < k.
         subspace_seed: seed of the basis ``U`` and of the frozen embeddings
             (:class:`Subspace`); the same on every stage, so nothing else is sent.
+        subspace_std: standard deviation of the frozen token and position tables
+            (the high-rank part of the stream), > 0.
         schedule: ``gpipe`` (all forwards, then all backwards) or ``1f1b``.
         microbatches: microbatches per step (the batch is split along dim 0).
     """
@@ -92,6 +94,7 @@ class PipelineConfig:
     block: int = 64
     subspace_k: int = 0
     subspace_seed: int = 0
+    subspace_std: float = 0.02
     schedule: str = "1f1b"
     microbatches: int = 4
 
@@ -108,6 +111,10 @@ class PipelineConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or \
                     (hi is not None and v > hi):
                 raise ValueError(f"{name}: must be an int in [{lo}, {hi or 'inf'}], got {v!r}")
+        if isinstance(self.subspace_std, bool) or not isinstance(self.subspace_std, (int, float)) \
+                or not 0 < self.subspace_std < float("inf"):
+            raise ValueError(f"subspace_std: must be a positive number, got {self.subspace_std!r}")
+        self.subspace_std = float(self.subspace_std)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: one of {SCHEDULES}, got {self.schedule!r}")
 

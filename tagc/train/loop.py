@@ -29,7 +29,7 @@ from tagc import teardown
 from tagc.train.checkpoint import load_checkpoint, save_checkpoint
 from tagc.train.data import TokenData, prepare_distributed
 from tagc.train.config import RunConfig, TrainConfig, build_parser, load_tagc_config, parse_config
-from tagc.train.metrics import GradBytes, MetricsLog
+from tagc.train.metrics import GradBytes, MetricsLog, finish
 from tagc.train.model import GPT, Block
 from tagc.train.optim import configure_optimizer, decayed_parameter_names, get_lr
 from tagc.train.sharding import device_mesh, grad_sync, import_tagc, wrap_model
@@ -244,18 +244,6 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: TokenData,
                    tagc=cfg.tagc, fsdp=cfg.fsdp, sharding=cfg.sharding,
                    replicas=cfg.replicas)
     return finish(env, out_dir, summary, metrics)
-
-
-def finish(env: Env, out_dir: Path, summary: Dict[str, Any], metrics: MetricsLog
-           ) -> Dict[str, Any]:
-    """The end of a run: ``summary.json`` (rank 0), the metrics closed, the process
-    group destroyed if the run made it; returns the summary."""
-    if env.master:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    metrics.close()
-    if env.own_pg:
-        dist.destroy_process_group()
-    return summary
 
 
 def train_step(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import logging
 from pathlib import Path
 from typing import Any, Dict
@@ -145,3 +146,18 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1000
     return f"{n:.1f} GB"
+
+
+def finish(env: Any, out_dir: Path, summary: Dict[str, Any], metrics: MetricsLog
+           ) -> Dict[str, Any]:
+    """The end of a run: ``summary.json`` (rank 0), the metrics closed, the process
+    group destroyed if the run made it (``env``: :class:`tagc.train.loop.Env`);
+    returns the summary."""
+    import torch.distributed as dist
+
+    if env.master:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    metrics.close()
+    if env.own_pg:
+        dist.destroy_process_group()
+    return summary

@@ -39,6 +39,7 @@ class GPTConfig:
         subspace_layers: how many leading blocks are constrained (a pipeline's stages
             before the last boundary; the last stage's blocks write the full width).
         subspace_seed: seed of ``U`` and of the frozen tables (the same on every rank).
+        subspace_std: standard deviation of the frozen tables.
     """
 
     block_size: int = 1024
@@ -52,6 +53,7 @@ class GPTConfig:
     subspace_k: int = 0
     subspace_layers: int = 0
     subspace_seed: int = 0
+    subspace_std: float = 0.02
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -172,7 +174,7 @@ class GPT(nn.Module):
         if cfg.subspace_k:
             from tagc.pipeline import Subspace
             self.subspace = Subspace(cfg.n_embd, cfg.subspace_k, cfg.vocab_size,
-                                     cfg.block_size, cfg.subspace_seed)
+                                     cfg.block_size, cfg.subspace_seed, cfg.subspace_std)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight

@@ -32,7 +32,7 @@ from tagc import presets
 from tagc.pipeline import BoundaryCounter, PipelineConfig, pipeline_stage
 from tagc.train.config import TrainConfig, parse_tagc_set
 from tagc.train.data import TokenData
-from tagc.train.metrics import MetricsLog
+from tagc.train.metrics import MetricsLog, finish
 from tagc.train.model import GPT, GPTStage, stage_ranges
 from tagc.train.optim import configure_optimizer, decayed_parameter_names, get_lr
 
@@ -75,6 +75,7 @@ class PipelineRun:
             # every boundary inside the subspace: the blocks of all but the last stage
             gcfg = dataclasses.replace(
                 gcfg, subspace_k=pcfg.subspace_k, subspace_seed=pcfg.subspace_seed,
+                subspace_std=pcfg.subspace_std,
                 subspace_layers=stage_ranges(gcfg.n_layer, cfg.pp)[-1][0])
         self.gcfg = gcfg
         full = GPT(gcfg)
@@ -273,5 +274,4 @@ def run_pipeline(cfg: TrainConfig, env: Any, data: TokenData, tok: Any) -> Dict[
     logger.info("final: iter %d, val loss %.4f, %.0f ms/step, boundary bytes/step %d "
                 "(%.1fx fewer than fp32)", it, val, summary["mean_step_ms"], run.step_bytes,
                 summary["boundary_ratio"])
-    from tagc.train.loop import finish
     return finish(env, out_dir, summary, metrics)

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Quality of coded pipeline boundaries: each code against uncompressed PP (issue 40).
+
+Every (task, code) trains ``train_gpt2.py --pp 2 --tie_weights=false`` (two gloo ranks,
+one stage each) on the built-in corpus with the same seed and batches as the fp32
+baseline of its task; the table gives the final validation loss and its change against
+the baseline, with the boundary bytes per step; the curves plot each code's loss
+against the baseline's along training, and the subspace's final loss against k.
+
+Usage:
+    python3 scripts/bench/pp_quality.py                          # every task and code
+    python3 scripts/bench/pp_quality.py --tasks tiny-300 --codes int8 sub16
+    python3 scripts/bench/pp_quality.py --report-only            # re-render from the runs
+
+Runs go to ``--out_dir`` (default ``out/pp-quality``, one folder per task and code,
+reused when the code and configs are unchanged, ``--no-reuse`` to force), the table to
+``--doc`` (default ``docs/PIPELINE.md``, the part between the markers) and the curves
+to ``--curves`` (default ``docs/pp-quality.png``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from tagc.train.runs import TRAIN_GPT2, code_id, execute, reusable, run_meta
+
+logger = logging.getLogger("pp_quality")
+ROOT = Path(__file__).resolve().parents[2]
+
+# task -> (steps, width, trainer options beyond train-tiny.yaml's)
+TASKS: Dict[str, Tuple[int, int, Tuple[str, ...]]] = {
+    "tiny-300": (300, 256, ()),
+    "tiny-1000": (1000, 256, ()),
+    "wide-300": (300, 512, ("--n_layer=4", "--n_head=8", "--n_embd=512")),
+    "wide-1000": (1000, 512, ("--n_layer=4", "--n_head=8", "--n_embd=512")),
+}
+# code -> PipelineConfig fields; "fp32" is the baseline (no --tagc)
+CODES: Dict[str, Optional[Dict[str, Any]]] = {
+    "fp32": None,
+    "bf16": {"format": "bf16"},
+    "int8": {"format": "int8"},
+    "int4": {"format": "int4"},
+    "int4-g8": {"format": "int4", "grad_format": "int8"},
+    # k = the width (256 tiny, 512 wide): the reparametrisation without the rank limit
+    **{f"sub{k}": {"format": "fp32", "subspace_k": k} for k in (512, 256, 128, 64, 32, 16, 8)},
+    # the frozen tables at the paper's scale (std 1) and between
+    **{f"sub32-std{s}": {"format": "fp32", "subspace_k": 32, "subspace_std": float(s)}
+       for s in ("0.1", "1")},
+    "sub32-int8": {"format": "int8", "subspace_k": 32},
+    "sub32-bf16": {"format": "bf16", "subspace_k": 32},
+}
+BASE = {"grad_format": None, "block": 64, "subspace_k": 0, "subspace_seed": 0,
+        "subspace_std": 0.02, "schedule": "1f1b", "microbatches": 4}
+MARK = ("<!-- pp-quality:start -->", "<!-- pp-quality:end -->")
+
+
+def run_one(task: str, code: str, args: argparse.Namespace, cid: Dict[str, str]
+            ) -> Dict[str, Any]:
+    """Train one (task, code), or reuse its finished run; returns its record."""
+    steps, _, extra = TASKS[task]
+    folder = Path(args.out_dir) / task / code
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", *TRAIN_GPT2, str(ROOT / "configs" / "train-tiny.yaml"),
+           f"--out_dir={folder}", "--progress=false", "--pp=2", "--tie_weights=false",
+           f"--max_iters={steps}", f"--eval_interval={max(1, steps // 20)}", *extra]
+    fields = None if CODES[code] is None else {**BASE, **CODES[code]}
+    if fields is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "pipeline.yaml").write_text(yaml.safe_dump(fields, sort_keys=False))
+        cmd.append(f"--tagc={folder / 'pipeline.yaml'}")
+    meta = run_meta(cmd, {"pipeline": fields, "steps": steps, "args": list(extra)}, cid)
+    if args.report_only:
+        if not (folder / "summary.json").is_file():
+            raise SystemExit(f"pp_quality: --report-only: no finished run in {folder}")
+    elif not (args.reuse and reusable(folder, meta, "summary.json")):
+        execute(cmd, folder, meta)
+    s = json.loads((folder / "summary.json").read_text())
+    with open(folder / "metrics.csv", newline="") as f:
+        curve = [(int(r["iter"]), float(r["loss"])) for r in csv.DictReader(f)
+                 if r["kind"] == "val"]
+    rec = json.loads((folder / "suite_run.json").read_text())
+    return {"task": task, "code": code, "final": s["final_val_loss"],
+            "bytes": s["boundary_bytes_per_step"], "ratio": s["boundary_ratio"],
+            "step_ms": s["mean_step_ms"], "n_params": s["n_params"], "curve": curve,
+            "seconds": rec["seconds"], "commit": rec["code"]["commit"]}
+
+
+def table(runs: Sequence[Dict[str, Any]]) -> str:
+    """The markdown table: per task, every code against its fp32 baseline."""
+    lines = ["| task | code | boundary bytes/step | fewer than fp32 | val loss | vs fp32 | "
+             "params | run |", "|---|---|---|---|---|---|---|---|"]
+    base = {r["task"]: r["final"] for r in runs if r["code"] == "fp32"}
+    for r in runs:
+        d = 100 * (r["final"] / base[r["task"]] - 1) if r["task"] in base else float("nan")
+        lines.append(f"| {r['task']} | {r['code']} | {r['bytes']} | {r['ratio']:.1f}x | "
+                     f"{r['final']:.4f} | {d:+.2f}% | {r['n_params'] / 1e6:.2f}M | "
+                     f"{r['seconds'] / 60:.0f} min ({r['commit']}) |")
+    return "\n".join(lines)
+
+
+def plot(runs: Sequence[Dict[str, Any]], path: Path) -> None:
+    """Per task: each code's validation loss vs fp32's along training; then loss vs k."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(r["task"] for r in runs))
+    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 3.4),
+                             dpi=100, squeeze=False)
+    for ax, t in zip(axes.flat, tasks):
+        base = {i: v for i, v in next((r["curve"] for r in runs if r["task"] == t and
+                                       r["code"] == "fp32"), [])}
+        for r in runs:
+            if r["task"] == t and r["code"] != "fp32":
+                pts = [(i, 100 * (v / base[i] - 1)) for i, v in r["curve"] if i in base and i]
+                ax.plot(*zip(*pts), label=r["code"], lw=1.2)
+        ax.axhline(0, color="black", lw=1)
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel("% above fp32 PP", fontsize=8)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=6)
+    ax = axes.flat[len(tasks)]
+    for t in tasks:
+        base = next((r["final"] for r in runs if r["task"] == t and r["code"] == "fp32"), None)
+        ks = sorted((CODES[r["code"]]["subspace_k"], r["final"]) for r in runs
+                    if r["task"] == t and CODES[r["code"]] and
+                    CODES[r["code"]].get("subspace_k") and CODES[r["code"]]["format"] == "fp32")
+        if ks and base:
+            ax.plot([k for k, _ in ks], [100 * (v / base - 1) for _, v in ks], "o-", label=t)
+    ax.set_xscale("log", base=2)
+    ax.set_title("subspace: final loss vs k", fontsize=9)
+    ax.set_xlabel("k", fontsize=8)
+    ax.set_ylabel("% above fp32 PP", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_doc(path: Path, text: str) -> None:
+    """Replace the part of ``path`` between the markers (appended if absent)."""
+    old = path.read_text() if path.exists() else ""
+    block = f"{MARK[0]}\n{text}\n{MARK[1]}"
+    if MARK[0] in old and MARK[1] in old:
+        head, rest = old.split(MARK[0], 1)
+        new = head + block + rest.split(MARK[1], 1)[1]
+    else:
+        new = old + ("\n" if old else "") + block + "\n"
+    path.write_text(new)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--codes", nargs="+", default=list(CODES), choices=list(CODES),
+                   help="fp32 (the baseline) always runs")
+    p.add_argument("--out_dir", default="out/pp-quality")
+    p.add_argument("--doc", default=str(ROOT / "docs" / "PIPELINE.md"))
+    p.add_argument("--curves", default=str(ROOT / "docs" / "pp-quality.png"))
+    p.add_argument("--no-reuse", dest="reuse", action="store_false")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S")
+    cid = code_id()
+    codes = ["fp32", *[c for c in args.codes if c != "fp32"]]
+    # a subspace wider than the model does not exist
+    runs = [run_one(t, c, args, cid) for t in args.tasks for c in codes
+            if (CODES[c] or {}).get("subspace_k", 0) <= TASKS[t][1]]
+    text = table(runs)
+    print(text)
+    write_doc(Path(args.doc), text)
+    plot(runs, Path(args.curves))
+    return runs
+
+
+if __name__ == "__main__":
+    main()
