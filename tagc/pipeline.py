@@ -408,12 +408,16 @@ class CompressedStage(nn.Module):
             the values (subspace: ``(coefficients, ids)``).
         recv: the boundary in front (None on the first stage).
         send: the boundary behind (None on the last stage).
+        layout: the boundaries' layout (every boundary of a pipeline has the same).
+        counter: where the stage's boundaries count what they send.
     """
 
     def __init__(self, module: nn.Module, recv: Optional[BoundaryRecv],
-                 send: Optional[BoundarySend]) -> None:
+                 send: Optional[BoundarySend], layout: BoundaryLayout,
+                 counter: BoundaryCounter) -> None:
         super().__init__()
         self.module, self.recv, self.send = module, recv, send
+        self.layout, self.counter = layout, counter
 
     def forward(self, *args: Any) -> Any:
         if self.recv is not None:
@@ -513,8 +517,7 @@ def pipeline_stage(module: nn.Module, stage_index: int, num_stages: int,
     first, last = stage_index == 0, stage_index == num_stages - 1
     recv = None if first else BoundaryRecv(layout, counter)
     send = None if last else BoundarySend(layout, counter)
-    wrapped = CompressedStage(module, recv, send)
-    wrapped.counter, wrapped.layout = counter, layout
+    wrapped = CompressedStage(module, recv, send, layout, counter)
     if first:
         if input_example is None:
             raise ValueError("the first stage needs input_example (one microbatch)")

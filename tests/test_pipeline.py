@@ -370,3 +370,51 @@ def test_train_pp_config_errors() -> None:
         parse_config(["--pp=2", "--tie_weights=false", "--grad_accum=2"])
     with pytest.raises(ValueError):
         parse_config(["--pp=0"])
+
+
+# --------------------------------------------------------------------------- scripts
+
+def test_pp_quality_table_and_doc(tmp_path: Path) -> None:
+    """pp_quality.py: changes against the task's fp32 run; the doc's marked part is
+    replaced, the rest kept; every code is a valid PipelineConfig."""
+    from script_helpers import load_script
+    pq = load_script("pp_quality")
+    for code, fields in pq.CODES.items():
+        if fields is not None:
+            PipelineConfig.from_dict({**pq.BASE, **fields})
+    runs = [{"task": "t", "code": c, "final": f, "bytes": b, "ratio": r, "n_params": 2e6,
+             "seconds": 60, "commit": "abc", "curve": [(0, 5.0), (10, f)]}
+            for c, f, b, r in (("fp32", 2.0, 400, 1.0), ("int8", 2.02, 100, 4.0))]
+    text = pq.table(runs)
+    assert "| t | int8 | 100 | 4.0x | 2.0200 | +1.00% |" in text
+    assert "| t | fp32 | 400 | 1.0x | 2.0000 | +0.00% |" in text
+    doc = tmp_path / "d.md"
+    doc.write_text(f"head\n{pq.MARK[0]}\nold\n{pq.MARK[1]}\ntail\n")
+    pq.write_doc(doc, "new")
+    assert doc.read_text() == f"head\n{pq.MARK[0]}\nnew\n{pq.MARK[1]}\ntail\n"
+    pq.plot(runs, tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_bench_pipeline_report_and_tokens() -> None:
+    """bench_pipeline.py: the same key gives the same batch in every process; the
+    report's ratios come from the trials."""
+    from script_helpers import load_script
+    bp = load_script("bench_pipeline")
+    a, b = bp.RandomTokens(257).get_batch("train", 2, 8, (1, 0, 3, 0, 0)), \
+        bp.RandomTokens(257).get_batch("train", 2, 8, (1, 0, 3, 0, 0))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[0][:, 1:], a[1][:, :-1])
+    assert not torch.equal(a[0], bp.RandomTokens(257).get_batch("val", 2, 8,
+                                                                (1, 0, 3, 0, 0))[0])
+
+    def res(step: float) -> Dict[str, Any]:
+        return {"model": bp.model_args(128), "trials": [
+            {"row": r, "step_s": step * m, "veth_bytes_per_step": 1000 * m,
+             "format_bytes_per_step": 900 * m, "fp32_bytes_per_step": 900}
+            for r, m in (("fp32", 1.0), ("int8", 0.25))]}
+    data = {"started_utc": "x", "command": "c", "loadavg_start": [1.0], "loadavg_end": [2.0],
+            "cpus": 2, "link_unshaped": "u", "unshaped": res(0.1),
+            "shaped": {"20mbit": {"link": "l", "result": res(0.4)}}}
+    text = bp.report(data)
+    assert "| int8 | 250 | 225 | 4.0x | 0.100 | 0.025 | 4.00 | 4.00x |" in text
+    assert "share of its step on the link: 75%" in text

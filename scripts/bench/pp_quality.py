@@ -128,6 +128,7 @@ def plot(runs: Sequence[Dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=6)
     ax = axes.flat[len(tasks)]
+    drawn = False
     for t in tasks:
         base = next((r["final"] for r in runs if r["task"] == t and r["code"] == "fp32"), None)
         ks = sorted((CODES[r["code"]]["subspace_k"], r["final"]) for r in runs
@@ -135,12 +136,14 @@ def plot(runs: Sequence[Dict[str, Any]], path: Path) -> None:
                     CODES[r["code"]].get("subspace_k") and CODES[r["code"]]["format"] == "fp32")
         if ks and base:
             ax.plot([k for k, _ in ks], [100 * (v / base - 1) for _, v in ks], "o-", label=t)
+            drawn = True
     ax.set_xscale("log", base=2)
     ax.set_title("subspace: final loss vs k", fontsize=9)
     ax.set_xlabel("k", fontsize=8)
     ax.set_ylabel("% above fp32 PP", fontsize=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
+    if drawn:
+        ax.legend(fontsize=6)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
