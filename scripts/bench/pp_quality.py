@@ -54,6 +54,10 @@ CODES: Dict[str, Optional[Dict[str, Any]]] = {
     **{f"sub32-std{s}": {"format": "fp32", "subspace_k": 32, "subspace_std": float(s)}
        for s in ("0.1", "1")},
     "sub32-int8": {"format": "int8", "subspace_k": 32},
+    # a wider subspace, coded: the rank costs more than the codes (tiny-300 ablation)
+    "sub128-int8": {"format": "int8", "subspace_k": 128},
+    "sub128-int4": {"format": "int4", "subspace_k": 128},
+    "sub64-int8": {"format": "int8", "subspace_k": 64},
     "sub32-bf16": {"format": "bf16", "subspace_k": 32},
 }
 BASE = {"grad_format": None, "block": 64, "subspace_k": 0, "subspace_seed": 0,
