@@ -10,7 +10,7 @@ against the baseline's along training, and the subspace's final loss against k.
 Usage:
     python3 scripts/bench/pp_quality.py                          # every task and code
     python3 scripts/bench/pp_quality.py --tasks tiny-300 --codes int8 sub16
-    python3 scripts/bench/pp_quality.py --report-only            # re-render from the runs
+    python3 scripts/bench/pp_quality.py --report-only            # re-render the finished runs
 
 Runs go to ``--out_dir`` (default ``out/pp-quality``, one folder per task and code,
 reused when the code and configs are unchanged, ``--no-reuse`` to force), the table to
@@ -66,8 +66,9 @@ MARK = ("<!-- pp-quality:start -->", "<!-- pp-quality:end -->")
 
 
 def run_one(task: str, code: str, args: argparse.Namespace, cid: Dict[str, str]
-            ) -> Dict[str, Any]:
-    """Train one (task, code), or reuse its finished run; returns its record."""
+            ) -> Optional[Dict[str, Any]]:
+    """Train one (task, code), or reuse its finished run; returns its record (None:
+    ``--report-only`` and the run never finished)."""
     steps, _, extra = TASKS[task]
     folder = Path(args.out_dir) / task / code
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -81,8 +82,9 @@ def run_one(task: str, code: str, args: argparse.Namespace, cid: Dict[str, str]
         cmd.append(f"--tagc={folder / 'pipeline.yaml'}")
     meta = run_meta(cmd, {"pipeline": fields, "steps": steps, "args": list(extra)}, cid)
     if args.report_only:
-        if not (folder / "summary.json").is_file():
-            raise SystemExit(f"pp_quality: --report-only: no finished run in {folder}")
+        if not ((folder / "summary.json").is_file() and (folder / "suite_run.json").is_file()):
+            logger.info("%s %s: not run, left out of the report", task, code)
+            return None
     elif not (args.reuse and reusable(folder, meta, "summary.json")):
         execute(cmd, folder, meta)
     s = json.loads((folder / "summary.json").read_text())
@@ -183,8 +185,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     cid = code_id()
     codes = ["fp32", *[c for c in args.codes if c != "fp32"]]
     # a subspace wider than the model does not exist
-    runs = [run_one(t, c, args, cid) for t in args.tasks for c in codes
-            if (CODES[c] or {}).get("subspace_k", 0) <= TASKS[t][1]]
+    runs = [r for r in (run_one(t, c, args, cid) for t in args.tasks for c in codes
+                        if (CODES[c] or {}).get("subspace_k", 0) <= TASKS[t][1])
+            if r is not None]
     text = table(runs)
     print(text)
     write_doc(Path(args.doc), text)
