@@ -126,20 +126,24 @@ def plot(runs: Sequence[Dict[str, Any]], path: Path) -> None:
         for r in runs:
             if r["task"] == t and r["code"] != "fp32":
                 pts = [(i, 100 * (v / base[i] - 1)) for i, v in r["curve"] if i in base and i]
-                ax.plot(*zip(*pts), label=r["code"], lw=1.2)
+                # one colour and style per code, the same in every panel
+                n = list(CODES).index(r["code"])
+                ax.plot(*zip(*pts), label=r["code"], lw=1.2, color=f"C{n % 10}",
+                        ls=("-", "--")[n // 10 % 2])
         ax.axhline(0, color="black", lw=1)
         ax.set_title(t, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("% above fp32 PP", fontsize=8)
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=6)
+        ax.legend(fontsize=5, ncol=2)
     ax = axes.flat[len(tasks)]
     drawn = False
     for t in tasks:
         base = next((r["final"] for r in runs if r["task"] == t and r["code"] == "fp32"), None)
         ks = sorted((CODES[r["code"]]["subspace_k"], r["final"]) for r in runs
                     if r["task"] == t and CODES[r["code"]] and
-                    CODES[r["code"]].get("subspace_k") and CODES[r["code"]]["format"] == "fp32")
+                    CODES[r["code"]].get("subspace_k") and CODES[r["code"]]["format"] == "fp32"
+                    and "subspace_std" not in CODES[r["code"]])
         if ks and base:
             ax.plot([k for k, _ in ks], [100 * (v / base - 1) for _, v in ks], "o-", label=t)
             drawn = True
