@@ -44,6 +44,7 @@ the receiver's decoded activation, which the stage holds for its backward anyway
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ import torch
 import torch.nn as nn
 
 from .codec import _tagc, require_codec
+from .config import _check_int
 from .device import Exec
 
 logger = logging.getLogger(__name__)
@@ -107,10 +109,7 @@ class PipelineConfig:
             raise ValueError(f"grad_format: one of {VALUE_FORMATS}, got {self.grad_format!r}")
         for name, lo, hi in (("block", 1, 1 << 16), ("subspace_k", 0, None),
                              ("subspace_seed", 0, 2 ** 63 - 1), ("microbatches", 1, None)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo or \
-                    (hi is not None and v > hi):
-                raise ValueError(f"{name}: must be an int in [{lo}, {hi or 'inf'}], got {v!r}")
+            _check_int(name, getattr(self, name), lo, hi)
         if isinstance(self.subspace_std, bool) or not isinstance(self.subspace_std, (int, float)) \
                 or not 0 < self.subspace_std < float("inf"):
             raise ValueError(f"subspace_std: must be a positive number, got {self.subspace_std!r}")
@@ -191,18 +190,18 @@ class BoundaryLayout:
             return 0
         return 2 if self.vocab_size <= 1 << 16 else 4
 
-    @property
+    @functools.cached_property
     def forward_bytes(self) -> int:
         """The forward leg's payload: the coded values, then the ids."""
         ids = 0 if self.ids_shape is None else math.prod(self.ids_shape) * self.id_bytes
-        return value_bytes(self.rows, self.width, self.cfg.format, self.cfg.block) + ids
+        return self.forward_value_bytes + ids
 
-    @property
+    @functools.cached_property
     def backward_bytes(self) -> int:
         """The backward leg's payload: the coded gradient of the values."""
         return value_bytes(self.rows, self.width, self.cfg.grad_format, self.cfg.block)
 
-    @property
+    @functools.cached_property
     def message_numel(self) -> int:
         """float32 elements of the message (both legs: the longer payload)."""
         return -(-max(self.forward_bytes, self.backward_bytes) // 4)
@@ -218,8 +217,18 @@ class BoundaryLayout:
 
     # -- the codes -----------------------------------------------------------------
 
+    @functools.cached_property
+    def _cpu_segs(self) -> torch.Tensor:
+        # one segment per row: a block never spans two tokens
+        return torch.full((self.rows,), self.width, dtype=torch.int64)
+
     def _segs(self, device: torch.device) -> torch.Tensor:
-        return torch.full((self.rows,), self.width, dtype=torch.int64, device=device)
+        return self._cpu_segs if device.type == "cpu" else self._cpu_segs.to(device)
+
+    @functools.cached_property
+    def forward_value_bytes(self) -> int:
+        """The forward leg's coded values (before the ids)."""
+        return value_bytes(self.rows, self.width, self.cfg.format, self.cfg.block)
 
     def encode_values(self, x: torch.Tensor, fmt: str, out: torch.Tensor) -> None:
         """Write ``x``'s code into ``out`` (uint8, exactly its size)."""
@@ -257,7 +266,7 @@ class BoundaryLayout:
         """The forward message of ``x`` (and ``ids``)."""
         msg = torch.zeros(self.message_numel, dtype=torch.float32, device=x.device)
         raw = msg.view(torch.uint8)
-        nv = value_bytes(self.rows, self.width, self.cfg.format, self.cfg.block)
+        nv = self.forward_value_bytes
         self.encode_values(x, self.cfg.format, raw[:nv])
         if self.ids_shape is not None:
             n = math.prod(self.ids_shape)
@@ -268,7 +277,7 @@ class BoundaryLayout:
     def unpack_forward(self, msg: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(values, ids or None)`` of a forward message."""
         raw = msg.detach().contiguous().view(torch.uint8)
-        nv = value_bytes(self.rows, self.width, self.cfg.format, self.cfg.block)
+        nv = self.forward_value_bytes
         x = self.decode_values(raw[:nv], self.cfg.format)
         ids = None
         if self.ids_shape is not None:
