@@ -222,8 +222,17 @@ class BoundaryLayout:
         # one segment per row: a block never spans two tokens
         return torch.full((self.rows,), self.width, dtype=torch.int64)
 
+    @functools.cached_property
+    def _dev_segs(self) -> Dict[torch.device, torch.Tensor]:
+        return {}
+
     def _segs(self, device: torch.device) -> torch.Tensor:
-        return self._cpu_segs if device.type == "cpu" else self._cpu_segs.to(device)
+        if device.type == "cpu":
+            return self._cpu_segs
+        # one copy per device, read-only: no host-to-device copy per message
+        if device not in self._dev_segs:
+            self._dev_segs[device] = self._cpu_segs.to(device)
+        return self._dev_segs[device]
 
     @functools.cached_property
     def forward_value_bytes(self) -> int:

@@ -471,20 +471,23 @@ def part_step(r: Runner, part: Part, later: int) -> None:
     if res is None:
         return
     m = res["model"]
-    lines = ["| variant | step ms (median) | mean | overhead ms | overhead % | codec alone ms |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | step ms (median) | mean | host ms to enqueue (median) | overhead ms | "
+             "overhead % | codec alone ms |", "|---|---:|---:|---:|---:|---:|---:|"]
     for v in res["variants"]:
         if "skipped" in v:
-            lines.append(f"| {v['name']} | skipped: {v['skipped']} | | | | |")
+            lines.append(f"| {v['name']} | skipped: {v['skipped']} | | | | | |")
             continue
         alone = f"{v['codec_alone_ms']:.2f}" if "codec_alone_ms" in v else "-"
         lines.append(f"| {v['name']} | {v['step_ms_median']:.2f} | {v['step_ms_mean']:.2f} | "
-                     f"{v['overhead_ms']:+.2f} | {v['overhead_pct']:+.1f}% | {alone} |")
+                     f"{v['host_ms_median']:.2f} | {v['overhead_ms']:+.2f} | "
+                     f"{v['overhead_pct']:+.1f}% | {alone} |")
     head = (f"{res['device']}: GPT ({m['n_layer']} layers, width {m['n_embd']}, vocab "
             f"{m['vocab_size']}, context {m['block_size']}; {res['params'] / 1e6:.1f}M "
             f"parameters), batch {res['batch']} ({res['tokens_per_step']} tokens), bf16 "
             f"autocast, AdamW; {res['units']} units as tagc.shard_model would make them; "
-            f"median of {res['steps']} steps after {res['warmup']} warm-ups.  With the codec: "
+            f"median of {res['steps']} steps after {res['warmup']} warm-ups (host ms: until "
+            "the step is enqueued; near the step's time, the launching thread bounds it).  "
+            "With the codec: "
             "each unit's flat gradient encoded and decoded on a side stream as its last "
             "gradient lands (the hook's moment), the optimizer waiting for it.  "
             f"tagc-full's gather codec alone (int8, two gathers a step): "
