@@ -15,7 +15,8 @@ Variants: ``plain`` (no codec), ``int4+EF`` (int4 codes with error feedback: the
 tagc-balanced and tagc-full's gradients), ``ternary`` (tagc-lean's, no feedback).  Also
 timed alone: each variant's codec over every unit (no overlap), and tagc-full's gather
 codec (int8 weights, every unit's parameters encoded and decoded to bf16, twice a step:
-the forward gather and the backward re-gather).
+the forward gather and the backward re-gather), and the host microseconds per unit of
+each call the codec makes (a step whose launching thread is its bound pays those).
 
 Usage::
 
@@ -129,8 +130,19 @@ class GradCodec:
             self._codec(i, ps)
 
     def _codec(self, i: int, ps: List[nn.Parameter]) -> None:
-        flat = torch.cat([p.grad.reshape(-1).float() for p in ps])
+        self.encode(i, self.flat(i))
+        self.decode(i)
+
+    def flat(self, i: int) -> torch.Tensor:
+        """Unit i's gradients as one fp32 vector (FSDP's copy-in)."""
+        return torch.cat([p.grad.reshape(-1).float() for p in self.units[i][1]])
+
+    def encode(self, i: int, flat: torch.Tensor) -> None:
+        """Unit i's code (and residual) from its flat gradient."""
         _tagc.quant_encode(self.bufs[i], self.res[i], flat, self.fmt, BLOCK, **self.kw)
+
+    def decode(self, i: int) -> None:
+        """Unit i's code decoded into its zeroed accumulator."""
         self.accs[i].zero_()
         _tagc.quant_decode_add(self.accs[i], self.bufs[i], self.fmt, BLOCK, **self.kw)
 
@@ -142,6 +154,39 @@ class GradCodec:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def host_breakdown(codec: GradCodec, reps: int = 6) -> Dict[str, float]:
+    """Host microseconds per unit of each call the codec makes (the gradients in place):
+    where a step bound by its launching thread spends the codec's time.
+
+    Args:
+        codec: the codec, its units' gradients present.
+        reps: passes over every unit; the median after the first is kept.
+    Returns:
+        microseconds per unit: ``flatten`` (torch.cat), ``encode``, ``decode`` (zero the
+        accumulator, decode into it), ``whole unit`` (``run_unit``), and ``order`` (the
+        rest of ``run_unit``: the wait for the caller's stream and the stream switch).
+    """
+    n = len(codec.units)
+    flats = [codec.flat(i) for i in range(n)]
+    calls: Dict[str, Callable[[int], Any]] = {
+        "flatten": codec.flat, "encode": lambda i: codec.encode(i, flats[i]),
+        "decode": codec.decode, "whole unit": codec.run_unit}
+    out: Dict[str, float] = {}
+    for name, fn in calls.items():
+        times = []
+        for _ in range(reps):
+            if codec.cuda:
+                torch.cuda.synchronize(codec.device)
+            t0 = time.perf_counter()
+            for i in range(n):
+                fn(i)
+            times.append((time.perf_counter() - t0) * 1e6 / n)
+        out[name] = statistics.median(times[1:] if reps > 1 else times)
+    codec.join()
+    out["order"] = out["whole unit"] - out["flatten"] - out["encode"] - out["decode"]
+    return out
 
 
 class Timer:
@@ -269,6 +314,7 @@ def run(device: torch.device, gcfg: GPTConfig, batch: int, steps: int, warmup: i
                 codec.join()
 
             row["codec_alone_ms"] = statistics.median(timer(every_unit) for _ in range(3))
+            row["host_us_per_unit"] = host_breakdown(codec)
             row["grad_elements"] = codec.numel
             opt.zero_grad(set_to_none=True)
         out["variants"].append(row)
