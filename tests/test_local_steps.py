@@ -363,3 +363,37 @@ def test_fragments_split_by_size_in_order() -> None:
     assert fragments([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
     assert fragments([5], 3) == [[0]]
     assert fragments([1, 1, 1], 1) == [[0, 1, 2]]
+
+
+def test_local_quality_table_and_doc(tmp_path: "Path") -> None:
+    """local_quality.py: each run against its task's native HSDP run at the end, the
+    losses at fifths of the steps, the bytes as a fraction of native's; the doc's marked
+    part replaced; every run's outer settings are valid knobs."""
+    from pathlib import Path
+
+    from script_helpers import load_script
+    from tagc.config import TAGCConfig
+    from tagc.bench.outputs import write_between
+    lq = load_script("local_quality")
+    for name, outer in lq.RUNS.items():
+        if isinstance(outer, tuple):
+            h, lr, mu = outer
+            TAGCConfig.preset("local").replace(outer_every=h, outer_lr=lr, outer_momentum=mu)
+    steps = lq.TASKS["tiny-r2"][0]
+    curve = [(s, 3.0 - s / steps) for s in range(0, steps + 1, 50)]
+    runs = [{"task": "tiny-r2", "run": "native", "final": 2.0, "curve": curve,
+             "bytes_per_step": 6.8e6, "outer": None, "seconds": 600, "commit": "abc"},
+            {"task": "tiny-r2", "run": "h8-avg", "final": 2.05,
+             "curve": [(s, v * 1.025) for s, v in curve], "bytes_per_step": 6.8e4,
+             "outer": (8, 1.0, 0.0), "seconds": 300, "commit": "abc"}]
+    text = lq.table(runs)
+    assert "| tiny-r2 | H = 8, lr 1.0, mu 0.0 | 68 KB (1/100) | 2.8700 / 2.6650 / 2.4600 / " \
+           "2.2550 / 2.0500 | +2.50% | 5 min (abc) |" in text, text
+    assert "| tiny-r2 | native HSDP | 6800 KB | 2.8000 / 2.6000 / 2.4000 / 2.2000 / 2.0000 " \
+           "| +0.00% |" in text, text
+    doc = Path(tmp_path) / "d.md"
+    doc.write_text(f"a\n{lq.MARK[0]}\nold\n{lq.MARK[1]}\nb\n")
+    write_between(doc, "new", lq.MARK)
+    assert doc.read_text() == f"a\n{lq.MARK[0]}\nnew\n{lq.MARK[1]}\nb\n"
+    lq.plot(runs, Path(tmp_path) / "c.png")
+    assert (Path(tmp_path) / "c.png").stat().st_size > 0

@@ -378,6 +378,7 @@ def test_pp_quality_table_and_doc(tmp_path: Path) -> None:
     """pp_quality.py: changes against the task's fp32 run; the doc's marked part is
     replaced, the rest kept; every code is a valid PipelineConfig."""
     from script_helpers import load_script
+    from tagc.bench.outputs import write_between
     pq = load_script("pp_quality")
     for code, fields in pq.CODES.items():
         if fields is not None:
@@ -390,8 +391,11 @@ def test_pp_quality_table_and_doc(tmp_path: Path) -> None:
     assert "| t | fp32 | 400 | 1.0x | 2.0000 | +0.00% |" in text
     doc = tmp_path / "d.md"
     doc.write_text(f"head\n{pq.MARK[0]}\nold\n{pq.MARK[1]}\ntail\n")
-    pq.write_doc(doc, "new")
+    write_between(doc, "new", pq.MARK)
     assert doc.read_text() == f"head\n{pq.MARK[0]}\nnew\n{pq.MARK[1]}\ntail\n"
+    fresh = tmp_path / "fresh.md"
+    write_between(fresh, "x", pq.MARK)
+    assert fresh.read_text() == f"{pq.MARK[0]}\nx\n{pq.MARK[1]}\n"
     pq.plot(runs, tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 0
 

@@ -7,6 +7,8 @@ training the shipped ``train-tiny`` preset with ``torchrun ... -m tagc.train``. 
 runs, no model of the step time:
 
 1. plain FSDP, ``--max_iters`` steps: its training time T and final validation loss L;
+   (``--baseline-name``: what that run is when the arguments after ``--`` make it
+   something else, e.g. native HSDP with ``-- --fsdp=2 --replicas=2``);
 2. each preset, the same steps: its own training time and curve;
 3. each preset again, with as many steps as fit in T at its measured step time (its LR
    schedule stretched to them): the loss it reaches in plain FSDP's time.
@@ -127,6 +129,7 @@ def time_to_baseline(res: Dict[str, Any]) -> Dict[str, Tuple[Optional[float], st
 def report(res: Dict[str, Any], path: Path, command: str) -> str:
     """Markdown table of the three measurements per preset (written to ``path``)."""
     base_t, base_l = res["baseline"]["curve"][-1]
+    b = res.get("baseline_name", "plain FSDP")
     code = res.get("code") or {}
     started = res.get("started_utc")
     lines = [f"Command: `{command}` (commit {code.get('commit', '?')}"
@@ -134,11 +137,11 @@ def report(res: Dict[str, Any], path: Path, command: str) -> str:
              + (f", started {started} UTC" if started else "")
              + f", load average {res['loadavg'][0]:.2f} at start, "
              f"{res['loadavg_end'][0]:.2f} at end; link {res['link']})", "",
-             "| run | steps | training time | final val loss | time to plain FSDP's final "
-             "loss | speed-up to that loss | steps in plain FSDP's time | val loss at plain "
-             "FSDP's time | vs plain FSDP |",
+             f"| run | steps | training time | final val loss | time to {b}'s final "
+             f"loss | speed-up to that loss | steps in {b}'s time | val loss at {b}'s time "
+             f"| vs {b} |",
              "|---|---|---|---|---|---|---|---|---|",
-             f"| plain FSDP | {res['steps']} | {base_t:.1f} s | {base_l:.4f} | {base_t:.1f} s | "
+             f"| {b} | {res['steps']} | {base_t:.1f} s | {base_l:.4f} | {base_t:.1f} s | "
              f"1.00x | {res['steps']} | {base_l:.4f} | — |"]
     reach = time_to_baseline(res)
     for name, r in res["presets"].items():
@@ -150,9 +153,9 @@ def report(res: Dict[str, Any], path: Path, command: str) -> str:
             + (f"{when:.1f} s ({run} run) | {base_t / when:.2f}x" if when else "not reached | —")
             + f" | {r['equal_time_steps']} ({eq_t:.1f} s) | {eq_l:.4f} | "
             f"{100 * (eq_l / base_l - 1):+.2f}% |")
-    lines += ["", "Time to plain FSDP's final loss: the first training time at which a "
+    lines += ["", f"Time to {b}'s final loss: the first training time at which a "
               "preset's validation curve reaches it, linear between two evaluations, in the "
-              "earlier of its two runs (the run named); speed-up = plain FSDP's training "
+              f"earlier of its two runs (the run named); speed-up = {b}'s training "
               "time / that time."]
     text = "\n".join(lines) + "\n"
     path.write_text(text)
@@ -165,7 +168,8 @@ def plot(res: Dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    ax.plot(*zip(*res["baseline"]["curve"]), color="black", lw=2.2, label="plain FSDP")
+    ax.plot(*zip(*res["baseline"]["curve"]), color="black", lw=2.2,
+            label=res.get("baseline_name", "plain FSDP"))
     for i, (name, r) in enumerate(res["presets"].items()):
         c = f"C{i}"
         ax.plot(*zip(*r["curve"]), color=c, lw=1.4, label=f"{name} ({res['steps']} steps)")
@@ -219,6 +223,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="the run's folder (default: a new docs/runs/time-to-loss-<UTC "
                         "date-time>/ of this checkout)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per training run")
+    p.add_argument("--baseline-name", default="plain FSDP",
+                   help="what the run without --tagc is, for the report (e.g. 'native HSDP' "
+                        "with -- --fsdp=2 --replicas=2)")
     p.add_argument("--report-only", metavar="DIR", type=Path,
                    help="recompute time_to_loss.md and .png from DIR/results.json of an "
                         "earlier run, training nothing")
@@ -247,7 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = "sudo python3 scripts/bench/bench_time_to_loss.py " + " ".join(
         shlex.quote(a) for a in argv + (["--", *extra] if extra else []))
     res: Dict[str, Any] = {"steps": args.max_iters, "code": code_id(), "loadavg": os.getloadavg(),
-                           "command": command.strip(),
+                           "command": command.strip(), "baseline_name": args.baseline_name,
                            "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(started)),
                            "presets": {}}
     steps = [f"--max_iters={args.max_iters}", *extra]

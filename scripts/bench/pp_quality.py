@@ -20,8 +20,6 @@ to ``--curves`` (default ``docs/pp-quality.png``).
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import logging
 import sys
 from pathlib import Path
@@ -29,7 +27,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from tagc.train.runs import TRAIN_GPT2, code_id, execute, reusable, run_meta
+from tagc.bench.outputs import publish_comparison, save_figure
+from tagc.train.runs import (TRAIN_GPT2, add_comparison_args, code_id, finished_run,
+                             run_meta)
 
 logger = logging.getLogger("pp_quality")
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,17 +81,10 @@ def run_one(task: str, code: str, args: argparse.Namespace, cid: Dict[str, str]
         (folder / "pipeline.yaml").write_text(yaml.safe_dump(fields, sort_keys=False))
         cmd.append(f"--tagc={folder / 'pipeline.yaml'}")
     meta = run_meta(cmd, {"pipeline": fields, "steps": steps, "args": list(extra)}, cid)
-    if args.report_only:
-        if not ((folder / "summary.json").is_file() and (folder / "suite_run.json").is_file()):
-            logger.info("%s %s: not run, left out of the report", task, code)
-            return None
-    elif not (args.reuse and reusable(folder, meta, "summary.json")):
-        execute(cmd, folder, meta)
-    s = json.loads((folder / "summary.json").read_text())
-    with open(folder / "metrics.csv", newline="") as f:
-        curve = [(int(r["iter"]), float(r["loss"])) for r in csv.DictReader(f)
-                 if r["kind"] == "val"]
-    rec = json.loads((folder / "suite_run.json").read_text())
+    got = finished_run(cmd, folder, meta, report_only=args.report_only, reuse=args.reuse)
+    if got is None:
+        return None
+    s, curve, rec = got["summary"], got["curve"], got["record"]
     return {"task": task, "code": code, "final": s["final_val_loss"],
             "bytes": s["boundary_bytes_per_step"], "ratio": s["boundary_ratio"],
             "step_ms": s["mean_step_ms"], "n_params": s["n_params"], "curve": curve,
@@ -154,35 +147,16 @@ def plot(runs: Sequence[Dict[str, Any]], path: Path) -> None:
     ax.grid(alpha=0.3)
     if drawn:
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def write_doc(path: Path, text: str) -> None:
-    """Replace the part of ``path`` between the markers (appended if absent)."""
-    old = path.read_text() if path.exists() else ""
-    block = f"{MARK[0]}\n{text}\n{MARK[1]}"
-    if MARK[0] in old and MARK[1] in old:
-        head, rest = old.split(MARK[0], 1)
-        new = head + block + rest.split(MARK[1], 1)[1]
-    else:
-        new = old + ("\n" if old else "") + block + "\n"
-    path.write_text(new)
+    save_figure(fig, path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--codes", nargs="+", default=list(CODES), choices=list(CODES),
                    help="fp32 (the baseline) always runs")
-    p.add_argument("--out_dir", default="out/pp-quality")
-    p.add_argument("--doc", default=str(ROOT / "docs" / "PIPELINE.md"))
-    p.add_argument("--curves", default=str(ROOT / "docs" / "pp-quality.png"))
-    p.add_argument("--no-reuse", dest="reuse", action="store_false")
-    p.add_argument("--report-only", action="store_true")
+    add_comparison_args(p, TASKS, "out/pp-quality", ROOT / "docs" / "PIPELINE.md",
+                        ROOT / "docs" / "pp-quality.png")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S")
@@ -192,10 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     runs = [r for r in (run_one(t, c, args, cid) for t in args.tasks for c in codes
                         if (CODES[c] or {}).get("subspace_k", 0) <= TASKS[t][1])
             if r is not None]
-    text = table(runs)
-    print(text)
-    write_doc(Path(args.doc), text)
-    plot(runs, Path(args.curves))
+    publish_comparison(table(runs), Path(args.doc), MARK, lambda: plot(runs, Path(args.curves)))
     return runs
 
 

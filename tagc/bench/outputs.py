@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any, Callable, Tuple
 
 # the folder of committed run reports, relative to a checkout's root
 RUNS = Path("docs") / "runs"
@@ -43,3 +44,52 @@ def shown(path: Path) -> str:
     """
     rel = os.path.relpath(Path(path).resolve())
     return rel if not rel.startswith("..") else str(path)
+
+
+def write_between(path: Path, text: str, marks: Tuple[str, str]) -> None:
+    """Replace the part of the document ``path`` between the two marker lines ``marks``
+    with ``text`` (the block appended when the markers are absent).
+
+    Args:
+        path: the document (created if missing).
+        text: what goes between the markers.
+        marks: the start and end markers (HTML comments, invisible when rendered).
+    """
+    old = path.read_text() if path.exists() else ""
+    block = f"{marks[0]}\n{text}\n{marks[1]}"
+    if marks[0] in old and marks[1] in old:
+        head, rest = old.split(marks[0], 1)
+        new = head + block + rest.split(marks[1], 1)[1]
+    else:
+        new = old + ("\n" if old else "") + block + "\n"
+    path.write_text(new)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write (its folder created) and close a matplotlib figure.
+
+    Args:
+        fig: the ``matplotlib.figure.Figure``.
+        path: where the image goes.
+    """
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def publish_comparison(text: str, doc: Path, marks: Tuple[str, str],
+                       figure: Callable[[], None]) -> None:
+    """A quality comparison's outputs: print its table, put it between the markers of
+    ``doc`` (:func:`write_between`) and draw its curves.
+
+    Args:
+        text: the markdown table.
+        doc: the document.
+        marks: its markers.
+        figure: draws and saves the curves.
+    """
+    print(text)
+    write_between(doc, text, marks)
+    figure()

@@ -9,6 +9,7 @@ code a run executes is the checkout's git state when the package sits in one
 """
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import logging
@@ -137,6 +138,52 @@ def execute(cmd: List[str], folder: Path, meta: Dict[str, Any]) -> float:
     seconds = time.perf_counter() - t0
     (folder / "suite_run.json").write_text(json.dumps({**meta, "seconds": seconds}, indent=1))
     return seconds
+
+
+def finished_run(cmd: List[str], folder: Path, meta: Dict[str, Any], *, report_only: bool,
+                 reuse: bool) -> Optional[Dict[str, Any]]:
+    """One run of a quality comparison (pp_quality.py, local_quality.py): train it, reuse
+    its finished run of the same code and configs, or, with ``report_only``, only read it.
+
+    Args:
+        cmd, folder, meta: as :func:`execute`.
+        report_only: train nothing; a run that never finished gives None.
+        reuse: reuse a finished run of the same code and configs (:func:`reusable`).
+    Returns:
+        ``{"summary": summary.json, "curve": [(step, validation loss)], "record":
+        suite_run.json}``, or None (``report_only`` and not finished).
+    """
+    if report_only:
+        if not ((folder / "summary.json").is_file() and (folder / "suite_run.json").is_file()):
+            logger.info("%s: not run, left out of the report", folder)
+            return None
+    elif not (reuse and reusable(folder, meta, "summary.json")):
+        execute(cmd, folder, meta)
+    with open(folder / "metrics.csv", newline="") as f:
+        curve = [(int(r["iter"]), float(r["loss"])) for r in csv.DictReader(f)
+                 if r["kind"] == "val"]
+    return {"summary": json.loads((folder / "summary.json").read_text()), "curve": curve,
+            "record": json.loads((folder / "suite_run.json").read_text())}
+
+
+def add_comparison_args(p: Any, tasks: Sequence[str], out_dir: str, doc: Path,
+                        curves: Path) -> None:
+    """The options every quality comparison script shares.
+
+    Args:
+        p: the ``argparse.ArgumentParser``.
+        tasks: the script's tasks (``--tasks``, all by default).
+        out_dir: the runs' default folder.
+        doc: the document whose marked part takes the table.
+        curves: the default path of the curves' figure.
+    """
+    p.add_argument("--tasks", nargs="+", default=list(tasks), choices=list(tasks))
+    p.add_argument("--out_dir", default=out_dir)
+    p.add_argument("--doc", default=str(doc))
+    p.add_argument("--curves", default=str(curves))
+    p.add_argument("--no-reuse", dest="reuse", action="store_false")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: the table and curves of the finished runs")
 
 
 def split_passthrough(argv: Optional[Sequence[str]]) -> Tuple[List[str], List[str]]:
