@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Quality of local steps between nodes: each outer setting against native HSDP (issue 41).
 
-Every (task, run) trains ``-m tagc.train configs/train-tiny.yaml --fsdp=R --replicas=R``
+Every (task, run) trains ``-m tagc.train configs/train-tiny.yaml --fsdp=2 --replicas=R``
 (R gloo ranks, one per replica: FSDP2's 2-D mesh, nothing sharded inside a replica) on
 the built-in corpus with the same seed and batches: ``native`` is native HSDP (an fp32
 all-reduce between the replicas every step), every other run is ``configs/tagc-local.yaml``
@@ -68,7 +68,7 @@ def run_one(task: str, run: str, args: argparse.Namespace, cid: Dict[str, str]
     folder = Path(args.out_dir) / task / run
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={reps}", *TRAIN_GPT2, str(ROOT / "configs" / "train-tiny.yaml"),
-           f"--out_dir={folder}", "--progress=false", f"--fsdp={reps}", f"--replicas={reps}",
+           f"--out_dir={folder}", "--progress=false", "--fsdp=2", f"--replicas={reps}",
            f"--max_iters={steps}", f"--eval_interval={EVAL_EVERY}", "--seed=1337", *extra]
     outer = RUNS[run]
     if outer is not None:
