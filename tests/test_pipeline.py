@@ -209,15 +209,21 @@ class _QDQ(torch.autograd.Function):
 
 
 def _reference(model: GPT, cfg: PipelineConfig, idx: torch.Tensor, y: torch.Tensor,
-               mb: int, split: int) -> float:
-    """One-process loss and gradients (in ``model``) of the pipeline's step."""
+               mb: int, stages: int) -> float:
+    """One-process loss and gradients (in ``model``) of the pipeline's step: the same
+    code applied at every stage boundary."""
     total = 0.0
     n = idx.shape[0] // mb
+    ranges = stage_ranges(model.config.n_layer, stages)
     for m in range(n):
         x = idx[m * mb:(m + 1) * mb]
-        h = model.blocks(model.embed(x), 0, split)
-        h = (_QDQ.apply(h[0], cfg), h[1]) if isinstance(h, tuple) else _QDQ.apply(h, cfg)
-        logits = model.head(model.blocks(h, split, model.config.n_layer))
+        h = model.embed(x)
+        for i, (start, stop) in enumerate(ranges):
+            h = model.blocks(h, start, stop)
+            if i < stages - 1:
+                h = (_QDQ.apply(h[0], cfg), h[1]) if isinstance(h, tuple) else \
+                    _QDQ.apply(h, cfg)
+        logits = model.head(h)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y[m * mb:(m + 1) * mb].view(-1))
         loss.backward()
         total += loss.item()
@@ -230,6 +236,8 @@ def _reference(model: GPT, cfg: PipelineConfig, idx: torch.Tensor, y: torch.Tens
 CASES = [("fp32", None, 0, "gpipe"), ("fp32", None, 0, "1f1b"), ("int8", None, 0, "1f1b"),
          ("int4", "int8", 0, "gpipe"), ("bf16", None, 0, "1f1b"), ("fp32", None, 8, "gpipe"),
          ("int8", "fp32", 8, "1f1b")]
+# three stages (a middle stage receives and sends): one code per family
+CASES3 = [("int8", None, 0, "1f1b"), ("int4", "int8", 8, "gpipe")]
 
 
 def _pipeline_cases(rank: int, world: int) -> List[Dict[str, Any]]:
@@ -250,7 +258,7 @@ def _pipeline_cases(rank: int, world: int) -> List[Dict[str, Any]]:
 
     dist.isend = c10d.isend = counting
     out = []
-    for fmt, gfmt, k, sched in CASES:
+    for fmt, gfmt, k, sched in (CASES if world == 2 else CASES3):
         cfg = PipelineConfig(format=fmt, grad_format=gfmt, block=16, subspace_k=k,
                              microbatches=3, schedule=sched)
         gcfg = GPTConfig(block_size=8, vocab_size=64, n_layer=3, n_head=2, n_embd=40,
@@ -258,12 +266,12 @@ def _pipeline_cases(rank: int, world: int) -> List[Dict[str, Any]]:
         torch.manual_seed(0)
         ref = GPT(gcfg)
         torch.manual_seed(0)
-        mod = GPTStage(GPT(gcfg), rank, 2)
+        mod = GPTStage(GPT(gcfg), rank, world)
         mb = 2
         gen = torch.Generator().manual_seed(5)
         idx = torch.randint(0, 64, (6, 8), generator=gen)
         y = torch.randint(0, 64, (6, 8), generator=gen)
-        stage = pipeline_stage(mod, rank, 2, torch.device("cpu"), cfg,
+        stage = pipeline_stage(mod, rank, world, torch.device("cpu"), cfg,
                                boundary_shape=(mb, 8, k or 40), input_example=idx[:mb],
                                vocab_size=64)
         loss_fn = lambda o, t: F.cross_entropy(o.view(-1, o.size(-1)), t.view(-1))  # noqa
@@ -273,9 +281,11 @@ def _pipeline_cases(rank: int, world: int) -> List[Dict[str, Any]]:
         sent.clear()
         if rank == 0:
             s.step(idx)
-        else:
+        elif rank == world - 1:
             s.step(target=y, losses=losses)
-        ref_loss = _reference(ref, cfg, idx, y, mb, stage_ranges(3, 2)[0][1])
+        else:
+            s.step()
+        ref_loss = _reference(ref, cfg, idx, y, mb, world)
         grads = {n: p.grad for n, p in ref.named_parameters()}
         mine = {n: p.grad for n, p in mod.model.named_parameters()}
         out.append({"loss": sum(v.item() for v in losses) / 3 if losses else None,
@@ -308,6 +318,27 @@ def test_two_stage_gradients_equal_one_process_reference() -> None:
         want = bytes_ref(rows, k or 40, fmt, 16) + (rows * 2 if k else 0)
         back = bytes_ref(rows, k or 40, gfmt or fmt, 16)
         assert r0["message"] == 4 * -(-max(want, back) // 4), tag
+
+
+@pytest.mark.dist
+def test_three_stages_equal_one_process_reference() -> None:
+    """A middle stage decodes what it receives and codes what it sends, both ways: loss
+    and every stage's gradients bit-equal to the one-process model coded at both
+    boundaries; each boundary carries three messages each way."""
+    res = run_dist(_pipeline_cases, 3, timeout=240)
+    for i, (fmt, gfmt, k, sched) in enumerate(CASES3):
+        tag = f"{fmt}/{gfmt}/k={k}/{sched}"
+        assert res[2][i]["loss"] == res[2][i]["ref_loss"], tag
+        for rank, r in enumerate(case[i] for case in res):
+            assert not r["none"] and r["equal"] == r["names"], (tag, rank, set(r["names"]) -
+                                                                 set(r["equal"]))
+            msgs = [b for b in r["sent"] if b == r["message"]]
+            # the middle stage sends forward to the last and backward to the first
+            assert len(msgs) == (6 if rank == 1 else 3), (tag, rank, r["sent"])
+        mid = res[1][i]["counts"]
+        assert mid["forward_messages"] == mid["backward_messages"] == 3, (tag, mid)
+        assert res[0][i]["counts"]["backward_messages"] == 0
+        assert res[2][i]["counts"]["forward_messages"] == 0
 
 
 # --------------------------------------------------------------------------- training
