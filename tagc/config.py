@@ -52,6 +52,25 @@ _FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
 LayerPolicy = Union[str, Callable[[str, nn.Module, str, nn.Parameter], bool]]
 
 
+def _from_mapping(cls: Any, d: Any, what: str) -> Any:
+    """``cls(**d)`` for a config dataclass; a non-mapping or an unknown key raises.
+
+    Args:
+        cls: the dataclass.
+        d: mapping of field names to values.
+        what: the config's name in the message.
+    Returns:
+        the validated config.
+    """
+    if not isinstance(d, dict):
+        raise ValueError(f"{what}: expected a mapping, got {type(d).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{what}: unknown config key(s) {unknown}; known: {sorted(known)}")
+    return cls(**d)
+
+
 def _check_int(name: str, v: Any, lo: int, hi: Optional[int] = None) -> None:
     """v must be an int (not a bool) in [lo, hi]."""
     if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
@@ -723,13 +742,7 @@ class TAGCConfig:
         Returns:
             the validated config.
         """
-        if not isinstance(d, dict):
-            raise ValueError(f"config: expected a mapping, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown config key(s) {unknown}; known: {sorted(known)}")
-        return cls(**d)
+        return _from_mapping(cls, d, "config")
 
     def replace(self, **changes: Any) -> "TAGCConfig":
         """A copy with ``changes`` applied; derived knobs that were not given follow

@@ -43,7 +43,6 @@ the receiver's decoded activation, which the stage holds for its backward anyway
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -54,7 +53,7 @@ import torch
 import torch.nn as nn
 
 from .codec import _tagc, require_codec
-from .config import _check_int
+from .config import _check_int, _from_mapping
 from .device import Exec
 
 logger = logging.getLogger(__name__)
@@ -120,11 +119,7 @@ class PipelineConfig:
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "PipelineConfig":
         """Build from a mapping; unknown keys raise ``ValueError``."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"PipelineConfig: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**data)
+        return _from_mapping(cls, data, "PipelineConfig")
 
     @classmethod
     def from_yaml(cls, path: Any, overrides: Optional[Dict[str, Any]] = None

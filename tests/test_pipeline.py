@@ -147,7 +147,7 @@ def test_config_validation(tmp_path: Path) -> None:
                 {"subspace_k": -1}, {"block": True}):
         with pytest.raises(ValueError):
             PipelineConfig(**bad)
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="unknown config key"):
         PipelineConfig.from_dict({"mode": "quant"})
     for name in ("tagc-pp-int8", "tagc-pp-subspace"):
         c = PipelineConfig.from_yaml(REPO / "configs" / f"{name}.yaml")
