@@ -391,6 +391,27 @@ def test_train_pp_resume_is_bitwise(tmp_path: Path) -> None:
                     assert torch.equal(sa[p][key], sb[p][key]), (tag, st, p, key)
 
 
+@pytest.mark.dist
+def test_train_three_stages(tmp_path: Path) -> None:
+    """``--pp 3``: a middle stage between the two ends; each of the two boundaries
+    carries its messages both ways, every stage saves its checkpoint."""
+    cache = tmp_path / "cache"
+    token_data.prepare(token_data.get_source("stdlib"), token_data.byte_tokenizer(), cache)
+    # 1F1B wants at least as many microbatches as stages: 4 of one sequence each
+    argv = [f"--out_dir={tmp_path / 'pp3'}", "--max_iters=4", "--tagc=tagc-pp-int8",
+            "--tagc_set=microbatches=4", f"--cache_dir={cache}", *FAST, "--pp=3",
+            "--n_layer=3"]
+    res = run_dist(_mains, 3, [argv], timeout=300)
+    s = res[0][0]
+    assert s["pp"] == 3 and math.isfinite(s["final_val_loss"])
+    lay = BoundaryLayout((1, 16, 64), PipelineConfig.from_yaml(
+        REPO / "configs" / "tagc-pp-int8.yaml", {"microbatches": 4}))
+    # two boundaries, four microbatches, both ways
+    assert s["boundary_bytes_per_step"] == 2 * 4 * 2 * lay.message_bytes
+    for st in range(3):
+        assert (tmp_path / "pp3" / "ckpt" / f"stage{st}.pt").is_file()
+
+
 def test_train_pp_config_errors() -> None:
     from tagc.train.config import parse_config
     with pytest.raises(ValueError, match="tie_weights"):
