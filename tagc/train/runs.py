@@ -1,6 +1,7 @@
 """Training runs as subprocesses, for the scripts that compare them (quality_suite.py,
-compare_quality.py, bench_step.py, bench_time_to_loss.py): the code a run executes, its
-record and reuse, its execution with a log, and the emulated network of tagc/train/netem.sh.
+compare_quality.py, pp_quality.py, local_quality.py, bench_step.py, bench_time_to_loss.py):
+the code a run executes, its record and reuse, its execution with a log, the options the
+quality comparisons share, and the emulated network of tagc/train/netem.sh.
 
 The runs train through the installed package (:data:`TRAIN_GPT2`: ``-m tagc.train``), in
 the caller's folder, so the tools work from an installed wheel as from a checkout; the
