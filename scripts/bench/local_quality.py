@@ -55,6 +55,8 @@ RUNS: Dict[str, Any] = {
     "h16-avg": (16, 1.0, 0.0),
     "h32-diloco": (32, 0.7, 0.9),
     "h32-avg": (32, 1.0, 0.0),
+    # a longer outer step: the average of R replicas' changes is less noisy than one
+    "h32-lr2": (32, 2.0, 0.5),
 }
 MARK = ("<!-- local-quality:start -->", "<!-- local-quality:end -->")
 EVAL_EVERY = 50
