@@ -30,7 +30,6 @@ Arguments after ``--`` are passed to every training run (``--key=value`` overrid
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import math
@@ -44,7 +43,7 @@ import yaml
 
 from tagc import presets
 from tagc.train.runs import (TRAIN_GPT2, code_id, execute, reusable, run_meta,
-                             split_passthrough)
+                             split_passthrough, val_curve)
 
 logger = logging.getLogger("compare_quality")
 
@@ -132,9 +131,7 @@ def _train(name: str, out: Path, preset: Optional[Path], args: argparse.Namespac
                  if ln.startswith("final:")]
         logger.info("%s: %s (%.0f s)", name, final[-1] if final else "no summary", wall)
     summary = json.loads(summary_path.read_text())
-    with open(out / "metrics.csv", newline="") as f:
-        summary["val_curve"] = [(int(r["iter"]), float(r["loss"]))
-                                for r in csv.DictReader(f) if r["kind"] == "val"]
+    summary["val_curve"] = val_curve(out)
     summary["wall_s"] = wall
     summary["_code"] = meta["code"]
     return summary

@@ -44,7 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from tagc import presets
-from tagc.train.runs import TRAIN_GPT2, code_id, execute, reusable, run_meta
+from tagc.train.runs import TRAIN_GPT2, code_id, execute, reusable, run_meta, val_curve
 
 logger = logging.getLogger(__name__)
 # the checkout this script sits in (scripts/bench/): --doc and --curves go to its docs/
@@ -210,12 +210,9 @@ def run_lm(name: str, task: Task, seed: int, method: str, args: argparse.Namespa
     # a reused run keeps the wall time it recorded when it ran
     seconds = json.loads((folder / "suite_run.json").read_text())["seconds"]
     s = json.loads((folder / "summary.json").read_text())
-    with open(folder / "metrics.csv", newline="") as f:
-        curve = [(int(r["iter"]), float(r["loss"])) for r in csv.DictReader(f)
-                 if r["kind"] == "val"]
     cb = s.get("compressed_bits_per_param")
     return Run(name, seed, method, s["final_val_loss"], s["bits_per_param"],
-               None if cb is None or cb != cb else cb, curve, seconds,
+               None if cb is None or cb != cb else cb, val_curve(folder), seconds,
                json.loads((folder / "suite_run.json").read_text())["code"])
 
 

@@ -160,11 +160,22 @@ def finished_run(cmd: List[str], folder: Path, meta: Dict[str, Any], *, report_o
             return None
     elif not (reuse and reusable(folder, meta, "summary.json")):
         execute(cmd, folder, meta)
-    with open(folder / "metrics.csv", newline="") as f:
-        curve = [(int(r["iter"]), float(r["loss"])) for r in csv.DictReader(f)
-                 if r["kind"] == "val"]
-    return {"summary": json.loads((folder / "summary.json").read_text()), "curve": curve,
+    return {"summary": json.loads((folder / "summary.json").read_text()),
+            "curve": val_curve(folder),
             "record": json.loads((folder / "suite_run.json").read_text())}
+
+
+def val_curve(folder: Path) -> List[Tuple[int, float]]:
+    """A finished run's validation curve from its ``metrics.csv``.
+
+    Args:
+        folder: the run's ``--out_dir``.
+    Returns:
+        ``[(step, validation loss)]`` in the order evaluated.
+    """
+    with open(folder / "metrics.csv", newline="") as f:
+        return [(int(r["iter"]), float(r["loss"])) for r in csv.DictReader(f)
+                if r["kind"] == "val"]
 
 
 def add_comparison_args(p: Any, tasks: Sequence[str], out_dir: str, doc: Path,
