@@ -83,9 +83,10 @@ def state_dict(reducers: List[UnitReducer], cfg: TAGCConfig, kind: str, world: i
     }
 
 
-# knobs that change how the hook runs, not what it computes (hsdp_overlap gives the
-# blocking hook's values bit for bit): a checkpoint resumes under any value of them
-HOW_ONLY = ("hsdp_overlap",)
+# knobs that change how the hook runs, not what it computes (hsdp_overlap and
+# fsdp_overlap give the blocking comms' values bit for bit): a checkpoint resumes
+# under any value of them
+HOW_ONLY = ("hsdp_overlap", "fsdp_overlap")
 
 
 def _comparable(config: Dict[str, Any]) -> Dict[str, Any]:

@@ -299,6 +299,22 @@ class TAGCConfig:
             256), against 32 (fp32) or 16 (bf16 ``param_dtype``); memory:
             the codes of one unit, per call, nothing kept.
         gather_block: values per fp32 scale of the gather codes, 1..65536.
+        fsdp_overlap: FSDP2 over one group on the CPU: run every unit's
+            reduce-scatter and every parameter all-gather on a worker thread
+            while the forward and backward compute (tagc/overlap.py), as FSDP's
+            streams do on a GPU: the backward goes on while a unit's gradient
+            travels, and each gather runs one unit ahead of its compute (FSDP's
+            backward prefetch, and a forward prefetch TAGC sets from the first
+            forward's order: one unit's gathered parameters more held at a time).
+            Same operations in the same order on every rank: the values are
+            those of ``False``, bit for bit.  A unit whose gradient FSDP reads
+            right after the reduce-scatter (accumulation into an existing
+            ``.grad``, a reduce dtype other than the parameters', CPU offload,
+            post-accumulate-grad hooks) waits for its exchange, as with
+            ``False``.  While a step runs, nothing else may issue collectives on
+            the shard group (the worker's order is the ranks' agreement).  No
+            effect on CUDA tensors (FSDP's streams overlap them), on FSDP1 or on
+            TAGC's HSDP route (``hsdp_overlap``).
         guard_ratio: the feedback guard.  Every compressed call, each rank
             measures its feedback state against its gradient over the whole
             unit: with ``ef21`` the estimate error ``||g - h||^2`` (``h``
@@ -428,6 +444,7 @@ class TAGCConfig:
     bypass_every: int = 0
     gather: str = "none"
     gather_block: int = 256
+    fsdp_overlap: bool = True
     guard_ratio: Optional[float] = None
     hsdp_allreduce: str = "auto"
     hsdp_out_format: str = "auto"
@@ -498,6 +515,7 @@ class TAGCConfig:
             raise ValueError(f"hsdp_allreduce: must be one of {HSDP_ALLREDUCE_FORMS}, got "
                              f"{self.hsdp_allreduce!r}")
         _check_bool("hsdp_overlap", self.hsdp_overlap)
+        _check_bool("fsdp_overlap", self.fsdp_overlap)
         _check_int("outer_every", self.outer_every, 0)
         _check_int("outer_fragments", self.outer_fragments, 1)
         _check_int("outer_overlap", self.outer_overlap, 0)

@@ -84,8 +84,8 @@ class Scratch:
     (the caching allocator already keeps blocks, and streams would need events).
 
     Reuse is safe because a model's units are reduced one at a time (FSDP calls the
-    hooks in turn; ``hsdp_overlap``'s worker runs them in turn, and a blocking call
-    waits for it first) and a buffer never outlives the call that took it.
+    hooks in turn; the ``hsdp_overlap`` / ``fsdp_overlap`` worker runs them in turn,
+    and a call that must block waits for it first or runs on it) and a buffer never outlives the call that took it.
     """
 
     def __init__(self) -> None:

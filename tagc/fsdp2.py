@@ -10,7 +10,8 @@ to be a no-op (:func:`sum_reductions`), and averages itself.
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+import logging
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,11 @@ import torch.nn as nn
 
 from .config import TAGCConfig
 from .device import CodecStreams
+from .overlap import in_backward
 from .reducer import UnitReducer
 from .selection import module_names, unit_spec
+
+logger = logging.getLogger(__name__)
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _RSBase
@@ -76,10 +80,20 @@ def param_groups(mod: nn.Module) -> List[Any]:
 
 
 class ReduceScatterComm(_RSBase):  # type: ignore[misc,valid-type]
-    """FSDP2 custom reduce-scatter: one object per FSDPModule, i.e. per unit."""
+    """FSDP2 custom reduce-scatter: one object per FSDPModule, i.e. per unit.
 
-    def __init__(self, reducer: UnitReducer) -> None:
-        self.reducer = reducer
+    Args:
+        reducer: the unit's reducer.
+        params: the unit's ``FSDPParam``s (what :func:`deferrable` checks).
+        overlap: the model's worker (``fsdp_overlap`` on the CPU), None to run on the
+            calling thread.
+        order: the forward order to close at the first backward (with ``overlap``).
+    """
+
+    def __init__(self, reducer: UnitReducer, params: Optional[List[Any]] = None,
+                 overlap: Optional[Any] = None,
+                 order: Optional["ForwardOrder"] = None) -> None:
+        self.reducer, self.params, self.overlap, self.order = reducer, params, overlap, order
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -91,8 +105,64 @@ class ReduceScatterComm(_RSBase):  # type: ignore[misc,valid-type]
             raise RuntimeError(f"TAGC: FSDP2 asked for reduce op {op}; register() forces "
                                "SUM (set_force_sum_reduction_for_comms) and owns the averaging")
         self.reducer.group = group
-        self.reducer.reduce(input_tensor, output_tensor)
+        ov = self.overlap
+        if ov is None or output_tensor.is_cuda:
+            self.reducer.reduce(input_tensor, output_tensor)
+            return None
+        if self.order is not None:
+            self.order.close()
+
+        def job() -> None:
+            self.reducer.reduce(input_tensor, output_tensor)
+
+        if deferrable(output_tensor, self.params or []):
+            ov.submit(job)
+        else:  # FSDP reads the output at once: on the worker, in order, and wait
+            ov.run(job, "FSDP2 reduce-scatter").wait()
         return None
+
+
+class ForwardOrder:
+    """The order FSDP2 units gather in the forward, and the forward prefetch it sets.
+
+    FSDP2 prefetches the next unit's all-gather in the backward by itself, but in the
+    forward only where told (``set_modules_to_forward_prefetch``).  With the gathers on
+    the worker (``fsdp_overlap``), a unit prefetching the next one lets that one's
+    bytes travel while this one computes.  The order is recorded from the first
+    forward's gathers (the same model runs the same forward on every rank, so every
+    rank records the same order and issues the same collectives) and applied when the
+    first backward begins, each unit then prefetching its successor: one unit's
+    gathered parameters more held at a time, as FSDP on a GPU holds.  A model whose
+    units already prefetch (the user's ``set_modules_to_forward_prefetch``) is left
+    alone.
+
+    Args:
+        mods: the FSDP2 units, index for index with the gather comms that call
+            :meth:`seen`.
+    """
+
+    def __init__(self, mods: List[nn.Module]) -> None:
+        self.mods = mods
+        self.order: List[int] = []
+        self.closed = False
+
+    def seen(self, unit: int) -> None:
+        """A gather of ``unit`` outside a backward (a forward)."""
+        if not self.closed and unit not in self.order:
+            self.order.append(unit)
+
+    def close(self) -> None:
+        """Set each recorded unit to prefetch the next (once; inside the first
+        backward, when the forward has run)."""
+        if self.closed:
+            return
+        self.closed = True
+        if any(m._get_fsdp_state()._states_to_forward_prefetch for m in self.mods):
+            logger.info("TAGC: the model sets its own forward prefetch; kept")
+            return
+        units = [self.mods[i] for i in self.order]
+        for a, b in zip(units, units[1:]):
+            a.set_modules_to_forward_prefetch([b])
 
 
 def _param_groups(model: nn.Module) -> List[Tuple[str, nn.Module, Any]]:
@@ -188,6 +258,25 @@ def output_left_alone(params: List[Any], dtype: torch.dtype) -> bool:
     return True
 
 
+def deferrable(t: torch.Tensor, params: Iterable[Any]) -> bool:
+    """Whether FSDP leaves a comm's output alone until the backward ends
+    (tagc/overlap.py).
+
+    Args:
+        t: the reduce-scatter's output (FULL_SHARD) or the all-reduce hook's tensor
+            (HSDP).
+        params: the unit's ``FSDPParam``s.
+    Returns:
+        True when the exchange into ``t`` may finish after the comm returns: a CPU
+        tensor inside a backward, and no parameter of the unit accumulates into an
+        existing ``.grad``, casts to another dtype, offloads, or has a
+        post-accumulate-grad hook (each of which reads ``t`` right after the hook).
+    """
+    if t.is_cuda or not in_backward():
+        return False
+    return output_left_alone(list(params), t.dtype)
+
+
 def sum_reductions(mod: nn.Module, shards: int) -> None:
     """Make FSDP2 sum a unit's gradients and divide by nothing: TAGC's hook averages.
 
@@ -213,8 +302,17 @@ def sum_reductions(mod: nn.Module, shards: int) -> None:
         pg.gradient_divide_factor = None
 
 
-def install(model: nn.Module, reducers_: List[UnitReducer], mods: List[nn.Module]) -> None:
-    """Give each module its comm; the comm receives the plain SUM and averages itself."""
+def install(model: nn.Module, reducers_: List[UnitReducer], mods: List[nn.Module],
+            overlap: Optional[Any] = None, order: Optional[ForwardOrder] = None) -> None:
+    """Give each module its comm; the comm receives the plain SUM and averages itself.
+
+    Args:
+        model: the model (unused; the FSDP1 glue's signature).
+        reducers_: one reducer per unit.
+        mods: the units.
+        overlap: the worker the comms hand their exchanges to (``fsdp_overlap``).
+        order: the forward order the comms close at the first backward.
+    """
     for m, r in zip(mods, reducers_):
-        m.set_custom_reduce_scatter(ReduceScatterComm(r))
+        m.set_custom_reduce_scatter(ReduceScatterComm(r, unit_params(m), overlap, order))
         sum_reductions(m, r.world)

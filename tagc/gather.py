@@ -45,6 +45,7 @@ from . import comm, fsdp2
 from .codec import _tagc
 from .config import TAGCConfig
 from .device import Exec
+from .overlap import JobWork, Overlap, in_backward
 from .stats import UnitStats
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,62 @@ def _reshard(modules: Sequence[nn.Module]) -> None:
         m.reshard()
 
 
-class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
+class _OrderedGather(_AGBase):  # type: ignore[misc,valid-type]
+    """An FSDP2 all-gather comm whose exchange runs on the model's worker thread when
+    there is one (``fsdp_overlap``, CPU tensors: tagc/overlap.py), FSDP waiting on
+    the returned work before it reads the output; else on the calling thread.
+
+    Args:
+        overlap: the worker, or None.
+        order: the forward order a call outside a backward records, or None.
+        index: the unit's index in ``order``.
+    """
+
+    def __init__(self, overlap: Optional[Overlap], order: Optional[fsdp2.ForwardOrder],
+                 index: int) -> None:
+        self.overlap, self.order, self.index = overlap, order, index
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: Any, async_op: bool = False) -> Optional[JobWork]:
+        """Fill ``output_tensor`` with every rank's shard.
+
+        FSDP waits on a returned work object, or on nothing: the call returns None
+        with the output written (CPU) or its writes queued on the current stream
+        (CUDA, which FSDP's event after this call orders), or a :class:`JobWork`
+        for the worker's job (``fsdp_overlap``).
+        """
+        exact = self._exact_now()  # now: the switch may flip before the job runs
+        ov = self.overlap
+        if ov is None or output_tensor.is_cuda:
+            self._gather(output_tensor, input_tensor, group, exact)
+            return None
+        if self.order is not None and not in_backward():
+            self.order.seen(self.index)
+        return ov.run(lambda: self._gather(output_tensor, input_tensor, group, exact),
+                      "parameter all-gather")
+
+    def _exact_now(self) -> bool:
+        return True
+
+    def _gather(self, out: torch.Tensor, inp: torch.Tensor, group: Any, exact: bool) -> None:
+        raise NotImplementedError
+
+
+class OrderedGatherComm(_OrderedGather):
+    """FSDP's own all-gather of a unit (``DefaultAllGather``'s call, the same bytes
+    the same way), through the worker: with ``fsdp_overlap`` and no ``gather``, so
+    the gathers keep their place in the worker's order beside the reduce-scatters
+    (tagc/overlap.py); counts nothing."""
+
+    def _gather(self, out: torch.Tensor, inp: torch.Tensor, group: Any, exact: bool) -> None:
+        comm.flat_all_gather()[1](out, inp, group=group)
+
+
+class GatherComm(_OrderedGather):
     """FSDP2 custom all-gather of one unit's parameters, block-quantized.
 
     Args:
@@ -107,10 +163,14 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
             that is not floating).
         stats: the unit's counters (``gather_*``).
         switch: the model's exact-gather switch.
+        overlap, order, index: as :class:`_OrderedGather`.
     """
 
     def __init__(self, name: str, cfg: TAGCConfig, segments: List[int], group: Any,
-                 quantize: bool, stats: UnitStats, switch: GatherSwitch) -> None:
+                 quantize: bool, stats: UnitStats, switch: GatherSwitch,
+                 overlap: Optional[Overlap] = None,
+                 order: Optional[fsdp2.ForwardOrder] = None, index: int = 0) -> None:
+        super().__init__(overlap, order, index)
         self.name, self.cfg, self.group = name, cfg, group
         self.segments = torch.tensor(segments, dtype=torch.int64)
         self.shard_numel = sum(segments)
@@ -120,39 +180,31 @@ class GatherComm(_AGBase):  # type: ignore[misc,valid-type]
         self._seg_dev: Optional[torch.Tensor] = None
         self._warned = False
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+    def _exact_now(self) -> bool:
+        return self.switch.exact
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: Any, async_op: bool = False) -> None:
-        """Fill ``output_tensor`` with every rank's shard (quantized when it may be).
-
-        FSDP waits on a returned work object, or on nothing: the call returns
-        None with the output written (CPU) or its writes queued on the current
-        stream (CUDA, which FSDP's event after this call orders).
-        """
+    def _gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                group: Any, exact: bool) -> None:
         world = dist.get_world_size(group)
         nb = input_tensor.numel() * input_tensor.element_size()
-        if self.switch.exact:
+        if exact:
             # validation under exact_gathers(): the user's evaluation, not training
             # traffic, so not counted (the counters describe the training's gathers)
             _all_gather(output_tensor, input_tensor, group, world)
-            return None
+            return
         self.stats.add("gather_calls", 1)
         self.stats.add("gather_default_wire_bytes", (world - 1) * nb)
         why = self._exact_reason(input_tensor, group)
         if why is None:
             try:
                 self._quantized(output_tensor, input_tensor, group, world)
-                return None
+                return
             except _tagc.NonFiniteError:
                 # every rank decoded the same bytes and is here too
                 self.stats.add("gather_nonfinite", 1)
                 logger.warning("TAGC unit %r: a parameter block holds NaN/Inf; this "
                                "gather is exact on every rank", self.name)
         self._exact(output_tensor, input_tensor, group, world, nb)
-        return None
 
     def _exact_reason(self, inp: torch.Tensor, group: Any) -> Optional[str]:
         """Why this call is gathered exactly, or None when it is quantized."""
@@ -217,8 +269,11 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, world: int) ->
 
 
 def install(cfg: TAGCConfig, mods: List[nn.Module], stats: List[UnitStats],
-            names: List[str], switch: GatherSwitch) -> List[GatherComm]:
-    """Give each FSDP2 module a :class:`GatherComm` (``cfg.gather`` != "none").
+            names: List[str], switch: GatherSwitch, overlap: Optional[Overlap] = None,
+            order: Optional[fsdp2.ForwardOrder] = None) -> List[GatherComm]:
+    """Give each FSDP2 module its all-gather comm: a :class:`GatherComm` with
+    ``cfg.gather``, else (with ``overlap``) an :class:`OrderedGatherComm`; nothing
+    without either.
 
     Args:
         cfg: the config.
@@ -226,16 +281,22 @@ def install(cfg: TAGCConfig, mods: List[nn.Module], stats: List[UnitStats],
         stats: each unit's counters (the gather counters go beside its reduction's).
         names: each unit's name.
         switch: the exact-gather switch.
+        overlap: the worker that runs the gathers (``fsdp_overlap``), or None.
+        order: the forward order the gathers record (with ``overlap``).
     Returns:
-        the comms, one per module.
+        the quantizing comms, one per module (none without ``cfg.gather``).
     """
     comms = []
-    for m, st, name in zip(mods, stats, names):
+    for i, (m, st, name) in enumerate(zip(mods, stats, names)):
+        if cfg.gather == "none":
+            if overlap is not None:
+                m.set_custom_all_gather(OrderedGatherComm(overlap, order, i))
+            continue
         pg = fsdp2.param_groups(m)[0]
         segs = [int(fp.padded_sharded_param_size.numel()) for fp in pg.fsdp_params]
         floating = all(fp.sharded_param.is_floating_point() for fp in pg.fsdp_params)
         gc = GatherComm(name, cfg, segs, pg.mesh_info.shard_process_group, floating, st,
-                        switch)
+                        switch, overlap, order, i)
         m.set_custom_all_gather(gc)
         comms.append(gc)
     return comms

@@ -44,7 +44,8 @@ from . import fsdp2, memory, transports
 from .comm import Comm
 from .config import TAGCConfig, allreduce_form
 from .device import CodecStreams, Exec, poison_nonfinite
-from .overlap import Overlap, deferrable
+from .fsdp2 import deferrable
+from .overlap import Overlap
 from .reducer import UnitReducer, send_owed
 from .selection import UnitSpec
 
@@ -330,7 +331,7 @@ class Hook:
 
     Args:
         reducer: the unit's replica reducer.
-        params: the unit's ``FSDPParam``s (what :func:`~tagc.overlap.deferrable` checks).
+        params: the unit's ``FSDPParam``s (what :func:`~tagc.fsdp2.deferrable` checks).
         overlap: the model's worker, None to always block (``hsdp_overlap`` off).
     """
 

@@ -1,30 +1,41 @@
-"""Custom HSDP on the CPU: the all-reduce between nodes overlapped with the backward.
+"""TAGC's collectives on the CPU, overlapped with compute on a worker thread.
 
-On a GPU, FSDP2 calls the all-reduce hook with its all-reduce stream current and the
-hook only enqueues work, so the backward goes on while a unit's gradients travel.  On
-the CPU there are no streams: FSDP2 calls the hook on the thread running the backward,
-and a hook that blocks stalls the backward for the whole exchange.  So on the CPU
-(``hsdp_overlap``) the hook hands each unit's all-reduce to :class:`Overlap`, one worker
-thread per registered model, and returns at once; the backward computes the next unit
-meanwhile.
+On a GPU FSDP2 runs its collectives on their own streams: the reduce-scatter (or the
+all-reduce hook) and the next unit's all-gather only enqueue work, so the forward and
+backward go on while a unit's bytes travel.  On the CPU there are no streams: FSDP2
+calls the comms on the thread running the model, and a comm that blocks stalls the
+compute for the whole exchange.  So on the CPU TAGC hands its exchanges to
+:class:`Overlap`, one worker thread per registered model, and returns at once:
 
-Why that is safe (torch 2.13, ``_fsdp_collectives.foreach_reduce``): after the hook
-returns, FSDP only views the hook's tensor as the parameters' ``.grad`` (no read, no
-copy) when (a) no ``.grad`` is there to accumulate into, (b) the reduce dtype is the
-parameters' own (no cast into a new tensor), (c) the gradient is not offloaded and (d)
-no post-accumulate-grad hook reads it; FSDP's divide after the hook is a no-op (TAGC
-sets FSDP's divide factors so, and divides in the hook: tagc/hsdp.py ``install``).  :func:`deferrable` checks (a)-(d) on
-every call; a call that fails them first waits for every deferred unit, then runs on
-the calling thread.  Nothing may read a gradient before its exchange ends: the first
-deferred call of a backward queues :meth:`Overlap.wait` as an autograd final callback,
-which runs after FSDP's own (the root unit's reduction, made there, included), so
-``loss.backward()`` returns with every gradient summed over the replicas, exactly as
-with a blocking hook (same operations, same order: bit for bit the same values).
+- custom HSDP (``hsdp_overlap``): each unit's all-reduce between the nodes
+  (tagc/hsdp.py ``Hook``);
+- FSDP2 over one group (``fsdp_overlap``): each unit's reduce-scatter
+  (tagc/fsdp2.py ``ReduceScatterComm``) and every parameter all-gather
+  (tagc/gather.py), which FSDP waits for through the :class:`JobWork` the comm
+  returns; FSDP's backward prefetch and the forward prefetch TAGC sets
+  (:class:`tagc.fsdp2.ForwardOrder`) issue each gather one unit ahead of its compute.
 
-Order: each rank's worker runs the units' exchanges in the order FSDP called the hooks,
-the same on every rank (the same model and backward), so the replicate group's
-collectives match across ranks as they do with a blocking hook; while units are in
-flight only the worker issues collectives on that group.
+Why deferring a gradient exchange is safe (torch 2.13,
+``_fsdp_collectives.foreach_reduce``): after the comm returns, FSDP only views its
+output as the parameters' ``.grad`` (no read, no copy) when (a) no ``.grad`` is there
+to accumulate into, (b) the reduce dtype is the parameters' own (no cast into a new
+tensor), (c) the gradient is not offloaded and (d) no post-accumulate-grad hook reads
+it; FSDP's divide after the comm is a no-op (TAGC sets FSDP's divide factors so and
+divides itself: :func:`tagc.fsdp2.sum_reductions`).  :func:`tagc.fsdp2.deferrable` checks (a)-(d)
+on every call; a call that fails them runs on the worker too (after every unit before
+it: the order below) and the comm waits for it.  Nothing may read a gradient before its
+exchange ends: the first deferred call of a backward queues :meth:`Overlap.wait` as an
+autograd final callback, which runs after FSDP's own (the root unit's reduction, made
+there, included), so ``loss.backward()`` returns with every gradient reduced, exactly
+as with a blocking comm (same operations, same order: bit for bit the same values).
+
+Order: each rank's worker runs the jobs in the order the model submitted them, the
+same on every rank (the same model, forward and backward), so the group's collectives
+match across ranks as they do when they block; while jobs are in flight only the
+worker issues collectives on that group.  That is why ``fsdp_overlap`` routes *every*
+all-gather of the group through the worker, exact ones included (:class:`tagc.gather.
+OrderedGatherComm` without ``gather``), and why the HSDP route keeps its gathers on the
+calling thread (FSDP's own reduce-scatter uses their group there).
 """
 
 from __future__ import annotations
@@ -33,11 +44,10 @@ import atexit
 import logging
 import queue
 import threading
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
-
-from . import fsdp2
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -46,36 +56,72 @@ logger = logging.getLogger(__name__)
 _graph_task_id: Optional[Callable[[], int]] = getattr(torch._C, "_current_graph_task_id", None)
 
 
-def deferrable(t: torch.Tensor, params: Iterable[Any]) -> bool:
-    """Whether FSDP leaves the hook's tensor alone until the backward ends.
+def in_backward() -> bool:
+    """Whether the calling thread runs a backward (a graph task is current)."""
+    return _graph_task_id is not None and _graph_task_id() >= 0
+
+
+class _Job:
+    """One submitted exchange: ``fn``, then ``done`` set; ``error`` what it raised.
+    ``owned``: a :class:`JobWork` reports the error (a gather), else
+    :meth:`Overlap.wait` does (a deferred gradient exchange)."""
+
+    __slots__ = ("fn", "owned", "done", "error")
+
+    def __init__(self, fn: Callable[[], None], owned: bool) -> None:
+        self.fn, self.owned = fn, owned
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+
+class JobWork(dist.Work):
+    """The ``torch.distributed.Work`` a comm returns for a job on the worker: FSDP2
+    (``foreach_all_gather_copy_out``) calls :meth:`wait` before it reads the output.
 
     Args:
-        t: the hook's tensor (FSDP2's reduce-scatter output).
-        params: the unit's ``FSDPParam``s.
-    Returns:
-        True when the all-reduce of ``t`` may finish after the hook returns: a CPU
-        tensor inside a backward, and no parameter of the unit accumulates into an
-        existing ``.grad``, casts to another dtype, offloads, or has a
-        post-accumulate-grad hook (each of which reads ``t`` right after the hook).
+        job: the job.
+        what: what the job does (the error message).
     """
-    if t.is_cuda or _graph_task_id is None or _graph_task_id() < 0:
-        return False
-    return fsdp2.output_left_alone(list(params), t.dtype)
+
+    def __init__(self, job: _Job, what: str) -> None:
+        super().__init__()
+        self._job, self._what = job, what
+
+    def is_completed(self) -> bool:
+        return self._job.done.is_set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the job ran (idempotent).
+
+        Raises:
+            RuntimeError: it failed (chained to its error).
+        """
+        self._job.done.wait()
+        if self._job.error is not None:
+            raise RuntimeError(f"TAGC: an overlapped {self._what} failed") from self._job.error
+        return True
 
 
 class Overlap:
-    """A worker thread running deferred units' all-reduces in submission order.
+    """A worker thread running a model's exchanges in submission order.
 
-    :meth:`wait` returns when every submitted unit is done and raises the first
-    error any of them raised (the later units still ran: their collectives must
-    match the peers', which fail alike).
+    :meth:`submit` defers a gradient exchange to the end of the running backward;
+    :meth:`run` hands one over and returns a :class:`JobWork` to wait on.
+    :meth:`wait` returns when every submitted job is done and raises the first error
+    a deferred one raised (the later jobs still ran: their collectives must match the
+    peers', which fail alike).
+
+    Args:
+        what: the deferred exchanges, for errors ("HSDP all-reduce", ...).
 
     Attributes:
-        deferred: units run on the worker so far (a counter for stats and tests).
+        deferred: gradient exchanges deferred so far (a counter for stats and tests).
+        handed: jobs :meth:`run` handed over so far.
     """
 
-    def __init__(self) -> None:
-        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+    def __init__(self, what: str = "HSDP all-reduce") -> None:
+        self.what = what
+        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._done = threading.Condition()
         self._pending = 0
         self._error: Optional[BaseException] = None
@@ -83,21 +129,15 @@ class Overlap:
         # the backward (graph task) whose final callback waits for the worker
         self._task: Optional[int] = None
         self.deferred = 0
+        self.handed = 0
 
     @property
     def pending(self) -> int:
-        """Units submitted and not yet done."""
+        """Jobs submitted and not yet done."""
         with self._done:
             return self._pending
 
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` on the worker after every earlier one; the running backward
-        waits for it before it returns.  Call only where :func:`deferrable` holds
-        (inside a backward)."""
-        task = _graph_task_id() if _graph_task_id is not None else -1
-        if task < 0:
-            raise RuntimeError("TAGC: Overlap.submit outside a backward; nothing would "
-                               "wait for the all-reduce")
+    def _put(self, job: _Job) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tagc-overlap",
                                             daemon=True)
@@ -105,19 +145,43 @@ class Overlap:
             atexit.register(self.close)
         with self._done:
             self._pending += 1
-            self.deferred += 1
         self._jobs.put(job)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the worker after every earlier one; the running backward
+        waits for it before it returns.  Call only where :func:`tagc.fsdp2.deferrable` holds
+        (inside a backward)."""
+        task = _graph_task_id() if _graph_task_id is not None else -1
+        if task < 0:
+            raise RuntimeError(f"TAGC: Overlap.submit outside a backward; nothing would "
+                               f"wait for the {self.what}")
+        self.deferred += 1
+        self._put(_Job(job, owned=False))
         if task != self._task:
             # final callbacks queued from a hook, even one FSDP calls from its own
             # final callback, run after the callbacks queued before them
             torch.autograd.Variable._execution_engine.queue_callback(self.wait)
             self._task = task
 
+    def run(self, job: Callable[[], None], what: str) -> JobWork:
+        """Run ``job`` on the worker after every earlier one.
+
+        Args:
+            job: the exchange.
+            what: what it does, for its error.
+        Returns:
+            the work to wait on before reading what ``job`` writes.
+        """
+        j = _Job(job, owned=True)
+        self.handed += 1
+        self._put(j)
+        return JobWork(j, what)
+
     def wait(self) -> None:
-        """Block until every submitted unit is done.
+        """Block until every submitted job is done.
 
         Raises:
-            RuntimeError: a unit's all-reduce failed (chained to its error).
+            RuntimeError: a deferred exchange failed (chained to its error).
         """
         with self._done:
             while self._pending:
@@ -125,14 +189,14 @@ class Overlap:
             self._task = None
             err, self._error = self._error, None
         if err is not None:
-            raise RuntimeError("TAGC: an overlapped HSDP all-reduce failed") from err
+            raise RuntimeError(f"TAGC: an overlapped {self.what} failed") from err
 
     def close(self, timeout: float = 10.0) -> None:
-        """End the worker after the units already submitted (idempotent; at exit too).
+        """End the worker after the jobs already submitted (idempotent; at exit too).
 
         Args:
             timeout: seconds to wait for them.  A normal program has none in flight
-                here (every backward waits for its own); after an error a unit may
+                here (every backward waits for its own); after an error a job may
                 be stuck in a collective with a peer that is gone, and the exit must
                 not hang on it (the worker is a daemon thread).
         """
@@ -141,8 +205,8 @@ class Overlap:
         self._jobs.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            logger.warning("TAGC: %d overlapped HSDP all-reduce(s) still running after "
-                           "%.0f s; leaving them", self.pending, timeout)
+            logger.warning("TAGC: %d overlapped exchange(s) still running after %.0f s; "
+                           "leaving them", self.pending, timeout)
         self._thread = None
 
     def _run(self) -> None:
@@ -151,12 +215,16 @@ class Overlap:
             if job is None:
                 return
             try:
-                job()
-            except BaseException as e:  # noqa: BLE001 - handed to wait()
-                with self._done:
-                    if self._error is None:
-                        self._error = e
+                job.fn()
+            except BaseException as e:  # noqa: BLE001 - handed to wait() / JobWork
+                job.error = e
+                if not job.owned:
+                    with self._done:
+                        if self._error is None:
+                            self._error = e
             finally:
+                job.fn = None  # type: ignore[assignment]  # drop the tensors it holds
+                job.done.set()
                 with self._done:
                     self._pending -= 1
                     self._done.notify_all()

@@ -33,7 +33,7 @@ class TAGCState:
         self.cfg, self.kind, self.units = cfg, kind, units
         self.rank, self.world_size = rank, world_size
         self._streams = streams
-        self._overlap = overlap_  # custom HSDP on the CPU: the units still in flight
+        self._overlap = overlap_  # CPU: the exchanges still in flight (tagc/overlap.py)
         self._meshes = checkpoint.RowMeshes()
         self._modules = modules or []
         self._switch = gather.GatherSwitch()
@@ -403,19 +403,27 @@ def register(model: nn.Module, cfg: TAGCConfig, mesh: Any = None,
     _check_agreement(cfg, units, world, group)
     ov = overlap.Overlap() if mesh is not None and cfg.hsdp_overlap and \
         not cfg.outer_every else None
+    order = None
+    if kind == "fsdp2" and cfg.fsdp_overlap and \
+            fsdp2.param_groups(mods[0])[0].device.type == "cpu":
+        # FSDP2 over one group on the CPU: its exchanges on a worker (tagc/overlap.py)
+        ov, order = overlap.Overlap("FSDP2 reduce-scatter"), fsdp2.ForwardOrder(mods)
     outer = None
     if cfg.outer_every:  # no hook: FSDP averages inside the node, the rounds do the rest
         outer = local.LocalSteps(mods, units, mesh.get_group("replicate"), optimizer)
     elif mesh is not None:
         hsdp.install(mods, units, shards, ov)
+    elif order is not None:
+        fsdp2.install(model, units, mods, ov, order)
     else:
         glue.install(model, units, mods)
     state = TAGCState(cfg, kind, units, rank, world, streams,
                       mods if kind != "fsdp1" else None, ov)
     state.local = outer
-    if cfg.gather != "none":
+    if cfg.gather != "none" or order is not None:
         state.gathers = gather.install(cfg, mods, [u.stats for u in units],
-                                       [u.name for u in units], state._switch)
+                                       [u.name for u in units], state._switch,
+                                       ov if order is not None else None, order)
     _log_units(state)
     # a program that ends right after training must not lose a rank to gloo's exit race
     teardown.install()

@@ -160,6 +160,8 @@ class _Recording:
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  async_op: bool = False) -> Any:
         res = self.inner(output_tensor, input_tensor, group, async_op)
+        if res is not None:  # fsdp_overlap: the worker fills the output
+            res.wait()
         self.calls.setdefault(self.name, []).append(
             (output_tensor.detach().clone(), dist.get_world_size(group)))
         return res

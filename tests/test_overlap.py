@@ -1,5 +1,5 @@
 """tagc/overlap.py without a process group: when a unit may be deferred, the worker's
-order, the backward waiting for it, errors.  The distributed checks (overlapped HSDP
+order, the backward waiting for it, the work a handed-over job returns, errors.  The distributed checks (overlapped HSDP
 equals the blocking hook bit for bit, accumulation blocks, a failing unit) are cases
 of tests/test_hsdp.py."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any, List
 import pytest
 import torch
 
-from tagc.overlap import Overlap, deferrable
+from tagc.fsdp2 import deferrable
+from tagc.overlap import Overlap
 
 
 def _fp(grad: Any = None, offload: bool = False, dtype: torch.dtype = torch.float32,
@@ -107,6 +108,40 @@ def test_each_backward_gets_its_own_wait() -> None:
 def test_submit_outside_a_backward_is_refused() -> None:
     with pytest.raises(RuntimeError, match="outside a backward"):
         Overlap().submit(lambda: None)
+
+
+def test_run_hands_back_a_work_that_waits_for_its_job_in_order() -> None:
+    """``run`` (the gathers of ``fsdp_overlap``) queues behind the deferred jobs and
+    returns a ``torch.distributed.Work`` that FSDP2 accepts and waits on; its error is
+    raised by that work alone, not again by :meth:`Overlap.wait`."""
+    import torch.distributed as dist
+
+    ov = Overlap("FSDP2 reduce-scatter")
+    done: List[str] = []
+    x = torch.ones(2, requires_grad=True)
+    works: List[Any] = []
+
+    def boom() -> None:
+        raise ValueError("injected")
+
+    def hook(g: torch.Tensor) -> None:
+        ov.submit(lambda: (time.sleep(0.05), done.append("deferred")))
+        works.append(ov.run(lambda: done.append("gather"), "parameter all-gather"))
+        works.append(ov.run(boom, "parameter all-gather"))
+
+    x.register_hook(hook)
+    (x * 3).sum().backward()  # the failed gather is its work's to report
+    assert done == ["deferred", "gather"] and ov.handed == 2 and ov.deferred == 1
+    assert all(isinstance(w, dist.Work) and w.is_completed() for w in works)
+    assert works[0].wait() and works[0].wait()  # idempotent
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="overlapped parameter all-gather failed") as e:
+            works[1].wait()
+        assert isinstance(e.value.__cause__, ValueError)
+    w = ov.run(lambda: done.append("outside"), "parameter all-gather")  # no backward needed
+    assert w.wait() and done[-1] == "outside"
+    ov.wait()
+    ov.close()
 
 
 
