@@ -1,6 +1,7 @@
 """The step benchmark's rows and columns of issue 42 (scripts/bench/bench_step.py,
 bench_report.py, tagc/bench/rows.py): the new configurations and the GPT-2 124M plan
-parse, the report's exposed communication, peak RSS and bytes at the call, and the
+parse, the report's exposed communication, peak RSS, bytes at the call and the
+worker thread's column, and the
 counter of bytes at the call on a 2-rank gloo run of a tiny GPT-2 against the hand
 count.
 """
@@ -105,6 +106,28 @@ def test_report_columns_exposed_rss_and_bytes_at_the_call() -> None:
     assert s["fsdp"]["peak_rss"] == 2e9 and s["fsdp"]["call_tx"] == 8e6
     md = bench_report.render_markdown(rep, bench_report.summarize(rep))
     assert "| full-noreshard | 2.000 |" in md and "3500.00 MB | 1.500 | 0.500 |" in md
+
+
+def test_time_split_keeps_the_workers_exchanges_apart() -> None:
+    """Collectives and codec calls on TAGC's worker thread (``fsdp_overlap``) run beside
+    the compute: they go to their own column, not into the model thread's split (whose
+    `in collectives` holds its own calls and its waits for the worker)."""
+    import threading
+
+    comm, codec = bench_step._CommTimer(), bench_step._CodecTimer()
+    timed = codec._wrap(lambda: None)
+    comm.record("all_gather_single", 1.0, 1.5)
+    timed()
+    worker = threading.Thread(target=lambda: (comm.record("isend", 2.0, 4.0), timed()))
+    worker.start()
+    worker.join()
+    assert comm.seconds == 0.5 and comm.worker_seconds == 2.0
+    assert [e[0] for e in comm.events] == ["all_gather_single"]
+    assert codec.calls == 2 and codec.worker_seconds > 0 and codec.seconds > 0
+    keys = ("worker_codec_s_per_step_per_rank", "worker_comm_s_per_step_per_rank")
+    assert bench_report._sum_means([{keys[0]: 0.5, keys[1]: 2.0}], keys) == 2.5
+    assert bench_report._sum_means([{keys[0]: 0.0, keys[1]: 0.0}], keys) is None  # no worker
+    assert bench_report._sum_means([{}], keys) is None                            # older run
 
 
 def test_call_byte_rules() -> None:

@@ -59,6 +59,13 @@ def _mean(trials: list[dict], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _sum_means(trials: list[dict], keys: tuple[str, ...]) -> float | None:
+    """The sum of the keys' means; None when the trials have none of them (runs made
+    before the key existed) or nothing ran on a worker (every value 0)."""
+    means = [m for m in (_mean(trials, k) for k in keys) if m is not None]
+    return sum(means) if means and any(means) else None
+
+
 def stats_bytes(delta: dict, key: str = "wire_bytes") -> float | None:
     """Per-step bytes of this rank's gradient exchange, from ``state.stats()`` deltas.
 
@@ -128,6 +135,8 @@ def summarize(report: dict) -> dict:
                 "link_wait_s": (med - med_u) if med is not None and med_u is not None else None,
                 "codec_s": _mean(tr, "codec_s_per_step_per_rank"),
                 "comm_s": _mean(tr, "comm_s_per_step_per_rank"),
+                "worker_s": _sum_means(tr, ("worker_codec_s_per_step_per_rank",
+                                            "worker_comm_s_per_step_per_rank")),
                 "peer_wait_s": _mean(tr, "peer_wait_s_per_step_per_rank"),
                 "cpu_s": _mean(tr, "cpu_s_per_step_per_rank"),
                 # every rank's CPU time over the machine's CPUs: no step ends sooner
@@ -206,16 +215,19 @@ def _header(report: dict) -> list[str]:
               "warm-up, timed steps; `getrusage` after resetting the process's high-water "
               "mark at the trial's start); `exposed comm s` = median step on the shaped link "
               "- median step on the unshaped link, the same configuration",
-              "- time split per rank and step (means): `in collectives` = inside torch.distributed "
-              "collectives (FSDP's and TAGC's; sync calls whole, async issue + wait; includes waiting "
-              "for the slower peer), `of it, peer wait` = the part before the last rank entered "
+              "- time split per rank and step (means), on the thread running the model: `in "
+              "collectives` = inside torch.distributed collectives (FSDP's and TAGC's; sync calls "
+              "whole, async issue + wait; includes waiting for the slower peer) and waiting for "
+              "TAGC's worker thread, `of it, peer wait` = the part before the last rank entered "
               "each collective (ranks' calls matched by position; `-` when they differ), "
               "`codec` = inside `_tagc` calls, `rest` = everything else "
               "(forward/backward compute, optimizer, FSDP bookkeeping); `CPU s/rank` = CPU time "
               "of a rank's process (every thread, user + system) per step; `machine busy` = the "
               "machine's busy CPU time per step (every rank and the kernel's network work, "
               "`/proc/stat`) over CPUs x mean step: near 100%, ranks time-sliced on the cores "
-              "bound the step; `unshaped s` = median step with the tc limit removed", ""]
+              "bound the step; `unshaped s` = median step with the tc limit removed; `on the "
+              "worker s` = TAGC's worker thread's collectives and codec (`fsdp_overlap`, "
+              "`hsdp_overlap`), which run beside the compute (`-`: no worker)", ""]
     return lines
 
 
@@ -247,9 +259,9 @@ def render_markdown(report: dict, summary: dict) -> str:
                   "| config | median step s | spread | vs FSDP | vs dense | stats wire/step "
                   "(plain RS) | at the call/step/rank | veth tx/step | gathers/step | rest/step "
                   "| in collectives s | of it, peer wait s | codec s | rest s | CPU s/rank "
-                  "| machine busy | peak RSS/rank | unshaped s | exposed comm s |",
+                  "| machine busy | peak RSS/rank | unshaped s | exposed comm s | on the worker s |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-                  "---|"]
+                  "---|---|"]
         for cfg, r in rows.items():
             sp = "-" if r["spread"] is None else f"{r['spread'][0]:.3f}..{r['spread'][1]:.3f}"
             vf = "-" if r["speedup_vs_fsdp"] is None else f"{r['speedup_vs_fsdp']:.2f}x"
@@ -264,7 +276,7 @@ def render_markdown(report: dict, summary: dict) -> str:
                          f"{_fmt_s(r['codec_s'])} | {_fmt_s(rest)} | {_fmt_s(r['cpu_s'])} | "
                          f"{_pct(_busy_share(r, report.get('cpus')))} | "
                          f"{_fmt_bytes(r['peak_rss'])} | {_fmt_s(r['median_unshaped_s'])} | "
-                         f"{_fmt_s(r['link_wait_s'])} |")
+                         f"{_fmt_s(r['link_wait_s'])} | {_fmt_s(r['worker_s'])} |")
         lines.append("")
     lines += _hsdp_targets(summary) if "HSDP" in summary else _targets(summary)
     for t in (report.get("shaped") or {}).get("trials", []):

@@ -98,15 +98,25 @@ def _scale(d: dict, f: float) -> dict:
     return {k: _scale(v, f) if isinstance(v, dict) else v * f for k, v in d.items()}
 
 
+def _on_main_thread() -> bool:
+    """Whether the caller is the thread running the model (not TAGC's worker, which
+    runs exchanges beside the compute: ``fsdp_overlap``, ``hsdp_overlap``)."""
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 class _CodecTimer:
     """Wraps the ``_tagc`` module's functions to add up the wall time spent in them.
 
-    The hook calls the codec synchronously (module attributes looked up at call time),
-    so the sum is the codec's share of the step on this rank.
+    The module's attributes are looked up at call time, so every codec call is timed:
+    :attr:`seconds` those on the thread running the model (the codec's share of its
+    step), :attr:`worker_seconds` those on TAGC's worker thread (beside the compute).
     """
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.worker_seconds = 0.0
         self.calls = 0
         self.installed = False
 
@@ -132,7 +142,10 @@ class _CodecTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
+                if _on_main_thread():
+                    self.seconds += time.perf_counter() - t0
+                else:
+                    self.worker_seconds += time.perf_counter() - t0
                 self.calls += 1
 
         timed.__name__ = getattr(fn, "__name__", "timed")
@@ -164,7 +177,10 @@ class _CommTimer:
     ``wait()`` are timed. This includes waiting for the slower peer, as any
     in-collective measurement does; :attr:`events` (each call and wait: name, entry,
     exit, on the host's monotonic clock, which every rank of this machine shares) let
-    :func:`peer_wait` split that part off.
+    :func:`peer_wait` split that part off.  :attr:`seconds` and the events are the
+    thread running the model's: its collectives and its waits for TAGC's worker
+    (``fsdp_overlap`` / ``hsdp_overlap``), whose own collectives run beside the
+    compute and go to :attr:`worker_seconds`.
     """
 
     # the package-level names FSDP1/FSDP2 and TAGC call; nested calls inside
@@ -181,6 +197,7 @@ class _CommTimer:
         import threading
 
         self.seconds = 0.0
+        self.worker_seconds = 0.0
         # bytes this rank sent by the ideal count (call_bytes), every collective and the
         # parameter all-gathers of them
         self.call_bytes = 0.0
@@ -192,6 +209,9 @@ class _CommTimer:
 
     def record(self, name: str, t0: float, t1: float) -> None:
         """One timed call or wait."""
+        if not _on_main_thread():
+            self.worker_seconds += t1 - t0
+            return
         self.seconds += t1 - t0
         self.events.append((name, t0, t1))
 
@@ -207,6 +227,22 @@ class _CommTimer:
                 setattr(dist, name, self._wrap(fn))
         # TAGC calls it through its module (tagc/comm.py, tagc/gather.py)
         tagc.comm.pair_all_gather = self._wrap(tagc.comm.pair_all_gather)
+        # the model's thread waiting for TAGC's worker: a gather's work (FSDP waits on
+        # it), the backward's final wait for the deferred reductions
+        import tagc.overlap
+
+        for cls in (tagc.overlap.JobWork, tagc.overlap.Overlap):
+            cls.wait = self._waiting(cls.wait)
+
+    def _waiting(self, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.record("wait", t0, time.perf_counter())
+
+        return timed
 
     def _wrap(self, fn: Callable) -> Callable:
         import inspect
@@ -480,6 +516,7 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     s0 = state.stats() if state is not None else {}
     c0 = _read_counters(ifname) if ifname else (0, 0)
     k0, m0, g0, b0 = timer.seconds, comm.seconds, comm.gather_bytes, comm.call_bytes
+    kw0, mw0 = timer.worker_seconds, comm.worker_seconds
     comm.events.clear()
     busy0, cpu0 = _host_busy(), time.process_time()
     times = []
@@ -490,6 +527,7 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     cpu1, busy1 = time.process_time(), _host_busy()
     c1 = _read_counters(ifname) if ifname else (0, 0)
     k1, m1, g1, b1 = timer.seconds, comm.seconds, comm.gather_bytes, comm.call_bytes
+    kw1, mw1 = timer.worker_seconds, comm.worker_seconds
     # kB on Linux (getrusage(2))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     every: list[Any] = [None] * world
@@ -505,7 +543,7 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
     g_tagc = (hosts - 1) * (_tagc_gathered(s1) - _tagc_gathered(s0))
     # veth counters: sum over hosts; codec and comm time: over ranks
     v = torch.tensor([c1[0] - c0[0], c1[1] - c0[1], k1 - k0, m1 - m0, g1 - g0 - g_tagc,
-                      cpu1 - cpu0, b1 - b0], dtype=torch.float64)
+                      cpu1 - cpu0, b1 - b0, kw1 - kw0, mw1 - mw0], dtype=torch.float64)
     dist.all_reduce(v, op=dist.ReduceOp.SUM)
     trial = {
         "rep": rep, "strategy": strategy, "config": name,
@@ -514,6 +552,10 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
         "veth_rx_per_step_per_host": v[1].item() / args.steps / hosts,
         "codec_s_per_step_per_rank": v[2].item() / args.steps / world,
         "comm_s_per_step_per_rank": v[3].item() / args.steps / world,
+        # TAGC's worker thread (fsdp_overlap, hsdp_overlap): its codec calls and its
+        # collectives, beside the compute
+        "worker_codec_s_per_step_per_rank": v[7].item() / args.steps / world,
+        "worker_comm_s_per_step_per_rank": v[8].item() / args.steps / world,
         # of it, waiting for the last rank to enter each collective (None: unmatched)
         "peer_wait_s_per_step_per_rank": None if waits is None else
         sum(waits) / args.steps / world,
