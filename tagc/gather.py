@@ -134,9 +134,11 @@ class _OrderedGather(_AGBase):  # type: ignore[misc,valid-type]
                       "parameter all-gather")
 
     def _exact_now(self) -> bool:
+        """Whether this call gathers exactly (read when FSDP calls, not when it runs)."""
         return True
 
     def _gather(self, out: torch.Tensor, inp: torch.Tensor, group: Any, exact: bool) -> None:
+        """The exchange itself (each subclass's own), on whichever thread runs it."""
         raise NotImplementedError
 
 
