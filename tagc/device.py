@@ -85,7 +85,8 @@ class Scratch:
 
     Reuse is safe because a model's units are reduced one at a time (FSDP calls the
     hooks in turn; the ``hsdp_overlap`` / ``fsdp_overlap`` worker runs them in turn,
-    and a call that must block waits for it first or runs on it) and a buffer never outlives the call that took it.
+    and a call that must block waits for it first or runs on it) and a buffer never
+    outlives the call that took it.
     """
 
     def __init__(self) -> None:

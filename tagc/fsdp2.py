@@ -90,7 +90,7 @@ class ReduceScatterComm(_RSBase):  # type: ignore[misc,valid-type]
         order: the forward order to close at the first backward (with ``overlap``).
     """
 
-    def __init__(self, reducer: UnitReducer, params: Optional[List[Any]] = None,
+    def __init__(self, reducer: UnitReducer, params: List[Any],
                  overlap: Optional[Any] = None,
                  order: Optional["ForwardOrder"] = None) -> None:
         self.reducer, self.params, self.overlap, self.order = reducer, params, overlap, order
@@ -115,7 +115,7 @@ class ReduceScatterComm(_RSBase):  # type: ignore[misc,valid-type]
         def job() -> None:
             self.reducer.reduce(input_tensor, output_tensor)
 
-        if deferrable(output_tensor, self.params or []):
+        if deferrable(output_tensor, self.params):
             ov.submit(job)
         else:  # FSDP reads the output at once: on the worker, in order, and wait
             ov.run(job, "FSDP2 reduce-scatter").wait()

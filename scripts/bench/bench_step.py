@@ -160,11 +160,7 @@ class _WorkTimer:
         self._work, self._timer = work, timer
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            self._timer.record("wait", t0, time.perf_counter())
+        return self._timer.timed("wait", self._work.wait, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
@@ -232,17 +228,15 @@ class _CommTimer:
         import tagc.overlap
 
         for cls in (tagc.overlap.JobWork, tagc.overlap.Overlap):
-            cls.wait = self._waiting(cls.wait)
+            cls.wait = lambda *a, fn=cls.wait, **k: self.timed("wait", fn, *a, **k)
 
-    def _waiting(self, fn: Callable) -> Callable:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.record("wait", t0, time.perf_counter())
-
-        return timed
+    def timed(self, name: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, recorded as one ``name`` call or wait."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.record(name, t0, time.perf_counter())
 
     def _wrap(self, fn: Callable) -> Callable:
         import inspect
