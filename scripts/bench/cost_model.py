@@ -205,7 +205,7 @@ def _predict_bench(args: argparse.Namespace, codec: Dict[str, float]) -> int:
     clusters = {rate: bench.rate_cluster(hosts, t, links[rate]) for rate, t in tables.items()}
     model = MODELS[plan.layout](layers=args.layers)
     pred = bench.predict_rows(model, plan.configs, clusters, bench.plain_step_s(step_report),
-                              codec, step_report["args"]["fsdp"])
+                              codec, step_report["args"]["fsdp"], worker=not args.blocking)
     shaped = [r for r in links if r != bench.UNSHAPED]
     run_plan = {"rates": shaped, "configs": list(plan.configs), "warmup": plan.warmup,
                 "steps": plan.steps, "repeats": plan.repeats,
@@ -214,19 +214,23 @@ def _predict_bench(args: argparse.Namespace, codec: Dict[str, float]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = ("sudo python3 scripts/bench/bench_step.py --model " + args.predict_bench
                + " --fsdp 2 --strategies FULL_SHARD --rate " + " ".join(shaped)
-               + " --no-codec --predictions " + shown(out / "predictions.json"))
+               + " --no-codec" + (" --override fsdp_overlap=false" if args.blocking else "")
+               + " --predictions " + shown(out / "predictions.json"))
     data = {"kind": PREDICTIONS_KIND,
             "about": "Predictions of the cost model made BEFORE the run they predict (issue 42): "
                      "inputs are only each rate's link and collective table and one unshaped "
                      "step of plain FSDP; compute = that step - the communication predicted "
-                     "on the unshaped link, the same for every row (bf16 compute included). "
+                     "on the unshaped link, the same for every row (bf16 compute included); "
+                     "'worker': TAGC's rows timed with their collectives on its FSDP2 worker "
+                     "thread, unit by unit (tagc/bench/cost/schedule.py), else one after "
+                     "another. "
                      "Check a run with: python3 scripts/bench/cost_model.py --check THIS "
                      "--measured RUN_FOLDER",
             "made_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "code": code_id(),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "bench_model": args.predict_bench, "layout": plan.layout, "layers": args.layers,
             "params": model.params, "nodes": hosts, "ranks_per_node": 1,
-            "fsdp": step_report["args"]["fsdp"],
+            "fsdp": step_report["args"]["fsdp"], "worker": not args.blocking,
             "inputs": {"plain_step": {"report": shown(Path(args.plain_step)),
                                       "step_s": bench.plain_step_s(step_report),
                                       "link": step_report.get("link_shaped"),
@@ -260,6 +264,10 @@ def _predictions_md(data: dict) -> str:
              f"{inp['plain_step']['step_s']:.3f} s (`{inp['plain_step']['report']}`, load "
              f"{load}) - {data['unshaped_comm_s']:.3f} s of communication "
              "predicted on the unshaped link; every row takes it (no bf16 compute figure)",
+             "- TAGC's rows: " + ("their collectives on the FSDP2 worker beside the compute, "
+                                  "timed unit by unit (`tagc/bench/cost/schedule.py`; its "
+                                  "assumptions: COST_MODEL.md)" if data.get("worker") else
+                                  "every collective on the model thread, one after another"),
              *[f"- {r}: `{v['table']}`, {v['link_measured']}" for r, v in inp["links"].items()],
              f"- the run: `{data['command_to_run']}`; {bench.estimate_text(data, data['plan'])}"]
     for rate in inp["links"]:
@@ -361,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plain-step", metavar="JSON",
                    help="bench_step.py results.json of one unshaped plain FSDP step (--rate "
                         "none --no-unshaped --configs fsdp): the compute time's source")
+    b.add_argument("--blocking", action="store_true",
+                   help="predict a run with --override fsdp_overlap=false: TAGC's collectives "
+                        "one after another on the model thread (default: on its FSDP2 worker "
+                        "beside the compute, the hook's default on the CPU)")
     b.add_argument("--out", metavar="DIR",
                    help="folder of predictions.json and predictions.md (default a new "
                         "docs/runs/predictions-MODEL-<UTC date-time>/ of this checkout)")

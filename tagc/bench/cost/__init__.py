@@ -41,7 +41,7 @@ See ``docs/COST_MODEL.md``; ``scripts/bench/cost_model.py`` is the command line.
 Modules: :mod:`.layouts` (models as FSDP units), :mod:`.links` (the cluster, measured
 collective rates, the codec's throughput), :mod:`.configs` (configurations and the
 library's size rules), :mod:`.predict` (one step's bytes and time, sweeps and the
-report), :mod:`.check` (against measured runs), :mod:`.bench` (the step benchmark's
+report), :mod:`.schedule` (an FSDP2 step with TAGC's worker thread, unit by unit), :mod:`.check` (against measured runs), :mod:`.bench` (the step benchmark's
 rows: predictions before a run, the comparison after it).
 """
 from .check import (CALIBRATABLE, TCP_FRAME_OVERHEAD, CheckRow, calibrate, check, check_report,

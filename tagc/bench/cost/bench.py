@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Dict, List, Optional, Sequence
 
 from tagc.bench.shapes import BENCH_MODELS
@@ -90,8 +90,8 @@ def plain_step_s(report: Dict[str, Any]) -> float:
 
 
 def predict_rows(model: ModelSpec, rows: Sequence[str], clusters: Dict[str, Cluster],
-                 plain_s: float, codec: Optional[Dict[str, float]] = None, fsdp: int = 2
-                 ) -> Dict[str, Any]:
+                 plain_s: float, codec: Optional[Dict[str, float]] = None, fsdp: int = 2,
+                 worker: bool = False) -> Dict[str, Any]:
     """Every row at every rate, from one unshaped plain step.
 
     Args:
@@ -101,6 +101,9 @@ def predict_rows(model: ModelSpec, rows: Sequence[str], clusters: Dict[str, Clus
         plain_s: plain FSDP's measured step on the unshaped link.
         codec: codec throughputs (default: this machine's).
         fsdp: 1 or 2.
+        worker: TAGC's rows run their collectives on its FSDP2 worker (``fsdp_overlap``,
+            the default; ``Cluster.worker``); False: one after another on the model
+            thread (``--override fsdp_overlap=false``). Plain FSDP's rows block either way.
     Returns:
         ``{"compute_s": ..., "rows": {row: {rate: {step_s, comm_s, codec_s, call_mb,
         call_mb_by_kind, veth_tx_mb, exposed_s}}}}``.
@@ -120,7 +123,7 @@ def predict_rows(model: ModelSpec, rows: Sequence[str], clusters: Dict[str, Clus
         cfg = row_config(name, fsdp=fsdp)
         by_rate = {}
         for rate, cl in clusters.items():
-            p = predict(model, cl, cfg, compute, codec)
+            p = predict(model, replace(cl, worker=worker), cfg, compute, codec)
             by_rate[rate] = {"step_s": p.step_s, "comm_s": p.comm_s, "codec_s": p.codec_s,
                              "call_mb": p.ideal_bytes_per_rank / 1e6,
                              "call_mb_by_kind": {k: v / 1e6 for k, v in p.ideal.items()},

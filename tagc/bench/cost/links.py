@@ -162,6 +162,10 @@ class Cluster:
         ring_exchange: TAGC's exchange over three or more gloo ranks goes in ring
             steps (``tagc/comm.py`` ``Comm.stepped``; timed as ``p2p_ring``, else as
             ``p2p``); False for runs of the code before it (every message at once).
+        worker: TAGC's FSDP2 collectives run on its worker thread beside the compute
+            (``fsdp_overlap`` on CPU tensors, ``tagc/overlap.py``), timed unit by unit
+            (:mod:`.schedule`); False for runs without it (before it, or
+            ``fsdp_overlap=false``) and for GPUs, whose streams ``overlap`` stands for.
     """
 
     ranks_per_node: int
@@ -176,6 +180,7 @@ class Cluster:
     collectives: Optional[CollectiveRates] = None
     pair_gather: bool = True
     ring_exchange: bool = True
+    worker: bool = False
 
     def __post_init__(self) -> None:
         for k in ("ranks_per_node", "nodes"):

@@ -16,6 +16,7 @@ from .configs import (DTYPE_BYTES, Compression, Config, gather_bytes, hsdp_form,
                       quant_bytes)
 from .layouts import ModelSpec, unit_counts
 from .links import Cluster, codec_rates
+from .schedule import UnitJobs, worker_step_s
 
 @dataclass
 class Prediction:
@@ -34,6 +35,9 @@ class Prediction:
         compute_s: compute time given.
         messages: latency terms counted (a fraction under local steps: those of
             the outer exchange, once every H steps).
+        scheduled_s: the step as :func:`.schedule.worker_step_s` replays it, unit by
+            unit, when TAGC's FSDP2 worker runs the collectives beside the compute
+            (``Cluster.worker``); None: compute + codec + what ``overlap`` leaves.
     """
 
     config: Config
@@ -45,6 +49,7 @@ class Prediction:
     compute_s: float = 0.0
     messages: float = 0
     overlap: float = 0.0
+    scheduled_s: Optional[float] = None
 
     @property
     def bytes_per_rank(self) -> float:
@@ -59,6 +64,8 @@ class Prediction:
     @property
     def step_s(self) -> float:
         """Compute + codec + the communication compute does not hide."""
+        if self.scheduled_s is not None:
+            return self.scheduled_s
         hidden = min(self.comm_s, self.overlap * self.compute_s)
         return self.compute_s + self.codec_s + self.comm_s - hidden
 
@@ -216,9 +223,15 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
     h = t.outer_every if t is not None else 0
     outer = Prediction(config) if h else p
     ost = _Step(cluster, outer) if h else st
+    # TAGC's FSDP2 worker (tagc/overlap.py): the shard group's collectives beside the
+    # compute, so the step is the schedule of each unit's jobs, not their sum
+    worker = (cluster.worker and t is not None and not hsdp and config.fsdp == 2 and g > 1)
+    jobs: List[UnitJobs] = []
+    total = sum(u.numel * cnt for u, cnt in zip(model.units, unit_counts(model)))
     for u, cnt in zip(model.units, unit_counts(model)):
         segs = u.segments(g, config.fsdp)
         s = sum(segs)
+        spent = p.comm_s + p.codec_s
         # -- parameter all-gathers: forward and backward (FSDP1's root and every unit
         # kept gathered after forward: forward only)
         calls = 1 if (config.fsdp == 1 and u.root) or not config.reshard else 2
@@ -229,12 +242,16 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
                 p.codec_s += calls * (s / rates["wq_encode"] + g * s / rates["wq_decode"])
         else:
             st.ring("gather", group, g, "all_gather", s * eb, calls, calls * cnt)
+        gather_s, spent = (p.comm_s + p.codec_s - spent) / calls, p.comm_s + p.codec_s
         # -- gradient over the reduce-scatter group (every rank, or the node's)
         compressed = t is not None and u.compressed
         if compressed and not hsdp and g > 1:
             _exchange(st, p, t, g, s, eb, cnt, rates)
         else:
             st.ring("grad", group, g, "reduce_scatter", g * s * eb, 1, cnt)
+        if worker:  # an entry standing for cnt units: cnt equal units
+            jobs += [UnitJobs(u.root, u.numel / total, gather_s / cnt,
+                              (p.comm_s + p.codec_s - spent) / cnt)] * cnt
         # -- HSDP: each rank's shard over the R replicas
         if hsdp and cluster.nodes > 1:
             if compressed:
@@ -243,6 +260,10 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
                 ost.ring("cross", "replica", cluster.nodes, "all_reduce", s * eb, 1, cnt)
     if h:
         _add_share(p, outer, 1 / h)
+    if worker:
+        # a bf16 reduce dtype is read as soon as the exchange returns: not deferred
+        p.scheduled_s = worker_step_s(jobs, compute_s, config.reshard,
+                                      deferred=config.dtype == "fp32")
     return p
 
 
