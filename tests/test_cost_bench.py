@@ -189,10 +189,13 @@ def test_runs_file_takes_bench_rows_and_bytes_at_the_call() -> None:
     assert rows[("fsdp-noreshard", "step_s")].error == pytest.approx(0.0, abs=1e-9)
 
 
-def test_add_a_run_to_the_check_set(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("worker", [False, True])
+def test_add_a_run_to_the_check_set(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                    worker: bool) -> None:
     """--check PREDICTIONS --measured RUN --add-to RUNS: a setup per rate (the unshaped one
     too) whose compute is the predictions' input, rows with the run's numbers, the link
-    tables; the runs file's check then predicts the rows as the predictions did."""
+    tables; the runs file's check then predicts the rows as the predictions did, TAGC's
+    FSDP2 worker included when the predictions had it."""
     model = cm.run_model("gpt2-124m-c256")
     tables = {}
     for rate, (mbit, bps) in {"slow": (200.0, 2e7), bench.UNSHAPED: (9000.0, 5e8)}.items():
@@ -202,9 +205,10 @@ def test_add_a_run_to_the_check_set(tmp_path: Path, capsys: pytest.CaptureFixtur
         tables[rate] = str(f)
     clusters = {r: bench.rate_cluster(2, link(*v), r)
                 for r, v in {"slow": (200.0, 2e7), bench.UNSHAPED: (9000.0, 5e8)}.items()}
-    pred = bench.predict_rows(model, ["fsdp", "full-noreshard"], clusters, plain_s=20.0)
+    pred = bench.predict_rows(model, ["fsdp", "full-noreshard"], clusters, plain_s=20.0,
+                              worker=worker)
     pred.update({"kind": cli.PREDICTIONS_KIND, "bench_model": "gpt2-124m", "layout": "gpt2-124m-c256",
-                 "fsdp": 2, "nodes": 2,
+                 "fsdp": 2, "nodes": 2, "worker": worker,
                  "inputs": {"plain_step": {"step_s": 20.0, "report": "step/results.json"},
                             "links": {r: {"table": t, "inter_mbit": bench.measured_mbit(
                                 link(*{"slow": (200.0, 2e7)}.get(r, (9000.0, 5e8)))["link_measured"])}
@@ -237,6 +241,7 @@ def test_add_a_run_to_the_check_set(tmp_path: Path, capsys: pytest.CaptureFixtur
             r = got[(f"gpt2-124m-202611281000-{rate}", cm.row_config(c).name, "step_s")]
             assert r.error == pytest.approx(0.0, abs=1e-3), (rate, c, r)
     assert got[("gpt2-124m-202611281000-slow", "fsdp", "call_mb")].exact
+    assert data["setups"]["gpt2-124m-202611281000-slow"].get("worker", False) == worker
     with pytest.raises(SystemExit):  # the same run twice
         cli.main(argv)
     assert "already there" in capsys.readouterr().err

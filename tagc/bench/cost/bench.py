@@ -326,6 +326,8 @@ def runs_entries(pred: Dict[str, Any], pred_path: str, reports: Dict[str, Dict[s
                             "source": f"the predictions' input ({pred_path}): the unshaped plain "
                                       f"step of {inp['plain_step']['report']}"},
                 "collectives": link_name[rate], "report": path.rsplit("/", 1)[0] + "/report.md"}
+            if pred.get("worker"):  # TAGC's rows ran on its FSDP2 worker (Cluster.worker)
+                out["setups"][name]["worker"] = True
             for c in dict.fromkeys(t["config"] for t in run["trials"]):
                 row = {"setup": name, "config": c, "step_s": round(_median(run, c), 3)}
                 for key, field in (("call_mb", "call_tx_per_step_per_rank"),

@@ -169,7 +169,8 @@ def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[f
     return Cluster(n, st["nodes"], intra / 1000, inter_mbit / 1000, 1e-4, 1e-4,
                    backend="gloo", link_efficiency=efficiency, collectives=collectives,
                    pair_gather=st.get("pair_gather", True),
-                   ring_exchange=st.get("ring_exchange", True))
+                   ring_exchange=st.get("ring_exchange", True),
+                   worker=st.get("worker", False))
 
 
 def _run_config(st: Dict[str, Any], name: str) -> Config:
