@@ -545,8 +545,8 @@ class TAGCConfig:
         if c is None:
             # quant mode's residual on int4 codes (issue 42: the presets' state within
             # one byte per parameter, quality level on the suite); the top-k modes keep
-            # the fp32 residual they were measured with (it holds most of what they
-            # do not send), EF21 needs it exact
+            # the fp32 residual of the paper's algorithm (their presets state int8
+            # codes: int4 cost them 7-16 points, SUITE.md), EF21 needs it exact
             c = "int4" if self.mode == "quant" and self.error_feedback is True and \
                 not self.ef21 and self.residual_dtype == torch.float32 else "none"
         if c not in RESIDUAL_CODES:

@@ -260,13 +260,10 @@ def test_two_rank_tagc_presets_fsdp1_and_fsdp2(tmp_path: Path, cache_dir: Path) 
     assert full["compressed_bits_per_param"] == pytest.approx(2.0625, rel=0.01)
     assert full["gather_bytes_sent"] / full["gather_bytes_uncompressed"] == \
         pytest.approx(8.125 / 32, rel=0.02)
-    # the feedback state each rank keeps, per parameter of the model: the presets'
-    # budget is one byte (issue 42); the top-k presets keep an fp32 residual
+    # the feedback state each rank keeps, per parameter of the model: every preset's
+    # budget is one byte (issue 42); the top-k ones keep their residual on int8 codes
     for s in res[0]:
-        assert s["feedback_bytes"] > 0
-    assert 1.0 < res[0][1]["feedback_bytes_per_param"] <= 4.0
-    for s in res[0][2:]:
-        assert s["feedback_bytes_per_param"] <= 1.0
+        assert 0 < s["feedback_bytes_per_param"] <= 1.0
     assert res[0][2]["gather_bytes_sent"] == 0
 
 

@@ -210,8 +210,8 @@ def _library_config(t: Compression, cross: str) -> TAGCConfig:
 # checks the current ones against the shipped files.
 PRESETS: Dict[str, Compression] = {
     "dense": Compression("dense"),                                     # tagc-dense.yaml
-    "sparse": Compression("sparse", theta=0.9875),                     # tagc-sparse.yaml
-    "auto": Compression("auto", theta=0.9875),                         # tagc-auto.yaml
+    "sparse": Compression("sparse", theta=0.9875, residual_code="int8"),  # tagc-sparse.yaml
+    "auto": Compression("auto", theta=0.9875, residual_code="int8"),      # tagc-auto.yaml
     "balanced": Compression("quant", "int4", residual_code="int4"),    # tagc-balanced.yaml
     "lean": Compression("quant", "ternary"),                           # tagc-lean.yaml
     "full": Compression("quant", "int4", residual_code="int4", gather="int8"),  # tagc-full.yaml
@@ -222,6 +222,9 @@ PRESETS: Dict[str, Compression] = {
     "lean-ef21": Compression("quant", "ternary", ef21=True),
     "balanced-ef21": Compression("quant", "int4", ef21=True),
     "full-ef21": Compression("quant", "int4", ef21=True, gather="int8"),
+    # and tagc-sparse / tagc-auto until issue 42 put their residual on int8 codes
+    "sparse-res32": Compression("sparse", theta=0.9875),
+    "auto-res32": Compression("auto", theta=0.9875),
 }
 
 
