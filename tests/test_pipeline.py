@@ -149,9 +149,12 @@ def test_config_validation(tmp_path: Path) -> None:
             PipelineConfig(**bad)
     with pytest.raises(ValueError, match="unknown config key"):
         PipelineConfig.from_dict({"mode": "quant"})
-    for name in ("tagc-pp-int8", "tagc-pp-subspace"):
+    for name in ("tagc-pp-int8", "tagc-pp-int4", "tagc-pp-subspace"):
         c = PipelineConfig.from_yaml(REPO / "configs" / f"{name}.yaml")
         assert c.grad_format is not None
+    # the int4 preset is the benchmark's int4 row (and the quality table's)
+    assert PipelineConfig.from_yaml(REPO / "configs" / "tagc-pp-int4.yaml") == \
+        PipelineConfig(format="int4", grad_format="int4")
     p = tmp_path / "x.yaml"
     p.write_text("- 1\n")
     with pytest.raises(ValueError, match="mapping"):

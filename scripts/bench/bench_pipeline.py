@@ -15,11 +15,14 @@ its unshaped step, and the uncompressed row's share of its step spent on the lin
 The benchmark model is chosen so that the uncompressed pipeline is link-bound on this
 CPU (issue 40: a boundary carries 4d bytes per token and direction against ~72 L d^2
 FLOPs per token of a stage): width 128, one block per stage, context 128, batch 8 in 4
-microbatches, the byte-level vocabulary (257 ids, padded to 320).
+microbatches, the byte-level vocabulary (257 ids, padded to 320).  ``--batch`` sends
+more tokens per step: the step's fixed costs (the schedule's Python, the optimizer) stay,
+the link's share grows.
 
 Usage:
     sudo python3 scripts/bench/bench_pipeline.py                  # 50 and 20 Mbit/s
     sudo python3 scripts/bench/bench_pipeline.py --rate 20mbit --rows fp32 int8 sub16
+    sudo python3 scripts/bench/bench_pipeline.py --batch 32       # 4x the tokens per step
 
 Writes ``docs/runs/pp-<UTC date-time>/`` (``results.json``, ``report.md``), or ``--out``.
 """
@@ -58,10 +61,11 @@ ROWS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def model_args(width: int) -> List[str]:
-    """The benchmark GPT-2's options: ``width`` wide, one block per stage."""
+def model_args(width: int, batch: int = 8) -> List[str]:
+    """The benchmark GPT-2's options: ``width`` wide, one block per stage, ``batch``
+    sequences per step."""
     return ["--n_layer=2", "--n_head=4", f"--n_embd={width}", "--block_size=128",
-            "--batch_size=8"]
+            f"--batch_size={batch}"]
 
 
 class RandomTokens:
@@ -99,8 +103,8 @@ def _worker(args: argparse.Namespace) -> int:
     teardown.install()
     rank = dist.get_rank()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    cfg = parse_config([*model_args(args.width), "--pp=2", "--tie_weights=false", "--tokenizer=byte",
-                        "--progress=false", "--warmup_iters=0"])
+    cfg = parse_config([*model_args(args.width, args.batch), "--pp=2", "--tie_weights=false",
+                        "--tokenizer=byte", "--progress=false", "--warmup_iters=0"])
     data = RandomTokens(257)
     trials = []
     for rep in range(args.repeats):
@@ -129,7 +133,7 @@ def _worker(args: argparse.Namespace) -> int:
             del run
     if rank == 0:
         Path(args.result).write_text(json.dumps({"trials": trials,
-                                                 "model": model_args(args.width),
+                                                 "model": model_args(args.width, args.batch),
                                                  "torch": torch.__version__}, indent=1))
     dist.destroy_process_group()
     return 0
@@ -142,7 +146,7 @@ def _launch(net: List[str], args: argparse.Namespace, result: Path, repeats: int
            str(int(args.timeout)), "--", str(Path(__file__).resolve()), "--worker",
            "--result", str(result), "--rows", *args.rows, "--repeats", str(repeats),
            "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--width", str(args.width)]
+           "--width", str(args.width), "--batch", str(args.batch)]
     env = dict(os.environ, OMP_NUM_THREADS="1", TAGC_PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run(cmd, timeout=args.timeout + 60, env=env)
@@ -240,6 +244,8 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--rate", nargs="+", default=["50mbit", "20mbit"], help="shaped rates")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--width", type=int, default=128, help="the model's width (<= 128)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="sequences per step, a multiple of the 4 microbatches (default 8)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
