@@ -45,12 +45,17 @@ TASKS: Dict[str, Tuple[int, int, Tuple[str, ...]]] = {
     "tiny-r4": (1000, 4, ()),
     # long enough for H = 128 (issue 41: each run at least 20 H steps)
     "tiny-r2-long": (2560, 2, ()),
+    # the suite's widest GPT-2 (4 x 512, 12.8M), 20 H steps of the preset's H = 32
+    "wide-r2": (640, 2, ("--n_layer=4", "--n_head=8", "--n_embd=512")),
 }
 # run -> (outer_every H, outer_lr, outer_momentum); None: native HSDP, "preset": the
 # preset's own settings
 RUNS: Dict[str, Any] = {
     "native": None,
     "preset": "preset",
+    # where H breaks at R = 4: syncing every 2 and 4 steps
+    "h2-m0.5": (2, 1.0, 0.5),
+    "h4-m0.5": (4, 1.0, 0.5),
     "h8-diloco": (8, 0.7, 0.9),     # DiLoCo's outer lr and momentum
     "h8-avg": (8, 1.0, 0.0),        # plain averaging of the replicas
     "h8-m0.5": (8, 1.0, 0.5),
