@@ -118,12 +118,13 @@ def predict_rows(model: ModelSpec, rows: Sequence[str], clusters: Dict[str, Clus
     if compute <= 0:
         raise ValueError(f"the plain step ({plain_s:.3f} s) is not longer than the "
                          f"communication predicted on the unshaped link ({comm:.3f} s)")
+    timed = {rate: replace(cl, worker=worker) for rate, cl in clusters.items()}
     out: Dict[str, Any] = {}
     for name in rows:
         cfg = row_config(name, fsdp=fsdp)
         by_rate = {}
-        for rate, cl in clusters.items():
-            p = predict(model, replace(cl, worker=worker), cfg, compute, codec)
+        for rate, cl in timed.items():
+            p = predict(model, cl, cfg, compute, codec)
             by_rate[rate] = {"step_s": p.step_s, "comm_s": p.comm_s, "codec_s": p.codec_s,
                              "call_mb": p.ideal_bytes_per_rank / 1e6,
                              "call_mb_by_kind": {k: v / 1e6 for k, v in p.ideal.items()},
