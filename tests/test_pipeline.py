@@ -8,10 +8,12 @@
 * two gloo ranks, GPipe and 1F1B: loss and both stages' gradients bit-equal to a
   one-process model that applies the same code at the same place (the subspace:
   to the one-process subspace model, since the coefficients travel exactly);
-* ``train_gpt2.py --pp 2``: resume is bitwise; bad input raises.
+* ``train_gpt2.py --pp 2`` on two ranks and, PP x FSDP, on four (``--fsdp 2``):
+  resume is bitwise; bad input raises.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -460,23 +462,79 @@ def test_train_pp_resume_is_bitwise(tmp_path: Path) -> None:
         assert s["boundary_ratio"] > 3.0 and math.isfinite(s["final_val_loss"])
         # 6 steps and two evaluations (iter 0 and 6) of 2 batches, 2 microbatches each
         assert s["sent"]["forward_messages"] == 6 * 2 + 2 * 2 * 2
-        for st in (0, 1):
-            a = torch.load(tmp_path / f"{tag}-a" / "ckpt" / f"stage{st}.pt", weights_only=False)
-            b = torch.load(tmp_path / f"{tag}-b" / "ckpt" / f"stage{st}.pt", weights_only=False)
-            assert a["iter"] == b["iter"] == 6
-            for n, v in a["model"].items():
-                assert torch.equal(v, b["model"][n]), (tag, st, n)
-            sa, sb = a["optim"]["state"], b["optim"]["state"]
-            assert sa.keys() == sb.keys() and sa
-            for p in sa:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    assert torch.equal(sa[p][key], sb[p][key]), (tag, st, p, key)
+        _assert_same_checkpoint(tmp_path / f"{tag}-a" / "ckpt", tmp_path / f"{tag}-b" / "ckpt",
+                                ("stage0/model/", "stage1/model/", "stage0/optim/state/",
+                                 "stage1/optim/state/"))
+
+
+def _checkpoint_tensors(ckpt: Path, out: Path) -> Dict[str, Any]:
+    """A training checkpoint (torch.distributed.checkpoint) as one flat dict, key paths
+    joined by '/'."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(ckpt, out)
+    flat: Dict[str, Any] = {}
+
+    def walk(d: Dict[str, Any], pre: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{pre}{k}/")
+            else:
+                flat[pre + k] = v
+    walk(torch.load(out, weights_only=False), "")
+    return flat
+
+
+def _assert_same_checkpoint(a: Path, b: Path, prefixes: Tuple[str, ...]) -> None:
+    """Two checkpoints hold the same keys and bit-equal values; every prefix (a stage's
+    model, optimizer or TAGC state) is there."""
+    for d in (a, b):
+        assert json.loads((d / "train_state.json").read_text())["iter_num"] == 6
+    fa = _checkpoint_tensors(a, a.with_name("a.pt"))
+    fb = _checkpoint_tensors(b, b.with_name("b.pt"))
+    assert fa.keys() == fb.keys()
+    for pre in prefixes:
+        assert any(k.startswith(pre) for k in fa), (pre, sorted(fa)[:5])
+    for k, v in fa.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, fb[k]), k
+        else:
+            assert v == fb[k], k
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_train_pp_x_fsdp_resume_is_bitwise(tmp_path: Path) -> None:
+    """``--pp 2`` on four ranks with ``--fsdp 2``: two stages of two FSDP2 ranks, the
+    boundary in int8 and tagc-full inside the stages (its int8 gathers and coded
+    reduce-scatter, EF21 state).  6 steps straight == 3, checkpoint, new processes, 3
+    more: every stage's parameters, optimizer and TAGC state bit-equal; bytes inside
+    the stages come out coded, each dp replica sends its own boundary messages."""
+    cache = tmp_path / "cache"
+    token_data.prepare(token_data.get_source("stdlib"), token_data.byte_tokenizer(), cache)
+    # 128 wide: the MLP weights reach tagc-full's min_numel, so feedback state exists
+    extra = ["--tagc=tagc-pp-int8", "--tagc_set=microbatches=2", "--fsdp=2",
+             "--stage_tagc=tagc-full", f"--cache_dir={cache}", *FAST, "--n_embd=128"]
+    first = [[f"--out_dir={tmp_path / 'a'}", "--max_iters=6", *extra],
+             [f"--out_dir={tmp_path / 'b'}", "--max_iters=3", *extra]]
+    res = run_dist(_mains, 4, first, timeout=300)
+    run_dist(_mains, 4, [[f"--out_dir={tmp_path / 'b'}", "--max_iters=6",
+                          "--init_from=resume", *extra]], timeout=300)
+    s = res[0][0]
+    assert s["dp"] == 2 and s["stage_tagc"] == "tagc-full" and math.isfinite(s["final_val_loss"])
+    # two dp replicas: 6 steps and two evaluations of 2 batches, 2 microbatches each
+    assert s["sent"]["forward_messages"] == 2 * (6 * 2 + 2 * 2 * 2)
+    # the MLP weights (about half the stages' gradients) go coded, the rest plainly
+    assert 0 < s["stage_rs_bytes_per_step"] < 0.6 * s["stage_rs_bytes_per_step_plain"]
+    assert 0 < s["stage_gather_bytes_per_step"] < 0.3 * s["stage_gather_bytes_per_step_plain"]
+    _assert_same_checkpoint(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt",
+                            ("stage0/model/", "stage1/model/", "tagc.stage0/",
+                             "tagc.stage1/"))
 
 
 @pytest.mark.dist
 def test_train_three_stages(tmp_path: Path) -> None:
     """``--pp 3``: a middle stage between the two ends; each of the two boundaries
-    carries its messages both ways, every stage saves its checkpoint."""
+    carries its messages both ways, every stage's part is in the checkpoint."""
     cache = tmp_path / "cache"
     token_data.prepare(token_data.get_source("stdlib"), token_data.byte_tokenizer(), cache)
     # 1F1B wants at least as many microbatches as stages: 4 of one sequence each
@@ -490,8 +548,9 @@ def test_train_three_stages(tmp_path: Path) -> None:
         REPO / "configs" / "tagc-pp-int8.yaml", {"microbatches": 4}))
     # two boundaries, four microbatches, both ways
     assert s["boundary_bytes_per_step"] == 2 * 4 * 2 * lay.message_bytes
+    flat = _checkpoint_tensors(tmp_path / "pp3" / "ckpt", tmp_path / "pp3.pt")
     for st in range(3):
-        assert (tmp_path / "pp3" / "ckpt" / f"stage{st}.pt").is_file()
+        assert any(k.startswith(f"stage{st}/model/") for k in flat), st
 
 
 def test_train_pp_config_errors() -> None:
@@ -504,6 +563,37 @@ def test_train_pp_config_errors() -> None:
         parse_config(["--pp=2", "--tie_weights=false", "--grad_accum=2"])
     with pytest.raises(ValueError):
         parse_config(["--pp=0"])
+    with pytest.raises(ValueError, match="stage_tagc needs --pp"):
+        parse_config(["--stage_tagc=tagc-full"])
+    with pytest.raises(ValueError, match="tagc-nope"):
+        parse_config(["--pp=2", "--tie_weights=false", "--stage_tagc=tagc-nope"])
+
+
+@pytest.mark.dist
+def test_train_pp_rank_layout_errors(tmp_path: Path) -> None:
+    """Ranks that do not split into the stages, several ranks a stage without FSDP2,
+    and --stage_tagc with one rank a stage are refused with what to change."""
+    cache = tmp_path / "cache"
+    token_data.prepare(token_data.get_source("stdlib"), token_data.byte_tokenizer(), cache)
+    base = [f"--out_dir={tmp_path / 'x'}", "--max_iters=1", f"--cache_dir={cache}", *FAST]
+    res = run_dist(_errors, 2, [base + ["--pp=3", "--n_layer=3"],
+                                base + ["--stage_tagc=tagc-full"]], timeout=120)
+    assert "multiple of 3" in res[0][0] and "more ranks than stages" in res[0][1]
+    res = run_dist(_errors, 4, [base], timeout=120)
+    assert "add --fsdp 2" in res[0][0]
+
+
+def _errors(rank: int, world: int, argvs: List[List[str]]) -> List[str]:
+    """The ValueError message of each run's main(argv)."""
+    from tagc.train.loop import main
+    out = []
+    for argv in argvs:
+        try:
+            main(argv)
+            out.append("")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
 
 
 # --------------------------------------------------------------------------- scripts
@@ -516,13 +606,22 @@ def test_pp_quality_table_and_doc(tmp_path: Path) -> None:
     pq = load_script("pp_quality")
     for code, fields in pq.CODES.items():
         if fields is not None:
-            PipelineConfig.from_dict({**pq.BASE, **fields})
+            PipelineConfig.from_dict({**pq.BASE, **{k: v for k, v in fields.items()
+                                                    if k != "stage"}})
+    # a code inside the stages runs on PP x FSDP tasks only; a subspace within the width
+    assert pq._runs_on("ppfsdp-300", "int8+full") and not pq._runs_on("tiny-300", "int8+full")
+    assert pq._runs_on("ppfsdp-300", "int8") and not pq._runs_on("tiny-300", "sub512")
+    assert pq._stage_ratio({"stage_rs_bytes_per_step": 1, "stage_rs_bytes_per_step_plain": 4,
+                            "stage_gather_bytes_per_step": 1,
+                            "stage_gather_bytes_per_step_plain": 4}) == 0.25
+    assert pq._stage_ratio({"boundary_bytes_per_step": 1}) is None
     runs = [{"task": "t", "code": c, "final": f, "bytes": b, "ratio": r, "n_params": 2e6,
-             "seconds": 60, "commit": "abc", "curve": [(0, 5.0), (10, f)]}
-            for c, f, b, r in (("fp32", 2.0, 400, 1.0), ("int8", 2.02, 100, 4.0))]
+             "seconds": 60, "commit": "abc", "curve": [(0, 5.0), (10, f)], "stage_ratio": sr}
+            for c, f, b, r, sr in (("fp32", 2.0, 400, 1.0, None),
+                                   ("int8", 2.02, 100, 4.0, 0.125))]
     text = pq.table(runs)
-    assert "| t | int8 | 100 | 4.0x | 2.0200 | +1.00% |" in text
-    assert "| t | fp32 | 400 | 1.0x | 2.0000 | +0.00% |" in text
+    assert "| t | int8 | 100 | 4.0x | 0.125 of plain | 2.0200 | +1.00% |" in text
+    assert "| t | fp32 | 400 | 1.0x | - | 2.0000 | +0.00% |" in text
     doc = tmp_path / "d.md"
     doc.write_text(f"head\n{pq.MARK[0]}\nold\n{pq.MARK[1]}\ntail\n")
     write_between(doc, "new", pq.MARK)

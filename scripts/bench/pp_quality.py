@@ -2,7 +2,7 @@
 """Quality of coded pipeline boundaries: each code against uncompressed PP (issue 40).
 
 Every (task, code) trains ``train_gpt2.py --pp 2 --tie_weights=false`` (two gloo ranks,
-one stage each) on the built-in corpus with the same seed and batches as the fp32
+one stage each; the ``ppfsdp`` tasks four, each stage an FSDP2 pair) on the built-in corpus with the same seed and batches as the fp32
 baseline of its task; the table gives the final validation loss and its change against
 the baseline, with the boundary bytes per step; the curves plot each code's loss
 against the baseline's along training, and the subspace's final loss against k.
@@ -34,16 +34,23 @@ from tagc.train.runs import (TRAIN_GPT2, add_comparison_args, code_id, finished_
 logger = logging.getLogger("pp_quality")
 ROOT = Path(__file__).resolve().parents[2]
 
-# task -> (steps, width, trainer options beyond train-tiny.yaml's)
-TASKS: Dict[str, Tuple[int, int, Tuple[str, ...]]] = {
-    "tiny-300": (300, 256, ()),
-    "tiny-1000": (1000, 256, ()),
-    "wide-300": (300, 512, ("--n_layer=4", "--n_head=8", "--n_embd=512")),
-    "wide-1000": (1000, 512, ("--n_layer=4", "--n_head=8", "--n_embd=512")),
+# task -> (steps, width, ranks per stage, trainer options beyond train-tiny.yaml's);
+# ranks per stage > 1: PP x FSDP, each stage an FSDP2 group (plain FSDP2 in the baseline)
+TASKS: Dict[str, Tuple[int, int, int, Tuple[str, ...]]] = {
+    "tiny-300": (300, 256, 1, ()),
+    "tiny-1000": (1000, 256, 1, ()),
+    "wide-300": (300, 512, 1, ("--n_layer=4", "--n_head=8", "--n_embd=512")),
+    "wide-1000": (1000, 512, 1, ("--n_layer=4", "--n_head=8", "--n_embd=512")),
+    "ppfsdp-300": (300, 256, 2, ("--fsdp=2",)),
+    "ppfsdp-1000": (1000, 256, 2, ("--fsdp=2",)),
 }
-# code -> PipelineConfig fields; "fp32" is the baseline (no --tagc)
+# code -> PipelineConfig fields, and "stage": the TAGC preset inside each stage (PP x
+# FSDP tasks only); "fp32" is the baseline (no --tagc)
 CODES: Dict[str, Optional[Dict[str, Any]]] = {
     "fp32": None,
+    # both parallelisms coded: the boundary and FSDP2's exchanges inside the stages
+    "int8+full": {"format": "int8", "stage": "tagc-full"},
+    "int4+full": {"format": "int4", "stage": "tagc-full"},
     "bf16": {"format": "bf16"},
     "int8": {"format": "int8"},
     "int4": {"format": "int4"},
@@ -69,13 +76,15 @@ def run_one(task: str, code: str, args: argparse.Namespace, cid: Dict[str, str]
             ) -> Optional[Dict[str, Any]]:
     """Train one (task, code), or reuse its finished run; returns its record (None:
     ``--report-only`` and the run never finished)."""
-    steps, _, extra = TASKS[task]
+    steps, _, dp, extra = TASKS[task]
     folder = Path(args.out_dir) / task / code
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node=2", *TRAIN_GPT2, str(ROOT / "configs" / "train-tiny.yaml"),
+           f"--nproc_per_node={2 * dp}", *TRAIN_GPT2, str(ROOT / "configs" / "train-tiny.yaml"),
            f"--out_dir={folder}", "--progress=false", "--pp=2", "--tie_weights=false",
            f"--max_iters={steps}", f"--eval_interval={max(1, steps // 20)}", *extra]
     fields = None if CODES[code] is None else {**BASE, **CODES[code]}
+    if fields is not None and "stage" in fields:
+        cmd.append(f"--stage_tagc={fields.pop('stage')}")
     if fields is not None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "pipeline.yaml").write_text(yaml.safe_dump(fields, sort_keys=False))
@@ -87,19 +96,39 @@ def run_one(task: str, code: str, args: argparse.Namespace, cid: Dict[str, str]
     s, curve, rec = got["summary"], got["curve"], got["record"]
     return {"task": task, "code": code, "final": s["final_val_loss"],
             "bytes": s["boundary_bytes_per_step"], "ratio": s["boundary_ratio"],
+            "stage_ratio": _stage_ratio(s),
             "step_ms": s["mean_step_ms"], "n_params": s["n_params"], "curve": curve,
             "seconds": rec["seconds"], "commit": rec["code"]["commit"]}
 
 
+def _stage_ratio(summary: Dict[str, Any]) -> Optional[float]:
+    """PP x FSDP: the bytes FSDP2 sends inside the stages (gathers and reduce-scatters,
+    ideal counts at the call) over plain fp32 FSDP2's; None with one rank a stage."""
+    plain = (summary.get("stage_rs_bytes_per_step_plain", 0)
+             + summary.get("stage_gather_bytes_per_step_plain", 0))
+    if not plain:
+        return None
+    return (summary["stage_rs_bytes_per_step"] + summary["stage_gather_bytes_per_step"]) / plain
+
+
+def _runs_on(task: str, code: str) -> bool:
+    """A subspace wider than the model does not exist; a code inside the stages needs
+    stages of several ranks."""
+    fields = CODES[code] or {}
+    steps, width, dp, _ = TASKS[task]
+    return fields.get("subspace_k", 0) <= width and ("stage" not in fields or dp > 1)
+
+
 def table(runs: Sequence[Dict[str, Any]]) -> str:
     """The markdown table: per task, every code against its fp32 baseline."""
-    lines = ["| task | code | boundary bytes/step | fewer than fp32 | val loss | vs fp32 | "
-             "params | run |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | code | boundary bytes/step | fewer than fp32 | inside the stages | "
+             "val loss | vs fp32 | params | run |", "|---|---|---|---|---|---|---|---|---|"]
     base = {r["task"]: r["final"] for r in runs if r["code"] == "fp32"}
     for r in runs:
         d = 100 * (r["final"] / base[r["task"]] - 1) if r["task"] in base else float("nan")
+        inside = "-" if r.get("stage_ratio") is None else f"{r['stage_ratio']:.3f} of plain"
         lines.append(f"| {r['task']} | {r['code']} | {r['bytes']} | {r['ratio']:.1f}x | "
-                     f"{r['final']:.4f} | {d:+.2f}% | {r['n_params'] / 1e6:.2f}M | "
+                     f"{inside} | {r['final']:.4f} | {d:+.2f}% | {r['n_params'] / 1e6:.2f}M | "
                      f"{r['seconds'] / 60:.0f} min ({r['commit']}) |")
     return "\n".join(lines)
 
@@ -162,9 +191,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
                         datefmt="%H:%M:%S")
     cid = code_id()
     codes = ["fp32", *[c for c in args.codes if c != "fp32"]]
-    # a subspace wider than the model does not exist
     runs = [r for r in (run_one(t, c, args, cid) for t in args.tasks for c in codes
-                        if (CODES[c] or {}).get("subspace_k", 0) <= TASKS[t][1])
+                        if _runs_on(t, c))
             if r is not None]
     publish_comparison(table(runs), Path(args.doc), MARK, lambda: plot(runs, Path(args.curves)))
     return runs

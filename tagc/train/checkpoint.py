@@ -42,19 +42,37 @@ def _replica_key(tagc_state: Any) -> str:
     return f"replica{dist.get_rank(outer.group)}" if outer is not None else ""
 
 
-def _keyed(tagc_state: Any, sd: Dict[str, Any]) -> Dict[str, Any]:
-    """``sd`` under this replica's key with local steps, else as it is."""
-    key = _replica_key(tagc_state)
+def _key(tagc_state: Any, scope: str) -> str:
+    """The top-level key of this rank's model and optimizer state: ``scope`` (a
+    pipeline stage: the stages' parameter names overlap), this replica's (local
+    steps), or ``""`` (none)."""
+    return scope or _replica_key(tagc_state)
+
+
+def _keyed(key: str, sd: Dict[str, Any]) -> Dict[str, Any]:
+    """``sd`` under ``key``, or as it is when the key is empty."""
     return {key: sd} if key else dict(sd)
 
 
+def _tagc_key(scope: str) -> str:
+    """Where the TAGC state goes: each stage's under its own key, since the stages'
+    unit names overlap too."""
+    return f"tagc.{scope}" if scope else "tagc"
+
+
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    tagc_state: Any, iter_num: int, cfg: RunConfig) -> None:
+                    tagc_state: Any, iter_num: int, cfg: RunConfig, scope: str = "") -> None:
     """Write a checkpoint atomically (all ranks call this).
 
     Model, optimizer and TAGC state go through torch.distributed.checkpoint (each rank
     writes its shards and its own residual rows); the RNG state through torch.save into
     rank{r}.pt. The directory is assembled as path.tmp and renamed when complete.
+
+    Args:
+        path, model, optimizer, tagc_state, iter_num, cfg: what is saved, and where.
+        scope: the key this rank's part of the model lives under when the ranks hold
+            different modules (``stage<s>`` of a pipeline); "" when every rank holds
+            a shard or a replica of one model.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -65,9 +83,11 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     dist.barrier()
     with _quiet_checkpoint_warnings():
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state: Dict[str, Any] = _keyed(tagc_state, {"model": model_sd, "optim": optim_sd})
+        state: Dict[str, Any] = _keyed(_key(tagc_state, scope),
+                                       {"model": model_sd, "optim": optim_sd})
         if tagc_state is not None:
-            state["tagc"] = tagc_state  # a DCP Stateful: state_dict() now, per-rank rows
+            # a DCP Stateful: state_dict() now, per-rank rows
+            state[_tagc_key(scope)] = tagc_state
         dcp.save(state, checkpoint_id=str(tmp))
     torch.save({"rng": torch.get_rng_state(), "iter_num": iter_num}, tmp / f"rank{rank}.pt")
     dist.barrier()
@@ -85,8 +105,9 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    tagc_state: Any, cfg: RunConfig) -> int:
-    """Restore what save_checkpoint wrote; returns the iteration to continue from.
+                    tagc_state: Any, cfg: RunConfig, scope: str = "") -> int:
+    """Restore what save_checkpoint wrote (with the same ``scope``); returns the
+    iteration to continue from.
 
     Raises:
         FileNotFoundError: no complete checkpoint at path.
@@ -107,11 +128,13 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                          f"tagc={cfg.tagc}")
     with _quiet_checkpoint_warnings():
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = _keyed(tagc_state, {"model": model_sd, "optim": optim_sd})
+        key = _key(tagc_state, scope)
+        state = _keyed(key, {"model": model_sd, "optim": optim_sd})
         if tagc_state is not None:
-            state["tagc"] = tagc_state  # dcp.load calls its load_state_dict (checks config)
+            # dcp.load calls its load_state_dict (checks config)
+            state[_tagc_key(scope)] = tagc_state
         dcp.load(state, checkpoint_id=str(path))
-        mine = state[_replica_key(tagc_state)] if _replica_key(tagc_state) else state
+        mine = state[key] if key else state
         set_state_dict(model, optimizer, model_state_dict=mine["model"],
                        optim_state_dict=mine["optim"])
     local = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=True)

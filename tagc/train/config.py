@@ -142,6 +142,10 @@ class TrainConfig(RunConfig):
     pp: int = option(1, "pipeline stages, one per rank (torch.distributed.pipelining); "
                         "--tagc then names a tagc-pp-* preset (the stage boundaries' "
                         "codes), none: fp32 boundaries; needs --tie_weights=false")
+    stage_tagc: Optional[str] = option(
+        None, "PP x FSDP (--pp with pp x dp ranks, --fsdp 2): the TAGC preset of FSDP2's "
+              "exchanges inside each stage's dp group (tagc-full, tagc-balanced, ...); "
+              "none: plain FSDP2 there")
 
     def validate(self) -> None:
         super().validate()
@@ -160,6 +164,11 @@ class TrainConfig(RunConfig):
             if self.replicas > 1 or self.grad_accum > 1:
                 raise ValueError("--pp takes neither --replicas nor --grad_accum (the "
                                  "preset's microbatches split the batch)")
+        if self.stage_tagc is not None:
+            if self.pp == 1:
+                raise ValueError("--stage_tagc needs --pp (it codes FSDP2 inside each "
+                                 "stage; without a pipeline, --tagc does that)")
+            presets.resolve(self.stage_tagc)  # a clear error naming the shipped presets
         for name in ("n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
