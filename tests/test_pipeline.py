@@ -655,3 +655,23 @@ def test_bench_pipeline_report_and_tokens() -> None:
     text = bp.report(data)
     assert "| int8 | 250 | 225 | 4.0x | 0.100 | 0.025 | 4.00 | 4.00x |" in text
     assert "share of its step on the link: 75%" in text
+
+
+@pytest.mark.dist
+def test_bench_pipeline_worker_runs(tmp_path: Path) -> None:
+    """bench_pipeline.py's worker (what the driver launches in each emulated host) on
+    two loopback ranks: a trial per row with the training code's PipelineRun, the
+    format's bytes as the layout says."""
+    import subprocess
+    import sys
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node=2", str(REPO / "scripts" / "bench" / "bench_pipeline.py"),
+                    "--worker", "--result", str(out), "--rows", "fp32", "int8", "--repeats",
+                    "1", "--steps", "1", "--warmup", "0", "--width", "32"],
+                   check=True, timeout=300, capture_output=True)
+    trials = json.loads(out.read_text())["trials"]
+    assert [t["row"] for t in trials] == ["fp32", "int8"]
+    fp32, int8 = (t["format_bytes_per_step"] for t in trials)
+    assert fp32 == trials[0]["fp32_bytes_per_step"] == 2 * 4 * 4 * (2 * 128 * 32)
+    assert int8 < fp32 / 3.5 and all(t["step_s"] > 0 for t in trials)

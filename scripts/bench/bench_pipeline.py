@@ -111,7 +111,7 @@ def _worker(args: argparse.Namespace) -> int:
         for row in args.rows:
             torch.manual_seed(cfg.seed)
             pcfg = PipelineConfig(**ROWS[row])
-            run = PipelineRun(cfg, pcfg, 257, rank, torch.device("cpu"))
+            run = PipelineRun(cfg, pcfg, 257, rank, dist.get_world_size(), torch.device("cpu"))
             for it in range(args.warmup):
                 run.train_step(data, it, cfg.learning_rate)
             dist.barrier()
