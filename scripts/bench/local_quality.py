@@ -64,6 +64,9 @@ RUNS: Dict[str, Any] = {
     "h32-avg": (32, 1.0, 0.0),
     # a longer outer step: the average of R replicas' changes is less noisy than one
     "h32-lr2": (32, 2.0, 0.5),
+    # the outer step twice the replicas' mean change without momentum's lag: does R = 4
+    # lose because averaging R AdamW updates shrinks the step?
+    "h8-lr2-avg": (8, 2.0, 0.0),
     "h128-m0.5": (128, 1.0, 0.5),
 }
 MARK = ("<!-- local-quality:start -->", "<!-- local-quality:end -->")
