@@ -96,14 +96,15 @@ def run_one(task: str, code: str, args: argparse.Namespace, cid: Dict[str, str]
     s, curve, rec = got["summary"], got["curve"], got["record"]
     return {"task": task, "code": code, "final": s["final_val_loss"],
             "bytes": s["boundary_bytes_per_step"], "ratio": s["boundary_ratio"],
-            "stage_ratio": _stage_ratio(s),
+            "stage_ratio": _stage_ratio(s) if "stage" in (CODES[code] or {}) else None,
             "step_ms": s["mean_step_ms"], "n_params": s["n_params"], "curve": curve,
             "seconds": rec["seconds"], "commit": rec["code"]["commit"]}
 
 
 def _stage_ratio(summary: Dict[str, Any]) -> Optional[float]:
-    """PP x FSDP: the bytes FSDP2 sends inside the stages (gathers and reduce-scatters,
-    ideal counts at the call) over plain fp32 FSDP2's; None with one rank a stage."""
+    """PP x FSDP with TAGC: the bytes FSDP2 sends inside the stages (gathers and
+    reduce-scatters, ideal counts at the call) over what plain fp32 FSDP2 sends for the
+    same calls; None without TAGC inside the stages."""
     plain = (summary.get("stage_rs_bytes_per_step_plain", 0)
              + summary.get("stage_gather_bytes_per_step_plain", 0))
     if not plain:

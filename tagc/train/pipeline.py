@@ -124,7 +124,6 @@ class PipelineRun:
             vocab_size=gcfg.vocab_size, counter=self.counter,
             group=mesh.get_group("pp") if mesh is not None else None)
         self.tagc_state = None
-        self.steps = 0  # optimizer steps of this process (stage_bytes)
         if mesh is not None:
             tagc = import_tagc()
             tcfg = (tagc.TAGCConfig.from_yaml(presets.resolve(cfg.stage_tagc))
@@ -176,7 +175,6 @@ class PipelineRun:
             self._clip(self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
         return loss
 
     def _clip(self, max_norm: float) -> None:
@@ -212,24 +210,17 @@ class PipelineRun:
         return tot / self.cfg.eval_iters
 
     def stage_bytes(self) -> torch.Tensor:
-        """FSDP2's traffic inside this rank's stage so far, as sent and as plain fp32
-        FSDP2 would send it (ideal ring counts at the call): ``[reduce-scatter sent,
-        plain, gathers sent, plain]``, float64; zeros with one rank per stage."""
+        """TAGC's traffic inside this rank's stage so far, and what plain fp32 FSDP2
+        sends for the same calls (the hook's ideal ring counts at the call):
+        ``[reduce-scatter sent, plain, gathers sent, plain]``, float64; zeros without
+        ``--stage_tagc``.  Inside a pipeline FSDP2 gathers per microbatch, not twice a
+        step, so plain FSDP2's bytes are counted at its calls, not from a formula."""
         out = torch.zeros(4, dtype=torch.float64)
-        if self.dp == 1:
-            return out
         if self.tagc_state is not None:
             tot = self.tagc_state.stats()["total"]
             out += torch.tensor([tot["wire_bytes"], tot["default_wire_bytes"],
                                  tot["gather_wire_bytes"], tot["gather_default_wire_bytes"]],
                                 dtype=torch.float64)
-            return out
-        # plain FSDP2: each rank sends (dp-1)/dp of its stage's fp32 parameters per
-        # reduce-scatter and per all-gather (two a step under FULL_SHARD, padding ignored)
-        shard = sum(p.numel() for p in self.module.parameters()) * 4 * (self.dp - 1) / self.dp
-        gathers = 2 if self.cfg.sharding == "FULL_SHARD" else 1
-        out += torch.tensor([shard, shard, gathers * shard, gathers * shard],
-                            dtype=torch.float64) * self.steps
         return out
 
     # -- checkpoints --------------------------------------------------------------
@@ -334,16 +325,18 @@ def run_pipeline(cfg: TrainConfig, env: Any, data: TokenData, tok: Any) -> Dict[
         "boundary_ratio": run.step_bytes_fp32 / run.step_bytes,
         # messages summed over every rank (dp replicas and stages)
         "sent": dict(zip(sorted(run.counter.counts), counts.tolist())),
-        # PP x FSDP: all ranks' FSDP2 traffic inside the stages per step (ideal counts)
-        "stage_rs_bytes_per_step": per_step[0], "stage_rs_bytes_per_step_plain": per_step[1],
-        "stage_gather_bytes_per_step": per_step[2],
-        "stage_gather_bytes_per_step_plain": per_step[3],
     }
+    if run.tagc_state is not None:
+        # PP x FSDP with TAGC: all ranks' FSDP2 traffic inside the stages per step
+        summary.update(stage_rs_bytes_per_step=per_step[0],
+                       stage_rs_bytes_per_step_plain=per_step[1],
+                       stage_gather_bytes_per_step=per_step[2],
+                       stage_gather_bytes_per_step_plain=per_step[3])
     logger.info("final: iter %d, val loss %.4f, %.0f ms/step, boundary bytes/step %d "
                 "(%.1fx fewer than fp32)", it, val, summary["mean_step_ms"], run.step_bytes,
                 summary["boundary_ratio"])
-    if run.dp > 1:
+    if run.tagc_state is not None:
         logger.info("inside the stages (FSDP2 over %d ranks each, %s): reduce-scatters %.0f "
-                    "of %.0f bytes/step plain, gathers %.0f of %.0f (all ranks)", run.dp,
-                    cfg.stage_tagc or "plain", *per_step)
+                    "bytes/step (plain FSDP2: %.0f), gathers %.0f (%.0f), all ranks", run.dp,
+                    cfg.stage_tagc, *per_step)
     return finish(env, out_dir, summary, metrics)
