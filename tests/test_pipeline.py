@@ -655,23 +655,42 @@ def test_bench_pipeline_report_and_tokens() -> None:
     text = bp.report(data)
     assert "| int8 | 250 | 225 | 4.0x | 0.100 | 0.025 | 4.00 | 4.00x |" in text
     assert "share of its step on the link: 75%" in text
+    # PP x FSDP: a column for TAGC's bytes inside the stages
+    for part in ("unshaped", "shaped"):
+        res_ = data[part] if part == "unshaped" else data[part]["20mbit"]["result"]
+        res_["trials"][1]["stage_bytes_per_step"] = [10.0, 40.0, 20.0, 80.0]
+    text = bp.report({**data, "dp": 2})
+    assert "4 hosts: each stage an FSDP2 group of 2 hosts" in text
+    assert "| int8 | 250 | 225 | 4.0x | 0.100 | 0.025 | 4.00 | 4.00x | 30 of plain's 120 " \
+           "(0.250) |" in text
+    assert "| fp32 | 1000 | 900 | 1.0x | 0.400 | 0.100 | 4.00 | 1.00x | plain FSDP2 |" in text
 
 
 @pytest.mark.dist
-def test_bench_pipeline_worker_runs(tmp_path: Path) -> None:
-    """bench_pipeline.py's worker (what the driver launches in each emulated host) on
-    two loopback ranks: a trial per row with the training code's PipelineRun, the
-    format's bytes as the layout says."""
+@pytest.mark.parametrize("dp", [1, 2])
+def test_bench_pipeline_worker_runs(tmp_path: Path, dp: int) -> None:
+    """bench_pipeline.py's worker (what the driver launches on the emulated hosts) on
+    2 x dp loopback ranks: a trial per row with the training code's PipelineRun, the
+    boundary's bytes as the layout says for every dp replica; with dp = 2 (PP x FSDP)
+    TAGC's counts inside the stages come out coded, plain FSDP2 uncounted."""
     import subprocess
     import sys
     out = tmp_path / "r.json"
+    rows = ["fp32", "int8"] if dp == 1 else ["fp32", "int8+full"]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node=2", str(REPO / "scripts" / "bench" / "bench_pipeline.py"),
-                    "--worker", "--result", str(out), "--rows", "fp32", "int8", "--repeats",
-                    "1", "--steps", "1", "--warmup", "0", "--width", "32"],
+                    f"--nproc_per_node={2 * dp}",
+                    str(REPO / "scripts" / "bench" / "bench_pipeline.py"), "--worker",
+                    "--result", str(out), "--rows", *rows, "--repeats", "1", "--steps", "1",
+                    "--warmup", "0", "--width", "32", "--dp", str(dp)],
                    check=True, timeout=300, capture_output=True)
     trials = json.loads(out.read_text())["trials"]
-    assert [t["row"] for t in trials] == ["fp32", "int8"]
-    fp32, int8 = (t["format_bytes_per_step"] for t in trials)
-    assert fp32 == trials[0]["fp32_bytes_per_step"] == 2 * 4 * 4 * (2 * 128 * 32)
-    assert int8 < fp32 / 3.5 and all(t["step_s"] > 0 for t in trials)
+    assert [t["row"] for t in trials] == rows
+    fp32, coded = (t["format_bytes_per_step"] for t in trials)
+    assert fp32 == trials[0]["fp32_bytes_per_step"] == dp * 2 * 4 * 4 * (2 * 128 * 32)
+    assert coded < fp32 / 3.5 and all(t["step_s"] > 0 for t in trials)
+    assert trials[0]["stage_bytes_per_step"] == [0.0] * 4
+    rs, rs_plain, ag, ag_plain = trials[1]["stage_bytes_per_step"]
+    if dp == 1:
+        assert rs_plain == ag_plain == 0
+    else:
+        assert 0 < ag < ag_plain / 3 and 0 < rs <= rs_plain

@@ -12,6 +12,12 @@ runs, then the link unshaped: a row's exposed communication is its shaped step m
 its unshaped step, and the uncompressed row's share of its step spent on the link is
 ``1 - unshaped / shaped``.
 
+``--dp D`` (PP x FSDP): each stage an FSDP2 group of D emulated hosts, one rank each,
+2 x D hosts on a bridge with every port shaped: FSDP2's gathers and reduce-scatters
+inside a stage cross the slow link as the boundary does, so the rows code both
+(``+full``: ``tagc-full`` inside the stages); the plain rows run plain FSDP2 there.
+Every rank shares this machine's two cores (the unshaped step says how much).
+
 The benchmark model is chosen so that the uncompressed pipeline is link-bound on this
 CPU (issue 40: a boundary carries 4d bytes per token and direction against ~72 L d^2
 FLOPs per token of a stage): width 128, one block per stage, context 128, batch 8 in 4
@@ -29,6 +35,7 @@ Writes ``docs/runs/pp-<UTC date-time>/`` (``results.json``, ``report.md``), or `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -58,6 +65,9 @@ ROWS: Dict[str, Dict[str, Any]] = {
     "sub8": {"format": "fp32", "subspace_k": 8},
     "sub16-int8": {"format": "int8", "subspace_k": 16},
     "sub16-bf16": {"format": "bf16", "subspace_k": 16},
+    # PP x FSDP (--dp > 1): the boundary's code and TAGC inside the stages
+    "int8+full": {"format": "int8", "stage": "tagc-full"},
+    "int4+full": {"format": "int4", "stage": "tagc-full"},
 }
 
 
@@ -103,18 +113,23 @@ def _worker(args: argparse.Namespace) -> int:
     teardown.install()
     rank = dist.get_rank()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    world = dist.get_world_size()
     cfg = parse_config([*model_args(args.width, args.batch), "--pp=2", "--tie_weights=false",
-                        "--tokenizer=byte", "--progress=false", "--warmup_iters=0"])
+                        "--tokenizer=byte", "--progress=false", "--warmup_iters=0",
+                        *(["--fsdp=2"] if world > 2 else [])])
     data = RandomTokens(257)
     trials = []
     for rep in range(args.repeats):
         for row in args.rows:
             torch.manual_seed(cfg.seed)
-            pcfg = PipelineConfig(**ROWS[row])
-            run = PipelineRun(cfg, pcfg, 257, rank, dist.get_world_size(), torch.device("cpu"))
+            fields = dict(ROWS[row])
+            rcfg = dataclasses.replace(cfg, stage_tagc=fields.pop("stage", None))
+            pcfg = PipelineConfig(**fields)
+            run = PipelineRun(rcfg, pcfg, 257, rank, world, torch.device("cpu"))
             for it in range(args.warmup):
                 run.train_step(data, it, cfg.learning_rate)
             dist.barrier()
+            inner0 = run.stage_bytes()
             tx0, t0 = _tx(ifname), time.perf_counter()
             times = []
             for it in range(args.steps):
@@ -125,11 +140,15 @@ def _worker(args: argparse.Namespace) -> int:
             wall = time.perf_counter() - t0
             sent = torch.tensor([_tx(ifname) - tx0], dtype=torch.int64)
             dist.all_reduce(sent)  # each host's veth counted what it sent
+            inner = run.stage_bytes() - inner0
+            dist.all_reduce(inner)  # TAGC's counts inside the stages, every rank
             trials.append({"rep": rep, "row": row, "step_s": statistics.median(times),
                            "mean_step_s": sum(times) / len(times), "wall_s": wall,
                            "veth_bytes_per_step": int(sent.item()) / args.steps,
-                           "format_bytes_per_step": run.step_bytes,
-                           "fp32_bytes_per_step": run.step_bytes_fp32})
+                           # every dp replica's boundary messages
+                           "format_bytes_per_step": run.step_bytes * run.dp,
+                           "fp32_bytes_per_step": run.step_bytes_fp32 * run.dp,
+                           "stage_bytes_per_step": (inner / args.steps).tolist()})
             del run
     if rank == 0:
         Path(args.result).write_text(json.dumps({"trials": trials,
@@ -144,6 +163,7 @@ def _launch(net: List[str], args: argparse.Namespace, result: Path, repeats: int
         result.unlink()
     cmd = ["bash", str(NETEM), *net, "torchrun", "--port", str(free_port()), "--timeout",
            str(int(args.timeout)), "--", str(Path(__file__).resolve()), "--worker",
+           "--dp", str(args.dp),
            "--result", str(result), "--rows", *args.rows, "--repeats", str(repeats),
            "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--width", str(args.width), "--batch", str(args.batch)]
@@ -163,20 +183,28 @@ def _summary(res: Dict) -> Dict[str, Dict[str, float]]:
         out[row] = {"step_s": statistics.median(t["step_s"] for t in ts),
                     "veth": statistics.median(t["veth_bytes_per_step"] for t in ts),
                     "format": ts[0]["format_bytes_per_step"],
-                    "fp32": ts[0]["fp32_bytes_per_step"]}
+                    "fp32": ts[0]["fp32_bytes_per_step"],
+                    # TAGC inside the stages: [rs sent, plain, gathers sent, plain]
+                    "stage": ts[0].get("stage_bytes_per_step", [0.0] * 4)}
     return out
 
 
 def report(data: Dict) -> str:
     """The markdown report of a run's ``results.json``."""
     un = _summary(data["unshaped"]) if data.get("unshaped") else {}
+    dp = data.get("dp", 1)
+    hosts = ("2 hosts, one stage each" if dp == 1 else
+             f"{2 * dp} hosts: each stage an FSDP2 group of {dp} hosts (PP x FSDP), every "
+             "host's port shaped, so FSDP2's traffic inside a stage crosses the link too")
     lines = [f"# Pipeline step on the emulated link ({data['started_utc']} UTC)", "",
              f"Command: `{data['command']}`; load average {data['loadavg_start'][0]:.2f} at "
              f"the start, {data['loadavg_end'][0]:.2f} at the end; {data['cpus']} CPUs. "
              f"Model: `{' '.join(data['unshaped']['model'])}`, 2 stages (one block each), 4 microbatches, 1F1B, "
-             "random byte-level tokens. Step: median over repeats of each trial's median "
-             "step. Bytes: both hosts' veth tx counters per step (TCP/IP headers "
-             "included) and what the format puts in the messages (payload).", ""]
+             f"random byte-level tokens; {hosts}. Step: median over repeats of each trial's "
+             "median step. Bytes: every host's veth tx counter per step (TCP/IP headers "
+             "included), what the format puts in the boundary messages (payload, every dp "
+             "replica's), and with TAGC inside the stages its gathers and reduce-scatters "
+             "at the call against plain FSDP2's for the same calls.", ""]
     if un:
         lines.append(f"Unshaped link: {data['link_unshaped']}")
         lines.append("")
@@ -185,14 +213,20 @@ def report(data: Dict) -> str:
         base = s.get("fp32")
         lines += [f"## {rate} ({rep['link']})", "",
                   "| row | veth bytes/step | payload bytes/step | fewer than fp32 | step "
-                  "(s) | unshaped (s) | shaped / unshaped | speed-up vs fp32 |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "(s) | unshaped (s) | shaped / unshaped | speed-up vs fp32 |"
+                  + (" FSDP2 inside the stages, bytes/step at the call |" if dp > 1 else ""),
+                  "|---|---|---|---|---|---|---|---|" + ("---|" if dp > 1 else "")]
         for row, v in s.items():
             u = un.get(row, {}).get("step_s", float("nan"))
+            st = v["stage"]
+            inside = (f" {st[0] + st[2]:.0f} of plain's {st[1] + st[3]:.0f} "
+                      f"({(st[0] + st[2]) / (st[1] + st[3]):.3f}) |" if st[1] + st[3] else
+                      " plain FSDP2 |")
             lines.append(f"| {row} | {v['veth']:.0f} | {v['format']:.0f} | "
                          f"{v['fp32'] / v['format']:.1f}x | {v['step_s']:.3f} | {u:.3f} | "
                          f"{v['step_s'] / u:.2f} | "
-                         f"{base['step_s'] / v['step_s'] if base else float('nan'):.2f}x |")
+                         f"{base['step_s'] / v['step_s'] if base else float('nan'):.2f}x |"
+                         + (inside if dp > 1 else ""))
         if base and "fp32" in un:
             lines += ["", f"fp32's share of its step on the link: "
                       f"{1 - un['fp32']['step_s'] / base['step_s']:.0%} (1 - unshaped / shaped)"]
@@ -208,13 +242,13 @@ def _driver(args: argparse.Namespace) -> int:
     prefix = f"tagcp{os.getpid() % 1000}"
 
     def net(rate: str) -> List[str]:
-        return ["--prefix", prefix, "-n", "2", "--rate", rate, "--delay", "0"]
+        return ["--prefix", prefix, "-n", str(2 * args.dp), "--rate", rate, "--delay", "0"]
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     data: Dict[str, Any] = {"started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                             "loadavg_start": os.getloadavg(), "cpus": os.cpu_count(),
                             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                            "shaped": {}}
+                            "dp": args.dp, "shaped": {}}
     t0 = time.perf_counter()
     try:
         netem(net(args.rate[0]), "up")
@@ -242,10 +276,14 @@ def main(argv: List[str] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", nargs="+", default=["50mbit", "20mbit"], help="shaped rates")
-    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--rows", nargs="+", choices=list(ROWS),
+                   help="default: every row without TAGC inside the stages, with --dp > 1 "
+                        "fp32, int8, int4, int8+full, int4+full")
     p.add_argument("--width", type=int, default=128, help="the model's width (<= 128)")
     p.add_argument("--batch", type=int, default=8,
                    help="sequences per step, a multiple of the 4 microbatches (default 8)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="emulated hosts per stage, an FSDP2 group (PP x FSDP; default 1)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
@@ -255,6 +293,13 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
     p.add_argument("--report", default="", help="re-render the report of a results.json")
     args = p.parse_args(argv)
+    if args.dp < 1:
+        p.error(f"--dp must be >= 1, got {args.dp}")
+    if args.rows is None:
+        args.rows = ([r for r in ROWS if "stage" not in ROWS[r]] if args.dp == 1 else
+                     ["fp32", "int8", "int4", "int8+full", "int4+full"])
+    if args.dp == 1 and any("stage" in ROWS[r] for r in args.rows):
+        p.error("rows with TAGC inside the stages (+full) need --dp 2 or more")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.worker:
         return _worker(args)
