@@ -116,7 +116,7 @@ def _worker(args: argparse.Namespace) -> int:
     world = dist.get_world_size()
     cfg = parse_config([*model_args(args.width, args.batch), "--pp=2", "--tie_weights=false",
                         "--tokenizer=byte", "--progress=false", "--warmup_iters=0",
-                        *(["--fsdp=2"] if world > 2 else [])])
+                        *(["--fsdp=2", f"--sharding={args.sharding}"] if world > 2 else [])])
     data = RandomTokens(257)
     trials = []
     for rep in range(args.repeats):
@@ -163,7 +163,7 @@ def _launch(net: List[str], args: argparse.Namespace, result: Path, repeats: int
         result.unlink()
     cmd = ["bash", str(NETEM), *net, "torchrun", "--port", str(free_port()), "--timeout",
            str(int(args.timeout)), "--", str(Path(__file__).resolve()), "--worker",
-           "--dp", str(args.dp),
+           "--dp", str(args.dp), "--sharding", args.sharding,
            "--result", str(result), "--rows", *args.rows, "--repeats", str(repeats),
            "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--width", str(args.width), "--batch", str(args.batch)]
@@ -284,6 +284,9 @@ def main(argv: List[str] = None) -> int:
                    help="sequences per step, a multiple of the 4 microbatches (default 8)")
     p.add_argument("--dp", type=int, default=1,
                    help="emulated hosts per stage, an FSDP2 group (PP x FSDP; default 1)")
+    p.add_argument("--sharding", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP"],
+                   help="FSDP2 inside the stages (--dp > 1): SHARD_GRAD_OP gathers a stage "
+                        "once a step, FULL_SHARD again for microbatches (default FULL_SHARD)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
