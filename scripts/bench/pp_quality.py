@@ -141,8 +141,15 @@ def plot(runs: Sequence[Dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = list(dict.fromkeys(r["task"] for r in runs))
-    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 3.4),
-                             dpi=100, squeeze=False)
+
+    def k_of(r: Dict[str, Any]) -> int:
+        """k of an fp32-coded subspace run at the paper's std, else 0."""
+        f = CODES[r["code"]] or {}
+        return f.get("subspace_k", 0) if f.get("format") == "fp32" and \
+            "subspace_std" not in f else 0
+    # the loss-against-k panel only where a subspace ran
+    panels = len(tasks) + any(k_of(r) for r in runs)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4), dpi=100, squeeze=False)
     for ax, t in zip(axes.flat, tasks):
         base = {i: v for i, v in next((r["curve"] for r in runs if r["task"] == t and
                                        r["code"] == "fp32"), [])}
@@ -159,23 +166,20 @@ def plot(runs: Sequence[Dict[str, Any]], path: Path) -> None:
         ax.set_ylabel("% above fp32 PP", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=5, ncol=2)
-    ax = axes.flat[len(tasks)]
-    drawn = False
-    for t in tasks:
-        base = next((r["final"] for r in runs if r["task"] == t and r["code"] == "fp32"), None)
-        ks = sorted((CODES[r["code"]]["subspace_k"], r["final"]) for r in runs
-                    if r["task"] == t and CODES[r["code"]] and
-                    CODES[r["code"]].get("subspace_k") and CODES[r["code"]]["format"] == "fp32"
-                    and "subspace_std" not in CODES[r["code"]])
-        if ks and base:
-            ax.plot([k for k, _ in ks], [100 * (v / base - 1) for _, v in ks], "o-", label=t)
-            drawn = True
-    ax.set_xscale("log", base=2)
-    ax.set_title("subspace: final loss vs k", fontsize=9)
-    ax.set_xlabel("k", fontsize=8)
-    ax.set_ylabel("% above fp32 PP", fontsize=8)
-    ax.grid(alpha=0.3)
-    if drawn:
+    if panels > len(tasks):
+        ax = axes.flat[len(tasks)]
+        for t in tasks:
+            base = next((r["final"] for r in runs if r["task"] == t and r["code"] == "fp32"),
+                        None)
+            ks = sorted((k_of(r), r["final"]) for r in runs if r["task"] == t and k_of(r))
+            if ks and base:
+                ax.plot([k for k, _ in ks], [100 * (v / base - 1) for _, v in ks], "o-",
+                        label=t)
+        ax.set_xscale("log", base=2)
+        ax.set_title("subspace: final loss vs k", fontsize=9)
+        ax.set_xlabel("k", fontsize=8)
+        ax.set_ylabel("% above fp32 PP", fontsize=8)
+        ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     save_figure(fig, path)
 
