@@ -116,7 +116,7 @@ def _runs_on(task: str, code: str) -> bool:
     """A subspace wider than the model does not exist; a code inside the stages needs
     stages of several ranks."""
     fields = CODES[code] or {}
-    steps, width, dp, _ = TASKS[task]
+    _, width, dp, _ = TASKS[task]
     return fields.get("subspace_k", 0) <= width and ("stage" not in fields or dp > 1)
 
 
