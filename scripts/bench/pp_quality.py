@@ -64,6 +64,8 @@ CODES: Dict[str, Optional[Dict[str, Any]]] = {
     # a wider subspace, coded: the rank costs more than the codes (tiny-300 ablation)
     "sub128-int8": {"format": "int8", "subspace_k": 128},
     "sub128-int4": {"format": "int4", "subspace_k": 128},
+    # past 32x on the wide model: 112 coefficients, int4, one scale per token
+    "sub112-int4": {"format": "int4", "subspace_k": 112, "block": 112},
     "sub64-int8": {"format": "int8", "subspace_k": 64},
     "sub32-bf16": {"format": "bf16", "subspace_k": 32},
 }
