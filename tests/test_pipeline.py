@@ -529,6 +529,12 @@ def test_train_pp_x_fsdp_resume_is_bitwise(tmp_path: Path) -> None:
     _assert_same_checkpoint(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt",
                             ("stage0/model/", "stage1/model/", "tagc.stage0/",
                              "tagc.stage1/"))
+    # a checkpoint of other codes inside the stages is refused, naming the field
+    res = run_dist(_errors, 4, [[f"--out_dir={tmp_path / 'b'}", "--max_iters=7",
+                                 "--init_from=resume",
+                                 *[a.replace("tagc-full", "tagc-balanced") for a in extra]]],
+                   timeout=300)
+    assert "stage_tagc='tagc-full'" in res[0][0], res[0][0]
 
 
 @pytest.mark.dist

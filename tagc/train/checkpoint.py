@@ -14,7 +14,7 @@ import shutil
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,13 +105,21 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    tagc_state: Any, cfg: RunConfig, scope: str = "") -> int:
+                    tagc_state: Any, cfg: RunConfig, scope: str = "",
+                    match: Sequence[str] = ()) -> int:
     """Restore what save_checkpoint wrote (with the same ``scope``); returns the
     iteration to continue from.
 
+    Args:
+        path, model, optimizer, tagc_state, cfg: where from, and what is restored.
+        scope: as for :func:`save_checkpoint`.
+        match: config fields that must equal the saved run's (a pipeline's stage
+            count and codes decide what each rank's part is).
+
     Raises:
         FileNotFoundError: no complete checkpoint at path.
-        ValueError: the checkpoint was written with another world size or TAGC setting.
+        ValueError: the checkpoint was written with another world size, TAGC setting
+            or value of a ``match`` field.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -119,6 +127,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if not meta_path.exists():
         raise FileNotFoundError(f"no complete checkpoint at {path}")
     meta = json.loads(meta_path.read_text())
+    for key in match:
+        if meta["config"].get(key) != getattr(cfg, key):
+            raise ValueError(f"{path}: written with {key}={meta['config'].get(key)!r}, "
+                             f"this run has {key}={getattr(cfg, key)!r}")
     if meta["world_size"] != dist.get_world_size():
         raise ValueError(f"checkpoint has world size {meta['world_size']}, this run "
                          f"{dist.get_world_size()} (the per-rank TAGC residuals need the same)")

@@ -240,15 +240,9 @@ class PipelineRun:
             FileNotFoundError: no complete checkpoint.
             ValueError: it was written by another stage count, rank count or code.
         """
-        meta = ckpt / "train_state.json"
-        if meta.is_file():
-            saved = json.loads(meta.read_text())["config"]
-            for key in ("pp", "tagc", "tagc_set", "stage_tagc", "fsdp"):
-                if saved.get(key) != getattr(self.cfg, key):
-                    raise ValueError(f"{ckpt}: written with {key}={saved.get(key)!r}, "
-                                     f"this run has {key}={getattr(self.cfg, key)!r}")
         return load_checkpoint(ckpt, self.stage.submod, self.optimizer, self.tagc_state,
-                               self.cfg, scope=self._scope())
+                               self.cfg, scope=self._scope(),
+                               match=("pp", "tagc", "tagc_set", "stage_tagc", "fsdp"))
 
 
 def run_pipeline(cfg: TrainConfig, env: Any, data: TokenData, tok: Any) -> Dict[str, Any]:
