@@ -377,16 +377,22 @@ def test_local_quality_table_and_doc(tmp_path: "Path") -> None:
     lq = load_script("local_quality")
     for name, outer in lq.RUNS.items():
         if isinstance(outer, tuple):
-            h, lr, mu = outer
-            TAGCConfig.preset("local").replace(outer_every=h, outer_lr=lr, outer_momentum=mu)
+            h, lr, mu, *stream = outer
+            TAGCConfig.preset("local").replace(outer_every=h, outer_lr=lr, outer_momentum=mu,
+                                               **(stream[0] if stream else {}))
     steps = lq.TASKS["tiny-r2"][0]
     curve = [(s, 3.0 - s / steps) for s in range(0, steps + 1, 50)]
     runs = [{"task": "tiny-r2", "run": "native", "final": 2.0, "curve": curve,
              "bytes_per_step": 6.8e6, "outer": None, "seconds": 600, "commit": "abc"},
             {"task": "tiny-r2", "run": "h8-avg", "final": 2.05,
              "curve": [(s, v * 1.025) for s, v in curve], "bytes_per_step": 6.8e4,
-             "outer": (8, 1.0, 0.0), "seconds": 300, "commit": "abc"}]
+             "outer": (8, 1.0, 0.0), "seconds": 300, "commit": "abc"},
+            {"task": "tiny-r2", "run": "h32-p4-t2-a0.5", "final": 2.1, "curve": curve,
+             "bytes_per_step": 6.8e3, "outer": lq.RUNS["h32-p4-t2-a0.5"], "seconds": 300,
+             "commit": "abc"}]
     text = lq.table(runs)
+    assert "| tiny-r2 | H = 32, lr 1.0, mu 0.5, P = 4, tau = 2, alpha = 0.5 | 7 KB (1/1000) |" \
+        in text, text
     assert "| tiny-r2 | H = 8, lr 1.0, mu 0.0 | 68 KB (1/100) | 2.8700 / 2.6650 / 2.4600 / " \
            "2.2550 / 2.0500 | +2.50% | 5 min (abc) |" in text, text
     assert "| tiny-r2 | native HSDP | 6800 KB | 2.8000 / 2.6000 / 2.4000 / 2.2000 / 2.0000 " \

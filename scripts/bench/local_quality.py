@@ -45,11 +45,12 @@ TASKS: Dict[str, Tuple[int, int, Tuple[str, ...]]] = {
     "tiny-r4": (1000, 4, ()),
     # long enough for H = 128 (issue 41: each run at least 20 H steps)
     "tiny-r2-long": (2560, 2, ()),
+    "tiny-r4-long": (2560, 4, ()),
     # the suite's widest GPT-2 (4 x 512, 12.8M), 20 H steps of the preset's H = 32
     "wide-r2": (640, 2, ("--n_layer=4", "--n_head=8", "--n_embd=512")),
 }
-# run -> (outer_every H, outer_lr, outer_momentum); None: native HSDP, "preset": the
-# preset's own settings
+# run -> (outer_every H, outer_lr, outer_momentum[, {streaming knob: value}]); None:
+# native HSDP, "preset": the preset's own settings
 RUNS: Dict[str, Any] = {
     "native": None,
     "preset": "preset",
@@ -68,7 +69,15 @@ RUNS: Dict[str, Any] = {
     # lose because averaging R AdamW updates shrinks the step?
     "h8-lr2-avg": (8, 2.0, 0.0),
     "h128-m0.5": (128, 1.0, 0.5),
+    # Streaming DiLoCo (arXiv 2501.18512) at the preset's H: a quarter of the model synced
+    # every 8 steps, first at once (what fragmenting alone costs), then each sync
+    # overlapped with 2 inner steps and merged half local, half global (their alpha 0.5)
+    "h32-p4": (32, 1.0, 0.5, {"outer_fragments": 4}),
+    "h32-p4-t2-a0.5": (32, 1.0, 0.5, {"outer_fragments": 4, "outer_overlap": 2,
+                                      "outer_mix": 0.5}),
 }
+# the streaming knobs' names in the table
+STREAM = {"outer_fragments": "P", "outer_overlap": "tau", "outer_mix": "alpha"}
 MARK = ("<!-- local-quality:start -->", "<!-- local-quality:end -->")
 EVAL_EVERY = 50
 
@@ -87,8 +96,10 @@ def run_one(task: str, run: str, args: argparse.Namespace, cid: Dict[str, str]
     if outer is not None:
         cmd.append("--tagc=tagc-local")
         if outer != "preset":
-            h, lr, mu = outer
-            cmd.append(f"--tagc_set=outer_every={h},outer_lr={lr},outer_momentum={mu}")
+            h, lr, mu, *stream = outer
+            knobs = {"outer_every": h, "outer_lr": lr, "outer_momentum": mu,
+                     **(stream[0] if stream else {})}
+            cmd.append("--tagc_set=" + ",".join(f"{k}={v}" for k, v in knobs.items()))
     meta = run_meta(cmd, {"outer": outer, "steps": steps, "replicas": reps,
                           "args": list(extra)}, cid)
     got = finished_run(cmd, folder, meta, report_only=args.report_only, reuse=args.reuse)
@@ -107,8 +118,9 @@ def _label(r: Dict[str, Any]) -> str:
         t = yaml.safe_load((ROOT / "configs" / "tagc-local.yaml").read_text())
         return (f"**the preset** (H = {t['outer_every']}, lr {t['outer_lr']}, "
                 f"mu {t['outer_momentum']})")
-    h, lr, mu = r["outer"]
-    return f"H = {h}, lr {lr}, mu {mu}"
+    h, lr, mu, *stream = r["outer"]
+    streamed = "".join(f", {STREAM[k]} = {v}" for k, v in (stream[0] if stream else {}).items())
+    return f"H = {h}, lr {lr}, mu {mu}{streamed}"
 
 
 def table(runs: Sequence[Dict[str, Any]]) -> str:
