@@ -71,8 +71,10 @@ RUNS: Dict[str, Any] = {
     "h128-m0.5": (128, 1.0, 0.5),
     # Streaming DiLoCo (arXiv 2501.18512) at the preset's H: a quarter of the model synced
     # every 8 steps, first at once (what fragmenting alone costs), then each sync
-    # overlapped with 2 inner steps and merged half local, half global (their alpha 0.5)
+    # overlapped with 2 inner steps, taking the global result (alpha 0) or merging half
+    # local, half global (their alpha 0.5)
     "h32-p4": (32, 1.0, 0.5, {"outer_fragments": 4}),
+    "h32-p4-t2": (32, 1.0, 0.5, {"outer_fragments": 4, "outer_overlap": 2}),
     "h32-p4-t2-a0.5": (32, 1.0, 0.5, {"outer_fragments": 4, "outer_overlap": 2,
                                       "outer_mix": 0.5}),
 }
