@@ -377,9 +377,7 @@ def test_local_quality_table_and_doc(tmp_path: "Path") -> None:
     lq = load_script("local_quality")
     for name, outer in lq.RUNS.items():
         if isinstance(outer, tuple):
-            h, lr, mu, *stream = outer
-            TAGCConfig.preset("local").replace(outer_every=h, outer_lr=lr, outer_momentum=mu,
-                                               **(stream[0] if stream else {}))
+            TAGCConfig.preset("local").replace(**lq.knobs(outer))
     steps = lq.TASKS["tiny-r2"][0]
     curve = [(s, 3.0 - s / steps) for s in range(0, steps + 1, 50)]
     runs = [{"task": "tiny-r2", "run": "native", "final": 2.0, "curve": curve,

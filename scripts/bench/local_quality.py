@@ -69,8 +69,8 @@ RUNS: Dict[str, Any] = {
     # lose because averaging R AdamW updates shrinks the step?
     "h8-lr2-avg": (8, 2.0, 0.0),
     "h128-m0.5": (128, 1.0, 0.5),
-    # Streaming DiLoCo (arXiv 2501.18512) at the preset's H: a quarter of the model synced
-    # every 8 steps, first at once (what fragmenting alone costs), then each sync
+    # Streaming DiLoCo (arXiv 2501.18512) at the preset's H: the model in 4 fragments (at
+    # most one per FSDP2 unit), one synced every 8 steps, first at once (what fragmenting alone costs), then each sync
     # overlapped with 2 inner steps, taking the global result (alpha 0) or merging half
     # local, half global (their alpha 0.5)
     "h32-p4": (32, 1.0, 0.5, {"outer_fragments": 4}),
@@ -80,6 +80,13 @@ RUNS: Dict[str, Any] = {
 }
 # the streaming knobs' names in the table
 STREAM = {"outer_fragments": "P", "outer_overlap": "tau", "outer_mix": "alpha"}
+
+
+def knobs(outer: Sequence[Any]) -> Dict[str, Any]:
+    """A run's TAGCConfig fields from its RUNS entry (H, lr, mu[, streaming knobs])."""
+    h, lr, mu, *stream = outer
+    return {"outer_every": h, "outer_lr": lr, "outer_momentum": mu,
+            **(stream[0] if stream else {})}
 MARK = ("<!-- local-quality:start -->", "<!-- local-quality:end -->")
 EVAL_EVERY = 50
 
@@ -98,10 +105,7 @@ def run_one(task: str, run: str, args: argparse.Namespace, cid: Dict[str, str]
     if outer is not None:
         cmd.append("--tagc=tagc-local")
         if outer != "preset":
-            h, lr, mu, *stream = outer
-            knobs = {"outer_every": h, "outer_lr": lr, "outer_momentum": mu,
-                     **(stream[0] if stream else {})}
-            cmd.append("--tagc_set=" + ",".join(f"{k}={v}" for k, v in knobs.items()))
+            cmd.append("--tagc_set=" + ",".join(f"{k}={v}" for k, v in knobs(outer).items()))
     meta = run_meta(cmd, {"outer": outer, "steps": steps, "replicas": reps,
                           "args": list(extra)}, cid)
     got = finished_run(cmd, folder, meta, report_only=args.report_only, reuse=args.reuse)
@@ -120,9 +124,9 @@ def _label(r: Dict[str, Any]) -> str:
         t = yaml.safe_load((ROOT / "configs" / "tagc-local.yaml").read_text())
         return (f"**the preset** (H = {t['outer_every']}, lr {t['outer_lr']}, "
                 f"mu {t['outer_momentum']})")
-    h, lr, mu, *stream = r["outer"]
-    streamed = "".join(f", {STREAM[k]} = {v}" for k, v in (stream[0] if stream else {}).items())
-    return f"H = {h}, lr {lr}, mu {mu}{streamed}"
+    k = knobs(r["outer"])
+    streamed = "".join(f", {STREAM[n]} = {k[n]}" for n in STREAM if n in k)
+    return f"H = {k['outer_every']}, lr {k['outer_lr']}, mu {k['outer_momentum']}{streamed}"
 
 
 def table(runs: Sequence[Dict[str, Any]]) -> str:
