@@ -47,6 +47,13 @@ class RunConfig:
     log_interval: int = option(10, "steps between log lines and metrics rows")
     ckpt_interval: int = option(0, "steps between checkpoints; 0: only at the end")
     save_checkpoint: bool = option(True, "save a checkpoint at the end of the run")
+    keep_checkpoints: int = option(2, "checkpoints kept in out_dir/ckpt (the newest K; >= 1)")
+    resume_from: str = option("latest", "with init_from=resume: latest | previous (the one "
+                                        "before the newest) | a step number")
+    nonfinite_patience: int = option(0, "consecutive steps with a non-finite train loss "
+                                        "tolerated before the run stops with an error")
+    timeout: float = option(300.0, "seconds a collective may wait for a peer before the "
+                                   "process group fails (init_process_group's timeout)")
     progress: bool = option(True, "tqdm progress bar on rank 0")
     tensorboard: bool = option(True, "TensorBoard logs in out_dir/tb (if installed)")
     # data
@@ -101,7 +108,15 @@ class RunConfig:
                      "batch_size", "grad_accum", "max_iters"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("ckpt_interval", "warmup_iters", "lr_decay_iters", "threads", "seed"):
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.resume_from not in ("latest", "previous") and not self.resume_from.isdigit():
+            raise ValueError("resume_from must be latest, previous or a step number, got "
+                             f"{self.resume_from!r}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        for name in ("ckpt_interval", "warmup_iters", "lr_decay_iters", "threads", "seed",
+                     "nonfinite_patience"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):

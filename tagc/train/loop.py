@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import logging
 import math
@@ -124,7 +125,10 @@ def setup(cfg: RunConfig, script: str) -> Env:
     own_pg = not dist.is_initialized()
     if own_pg:
         require_launcher(script)
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        # a collective waits at most this long for a peer (a stalled one included)
+        # before the group fails; torch's default, 30 minutes, passes for a hang
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.timeout))
         # plain runs too: gloo's workers may touch Python at exit (tagc/teardown.py)
         teardown.install()
     rank, world = dist.get_rank(), dist.get_world_size()
