@@ -16,8 +16,9 @@ import dataclasses
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -108,6 +109,118 @@ def keep_count(theta: float, s: int) -> int:
     """
     # round() guards against (1 - 0.9875) * 800 == 10.000000000000009
     return min(max(math.ceil(round((1.0 - theta) * s, 9)), 1), s)
+
+
+# Bits per value on the wire at which a code stops paying: fp32 sends 32 (a code at that
+# or more costs more than no compression), bf16 16 (a code at that or more saves nothing
+# over a bf16 reduce).
+CODE_REFUSE_BITS = 32.0
+CODE_WARN_BITS = 16.0
+# (block knob, block, formats) already warned about: each warning comes once per process.
+_WARNED_CODES: Set[Tuple[str, int, Tuple[str, ...]]] = set()
+
+
+def code_bits(fmt: str, block: int, gather: bool = False) -> float:
+    """Bits per value of ``fmt`` codes in blocks of ``block``, scales included, by the
+    codec's own size rule over full blocks (a shard's short last block aside).
+
+    Args:
+        fmt: a quant format (``QUANT_FORMATS``) or, with ``gather``, a gather format.
+        block: values per fp32 scale.
+        gather: size by ``_tagc.wq_bytes`` (the parameter gather's and the pipeline's
+            block records) instead of ``_tagc.quant_bytes``.
+    Returns:
+        ``8 * bytes / block`` of one full block.
+    Raises:
+        ImportError: the ``_tagc`` codec is not built.
+    """
+    from .codec import _tagc, require_codec
+
+    require_codec()
+    if gather:
+        nbytes = _tagc.wq_bytes(torch.tensor([block], dtype=torch.int64), fmt, block)
+    else:
+        nbytes = _tagc.quant_bytes(block, fmt, block)
+    return 8.0 * int(nbytes) / block
+
+
+def _smallest_block(fmt: str, gather: bool) -> int:
+    """The smallest block whose codes take fewer than ``CODE_WARN_BITS`` per value."""
+    block = 1
+    while code_bits(fmt, block, gather) >= CODE_WARN_BITS:
+        block += 1
+    return block
+
+
+# One block code a config puts to use: (format knob, format, block knob, block, sized
+# by wq_bytes rather than quant_bytes).
+CodeUse = Tuple[str, str, str, int, bool]
+
+
+def coded_pairs(cfg: "TAGCConfig") -> List[CodeUse]:
+    """The block codes a config puts to use.
+
+    A knob that has no effect (``quant_format`` outside ``quant`` mode, a residual code
+    where no residual is kept) adds nothing, since it costs no bytes.
+
+    Args:
+        cfg: the config, its derived knobs resolved.
+    Returns:
+        ``(format knob, format, block knob, block, gather)`` of each code.
+    """
+    q, g = ("quant_block", cfg.quant_block, False), ("gather_block", cfg.gather_block, True)
+    out = []
+    if cfg.quantizes:
+        out.append(("quant_format", cfg.quant_format, *q))
+        # two-phase HSDP's owners code their chunk of the sum on it
+        out.append(("hsdp_out_format", cfg.out_format(), *q))
+    if cfg.feeds_back and cfg.residual_code != "none":
+        out.append(("residual_code", cfg.residual_code, *q))
+    if cfg.gather != "none":
+        out.append(("gather", cfg.gather, *g))
+    return out
+
+
+def check_block_codes(uses: List[CodeUse]) -> None:
+    """Refuse block codes that take at least fp32's bits per value; warn (once per
+    process, block knob, block and formats) about those at bf16's or more.
+
+    Small blocks are dominated by their fp32 scale: at block 1 every format takes 40
+    bits per value, 25% more than sending the values uncompressed.  Without the codec
+    built nothing is checked (a compressing run cannot start without it either).
+
+    Args:
+        uses: the codes, as :func:`coded_pairs` lists them.
+    Raises:
+        ValueError: a code reaches ``CODE_REFUSE_BITS``; the message names its knobs
+            and the smallest block that brings every code on that block knob under
+            ``CODE_WARN_BITS``.
+    """
+    from .codec import _tagc
+
+    if _tagc is None:
+        return
+    for block_knob in dict.fromkeys(u[2] for u in uses):
+        mine = [u for u in uses if u[2] == block_knob]
+        block, gather = mine[0][3], mine[0][4]
+        bits = {fmt: code_bits(fmt, block, gather) for _, fmt, *_ in mine}
+        bad = sorted(f for f, v in bits.items() if v >= CODE_WARN_BITS)
+        if not bad:
+            continue
+        what = "; ".join(
+            f"{', '.join(u[0] for u in mine if u[1] == fmt)} with {block_knob}={block}: "
+            f"{fmt} codes take {bits[fmt]:.3g} bits per value on the wire, scales included"
+            for fmt in bad)
+        fix = (f"use {block_knob} >= {max(_smallest_block(f, gather) for f in bits)} (the "
+               f"smallest under {CODE_WARN_BITS:g} bits for every code on it)")
+        if max(bits.values()) >= CODE_REFUSE_BITS:
+            raise ValueError(f"{what}: at least fp32's {CODE_REFUSE_BITS:g}, more bytes "
+                             f"than no compression; {fix}")
+        key = (block_knob, block, tuple(bad))
+        if key not in _WARNED_CODES:
+            _WARNED_CODES.add(key)
+            warnings.warn(f"{what}: at least bf16's {CODE_WARN_BITS:g}, little or nothing "
+                          f"saved; {fix}", stacklevel=2)
 
 
 # --------------------------------------------------------------------------- config
@@ -223,7 +336,10 @@ class TAGCConfig:
             int4: 2.06; ternary: 0.88; tests/test_hook_config.py checks these
             figures against it); memory: one residual per unit as every mode.
         quant_block: entries per fp32 scale in quant mode, 1..65536 (256:
-            0.125 bits per entry of scale).
+            0.125 bits per entry of scale).  A block at which a code in use
+            (``quant_format``, the HSDP owners', ``residual_code``) takes 32
+            bits or more per value is refused, 16 or more warned about
+            (:func:`check_block_codes`): blocks 1 to 4, depending on the code.
         ef21: EF21 feedback (Richtarik et al. 2021) instead of the residual:
             each rank keeps ``h``, its running estimate of its own gradient,
             and sends the compressed *change* ``C(g - h)`` (then ``h += C(g -
@@ -298,7 +414,8 @@ class TAGCConfig:
             gather_block)`` bits per parameter for int8 (8.125 at block
             256), against 32 (fp32) or 16 (bf16 ``param_dtype``); memory:
             the codes of one unit, per call, nothing kept.
-        gather_block: values per fp32 scale of the gather codes, 1..65536.
+        gather_block: values per fp32 scale of the gather codes, 1..65536;
+            bounded as ``quant_block`` (int8 from 5, int4 from 4 without a warning).
         fsdp_overlap: FSDP2 over one group on the CPU: run every unit's
             reduce-scatter and every parameter all-gather on a worker thread
             while the forward and backward compute (tagc/overlap.py), as FSDP's
@@ -539,6 +656,7 @@ class TAGCConfig:
             raise ValueError(f"hsdp_out_format: must be 'auto' or one of {QUANT_FORMATS}, "
                              f"got {self.hsdp_out_format!r}")
         self._check_guard()
+        check_block_codes(coded_pairs(self))
 
     def _resolve_residual_code(self) -> None:
         c = self.residual_code
