@@ -396,14 +396,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
         print(f"wrote {out / 'grid.md'} and {out / 'grid_curves.png'}")
         return {str(n): r for n, r in res.items()}
     names = [n.strip() for n in args.presets.split(",") if n.strip()]
-    presets: List[Tuple[str, Optional[Path]]] = [("baseline", None)]
+    runs: List[Tuple[str, Optional[Path]]] = [("baseline", None)]
     for n in names:
         path = _preset_path(n)
-        presets.append((path.stem, path))
+        runs.append((path.stem, path))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Dict[str, Any]] = {}
-    for name, preset in presets:
+    for name, preset in runs:
         results[name] = run_one(name, preset, args, extra)
         results[name]["_config"] = str(out / name / "config.json")
     text = write_table(results, out / "quality.md", command.strip())
