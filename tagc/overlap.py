@@ -36,15 +36,30 @@ worker issues collectives on that group.  That is why ``fsdp_overlap`` routes *e
 all-gather of the group through the worker, exact ones included (:class:`tagc.gather.
 OrderedGatherComm` without ``gather``), and why the HSDP route keeps its gathers on the
 calling thread (FSDP's own reduce-scatter uses their group there).
+
+Failures: a job that raises stops the worker.  Each rank's collectives pair with its
+peers' by their order alone, so after one rank's job failed (a Python error before its
+collective, a peer gone, a collective timed out) its later collectives would meet the
+peers' wrong ones: the worker runs no job after the first failure, marking each failed
+("not run: an earlier overlapped X failed"), and every later :meth:`Overlap.submit`,
+:meth:`Overlap.run` or wait raises on the training thread, chained to the first error,
+a failed gather that nobody waits for included.  Nothing waits without a bound: a
+gloo or NCCL collective fails by itself after its process group's timeout (the
+training script's ``--timeout``), and a wait for the worker gives up once no job has
+finished for :attr:`Overlap.timeout` seconds (by default twice the default process
+group's timeout: the backstop for a job stuck outside a collective), stopping the
+worker as a failure does.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
 import logging
 import queue
 import threading
-from typing import Any, Callable, Optional
+import time
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -55,21 +70,60 @@ logger = logging.getLogger(__name__)
 # present in torch 2.13: without it nothing is deferred
 _graph_task_id: Optional[Callable[[], int]] = getattr(torch._C, "_current_graph_task_id", None)
 
+# a wait's default bound in process group timeouts: a job's collectives each fail by
+# themselves after one, so a job running for two is stuck outside them, or its link is
+# too slow for the timeout the run was given
+STALL_TIMEOUTS = 2.0
+
 
 def in_backward() -> bool:
     """Whether the calling thread runs a backward (a graph task is current)."""
     return _graph_task_id is not None and _graph_task_id() >= 0
 
 
+def group_timeout() -> float:
+    """The default process group's collective timeout in seconds (``init_process_group``'s
+    ``timeout``, the training script's ``--timeout``); torch's default for gloo (30
+    minutes) without a group.
+
+    Returns:
+        seconds.
+    """
+    default = dist.constants.default_pg_timeout.total_seconds()
+    if not dist.is_available() or not dist.is_initialized():
+        return default
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, ValueError):  # private torch API; no CPU backend
+        return default
+
+
+def _seconds(timeout: Union[None, float, datetime.timedelta]) -> Optional[float]:
+    """A wait's bound in seconds, None for none: torch's ``Work.wait`` takes a
+    ``timedelta`` whose zero means no bound of the call's own."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return s if s > 0 else None
+
+
+def _not_run(failed: str, failure: BaseException) -> RuntimeError:
+    """The error of a job the worker skipped after ``failure`` (of a ``failed``),
+    chained to it."""
+    err = RuntimeError(f"not run: an earlier overlapped {failed} failed: {failure}")
+    err.__cause__ = failure
+    return err
+
+
 class _Job:
-    """One submitted exchange: ``fn``, then ``done`` set; ``error`` what it raised.
-    ``owned``: a :class:`JobWork` reports the error (a gather), else
-    :meth:`Overlap.wait` does (a deferred gradient exchange)."""
+    """One submitted exchange: ``fn``, then ``done`` set; ``error`` what it raised, or
+    why it was not run; ``what`` names it in errors."""
 
-    __slots__ = ("fn", "owned", "done", "error")
+    __slots__ = ("fn", "what", "done", "error")
 
-    def __init__(self, fn: Callable[[], None], owned: bool) -> None:
-        self.fn, self.owned = fn, owned
+    def __init__(self, fn: Callable[[], None], what: str) -> None:
+        self.fn, self.what = fn, what
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
 
@@ -80,25 +134,38 @@ class JobWork(dist.Work):
 
     Args:
         job: the job.
-        what: what the job does (the error message).
+        overlap: the worker that runs it.
     """
 
-    def __init__(self, job: _Job, what: str) -> None:
+    def __init__(self, job: _Job, overlap: "Overlap") -> None:
         super().__init__()
-        self._job, self._what = job, what
+        self._job, self._overlap = job, overlap
 
     def is_completed(self) -> bool:
         return self._job.done.is_set()
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: Union[None, float, datetime.timedelta] = None) -> bool:
         """Block until the job ran (idempotent).
 
+        Args:
+            timeout: at most this long (a ``timedelta`` as torch's ``Work.wait`` takes,
+                or seconds); None or zero: until the worker has finished no job for
+                :attr:`Overlap.timeout`.
+        Returns:
+            True.
         Raises:
-            RuntimeError: it failed (chained to its error).
+            RuntimeError: the job failed or was not run (chained to its error), the
+                worker stopped before it ran (chained to the first failure), or the
+                wait timed out (which stops the worker).  A job that ran before a
+                failure returns: its output is good, and the next call raises.
         """
-        self._job.done.wait()
-        if self._job.error is not None:
-            raise RuntimeError(f"TAGC: an overlapped {self._what} failed") from self._job.error
+        job = self._job
+        self._overlap._await(job.done.is_set, job.what, _seconds(timeout))
+        if not job.done.is_set():  # behind a failure: skipped soon, or stuck behind it
+            self._overlap._check()
+        if job.error is not None:
+            raise RuntimeError(f"TAGC: an overlapped {job.what} failed: {job.error}") \
+                from job.error
         return True
 
 
@@ -107,24 +174,35 @@ class Overlap:
 
     :meth:`submit` defers a gradient exchange to the end of the running backward;
     :meth:`run` hands one over and returns a :class:`JobWork` to wait on.
-    :meth:`wait` returns when every submitted job is done and raises the first error
-    a deferred one raised (the later jobs still ran: their collectives must match the
-    peers', which fail alike).
+    :meth:`wait` returns when every submitted job is done.  The first job that fails
+    stops the worker (module docstring): no later job runs, and every later
+    :meth:`submit`, :meth:`run` and wait raises, chained to that first error.
 
     Args:
         what: the deferred exchanges, for errors ("HSDP all-reduce", ...).
+        timeout: seconds a wait goes on while the worker finishes no job before it
+            raises and stops the worker; None: :data:`STALL_TIMEOUTS` times the default
+            process group's timeout (:func:`group_timeout`), read at each wait.
 
     Attributes:
         deferred: gradient exchanges deferred so far (a counter for stats and tests).
         handed: jobs :meth:`run` handed over so far.
     """
 
-    def __init__(self, what: str = "HSDP all-reduce") -> None:
+    def __init__(self, what: str = "HSDP all-reduce", timeout: Optional[float] = None) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"Overlap: timeout must be > 0 seconds or None (twice the "
+                             f"process group's), got {timeout}")
         self.what = what
+        self._timeout = timeout
         self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._done = threading.Condition()
         self._pending = 0
-        self._error: Optional[BaseException] = None
+        # the first failure and the job it failed; once set, no job runs
+        self._failure: Optional[BaseException] = None
+        self._failed: str = ""
+        # when the worker last started or finished a job (time.monotonic)
+        self._progress = time.monotonic()
         self._thread: Optional[threading.Thread] = None
         # the backward (graph task) whose final callback waits for the worker
         self._task: Optional[int] = None
@@ -132,10 +210,24 @@ class Overlap:
         self.handed = 0
 
     @property
+    def timeout(self) -> float:
+        """Seconds a wait goes on while the worker finishes no job (the default read
+        from the process group now)."""
+        if self._timeout is not None:
+            return self._timeout
+        return STALL_TIMEOUTS * group_timeout()
+
+    @property
     def pending(self) -> int:
         """Jobs submitted and not yet done."""
         with self._done:
             return self._pending
+
+    @property
+    def failed(self) -> bool:
+        """Whether a job failed (or a wait timed out): the worker runs no more jobs."""
+        with self._done:
+            return self._failure is not None
 
     def _put(self, job: _Job) -> None:
         if self._thread is None:
@@ -147,16 +239,76 @@ class Overlap:
             self._pending += 1
         self._jobs.put(job)
 
+    def _check(self) -> None:
+        """Raise the first failure, if a job failed: the training thread's next call.
+
+        Raises:
+            RuntimeError: naming the failed job and the fix, chained to its error.
+        """
+        with self._done:
+            err, what = self._failure, self._failed
+        if err is not None:
+            raise RuntimeError(
+                f"TAGC: an overlapped {what} failed: {err}; the overlapped exchanges "
+                f"stopped there (later ones would pair with the wrong collectives of the "
+                f"other ranks): end the run on every rank and resume it from its last "
+                f"checkpoint") from err
+
+    def _stop(self, err: BaseException, what: str) -> None:
+        """Record ``err`` as the failure that stops the worker, unless one came first."""
+        with self._done:
+            if self._failure is None:
+                self._failure, self._failed = err, what
+
+    def _await(self, ready: Callable[[], bool], what: str, timeout: Optional[float]) -> None:
+        """Block until ``ready()`` or a failure.
+
+        Args:
+            ready: the condition (read under the worker's lock).
+            what: the exchange waited for, for the error.
+            timeout: seconds from now; None: until the worker has finished no job for
+                :attr:`timeout` seconds.
+        Raises:
+            RuntimeError: the bound passed (the worker is stopped: its next job must
+                not pair with the peers' collectives after this rank gave up).
+        """
+        stall = timeout is None
+        bound = self.timeout if stall else float(timeout)  # type: ignore[arg-type]
+        start = time.monotonic()
+        with self._done:
+            while not ready() and self._failure is None:
+                since = max(start, self._progress) if stall else start
+                left = since + bound - time.monotonic()
+                if left <= 0:
+                    break
+                self._done.wait(left)
+            else:
+                return
+        why = (f"the worker finished no job for {bound:.3g} s (Overlap.timeout: "
+               f"{STALL_TIMEOUTS:g} x the process group's timeout unless set)" if stall
+               else f"the wait's timeout of {bound:.3g} s")
+        err = RuntimeError(f"TAGC: timed out waiting for an overlapped {what}: {why}; a "
+                           f"peer may be stopped or gone, or the link too slow for the "
+                           f"timeout: raise --timeout (the process group's) if the peers "
+                           f"are alive")
+        self._stop(err, what)
+        raise err
+
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the worker after every earlier one; the running backward
         waits for it before it returns.  Call only where :func:`tagc.fsdp2.deferrable` holds
-        (inside a backward)."""
+        (inside a backward).
+
+        Raises:
+            RuntimeError: outside a backward, or an earlier job failed (:meth:`_check`).
+        """
         task = _graph_task_id() if _graph_task_id is not None else -1
         if task < 0:
             raise RuntimeError(f"TAGC: Overlap.submit outside a backward; nothing would "
                                f"wait for the {self.what}")
+        self._check()
         self.deferred += 1
-        self._put(_Job(job, owned=False))
+        self._put(_Job(job, self.what))
         if task != self._task:
             # final callbacks queued from a hook, even one FSDP calls from its own
             # final callback, run after the callbacks queued before them
@@ -171,25 +323,31 @@ class Overlap:
             what: what it does, for its error.
         Returns:
             the work to wait on before reading what ``job`` writes.
+        Raises:
+            RuntimeError: an earlier job failed (:meth:`_check`).
         """
-        j = _Job(job, owned=True)
+        self._check()
+        j = _Job(job, what)
         self.handed += 1
         self._put(j)
-        return JobWork(j, what)
+        return JobWork(j, self)
 
-    def wait(self) -> None:
+    def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every submitted job is done.
 
+        Args:
+            timeout: at most this many seconds; None: until the worker has finished no
+                job for :attr:`timeout` seconds.
         Raises:
-            RuntimeError: a deferred exchange failed (chained to its error).
+            RuntimeError: a job failed, a gather nobody waited for included (chained
+                to its error), or the wait timed out (which stops the worker).
         """
-        with self._done:
-            while self._pending:
-                self._done.wait()
-            self._task = None
-            err, self._error = self._error, None
-        if err is not None:
-            raise RuntimeError(f"TAGC: an overlapped {self.what} failed") from err
+        try:
+            self._await(lambda: self._pending == 0, self.what, _seconds(timeout))
+        finally:
+            with self._done:
+                self._task = None
+        self._check()
 
     def close(self, timeout: float = 10.0) -> None:
         """End the worker after the jobs already submitted (idempotent; at exit too).
@@ -214,17 +372,22 @@ class Overlap:
             job = self._jobs.get()
             if job is None:
                 return
+            with self._done:
+                failure, failed = self._failure, self._failed
+                self._progress = time.monotonic()
             try:
-                job.fn()
-            except BaseException as e:  # noqa: BLE001 - handed to wait() / JobWork
+                if failure is not None:
+                    # the peers' collectives no longer line up with this rank's
+                    job.error = _not_run(failed, failure)
+                else:
+                    job.fn()
+            except BaseException as e:  # noqa: BLE001 - raised on the training thread
                 job.error = e
-                if not job.owned:
-                    with self._done:
-                        if self._error is None:
-                            self._error = e
+                self._stop(e, job.what)
             finally:
                 job.fn = None  # type: ignore[assignment]  # drop the tensors it holds
                 job.done.set()
                 with self._done:
                     self._pending -= 1
+                    self._progress = time.monotonic()
                     self._done.notify_all()

@@ -1,5 +1,6 @@
 """tagc/overlap.py without a process group: when a unit may be deferred, the worker's
-order, the backward waiting for it, the work a handed-over job returns, errors.  The distributed checks (overlapped HSDP
+order, the backward waiting for it, the work a handed-over job returns.  Its failures
+and timeouts are tests/test_failures.py; the distributed checks (overlapped HSDP
 equals the blocking hook bit for bit, accumulation blocks, a failing unit) are cases
 of tests/test_hsdp.py."""
 from __future__ import annotations
@@ -68,26 +69,6 @@ def test_jobs_run_in_order_and_the_backward_waits_for_them() -> None:
     ov.close()  # idempotent
 
 
-def test_a_failed_job_fails_the_backward_and_the_rest_still_run() -> None:
-    ov = Overlap()
-    done: List[str] = []
-    x = torch.ones(2, requires_grad=True)
-
-    def boom() -> None:
-        raise ValueError("injected")
-
-    def hook(g: torch.Tensor) -> None:
-        ov.submit(boom)
-        ov.submit(lambda: done.append("after"))
-
-    x.register_hook(hook)
-    with pytest.raises(RuntimeError, match="overlapped HSDP all-reduce failed") as e:
-        (x * 3).sum().backward()
-    assert isinstance(e.value.__cause__, ValueError) and done == ["after"]
-    ov.wait()  # the error was reported once
-    ov.close()
-
-
 def test_each_backward_gets_its_own_wait() -> None:
     """A backward that follows another queues its own final callback (the first one's
     was used up), so its jobs are waited for too."""
@@ -112,8 +93,10 @@ def test_submit_outside_a_backward_is_refused() -> None:
 
 def test_run_hands_back_a_work_that_waits_for_its_job_in_order() -> None:
     """``run`` (the gathers of ``fsdp_overlap``) queues behind the deferred jobs and
-    returns a ``torch.distributed.Work`` that FSDP2 accepts and waits on; its error is
-    raised by that work alone, not again by :meth:`Overlap.wait`."""
+    returns a ``torch.distributed.Work`` that FSDP2 accepts and waits on, the way FSDP
+    does (torch's ``timedelta(0)``: no bound of the call's own) or with none."""
+    import datetime
+
     import torch.distributed as dist
 
     ov = Overlap("FSDP2 reduce-scatter")
@@ -121,23 +104,15 @@ def test_run_hands_back_a_work_that_waits_for_its_job_in_order() -> None:
     x = torch.ones(2, requires_grad=True)
     works: List[Any] = []
 
-    def boom() -> None:
-        raise ValueError("injected")
-
     def hook(g: torch.Tensor) -> None:
         ov.submit(lambda: (time.sleep(0.05), done.append("deferred")))
         works.append(ov.run(lambda: done.append("gather"), "parameter all-gather"))
-        works.append(ov.run(boom, "parameter all-gather"))
 
     x.register_hook(hook)
-    (x * 3).sum().backward()  # the failed gather is its work's to report
-    assert done == ["deferred", "gather"] and ov.handed == 2 and ov.deferred == 1
+    (x * 3).sum().backward()
+    assert done == ["deferred", "gather"] and ov.handed == 1 and ov.deferred == 1
     assert all(isinstance(w, dist.Work) and w.is_completed() for w in works)
-    assert works[0].wait() and works[0].wait()  # idempotent
-    for _ in range(2):
-        with pytest.raises(RuntimeError, match="overlapped parameter all-gather failed") as e:
-            works[1].wait()
-        assert isinstance(e.value.__cause__, ValueError)
+    assert works[0].wait() and works[0].wait(datetime.timedelta(0))  # idempotent
     w = ov.run(lambda: done.append("outside"), "parameter all-gather")  # no backward needed
     assert w.wait() and done[-1] == "outside"
     ov.wait()
