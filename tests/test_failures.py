@@ -1,23 +1,34 @@
-"""Failures surface, nothing hangs silently (tagc/overlap.py).
+"""Failures surface, nothing hangs silently (tagc/overlap.py and the training script).
 
 Without a process group: the worker's first failure, a deferred gradient exchange or
 a gather nobody waits for, is raised on the training thread by the next submit, run or
 wait, chained to the original, and no later job runs; the waits' bounds (torch's
 ``timedelta`` and seconds, the default bound counted from the worker's last progress).
 With gloo: a real collective failing on the worker (a peer that never joins it) stops
-the worker the same way.
+the worker the same way; and a peer stopped with SIGSTOP under the real training
+script makes the other rank exit with an error naming the timeout, within
+``--timeout`` and a margin.
 """
 from __future__ import annotations
 
 import datetime
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
 
 from tagc.overlap import STALL_TIMEOUTS, JobWork, Overlap, group_timeout
+
+REPO = Path(__file__).resolve().parent.parent
 
 GATHER = "parameter all-gather"
 
@@ -230,3 +241,71 @@ def test_a_collective_failing_on_the_worker_stops_it() -> None:
     assert 1.5 < res[0]["seconds"] < 20, res[0]["seconds"]
     assert "overlapped parameter all-gather failed" in res[0]["next"]
     assert "timed out" in res[0]["next"].lower(), res[0]["next"]  # gloo's own error
+
+
+# --------------------------------------------------------------------------- the script
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TIMEOUT_S = 10.0
+# startup past the timeout: the error's way out (tracebacks, atexit's bounded joins)
+EXIT_MARGIN_S = 20.0
+
+
+@pytest.mark.dist
+@pytest.mark.codec
+def test_a_stopped_peer_ends_the_run_with_a_timeout_error(tmp_path: Path) -> None:
+    """Two ranks of ``python -m tagc.train`` (the environment torchrun sets), FSDP2 with
+    a compressing preset (the exchanges on the overlap worker), ``--timeout 10``; after
+    two steps rank 1 is stopped (SIGSTOP): rank 0 exits non-zero within the timeout
+    and a margin, its output naming the timeout."""
+    import tagc.train.data as token_data
+
+    cache = tmp_path / "cache"
+    token_data.prepare(token_data.get_source("stdlib"), token_data.byte_tokenizer(), cache)
+    args = [sys.executable, "-m", "tagc.train", "--fsdp=2",
+            "--tagc", str(REPO / "configs" / "tagc-2x-4bit.yaml"),
+            f"--timeout={TIMEOUT_S:g}", f"--out_dir={tmp_path / 'out'}",
+            f"--cache_dir={cache}", "--progress=false", "--tokenizer=byte",
+            "--batch_size=2", "--block_size=32", "--eval_iters=1", "--eval_interval=100000",
+            "--log_interval=1", "--warmup_iters=0", "--max_iters=100000",
+            "--save_checkpoint=false", "--threads=1"]
+    port, logs, procs = _free_port(), [tmp_path / f"rank{r}.log" for r in range(2)], []
+    try:
+        for rank in range(2):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+            with open(logs[rank], "w") as f:
+                procs.append(subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT,
+                                              env=env, cwd=tmp_path))
+
+        def log(rank: int) -> str:
+            return logs[rank].read_text(errors="replace")
+
+        deadline = time.monotonic() + 90
+        while "\niter 2:" not in log(0):
+            assert procs[0].poll() is None and procs[1].poll() is None, log(0) + log(1)
+            assert time.monotonic() < deadline, "no step 2 in 90 s:\n" + log(0)
+            time.sleep(0.1)
+        seen = len(log(0))
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            rc = procs[0].wait(timeout=TIMEOUT_S + EXIT_MARGIN_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"rank 0 still running {TIMEOUT_S + EXIT_MARGIN_S:g} s "
+                                 f"after its peer stopped:\n{log(0)[-3000:]}") from None
+        took, after = time.monotonic() - t0, log(0)[seen:]
+        assert rc != 0, after[-3000:]
+        assert re.search(r"timed out", after, re.IGNORECASE), after[-3000:]
+        assert took > TIMEOUT_S * 0.8, (took, after[-3000:])  # the timeout ended it
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # SIGKILL ends a stopped process too
+            p.wait(10)
