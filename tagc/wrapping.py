@@ -4,8 +4,12 @@
 (FSDP2's ``fully_shard``, custom HSDP with a 2-D mesh) give every selected module, and
 every big unselected ``nn.Linear``/``nn.Embedding``, its own unit, so that the rule "a
 unit is compressed when selected parameters hold half of it" is exact for them
-(docs/DESIGN.md section 6).  Public torch API only: torch internals stay in
-``fsdp1.py``/``fsdp2.py``.
+(docs/DESIGN.md section 6).  A module whose parameters its parent's forward reads
+directly instead of calling it (``nn.MultiheadAttention.out_proj``) never gets a unit of
+its own: FSDP gathers a unit only when its module is called, so the parent would compute
+with sharded parameters (FSDP2: "got mixed torch.Tensor and DTensor"); it stays in the
+parent's unit (:func:`~tagc.selection.direct_reads` says which modules those are).
+Public torch API only: torch internals stay in ``fsdp1.py``/``fsdp2.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ def fsdp1_auto_wrap_policy(model: nn.Module, cfg: TAGCConfig) -> Callable[..., b
     Every module owning a selected parameter, and every other ``nn.Linear``/
     ``nn.Embedding`` with at least ``min_numel`` parameters, becomes one unit;
     everything else (norms, position embeddings, tied weights) stays in the root.
+    Except a module whose parameters an ancestor's forward reads directly: it stays in
+    that reader's unit, and the reader becomes a unit in its place
+    (:func:`~tagc.selection.modules_to_wrap`).  Known: ``nn.MultiheadAttention``'s
+    ``out_proj`` (so the attention is one unit) and every child of
+    ``nn.TransformerEncoderLayer``, whose eval fast path reads all its weights (so the
+    layer is one unit; ``nn.TransformerDecoderLayer`` calls its children and is split
+    as usual); other readers are found by a scan of each class's ``forward`` source
+    for ``self.child.weight``-style reads.  A read the scan cannot see (through a
+    local name, an index or ``getattr``) still fails at the first forward.
 
     Args:
         model: the unwrapped model (the policy is computed from it).
@@ -32,6 +45,11 @@ def fsdp1_auto_wrap_policy(model: nn.Module, cfg: TAGCConfig) -> Callable[..., b
     Returns:
         a callable ``(module, recurse, nonwrapped_numel) -> bool`` for
         ``FullyShardedDataParallel(model, auto_wrap_policy=...)``.
+    Raises:
+        ValueError: ``cfg.layers`` is a callable selecting parameters of such a kept
+            module (named in the message) whose unit would then not be compressed; the
+            message says which of the unit's other parameters to select.  With
+            ``layers`` a string the same case is a logged warning.
     """
     wrap_ids = {id(m) for m in modules_to_wrap(model, cfg)}
 
@@ -51,6 +69,12 @@ def shard_model(model: nn.Module, cfg: TAGCConfig, **fully_shard_kwargs: Any) ->
     a node) and ``register(model, cfg, mesh=mesh)`` then compresses the all-reduce
     between the replicas.
 
+    The same units as the FSDP1 policy, so a module whose parameters its parent reads
+    directly (``nn.MultiheadAttention.out_proj``) stays in the parent's unit; see
+    :func:`fsdp1_auto_wrap_policy` for which ones are found and what is refused.
+    Nothing runs: the layout is decided from the modules and their classes' source
+    before any ``fully_shard``.
+
     Args:
         model: the unsharded model.
         cfg: the config deciding the selection.
@@ -58,7 +82,10 @@ def shard_model(model: nn.Module, cfg: TAGCConfig, **fully_shard_kwargs: Any) ->
     Returns:
         the model (sharded in place; it is an ``FSDPModule`` afterwards).
     Raises:
-        ValueError: a mesh that is neither 1-D nor the (replicate, shard) layout.
+        ValueError: a mesh that is neither 1-D nor the (replicate, shard) layout;
+            ``cfg.layers`` a callable that selects parameters of a module kept in its
+            reader's unit, which would then not be compressed (the message names the
+            module and the parameters to select too).
     """
     from torch.distributed.fsdp import fully_shard
 
