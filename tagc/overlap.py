@@ -375,19 +375,44 @@ class Overlap:
             with self._done:
                 failure, failed = self._failure, self._failed
                 self._progress = time.monotonic()
-            try:
-                if failure is not None:
-                    # the peers' collectives no longer line up with this rank's
-                    job.error = _not_run(failed, failure)
-                else:
+            if failure is not None:
+                # the peers' collectives no longer line up with this rank's
+                job.error = _not_run(failed, failure)
+            else:
+                try:
                     job.fn()
-            except BaseException as e:  # noqa: BLE001 - raised on the training thread
-                job.error = e
-                self._stop(e, job.what)
-            finally:
-                job.fn = None  # type: ignore[assignment]  # drop the tensors it holds
-                job.done.set()
-                with self._done:
-                    self._pending -= 1
-                    self._progress = time.monotonic()
-                    self._done.notify_all()
+                except BaseException as e:  # noqa: BLE001 - raised on the training thread
+                    job.error = e
+            if self._finish(job):
+                return
+
+    def _finish(self, job: _Job) -> bool:
+        """Mark ``job`` done, recording its error as the first failure if it is; after
+        a failure, mark every job queued behind it not run at once, so that a wait
+        that raises leaves none in flight (unless one is stuck in its collective).
+
+        Returns:
+            whether :meth:`close` asked the worker to end meanwhile.
+        """
+        closing = False
+        with self._done:
+            if job.error is not None and self._failure is None:
+                self._failure, self._failed = job.error, job.what
+            done = [job]
+            while self._failure is not None:
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    closing = True
+                    continue
+                nxt.error = _not_run(self._failed, self._failure)
+                done.append(nxt)
+            for j in done:
+                j.fn = None  # type: ignore[assignment]  # drop the tensors it holds
+                j.done.set()
+            self._pending -= len(done)
+            self._progress = time.monotonic()
+            self._done.notify_all()
+        return closing

@@ -83,7 +83,7 @@ def test_a_failed_deferred_exchange_fails_the_backward_and_stops_the_worker() ->
 
     _raises_chained(lambda: _backward_with(hook), "overlapped HSDP all-reduce failed: injected",
                     ValueError)
-    _settle(ov)
+    assert ov.pending == 0  # the jobs behind the failure were marked not run at once
     assert done == ["first"] and ov.failed
     _raises_chained(ov.wait, "overlapped HSDP all-reduce failed", ValueError)
     _raises_chained(lambda: ov.run(lambda: done.append("run"), GATHER),
