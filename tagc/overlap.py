@@ -284,9 +284,9 @@ class Overlap:
                 self._done.wait(left)
             else:
                 return
-        why = (f"the worker finished no job for {bound:.3g} s (Overlap.timeout: "
+        why = (f"the worker finished no job for {bound:g} s (Overlap.timeout: "
                f"{STALL_TIMEOUTS:g} x the process group's timeout unless set)" if stall
-               else f"the wait's timeout of {bound:.3g} s")
+               else f"the wait's timeout of {bound:g} s")
         err = RuntimeError(f"TAGC: timed out waiting for an overlapped {what}: {why}; a "
                            f"peer may be stopped or gone, or the link too slow for the "
                            f"timeout: raise --timeout (the process group's) if the peers "
