@@ -412,6 +412,9 @@ def test_the_ci_step_exists(entry: Tuple[str, CiStep]) -> None:
         f"{name}: .ci/run no longer has the line {step.line!r}"
 
 
+# about 2.5 minutes in all on the 2-core machine, mostly training runs of 2 gloo ranks
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("run_id", [_run_id(n, r) for n, r in _runs()])
 def test_documented_command_runs(run_id: str, launched: Launched) -> None:
     """The command exits 0 and writes what its main path writes, under {out}."""
@@ -429,6 +432,8 @@ def test_documented_command_runs(run_id: str, launched: Launched) -> None:
     print(f"{run_id}: {seconds:.1f} s")
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_the_commands_wrote_nothing_into_the_checkout(launched: Launched) -> None:
     """Every output of the runs above went to their temporary folder."""
     for f in launched.futures.values():
