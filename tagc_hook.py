@@ -33,7 +33,9 @@ buffers between ranks and keeps per-unit state:
 * ``tagc/gather.py``      quantized parameter all-gathers (FSDP2, ``gather``)
 * ``tagc/pipeline.py``    pipeline parallelism: coded stage boundaries
   (``pipeline_stage``, ``PipelineConfig``; int8/int4 blocks or Protocol Models' subspace)
-* ``tagc/comm.py``, ``tagc/device.py``, ``tagc/stats.py``, ``tagc/checkpoint.py``
+* ``tagc/checkpoint.py``  the state in checkpoints; ``tagc/positions.py`` where each
+  feedback element belongs (by parameter name), so another shape can map it
+* ``tagc/comm.py``, ``tagc/device.py``, ``tagc/stats.py``
 * ``tagc/teardown.py``    the exit drain: gloo's workers done with Python before exit
 
 Decisions documented here (they are visible in behaviour):

@@ -283,6 +283,11 @@ typedef enum {
     TAGC_Q_INT8 = 8
 } tagc_qformat;
 
+/* The byte layout of every code this library writes (block codes, sparse messages),
+ * one number: raised whenever a layout changes, so that stored codes (a checkpoint's
+ * coded residuals) of another layout are refused instead of decoded wrongly. */
+#define TAGC_FORMAT_VERSION 1
+
 /* Largest block accepted by the tagc_quant_* functions. */
 #define TAGC_QBLOCK_MAX ((int64_t)1 << 16)
 

@@ -8,6 +8,7 @@ feedback state), ``bypass`` (its timing-based choice of path), ``transports`` (w
 module ``_tagc``), ``hsdp`` (custom HSDP's compressed all-reduce between replicas;
 ``overlap`` runs it beside the backward on the CPU, ``local`` takes it once every H
 steps instead: DiLoCo's outer step), ``gather`` (quantized parameter
-all-gathers), ``pipeline`` (pipeline parallelism's stage boundaries, coded), then ``comm``, ``device``, ``stats``, ``checkpoint`` and ``teardown`` (the
+all-gathers), ``pipeline`` (pipeline parallelism's stage boundaries, coded), then ``comm``, ``device``, ``stats``, ``checkpoint`` (``positions``: where each
+feedback element belongs, for another cluster shape) and ``teardown`` (the
 exit drain for gloo's workers).
 """

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import TAGCConfig
+from . import positions
 from .device import CodecStreams
 from .reducer import UnitReducer
 from .selection import module_names, unit_spec
@@ -92,6 +93,7 @@ def reducers(model: nn.Module, cfg: TAGCConfig, streams: CodecStreams
         out.append(UnitReducer(cfg, spec, m.process_group, rank, world,
                                float(m._gradient_predivide_factor),
                                float(m._gradient_postdivide_factor), streams))
+        out[-1].layout = positions.fsdp1_layout(name, fp, dist.get_world_size(m.process_group))
         mods.append(m)
     return out, mods, group
 

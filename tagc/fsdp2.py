@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import TAGCConfig
+from . import positions
 from .device import CodecStreams
 from .overlap import in_backward
 from .reducer import UnitReducer
@@ -220,6 +221,7 @@ def reducers(model: nn.Module, cfg: TAGCConfig, streams: CodecStreams
         spec = unit_spec(cfg, names, name, index, infos, flat, pg.device)
         out.append(UnitReducer(cfg, spec, pg.mesh_info.shard_process_group, rank, world,
                                1.0, divisor, streams))
+        out[-1].layout = positions.fsdp2_layout(names, pg.fsdp_params, world)
     return out, [m for _, m, _ in mods], group
 
 

@@ -117,6 +117,7 @@ class ReplicaReducer(UnitReducer):
         self.outer_momentum: Optional[torch.Tensor] = None
         self.outer_inner: Optional[torch.Tensor] = None
         self.outer_avg: Optional[torch.Tensor] = None  # a streamed sync's, in flight
+        self.grid: List[List[int]] = []  # the mesh's global ranks, set by reducers()
 
     def outer_buffers(self) -> List[Any]:
         if not self.local:
@@ -163,6 +164,8 @@ class ReplicaReducer(UnitReducer):
 class GatherReducer(ReplicaReducer):
     """The all-gather form: the reducer's input and output are the whole shard."""
 
+    FORM = "gather"
+
     def _all_reduce(self, t: torch.Tensor) -> None:
         flat = self._flat(t)
         out = self.streams.scratch.empty("out", flat.shape, flat.dtype, flat.device)
@@ -201,6 +204,8 @@ class TwoPhaseReducer(ReplicaReducer):
       fraction of that change, not of the estimate: a residual on the estimate
       itself measured +1.8% at R = 4 after 300 steps (docs/RESULTS.md).
     """
+
+    FORM = "two-phase"
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -322,6 +327,9 @@ def reducers(model: Any, cfg: TAGCConfig, mesh: Any, streams: CodecStreams,
         else:
             spec = dataclasses.replace(u.spec, flat_numel=world * math.ceil(shard / world))
             out.append(TwoPhaseReducer(cfg, spec, group, rank, world, streams, shard))
+        out[-1].layout = u.layout
+        # global rank of (replica, shard): checkpoint rows are per global rank
+        out[-1].grid = mesh.mesh.tolist()
     return out
 
 

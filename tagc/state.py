@@ -237,9 +237,73 @@ class TAGCState:
             ValueError: format, config, world size, rank, unit layout or a
                 state's size differ; nothing is changed then.
         """
-        rows = checkpoint.validate(sd, self.units, self.cfg, self.world_size, self.rank)
+        rows = checkpoint.validate(sd, self.units, self.cfg, self.world_size, self.rank,
+                                   self.kind)
         self._join()  # the old state may still be in use on a codec stream or the worker
         checkpoint.restore(sd, self.units, rows)
+
+    def check_dcp(self, checkpoint_id: Any, key: str = "tagc") -> bool:
+        """Check a ``torch.distributed.checkpoint`` checkpoint's TAGC state against this
+        run before anything is loaded (a training script calls it before it loads the
+        model and optimizer, so that a wrong resume changes nothing).
+
+        Args:
+            checkpoint_id: the checkpoint folder.
+            key: the key the state was saved under (``dcp.save({key: state, ...})``).
+        Returns:
+            True when it loads as it is, False when :meth:`load_dcp` maps it onto
+            this run's shape (another FSDP version, world size or replica count).
+        Raises:
+            ValueError: no TAGC state there, another TAGC config (the knobs named), or
+                a shape it cannot be mapped from (what, and what to do).
+        """
+        saved, _ = checkpoint.read_saved(checkpoint_id, key)
+        return checkpoint.check_saved(saved, self.units, self.cfg, self.kind,
+                                      self.world_size)
+
+    def load_dcp(self, checkpoint_id: Any, key: str = "tagc") -> None:
+        """Restore the TAGC state of a ``torch.distributed.checkpoint`` checkpoint, on
+        this run's shape whatever the shape it was written on.
+
+        On the same shape the rows load bit for bit (as ``dcp.load({key: state})``).
+        On another FSDP version, world size or replica count every rank reads every
+        saved row and maps it by parameter name (tagc/checkpoint.py: residuals keep
+        what they owe the averaged gradient, each new rank starting from the weighted
+        mean of the old ranks' rows); call it on every rank.
+
+        Args:
+            checkpoint_id: the checkpoint folder.
+            key: the key the state was saved under.
+        Raises:
+            ValueError: as :meth:`check_dcp`; nothing is changed then.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        saved, sizes = checkpoint.read_saved(checkpoint_id, key)
+        if checkpoint.check_saved(saved, self.units, self.cfg, self.kind, self.world_size):
+            sd = self.state_dict()
+            if saved["layout"] is None:
+                del sd["layout"]  # a v2 checkpoint has none: DCP would miss the key
+            dcp.load({key: sd}, checkpoint_id=str(checkpoint_id))
+            self.load_state_dict(sd)
+            return
+        template: Dict[str, Any] = {}
+        for u in self.units:
+            for name, _, dtype in u.state_buffers():
+                if saved["units"][u.name].get(f"has_{name}"):
+                    size = sizes[f"units.{u.name}.{name}"]
+                    template[f"{key}.units.{u.name}.{name}"] = torch.empty(tuple(size),
+                                                                          dtype=dtype)
+        checkpoint.load_alone(template, checkpoint_id)
+        old = {(u.name, name): template[f"{key}.units.{u.name}.{name}"]
+               for u in self.units for name, _, _ in u.state_buffers()
+               if f"{key}.units.{u.name}.{name}" in template}
+        rows = checkpoint.remap(saved, old, self.units, self.cfg, self.kind,
+                                self.world_size, self.rank)
+        self._join()
+        checkpoint.restore(saved, self.units, rows)
+        logger.info("TAGC: feedback state mapped from %s on %d ranks to %s on %d ranks",
+                    saved["kind"], saved["world_size"], self.kind, self.world_size)
 
 
 def _check_agreement(cfg: TAGCConfig, units: List[UnitReducer], world: int,

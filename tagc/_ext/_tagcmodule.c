@@ -1056,7 +1056,8 @@ static int mod_exec(PyObject *module)
     if (PyModule_AddObjectRef(module, "NonFiniteError", s->nonfinite_error) < 0)
         return -1;
     if (PyModule_AddIntConstant(module, "MAX_N", (long)TAGC_MAX_N) < 0 ||
-        PyModule_AddIntConstant(module, "TABLES", TAGC_TABLES) < 0)
+        PyModule_AddIntConstant(module, "TABLES", TAGC_TABLES) < 0 ||
+        PyModule_AddIntConstant(module, "FORMAT_VERSION", TAGC_FORMAT_VERSION) < 0)
         return -1;
     return 0;
 }
