@@ -56,6 +56,9 @@ class UnitReducer:
         streams: the codec streams shared by the model's reducers (CUDA).
     """
 
+    # what a checkpoint's layout record calls this reducer's buffers (tagc/positions.py)
+    FORM = "fsdp"
+
     def __init__(self, cfg: TAGCConfig, spec: UnitSpec, group: Any, rank: int, world: int,
                  pre: float, post: float, streams: CodecStreams) -> None:
         self.cfg, self.spec = cfg, spec
@@ -66,6 +69,9 @@ class UnitReducer:
         self.group, self.rank, self.world = group, rank, world
         self.pre, self.post, self.streams = pre, post, streams
         self.step = 0
+        # where each element of the flat buffer belongs (tagc/positions.py), set by
+        # the FSDP glue; checkpoints store it so that another shape can map them
+        self.layout: Optional[Dict[str, Any]] = None
         self.residual: Optional[torch.Tensor] = None
         # EF21 only: the owner's running sum of every rank's estimate of this
         # rank's shard (fp32, one shard long).
@@ -160,6 +166,41 @@ class UnitReducer:
                 codes.copy_(dev.keep(new, codes))
             setattr(self, name, codes)
 
+    def _guard_residuals(self) -> bool:
+        """Reset every residual that is not finite, before the call uses it.
+
+        A residual is this rank's own unsent error: a NaN or Inf there (a corrupted
+        checkpoint, an overflow in a lower-precision residual, codes whose scale went
+        bad) would be added to every later gradient of the unit and never leave.
+        Dropping it loses only what it owed.  Under EF21 the residual is the rank's
+        estimate of its own gradient, which the owner's estimate must keep adding up:
+        there EF21's guard (``guard_ratio``, on by default with it) settles every
+        rank together instead.
+
+        Returns:
+            whether a residual was reset (CPU; on CUDA the reset and its count stay on
+            the device, no host sync, and False is returned).
+        """
+        reset = False
+        if self.cfg.ef21:
+            return reset
+        for name in ("residual", "residual_out"):
+            r = getattr(self, name, None)
+            if r is None or not r.is_floating_point():
+                continue
+            bad = ~torch.isfinite(r).all()
+            if r.is_cuda:
+                r.masked_fill_(bad, 0)
+                self.stats.add("residual_resets", bad)
+                continue
+            if bad:
+                r.zero_()
+                self.stats.add("residual_resets", 1)
+                logger.warning("TAGC: unit %r: %s not finite, reset to zero (what it owed "
+                               "is dropped)", self.name, name)
+                reset = True
+        return reset
+
     def scale_feedback(self, factor: float) -> None:
         """Multiply every feedback state by ``factor`` (``TAGCState.scale_residuals``);
         the coded residuals are decoded, scaled and coded again, all of them in one
@@ -219,13 +260,14 @@ class UnitReducer:
         self.last_path = "plain"
         step = self.step
         held = self._open_codes(dev)  # empty unless the residuals are kept as codes
+        reset = self._guard_residuals()
         done = False
         try:
             self._route(comm, dev, inp, out)
             self.after(comm, dev, out, step)
             done = True
         finally:
-            self._close_codes(dev, held, done and self.last_path != "plain")
+            self._close_codes(dev, held, done and (self.last_path != "plain" or reset))
 
     def after(self, comm: Comm, dev: Exec, out: torch.Tensor, step: int) -> None:
         """What follows the to-the-owner phase once its path is known

@@ -15,6 +15,8 @@ from .device import gate
 
 COUNTERS = ("calls", "compressed_calls", "bypassed_calls", "guard_resets", "plain_calls",
             "dense_step_calls", "nonfinite_fallbacks",
+            # residuals found not finite at a call and reset (UnitReducer._guard_residuals)
+            "residual_resets",
             "bytes_handed", "wire_bytes", "default_wire_bytes", "control_bytes",
             "unpeeled", "recovered", "union_size", "shard_slots",
             "collision_dropped", "collision_dropped_l1",

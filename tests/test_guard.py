@@ -1,7 +1,8 @@
 """The feedback guard (``guard_ratio``): config checks, and on gloo (N=2, FSDP1/FSDP2)
 that a drifted state on one rank makes every rank reset that unit on the same call,
 that the reset restores EF21's invariant and conserves the residual's mass, and that
-a healthy run never resets and is bit-identical to the guard switched off.
+a healthy run never resets and is bit-identical to the guard switched off; and the
+residual's own guard: a residual that is not finite is reset under every preset.
 """
 
 from __future__ import annotations
@@ -236,7 +237,41 @@ def _nan_state(rank: int, n: int, kind: str) -> Dict[str, Any]:
     return {"resets": st["guard_resets"]}
 
 
+def _residual_poison(rank: int, n: int, kind: str) -> Dict[str, Any]:
+    """A residual that is not finite (fp32, or int4 codes whose block scale went NaN,
+    as the shipped presets keep it), on every rank: the next call resets it to zero
+    and counts it, the gradients stay finite, and later calls feed back again."""
+    from tagc import codec
+    out = {}
+    for code in ("none", "int4"):
+        cfg = _cfg(residual_code=code, quant_format="int4")
+        model = build_fsdp(kind, cfg)
+        state = tagc.register(model, cfg)
+        target = min((u for u in state.units if u.compressed), key=lambda u: u.index)
+        for step in range(4):
+            if step == 2:
+                if code == "none":
+                    target.residual[5] = float("inf")
+                else:  # the first block's fp32 scale: its 4 bytes lead the block
+                    target.residual[0:4] = torch.tensor([float("nan")]).view(torch.uint8)
+            _step(model, rank, step, kind)
+            assert all(bool(torch.isfinite(g).all()) for g in local_grads(model)), step
+            model.zero_grad()
+        held = target.residual
+        if code != "none":
+            work = torch.zeros(target.flat_numel)
+            codec._tagc.quant_decode_add(work, held, code, cfg.quant_block)
+            held = work
+        assert bool(torch.isfinite(held).all()) and bool(held.abs().sum() > 0)
+        st = target.stats.as_dict()
+        assert st["residual_resets"] == 1 and st["nonfinite_fallbacks"] == 0, st
+        assert state.stats()["total"]["residual_resets"] == 1
+        out[code] = st["residual_resets"]
+    return out
+
+
 CASES = [(f"{name}/{kind}", fn) for kind in KINDS for name, fn in (
+    ("residual_poison", lambda r, n, k=kind: _residual_poison(r, n, k)),
     ("agree", lambda r, n, k=kind: _agree(r, n, k)),
     ("nan_state", lambda r, n, k=kind: _nan_state(r, n, k)),
     ("healthy", lambda r, n, k=kind: _healthy(r, n, k)),
