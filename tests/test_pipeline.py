@@ -26,6 +26,7 @@ _tagc = pytest.importorskip("_tagc", reason="the _tagc codec is not built (pip i
 pytestmark = pytest.mark.codec
 
 import tagc.train.data as token_data
+from tagc.train.checkpoint import choose
 from dist_helpers import run_dist
 from tagc.pipeline import (BoundaryCounter, BoundaryLayout, BoundaryRecv, BoundarySend,
                            PipelineConfig, Subspace)
@@ -471,7 +472,7 @@ def _checkpoint_tensors(ckpt: Path, out: Path) -> Dict[str, Any]:
     """A training checkpoint (torch.distributed.checkpoint) as one flat dict, key paths
     joined by '/'."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save(ckpt, out)
+    dcp_to_torch_save(choose(ckpt, "latest"), out)
     flat: Dict[str, Any] = {}
 
     def walk(d: Dict[str, Any], pre: str) -> None:
@@ -488,7 +489,8 @@ def _assert_same_checkpoint(a: Path, b: Path, prefixes: Tuple[str, ...]) -> None
     """Two checkpoints hold the same keys and bit-equal values; every prefix (a stage's
     model, optimizer or TAGC state) is there."""
     for d in (a, b):
-        assert json.loads((d / "train_state.json").read_text())["iter_num"] == 6
+        assert json.loads((choose(d, "latest") / "train_state.json").read_text())[
+            "iter_num"] == 6
     fa = _checkpoint_tensors(a, a.with_name("a.pt"))
     fb = _checkpoint_tensors(b, b.with_name("b.pt"))
     assert fa.keys() == fb.keys()

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 import tagc.train.data as token_data
 import tagc.train.model as gpt_model
 from dist_helpers import run_dist
+from tagc.train.checkpoint import choose
 from tagc.train.config import load_tagc_config, parse_config
 from tagc.train.loop import main
 from tagc.train.optim import get_lr
@@ -222,7 +223,7 @@ def test_two_rank_baseline_fsdp1_and_fsdp2(tmp_path: Path, cache_dir: Path) -> N
         rows = (tmp_path / name / "metrics.csv").read_text().splitlines()
         assert rows[0].startswith("kind,iter,loss") and len(rows) == 1 + 2 + 2  # 2 val, 2 train
         assert json.loads((tmp_path / name / "summary.json").read_text())["iters"] == 4
-    assert (tmp_path / "b1" / "ckpt" / "train_state.json").exists()
+    assert (choose(tmp_path / "b1" / "ckpt", "latest") / "train_state.json").exists()
     assert not (tmp_path / "b2" / "ckpt").exists()
     try:
         import tensorboard  # noqa: F401
@@ -306,7 +307,7 @@ def test_resume_is_bit_exact(tmp_path: Path, cache_dir: Path) -> None:
         tag = f"f{fsdp}-{preset or 'plain'}"
         full, nested = {}, {}
         for kind in ("straight", "split"):
-            ckpt = tmp_path / f"{tag}-{kind}" / "ckpt"
+            ckpt = choose(tmp_path / f"{tag}-{kind}" / "ckpt", "latest")
             dcp_to_torch_save(ckpt, tmp_path / f"{tag}-{kind}.pt")
             nested[kind] = torch.load(tmp_path / f"{tag}-{kind}.pt", weights_only=False)
             full[kind] = _flat(nested[kind])
@@ -347,7 +348,7 @@ def test_local_steps_resume_mid_round_is_bit_exact(tmp_path: Path, cache_dir: Pa
                                    "--init_from=resume", *common)], timeout=300)
     full = {}
     for kind in ("straight", "split"):
-        dcp_to_torch_save(tmp_path / kind / "ckpt", tmp_path / f"{kind}.pt")
+        dcp_to_torch_save(choose(tmp_path / kind / "ckpt", "latest"), tmp_path / f"{kind}.pt")
         full[kind] = _flat(torch.load(tmp_path / f"{kind}.pt", weights_only=False))
     assert sorted(full["straight"]) == sorted(full["split"])
     for k, v in full["straight"].items():

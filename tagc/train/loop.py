@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -29,6 +30,7 @@ import torch.nn as nn
 from tagc import teardown
 from tagc.train.checkpoint import load_checkpoint, save_checkpoint
 from tagc.train.data import TokenData, prepare_distributed
+from tagc.train.health import StepHealth
 from tagc.train.config import RunConfig, TrainConfig, build_parser, load_tagc_config, parse_config
 from tagc.train.metrics import GradBytes, MetricsLog, finish
 from tagc.train.model import GPT, Block
@@ -288,45 +290,53 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
     bar = tqdm(total=cfg.max_iters, initial=iter_num, disable=not (env.master and cfg.progress),
                dynamic_ncols=True, desc="train", file=sys.stderr)
     t_start = time.perf_counter()
-    model.train()
-    while True:
-        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-            val_loss = estimate_val_loss(model, data, cfg, device, spec.loss, tagc_state)
-            logger.info("iter %d: val loss %.4f", iter_num, val_loss)
-            metrics.write(kind="val", iter=iter_num, loss=val_loss,
-                          elapsed_s=time.perf_counter() - t_start, train_s=sum(step_times))
-            bar.set_postfix(val=f"{val_loss:.3f}")
-        if cfg.ckpt_interval and iter_num % cfg.ckpt_interval == 0 and iter_num > 0 \
-                and iter_num < cfg.max_iters:
-            save_checkpoint(ckpt_path, model, optimizer, tagc_state, iter_num, cfg)
-        if iter_num >= cfg.max_iters:
-            break
+    health = StepHealth(cfg.nonfinite_patience, device)
+    try:
+        model.train()
+        while True:
+            if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
+                val_loss = estimate_val_loss(model, data, cfg, device, spec.loss, tagc_state)
+                logger.info("iter %d: val loss %.4f", iter_num, val_loss)
+                metrics.write(kind="val", iter=iter_num, loss=val_loss,
+                              elapsed_s=time.perf_counter() - t_start, train_s=sum(step_times))
+                bar.set_postfix(val=f"{val_loss:.3f}")
+            if cfg.ckpt_interval and iter_num % cfg.ckpt_interval == 0 and iter_num > 0 \
+                    and iter_num < cfg.max_iters:
+                _save(cfg, model, optimizer, tagc_state, iter_num, ckpt_path, health, val_loss)
+            if iter_num >= cfg.max_iters:
+                break
 
-        t0 = time.perf_counter()
-        lr = get_lr(iter_num, cfg)
-        train_loss = train_step(cfg, env, spec, model, optimizer, data, iter_num, lr)
-        dt = time.perf_counter() - t0
-        step_times.append(dt)
-        iter_num += 1
-        bar.update(1)
+            t0 = time.perf_counter()
+            lr = get_lr(iter_num, cfg)
+            train_loss = train_step(cfg, env, spec, model, optimizer, data, iter_num, lr)
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            iter_num += 1
+            bar.update(1)
+            if health.after_step(train_loss, iter_num):
+                _save(cfg, model, optimizer, tagc_state, iter_num, ckpt_path, health, val_loss)
+                logger.warning("iter %d: SIGTERM, checkpoint saved; exiting", iter_num)
+                raise SystemExit(128 + signal.SIGTERM)
 
-        grad_bytes.step()
-        if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
-            gb = grad_bytes
-            logger.info("iter %d: loss %.4f, lr %.2e, %.0f ms/step, %.0f tok/s, grad bytes/rank "
-                        "%s%s", iter_num, train_loss, lr, dt * 1000, tokens_per_iter / dt,
-                        gb.line(), f", unpeeled {int(gb.unpeeled)} (recovered "
-                        f"{int(gb.recovered)})" if gb.unpeeled else "")
-            metrics.write(kind="train", iter=iter_num, loss=train_loss, lr=lr,
-                          step_ms=dt * 1000, tokens_per_s=tokens_per_iter / dt,
-                          bytes_sent=gb.sent, bytes_uncompressed=gb.uncompressed,
-                          unpeeled=gb.unpeeled, elapsed_s=time.perf_counter() - t_start,
-                          train_s=sum(step_times))
-            bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}")
-    bar.close()
-
-    if cfg.save_checkpoint:
-        save_checkpoint(ckpt_path, model, optimizer, tagc_state, iter_num, cfg)
+            grad_bytes.step()
+            if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+                gb = grad_bytes
+                logger.info("iter %d: loss %.4f, lr %.2e, %.0f ms/step, %.0f tok/s, grad "
+                            "bytes/rank %s%s", iter_num, train_loss, lr, dt * 1000,
+                            tokens_per_iter / dt,
+                            gb.line(), f", unpeeled {int(gb.unpeeled)} (recovered "
+                            f"{int(gb.recovered)})" if gb.unpeeled else "")
+                metrics.write(kind="train", iter=iter_num, loss=train_loss, lr=lr,
+                              step_ms=dt * 1000, tokens_per_s=tokens_per_iter / dt,
+                              bytes_sent=gb.sent, bytes_uncompressed=gb.uncompressed,
+                              unpeeled=gb.unpeeled, elapsed_s=time.perf_counter() - t_start,
+                              train_s=sum(step_times))
+                bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}")
+        if cfg.save_checkpoint:
+            _save(cfg, model, optimizer, tagc_state, iter_num, ckpt_path, health, val_loss)
+    finally:
+        health.close()
+        bar.close()
     # first steps include warm-up allocations; report the steady state when there is one
     steady = step_times[min(5, len(step_times) // 2):] if step_times else []
     steps = len(step_times)
@@ -353,3 +363,17 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
                 f"; feedback state {mem['feedback_bytes'] / 1e6:.1f} MB/rank "
                 f"({mem['feedback_bytes_per_param']:.2f} bytes/param)" if mem else "")
     return summary
+
+
+def _save(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+          tagc_state: Any, iter_num: int, ckpt_path: Path, health: StepHealth,
+          val_loss: float) -> None:
+    """Save unless the state is not finite: a checkpoint of a diverged run would push
+    the last good one out of the kept ones."""
+    measured = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
+    if not health.finite or (measured and not math.isfinite(val_loss)):
+        logger.warning("iter %d: not saved, the state is not finite (the newest checkpoint "
+                       "is kept)", iter_num)
+        return
+    save_checkpoint(ckpt_path, model, optimizer, tagc_state, iter_num, cfg)
+
