@@ -309,3 +309,20 @@ def test_a_stopped_peer_ends_the_run_with_a_timeout_error(tmp_path: Path) -> Non
             if p.poll() is None:
                 p.kill()  # SIGKILL ends a stopped process too
             p.wait(10)
+
+
+def _mesh_timeouts(rank: int, world: int) -> List[float]:
+    from tagc.train.config import parse_config
+    from tagc.train.sharding import device_mesh
+    mesh = device_mesh(parse_config(["--fsdp=2", "--replicas=2", "--timeout=42"]),
+                       torch.device("cpu"))
+    return [mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout
+            .total_seconds() for d in ("replicate", "shard")]
+
+
+@pytest.mark.dist
+def test_hsdp_mesh_groups_take_the_run_timeout() -> None:
+    """--timeout reaches the HSDP mesh's own groups (new groups keep torch's 30
+    minutes unless told), not only the default group."""
+    from dist_helpers import run_dist
+    assert run_dist(_mesh_timeouts, 4, timeout=120) == [[42.0, 42.0]] * 4

@@ -138,50 +138,47 @@ def _user_prefetch(rank: int, n: int) -> None:
 
 
 def _errors(rank: int, n: int) -> List[str]:
-    """A reduce-scatter failing on the worker fails the backward (the other units'
-    exchanges still ran) and the next step is whole again; a gather failing there
-    fails the forward.  Both say so, on every rank alike, instead of hanging."""
+    """A reduce-scatter failing on the worker fails the backward and stops the worker:
+    the exchanges queued behind it never ran and the next forward fails at once with
+    the first error; a gather failing there fails the forward.  Both say so, on every
+    rank alike, instead of hanging."""
     cfg = _cfg()
-    torch.manual_seed(0)
-    model = tagc.shard_model(ToyGPT(d=24, layers=3), cfg)
-    state = tagc.register(model, cfg)
     seen = []
-    unit = state.units[1]
-    reduce = unit.reduce
+    for what in ("reduce-scatter", "gather"):
+        torch.manual_seed(0)
+        model = tagc.shard_model(ToyGPT(d=24, layers=3), cfg)
+        state = tagc.register(model, cfg)
 
-    def broken_rs(*a: Any) -> None:
-        raise ValueError("injected reduce-scatter")
+        def broken(*a: Any, what: str = what) -> None:
+            raise ValueError(f"injected {what}")
 
-    unit.reduce = broken_rs  # before its collectives, alike on every rank
-    try:
-        model(toy_batch(rank, 1)).sum().backward()
-    except RuntimeError as e:
-        assert "overlapped FSDP2 reduce-scatter failed" in str(e), str(e)
-        assert isinstance(e.__cause__, ValueError)
-        seen.append("reduce-scatter")
-    assert state._overlap.pending == 0
-    calls = [u.stats_dict()["calls"] for u in state.units]
-    assert calls[1] == 0 and calls[:1] + calls[2:] == [1] * (len(calls) - 1), calls
-    unit.reduce = reduce
-    model.zero_grad()
-    model(toy_batch(rank, 2)).sum().backward()
-    assert all(p.grad is not None for p in model.parameters())
-    assert state.stats()["total"]["calls"] == 2 * len(state.units) - 1
-    # a failed gather leaves FSDP's unit holding the failed work (as any failed async
-    # all-gather would): the model is not used after it
-    victim = state.gathers[2]
-
-    def broken(*a: Any) -> None:
-        raise ValueError("injected gather")
-
-    victim._quantized = broken
-    try:
-        model(toy_batch(rank, 3))
-    except RuntimeError as e:
-        assert "overlapped parameter all-gather failed" in str(e), str(e)
-        assert isinstance(e.__cause__, ValueError)
-        seen.append("gather")
-    assert state._overlap.pending == 0
+        if what == "gather":
+            state.gathers[2]._quantized = broken
+            try:
+                model(toy_batch(rank, 3))
+            except RuntimeError as e:
+                assert "overlapped parameter all-gather failed" in str(e), str(e)
+                assert isinstance(e.__cause__, ValueError)
+                seen.append(what)
+            assert state._overlap.pending == 0 and state._overlap.failed
+            continue
+        state.units[1].reduce = broken  # before its collectives, alike on every rank
+        try:
+            model(toy_batch(rank, 1)).sum().backward()
+        except RuntimeError as e:
+            assert "overlapped FSDP2 reduce-scatter failed" in str(e), str(e)
+            assert isinstance(e.__cause__, ValueError)
+            seen.append(what)
+        assert state._overlap.pending == 0 and state._overlap.failed
+        calls = [u.stats_dict()["calls"] for u in state.units]
+        # the root unit reduces last, behind the failed one: never run
+        assert calls[1] == 0 and calls[0] == 0 and sum(calls) == len(calls) - 2, calls
+        try:
+            model(toy_batch(rank, 2))
+        except RuntimeError as e:
+            assert "reduce-scatter failed: injected reduce-scatter" in str(e), str(e)
+            seen.append("next forward")
+    assert seen == ["reduce-scatter", "next forward", "gather"], seen
     return seen
 
 

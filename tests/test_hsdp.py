@@ -448,11 +448,12 @@ def _overlap_equals_blocking(rank: int, n: int, cfg: tagc.TAGCConfig,
 
 def _overlap_error(rank: int, n: int) -> None:
     """A unit failing on the worker fails that backward with a clear error, on every
-    rank alike; the other units still ran, and the next step is whole again."""
+    rank alike, and stops the worker: the units queued behind it never ran, and the
+    next step fails at once with the first error instead of pairing collectives
+    wrongly."""
     cfg = _cfg("quant", quant_format="int4")
     model, state = _tagc_model(cfg, _mesh())
     victim = state.units[0]
-    orig = victim._all_reduce
 
     def broken(t: torch.Tensor) -> None:
         raise ValueError("injected")
@@ -465,13 +466,18 @@ def _overlap_error(rank: int, n: int) -> None:
         assert isinstance(e.__cause__, ValueError), repr(e.__cause__)
     else:
         raise AssertionError("backward() returned despite a failed all-reduce")
-    assert state._overlap.pending == 0
-    others = [u.stats_dict()["calls"] for u in state.units[1:]]
-    assert others == [1] * len(others), others
-    victim._all_reduce = orig
+    assert state._overlap.pending == 0 and state._overlap.failed
+    calls = [u.stats_dict()["calls"] for u in state.units]
+    assert calls[0] == 0 and 0 < sum(calls) < len(calls) - 1, calls
     model.zero_grad()
-    _step(model, rank, 1)
-    assert state.stats()["total"]["calls"] == 2 * len(state.units) - 1
+    try:
+        _step(model, rank, 1)
+    except RuntimeError as e:
+        assert "overlapped HSDP all-reduce failed: injected" in str(e), str(e)
+        assert isinstance(e.__cause__, ValueError), repr(e.__cause__)
+    else:
+        raise AssertionError("a step ran after the worker stopped")
+    assert [u.stats_dict()["calls"] for u in state.units] == calls
 
 
 CASES = [

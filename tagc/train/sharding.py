@@ -45,7 +45,24 @@ def device_mesh(cfg: RunConfig, device: torch.device) -> Any:
     if world % cfg.replicas:
         raise ValueError(f"replicas={cfg.replicas} does not divide the {world} ranks")
     return init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
-                            mesh_dim_names=("replicate", "shard"))
+                            mesh_dim_names=("replicate", "shard"),
+                            backend_override=_timeout_override(cfg.timeout, 2))
+
+
+def _timeout_override(seconds: float, dims: int) -> Any:
+    """init_device_mesh's ``backend_override`` that gives every dimension's new groups
+    the run's collective timeout (without it they keep torch's 30 minutes, whatever the
+    default group was given); None for a backend it does not know."""
+    import datetime
+    backend = dist.get_backend()
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    opts._timeout = datetime.timedelta(seconds=seconds)
+    return {d: (backend, opts) for d in range(dims)}
 
 
 def wrap_model(model: nn.Module, cfg: RunConfig, tagc_cfg: Any, device: torch.device,
