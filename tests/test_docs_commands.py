@@ -196,6 +196,10 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
         ("--tasks", "tiny-300", "--codes", "int8", "--out_dir", "{out}/ppq",
          "--doc", "{out}/ppq.md", "--curves", "{out}/ppq.png"),
         expect=("ppq.md", "ppq.png"), shrink=("tiny-300", 2), seconds=26)],
+    "scripts/bench/reshape_quality.py": [Run(
+        ("--cases", "fsdp2:2-fsdp2:1", "--steps", "2", "--at", "1", "--global-batch", "2",
+         "--out", "{out}/reshape"),
+        expect=("reshape/results.json",), prints="fsdp2:2 -> fsdp2:1", seconds=40)],
     "scripts/bench/quality_suite.py": [Run(
         ("--tasks", "regression-b256", "--methods", "tagc-lean", "--scale", "0.02",
          "--seeds", "0", "--out_dir", "{out}/suite", "--doc", "{out}/suite.md",
