@@ -27,7 +27,7 @@ tagc/transports.py) over the replicate group, in one of two forms (docs/DESIGN.m
   fewer per contribution; it grows with R.  ``dense`` in this form is one SUM
   all-reduce, bit for bit native HSDP.
 
-:func:`~tagc.config.allreduce_form` picks the form from (``hsdp_allreduce``, R, mode, the shard's
+:func:`allreduce_form` picks the form from (``hsdp_allreduce``, R, mode, the shard's
 size), the same on every rank.
 """
 
@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from . import fsdp2, memory, transports
 from .comm import Comm
-from .config import TAGCConfig, allreduce_form
+from .config import TAGCConfig
 from .device import CodecStreams, Exec, poison_nonfinite
 from .fsdp2 import deferrable
 from .overlap import Overlap
@@ -50,6 +50,54 @@ from .reducer import UnitReducer, send_owed
 from .selection import UnitSpec
 
 HSDP_DIMS = ("replicate", "shard")
+
+
+def allreduce_form(cfg: TAGCConfig, replicas: int, compressed: bool,
+                   shard_numel: int) -> str:
+    """The all-reduce form of one unit: ``"two_phase"`` or ``"gather"``.
+
+    ``auto``: uncompressed units and ``dense`` take the all-gather form (one plain
+    all-reduce); ``exact``/``paper`` are two-phase (their union needs the owner);
+    ``quant`` is two-phase where it sends fewer bytes than the all-gather form,
+    counted on this shard's codes: (R-1) codes of a chunk and (R-1) of the owner's
+    code (``cfg.out_format()``) against (R-1) codes of the shard.  With one code
+    both ways that is from 3 replicas on; ``ternary`` with its owners on ``int4``
+    (``hsdp_out_format`` auto) from 4.  At equal bytes the all-gather form wins:
+    it codes each contribution once instead of twice.  ``sparse``/``auto``:
+    two-phase from 3 replicas on.
+
+    Args:
+        cfg: the config.
+        replicas: R, the size of the replicate group.
+        compressed: whether the unit is compressed.
+        shard_numel: the unit's shard, this rank's all-reduce input (quant's choice;
+            the same on every replica: FSDP2 pads every rank's shard alike).
+    Returns:
+        the form.
+    Raises:
+        NotImplementedError: ``hsdp_allreduce="gather"`` with ``exact``/``paper``.
+    """
+    if not compressed:
+        return "gather"
+    form = cfg.hsdp_allreduce
+    if form == "auto":
+        if not cfg.compresses or replicas <= 2:
+            return "two_phase" if cfg.sketched else "gather"
+        if cfg.quantizes:
+            from .codec import _tagc, require_codec
+
+            require_codec()
+            size = _tagc.quant_bytes
+            chunk = math.ceil(shard_numel / replicas)
+            two = size(chunk, cfg.quant_format, cfg.quant_block) \
+                + size(chunk, cfg.out_format(), cfg.quant_block)
+            return "two_phase" if two < size(shard_numel, cfg.quant_format,
+                                              cfg.quant_block) else "gather"
+        return "two_phase"
+    if form == "gather" and cfg.sketched:
+        raise NotImplementedError(f"hsdp_allreduce='gather': mode {cfg.mode!r} has no "
+                                  "all-gather form; use 'two_phase' or 'auto'")
+    return form
 
 
 def check_mesh(mesh: Any) -> None:

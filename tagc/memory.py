@@ -1,5 +1,5 @@
 """What TAGC's feedback state costs in memory: one place for the layout of a reducer's
-persistent buffers and their bytes (issue 42).
+persistent buffers and their bytes.
 
 A compressing unit with ``error_feedback`` keeps, per rank and across steps:
 
@@ -29,7 +29,7 @@ from typing import List, Tuple
 
 import torch
 
-from .config import TAGCConfig, allreduce_form
+from .config import TAGCConfig
 
 # (attribute, length, dtype) of one persistent buffer
 Buffer = Tuple[str, int, torch.dtype]
@@ -117,7 +117,7 @@ def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -
     FULL_SHARD (``replicas`` 1): the unit is reduced over ``world`` ranks.  TAGC's
     HSDP (``replicas`` R > 1): the unit is sharded over ``world`` ranks of a node, and
     each shard all-reduced over R replicas in the form
-    :func:`tagc.config.allreduce_form` picks.
+    :func:`tagc.hsdp.allreduce_form` picks.
 
     Args:
         cfg: the config.
@@ -132,6 +132,8 @@ def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -
     shard = math.ceil(numel / world)
     if replicas <= 1:
         return buffer_bytes(unit_buffers(cfg, shard * world, shard))
+    from .hsdp import allreduce_form  # hsdp imports this module
+
     if allreduce_form(cfg, replicas, True, shard) == "gather":
         return buffer_bytes(unit_buffers(cfg, shard, shard))
     chunk = math.ceil(shard / replicas)
