@@ -23,6 +23,7 @@ and runs its CPU ops on machines without a GPU or driver;
 """
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The top C layer: the CPython module and its CUDA glue (paths relative to HERE,
 # as setuptools wants them).
 BINDING = os.path.join("tagc", "_ext")
+
+
+def package_version() -> str:
+    """``tagc.__version__``, read as text: importing the package would import torch,
+    which a build need not have, and one constant keeps the wheel and the module equal."""
+    with open(os.path.join(HERE, "tagc", "__init__.py"), encoding="utf-8") as f:
+        found = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.MULTILINE)
+    if found is None:
+        raise SystemExit("setup.py: no `__version__ = \"...\"` line in tagc/__init__.py")
+    return found.group(1)
 
 
 def codec_sources() -> list:
@@ -176,8 +187,10 @@ def tagc_extension() -> Extension:
 
 setup(
     name="tagc",
-    version="0.1.0",
+    version=package_version(),
     description="Transformer-Aware Gradient Compression for PyTorch FSDP",
+    license="BSD-3-Clause",
+    license_files=["LICENSE"],
     python_requires=">=3.9",
     ext_modules=[tagc_extension()],
     cmdclass={"build_ext": BuildExt},

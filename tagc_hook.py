@@ -1,42 +1,27 @@
 """TAGC: Transformer-Aware Gradient Compression for stock PyTorch FSDP.
 
-One call turns an FSDP model's gradient reduce-scatter into a compressed
-exchange; no patch to torch and no per-step call::
+The public face: everything a user calls is importable from here.  One call turns an
+FSDP model's gradient reduce-scatter (and, with ``tagc-full``, its parameter
+all-gathers) into a compressed exchange; no patch to torch and no per-step call::
 
     import tagc_hook as tagc
-    cfg = tagc.TAGCConfig.from_yaml("configs/tagc-balanced.yaml")   # or TAGCConfig(...)
-    state = tagc.register(model, cfg)   # FSDP1 root, or an FSDP2 model
+    cfg = tagc.TAGCConfig.preset("full")       # FSDP2; FSDP1: TAGCConfig() (tagc-balanced)
+    model = tagc.shard_model(model, cfg)       # FSDP2 (FSDP1: tagc.fsdp1_auto_wrap_policy)
+    state = tagc.register(model, cfg)          # once, on every rank, before the backward
     ...train as usual...
-    state.stats()
-    dcp.save({"model": ..., "optim": ..., "tagc": state}, checkpoint_id=path)  # or
-    torch.save(state.state_dict(), f"tagc-rank{rank}.pt")
+    state.stats()                              # bytes per collective against plain FSDP
+    dcp.save({"model": ..., "optim": ..., "tagc": state}, checkpoint_id=path)
+    state.load_dcp(path)                       # or dcp.load(...) with the same mapping
 
-Design: ``docs/DESIGN.md``.  All codec work (selection, sparsification,
-bitmaps, lanes, sketches, peeling, pair packing, block quantization) is done
-by the C module ``_tagc``; the package ``tagc/`` behind this module moves
-buffers between ranks and keeps per-unit state:
-
-* ``tagc/config.py``      TAGCConfig: every knob, documented and validated
-* ``tagc/presets.py``     the YAML presets shipped with the package, found by name
-* ``tagc/selection.py``   which parameters are compressed; which modules get own units
-* ``tagc/wrapping.py``    the wrapping helpers: fsdp1_auto_wrap_policy, shard_model
-* ``tagc/state.py``       register() and TAGCState (stats, checkpoints)
-* ``tagc/fsdp1.py``, ``tagc/fsdp2.py``  the FSDP glue (all torch internals)
-* ``tagc/hsdp.py``        custom HSDP: the all-reduce between replicas, compressed
-* ``tagc/overlap.py``     custom HSDP on the CPU: that all-reduce beside the backward
-* ``tagc/local.py``       custom HSDP's local steps (DiLoCo): an outer step every H
-* ``tagc/reducer.py``     UnitReducer: what FSDP holds per unit; one reduction
-* ``tagc/bypass.py``      the timing-based bypass (``bypass_every``): compress or not
-* ``tagc/memory.py``      what the feedback state keeps per rank: its layout and bytes
-* ``tagc/transports.py``  the transports, one signature, a table by mode
-* ``tagc/codec.py``       the handle on the C module ``_tagc`` (its only importer)
-* ``tagc/gather.py``      quantized parameter all-gathers (FSDP2, ``gather``)
-* ``tagc/pipeline.py``    pipeline parallelism: coded stage boundaries
-  (``pipeline_stage``, ``PipelineConfig``; int8/int4 blocks or Protocol Models' subspace)
-* ``tagc/checkpoint.py``  the state in checkpoints; ``tagc/positions.py`` where each
-  feedback element belongs (by parameter name), so another shape can map it
-* ``tagc/comm.py``, ``tagc/device.py``, ``tagc/stats.py``
-* ``tagc/teardown.py``    the exit drain: gloo's workers done with Python before exit
+What it exports: :class:`TAGCConfig` (the knobs; ``presets`` finds the shipped YAML
+files by name), :func:`register` and :class:`TAGCState` (``stats()``, ``memory()``,
+``exact_gathers()``, ``state_dict()``/``load_state_dict()``, ``check_dcp()``/``load_dcp()``
+for checkpoints), the wrapping helpers :func:`shard_model` and
+:func:`fsdp1_auto_wrap_policy`, the pipeline stage builder :func:`pipeline_stage` with
+:class:`PipelineConfig`, and ``teardown`` (``teardown.install()``: the exit drain that
+``register()`` installs, for a plain gloo program).  The package ``tagc/`` behind this
+module is the implementation; the docstring of ``tagc/__init__.py`` is the module map.  Design:
+``docs/DESIGN.md``; every knob: ``docs/USAGE.md``.
 
 Decisions documented here (they are visible in behaviour):
 
@@ -84,6 +69,7 @@ Decisions documented here (they are visible in behaviour):
 
 from __future__ import annotations
 
+from tagc import __version__, presets, teardown
 from tagc.config import MODES, PAPER_THETA, QUANT_BITS, QUANT_FORMATS, TAGCConfig
 from tagc.pipeline import PipelineConfig, pipeline_stage
 from tagc.selection import select_parameter
@@ -91,6 +77,7 @@ from tagc.state import TAGCState, register
 from tagc.wrapping import fsdp1_auto_wrap_policy, shard_model
 
 __all__ = [
+    "__version__",
     "TAGCConfig",
     "TAGCState",
     "register",
@@ -99,6 +86,8 @@ __all__ = [
     "select_parameter",
     "PipelineConfig",
     "pipeline_stage",
+    "presets",
+    "teardown",
     "MODES",
     "QUANT_FORMATS",
     "QUANT_BITS",

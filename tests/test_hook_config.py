@@ -355,17 +355,31 @@ def test_bypass_timed_measures_cpu_calls():
     assert bp.sums["plain"] == 0.5 and bp.counts["plain"] == 1
 
 
-def test_module_lists_name_every_module():
-    """tagc_hook's and tagc/__init__'s docstrings list every module of tagc/ (the maps
-    a reader starts from; bypass.py was missing from both)."""
+def test_the_module_map_names_every_module_once():
+    """The package docstring is the one module map: it names every module and subpackage
+    of tagc/; tagc_hook's docstring and USAGE's "Layout" point to it instead of keeping
+    a second list that would drift (bypass.py was once missing from both copies)."""
     import tagc as pkg
 
     mods = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "tagc", "*.py"))
                   if not p.endswith("__init__.py"))
-    assert "bypass" in mods
-    missing_hook = [m for m in mods if f"``tagc/{m}.py``" not in tagc.__doc__]
-    missing_pkg = [m for m in mods if f"``{m}``" not in pkg.__doc__]
-    assert missing_hook == [] and missing_pkg == [], (missing_hook, missing_pkg)
+    # folders holding sources (one left behind with only a bytecode cache is no package)
+    subpackages = sorted(os.path.basename(os.path.dirname(d))
+                         for d in glob.glob(os.path.join(ROOT, "tagc", "*", ""))
+                         if not os.path.basename(os.path.dirname(d)).startswith("__") and
+                         any(n != "__pycache__" for n in os.listdir(d)))
+    assert "bypass" in mods and "train" in subpackages
+    assert [m for m in mods if f"``tagc/{m}.py``" not in pkg.__doc__] == []
+    assert [d for d in subpackages if f"``tagc/{d}/``" not in pkg.__doc__] == []
+    with open(os.path.join(ROOT, "docs", "USAGE.md"), encoding="utf-8") as f:
+        usage = f.read()
+    layout = usage.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    # a line of a module list: the path first, then a comma or a column gap
+    entry = re.compile(r"^\s*(?:\* )?`*tagc/\w+\.py`*(?:,|\s{2,})", re.MULTILINE)
+    assert len(entry.findall(pkg.__doc__)) >= 15
+    for other in (tagc.__doc__, layout):
+        assert "tagc/__init__.py" in other
+        assert entry.findall(other) == []   # prose may name a module; a second map may not
 
 
 def test_unit_spec_is_compressed_from_half_of_its_parameters() -> None:
