@@ -1,13 +1,12 @@
-"""TAGCConfig: every knob of TAGC, documented and validated (the tuning guide).
+"""TAGCConfig: every knob of TAGC, grouped by the feature that reads it, documented once
+and validated by that group's check.
 
 ``TAGCConfig()`` is the recommended preset, ``tagc-balanced`` (mode ``quant``, int4
-codes on every layer, residual feedback kept on int4 codes: about 8x fewer gradient bytes than FSDP's reduce-scatter for
-the same model), as PyTorch's ``PowerSGDState`` defaults are its recommendation; the
-other shipped presets load by name, ``TAGCConfig.preset("full")`` (int8 parameter
-gathers too, FSDP2) or ``TAGCConfig.preset("lean")`` (ternary codes, no feedback state:
-about 18x fewer).  The top-k modes
-(``exact``, ``sparse``, ``paper``) send far fewer bytes at the paper's sparsity but
-train AdamW models measurably worse; docs/DESIGN.md section 8 has the numbers.
+codes on every layer, the residual feedback kept on int4 codes); the other shipped
+presets load by name: ``TAGCConfig.preset("full")`` (int8 parameter gathers too,
+FSDP2), ``TAGCConfig.preset("lean")`` (ternary codes, no feedback state), ...
+``TAGCConfig.describe()`` lists the knobs by group; docs/USAGE.md's knob reference is
+generated from it (:func:`write_knobs_doc`), and docs/RESULTS.md has the measurements.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import textwrap
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
@@ -39,14 +39,10 @@ HSDP_ALLREDUCE_FORMS = ("auto", "two_phase", "gather")
 RESIDUAL_CODES = ("none", "int8", "int4")
 # The paper's compression presets: ratio -> sparsity (Table/Section 4 of the paper).
 PAPER_THETA: Dict[float, float] = {2.0: 0.80, 4.0: 0.90, 10.0: 0.9875}
-# The feedback guard's threshold when guard_ratio is left at None and EF21 is on
-# (docs/DESIGN.md section 5, "When feedback drifts"): healthy EF21 runs peaked at 68
-# (tiny GPT-2, int4, the end of its LR warm-up) and 8.3 (teacher-student), a state
-# corrupted on one rank reads 1e6 and more; 256 leaves about 4x room above the former.
+# The feedback guard's threshold when guard_ratio is left at None and EF21 is on: well
+# above what healthy runs reach, far below what a corrupted state reads (docs/DESIGN.md
+# section 5, "When feedback drifts").
 DEFAULT_GUARD_RATIO = 256.0
-# Knobs whose default follows other knobs (resolved in __post_init__); to_dict() writes
-# them as None unless given, so a changed source re-derives them.
-DERIVED = ("theta", "ratio", "ef21", "ef21_damping", "residual_code")
 _FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
                  "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -223,470 +219,505 @@ def check_block_codes(uses: List[CodeUse]) -> None:
                           f"saved; {fix}", stacklevel=2)
 
 
+# --------------------------------------------------------------------------- knob groups
+
+# Knob groups in the order they are validated and documented: (name, title, what the
+# feature does).  A knob names its group in its field's metadata (:func:`knob`).
+GROUPS: Tuple[Tuple[str, str, str], ...] = (
+    ("codec", "Codec", "what a compressed unit's gradient sends and how it is coded"),
+    ("selection", "Selection", "which parameters are compressed"),
+    ("feedback", "Feedback", "what each rank keeps of what it did not send"),
+    ("schedule", "Schedule", "when a unit compresses and when it sends plainly"),
+    ("gather", "Parameter gathers", "FSDP2's parameter all-gathers on block codes"),
+    ("overlap", "Overlap", "communication on a worker thread while the model computes "
+     "(CPU)"),
+    ("hsdp", "HSDP", "the compressed all-reduce between replicas (tagc/hsdp.py)"),
+    ("local", "Local steps", "an outer sync every H steps between replicas (DiLoCo, "
+     "tagc/local.py)"),
+)
+
+
+def knob(default: Any, group: str, doc: str, *, values: str, reads: str,
+         derived: Optional[str] = None) -> Any:
+    """A ``TAGCConfig`` field carrying its documentation.
+
+    Args:
+        default: the field's default (None for a derived knob).
+        group: the feature reading it, a name of ``GROUPS``.
+        doc: what the knob does, one short paragraph.
+        values: the values it takes.
+        reads: the modes or routes that read it.
+        derived: for a knob whose default follows other knobs, that rule.
+    Returns:
+        the ``dataclasses.field``.
+    Raises:
+        ValueError: ``group`` is not one of ``GROUPS``.
+    """
+    if group not in {g[0] for g in GROUPS}:
+        raise ValueError(f"knob: unknown group {group!r}")
+    return dataclasses.field(default=default, metadata={
+        "group": group, "doc": doc, "values": values, "reads": reads, "derived": derived})
+
+
+def _check_number(name: str, v: Any, ok: Callable[[float], bool], want: str) -> float:
+    """v must be a finite int or float (not a bool) for which ``ok`` holds.
+
+    Args:
+        name: the knob, first word of the message.
+        v: its value.
+        ok: the range test.
+        want: the range in words.
+    Returns:
+        ``float(v)``.
+    Raises:
+        ValueError: v is not such a number.
+    """
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or not ok(v):
+        raise ValueError(f"{name}: must be {want}, got {v!r}")
+    return float(v)
+
+
+def _check_choice(name: str, v: Any, choices: Tuple[str, ...]) -> None:
+    """v must be one of ``choices``."""
+    if v not in choices:
+        raise ValueError(f"{name}: must be one of {choices}, got {v!r}")
+
+
+def _resolve_sparsity(cfg: "TAGCConfig") -> None:
+    """theta and ratio: paper mode derives one from the other (its presets), quant
+    sends everything (theta 0), the other modes default to 0.9875."""
+    if cfg.mode == "paper":
+        if cfg.ratio is None:
+            if cfg.theta is None:
+                cfg.ratio = 10.0
+            else:
+                inv = {th: r for r, th in PAPER_THETA.items()}
+                if float(cfg.theta) not in inv:
+                    raise ValueError(
+                        f"ratio: required in paper mode when theta={cfg.theta} is not "
+                        f"one of the paper's presets {sorted(inv)}")
+                cfg.ratio = inv[float(cfg.theta)]
+        if not math.isfinite(cfg.ratio) or cfg.ratio < 1.0:
+            raise ValueError(f"ratio: must be a finite number >= 1, got {cfg.ratio!r}")
+        cfg.ratio = float(cfg.ratio)
+        if cfg.theta is None:
+            if cfg.ratio not in PAPER_THETA:
+                raise ValueError(
+                    f"theta: no paper default for ratio={cfg.ratio}; give theta "
+                    f"(paper presets: {PAPER_THETA})")
+            cfg.theta = PAPER_THETA[cfg.ratio]
+    else:
+        if cfg.ratio is not None:
+            raise ValueError(f"ratio: only used by mode='paper' (mode={cfg.mode!r}); "
+                             "set theta instead")
+        if cfg.mode == "quant":
+            if cfg.theta not in (None, 0, 0.0):
+                raise ValueError(f"theta: mode='quant' sends every entry (theta 0); "
+                                 f"got {cfg.theta!r}")
+            cfg.theta = 0.0
+        if cfg.theta is None:
+            cfg.theta = 0.9875
+    cfg.theta = float(cfg.theta)
+    if not (0.0 <= cfg.theta < 1.0):
+        raise ValueError(f"theta: must be in [0, 1), got {cfg.theta!r}")
+
+
+def check_codec(cfg: "TAGCConfig") -> None:
+    """Validate the codec group, resolving ``theta`` and ``ratio``.
+
+    Args:
+        cfg: the config being built.
+    Raises:
+        ValueError: a knob out of range; the message starts with its name.
+    """
+    _check_choice("mode", cfg.mode, MODES)
+    for name in ("theta", "ratio", "sketch_factor"):
+        v = getattr(cfg, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{name}: must be a number, got {v!r}")
+    _resolve_sparsity(cfg)
+    if isinstance(cfg.index_bits, bool) or cfg.index_bits not in (1, 2, 4, 8):
+        raise ValueError(f"index_bits: must be 1, 2, 4 or 8, got {cfg.index_bits!r}")
+    cfg.value_dtype = _parse_dtype(cfg.value_dtype, "value_dtype")
+    _check_int("seed", cfg.seed, 0, 2 ** 64 - 1)
+    cfg.sketch_factor = _check_number("sketch_factor", cfg.sketch_factor, lambda v: v > 0,
+                                      "a finite number > 0")
+    _check_choice("quant_format", cfg.quant_format, QUANT_FORMATS)
+    _check_int("quant_block", cfg.quant_block, 1, 65536)
+
+
+def check_selection(cfg: "TAGCConfig") -> None:
+    """Validate ``cfg``'s selection knobs (ValueError: a knob out of range, named first)."""
+    if not callable(cfg.layers) and cfg.layers not in ("non_attention", "all"):
+        raise ValueError(f"layers: must be 'non_attention', 'all' or a callable, "
+                         f"got {cfg.layers!r}")
+    _check_int("min_numel", cfg.min_numel, 0)
+
+
+def check_feedback(cfg: "TAGCConfig") -> None:
+    """Validate the feedback group, resolving ``ef21``, ``ef21_damping`` and
+    ``residual_code`` (the codec group first: they follow ``mode``).
+
+    Args:
+        cfg: the config being built.
+    Raises:
+        ValueError: a knob out of range or a pair that cannot run together.
+    """
+    _check_bool("error_feedback", cfg.error_feedback)
+    cfg.residual_dtype = _parse_dtype(cfg.residual_dtype, "residual_dtype")
+    if cfg.ef21 is None:
+        cfg.ef21 = False
+    _check_bool("ef21", cfg.ef21)
+    c = cfg.residual_code
+    if c is None:
+        # the top-k modes' residual holds most of what they leave out, and EF21's h
+        # must add up to the owner's sum exactly: both keep values
+        c = "int4" if cfg.mode == "quant" and cfg.error_feedback is True and \
+            not cfg.ef21 and cfg.residual_dtype == torch.float32 else "none"
+    if c not in RESIDUAL_CODES:
+        raise ValueError(f"residual_code: must be None (derived) or one of "
+                         f"{RESIDUAL_CODES}, got {c!r}")
+    if c != "none" and cfg.residual_dtype != torch.float32:
+        raise ValueError("residual_code: the residual's working copy is float32; leave "
+                         "residual_dtype at float32 (or residual_code 'none')")
+    cfg.residual_code = c
+    if cfg.ef21 and (cfg.mode == "dense" or not cfg.error_feedback
+                     or cfg.residual_dtype != torch.float32 or cfg.residual_code != "none"):
+        raise ValueError("ef21: needs a compressing mode, error_feedback=True, "
+                         "residual_dtype float32 and residual_code 'none' (the ranks' "
+                         "estimates must add up to the owner's exactly)")
+    if cfg.ef21_damping is None:
+        cfg.ef21_damping = cfg.ef21
+    _check_bool("ef21_damping", cfg.ef21_damping)
+    if cfg.ef21_damping and not cfg.ef21:
+        raise ValueError("ef21_damping: damps EF21's estimate; it needs ef21=True")
+    if cfg.guard_ratio is not None:
+        cfg.guard_ratio = _check_number(
+            "guard_ratio", cfg.guard_ratio, lambda v: v >= 0,
+            "None (default), 0 (off) or a finite number > 0")
+        if cfg.guard_ratio > 0 and not cfg.feeds_back:
+            raise ValueError("guard_ratio: the guard watches the error-feedback state; it "
+                             "needs error_feedback=True and a compressing mode (set 0 or "
+                             "None)")
+
+
+def check_schedule(cfg: "TAGCConfig") -> None:
+    """Validate the schedule group (the codec group first: the warm-up ends at
+    ``theta``).
+
+    Args:
+        cfg: the config being built.
+    Raises:
+        ValueError: a knob out of range or not available in ``mode``.
+    """
+    for name in ("dense_steps", "warmup_steps"):
+        _check_int(name, getattr(cfg, name), 0)
+    if cfg.warmup_steps and cfg.mode == "quant":
+        raise ValueError("warmup_steps: mode='quant' has no sparsity to ramp; use "
+                         "dense_steps")
+    cfg.warmup_theta = _check_number("warmup_theta", cfg.warmup_theta,
+                                     lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
+    if cfg.warmup_steps and cfg.warmup_theta > cfg.theta:
+        raise ValueError(f"warmup_theta: the warm-up must start at most as sparse as "
+                         f"theta={cfg.theta}, got {cfg.warmup_theta!r}")
+    if cfg.warmup_steps and cfg.mode == "paper":
+        raise ValueError("warmup_steps: not available in mode='paper' (its sketch has a "
+                         "fixed S/ratio buckets sized for theta); use dense_steps, or "
+                         "mode 'exact'/'sparse'/'auto'")
+    _check_int("bypass_every", cfg.bypass_every, 0)
+    if cfg.bypass_every == 1:
+        raise ValueError("bypass_every: 0 (off) or >= 2 (a probe every P reductions), got 1")
+    if cfg.bypass_every and not cfg.compresses:
+        raise ValueError("bypass_every: needs a compressing mode (mode='dense' compresses "
+                         "nothing to bypass)")
+
+
+def check_gather(cfg: "TAGCConfig") -> None:
+    """Validate ``cfg``'s parameter-gather knobs (ValueError: a knob out of range, named first)."""
+    _check_choice("gather", cfg.gather, GATHER_FORMATS)
+    _check_int("gather_block", cfg.gather_block, 1, 65536)
+
+
+def check_overlap(cfg: "TAGCConfig") -> None:
+    """Validate ``cfg``'s overlap knobs (ValueError: a knob that is not a bool, named first)."""
+    _check_bool("fsdp_overlap", cfg.fsdp_overlap)
+    _check_bool("hsdp_overlap", cfg.hsdp_overlap)
+
+
+def check_hsdp(cfg: "TAGCConfig") -> None:
+    """Validate ``cfg``'s HSDP knobs (ValueError: a knob out of range, named first)."""
+    _check_choice("hsdp_allreduce", cfg.hsdp_allreduce, HSDP_ALLREDUCE_FORMS)
+    if cfg.hsdp_out_format != "auto" and cfg.hsdp_out_format not in QUANT_FORMATS:
+        raise ValueError(f"hsdp_out_format: must be 'auto' or one of {QUANT_FORMATS}, "
+                         f"got {cfg.hsdp_out_format!r}")
+
+
+def check_local(cfg: "TAGCConfig") -> None:
+    """Validate the local-steps group.
+
+    Args:
+        cfg: the config being built.
+    Raises:
+        ValueError: a knob out of range or needing ``outer_every``.
+    """
+    _check_int("outer_every", cfg.outer_every, 0)
+    _check_int("outer_fragments", cfg.outer_fragments, 1)
+    _check_int("outer_overlap", cfg.outer_overlap, 0)
+    _check_number("outer_lr", cfg.outer_lr, lambda v: v > 0, "a finite number > 0")
+    for name in ("outer_momentum", "outer_mix"):
+        _check_number(name, getattr(cfg, name), lambda v: 0 <= v < 1, "a number in [0, 1)")
+    if cfg.outer_every and cfg.outer_fragments > cfg.outer_every:
+        raise ValueError(f"outer_fragments: at most outer_every ({cfg.outer_every}) "
+                         f"fragments, got {cfg.outer_fragments}")
+    if cfg.outer_overlap and (not cfg.outer_every or
+                              cfg.outer_overlap >= cfg.outer_every // cfg.outer_fragments):
+        raise ValueError(f"outer_overlap: needs outer_every and tau < outer_every // "
+                         f"outer_fragments (one sync in flight), got {cfg.outer_overlap}")
+    if (cfg.outer_fragments > 1 or cfg.outer_mix) and not cfg.outer_every:
+        raise ValueError("outer_fragments / outer_mix: need outer_every >= 1 (local steps)")
+
+
+# Each group's validator, run in GROUPS' order by TAGCConfig.__post_init__.
+CHECKS: Dict[str, Callable[["TAGCConfig"], None]] = {
+    "codec": check_codec, "selection": check_selection, "feedback": check_feedback,
+    "schedule": check_schedule, "gather": check_gather, "overlap": check_overlap,
+    "hsdp": check_hsdp, "local": check_local}
+
+
 # --------------------------------------------------------------------------- config
+
+_DOC_HEAD = """Every knob of TAGC, validated on construction; the defaults are ``tagc-balanced``.
+
+A knob whose default follows others ("derived": {derived})
+keeps following them unless given: :meth:`to_dict` writes it as None when it was not given, so
+``TAGCConfig.from_dict({{**c.to_dict(), "mode": "exact"}})`` and :meth:`replace`
+re-derive it; :meth:`resolved_dict` has every value as used.  The knobs below are
+grouped by the feature that reads them (``TAGCConfig.describe()``); each group is
+validated by its ``check_<group>`` function in tagc/config.py.
+"""
+
 
 @dataclass
 class TAGCConfig:
-    """Every knob of TAGC, validated on construction; the defaults are ``tagc-balanced``.
+    # The docstring is generated from the fields' metadata (describe()).
 
-    Knobs whose default follows another (``theta``, ``ratio``, ``ef21``,
-    ``ef21_damping``: "derived") keep following it unless given: :meth:`to_dict` writes
-    a derived knob that was not given as None, so ``TAGCConfig.from_dict({**c.to_dict(),
-    "mode": "exact"})`` re-derives them for the new mode, and :meth:`replace` applies
-    changes that way; :meth:`resolved_dict` has every value as used.
-
-    Args:
-        mode: transport (default ``"quant"``) (docs/DESIGN.md section 4). ``"paper"``: the paper's
-            Algorithm 1, index all-reduce SUM on ``index_bits`` lanes plus a
-            fixed ``S/ratio`` sketch per shard reduced to its owner (1-bit
-            lanes lose entries to carries; reported in stats). ``"exact"``:
-            bitmap all-to-all with a true OR at the owner, sketch sized from
-            the union bound, lossless (a recovery exchange resolves entries
-            peeling leaves). ``"sparse"``: exactly ``k`` (offset, value) pairs
-            per shard in one all-to-all. ``"auto"``: the same pairs as
-            ``sparse`` (lossless: every owner gets the exact sum of every
-            rank's top-k), each shard's message in the coding of fewest bytes
-            for (S, k, value dtype), chosen by every rank from sizes alone:
-            Elias-Fano positions (about 2 + log2(S/k) bits each instead of
-            32), a bitmap, or dense values; never more bytes than the plain
-            reduce-scatter, at any theta; ``stats()`` counts the codings
-            (``coded_ef``/``coded_bitmap``/``coded_dense``). ``"quant"``: every entry of a shard,
-            each on a few bits (``quant_format``) with one fp32 scale per
-            ``quant_block`` entries, with error feedback of the rounding; the
-            owner's own shard stays exact.  ``"dense"``: no compression, values
-            all-to-all to their owner (the honest gloo baseline).
-        theta: sparsity in ``[0, 1)``: fraction of each shard's entries not
-            sent; ``k = ceil((1 - theta) * S)`` kept per shard per rank.
-            Default: from ``ratio`` in paper mode (2x->0.80, 4x->0.90,
-            10x->0.9875), 0 in quant mode (which sends every entry and
-            refuses any other value), else 0.9875.  Ignored by ``dense``.
-        ratio: paper mode only: sketch size is ``ceil(S / ratio)`` buckets.
-            Default in paper mode: from ``theta`` when it is a paper preset,
-            else 10.  Must be None in other modes.
-        index_bits: paper mode lane width, 1, 2, 4 or 8 bits per position
-            (the paper uses 1 and 4).
-        value_dtype: dtype of sketch buckets and sparse values on the wire,
-            ``torch.float32`` or ``torch.bfloat16`` (``auto`` uses the
-            gradient's dtype where that is narrower).
-        layers: which parameters are compressed: ``"all"`` (default: every
-            parameter with >= ``min_numel`` elements; block quantization does
-            not hurt attention inputs the way top-k does, docs/RESULTS.md),
-            ``"non_attention"`` (the paper's: ``nn.Linear``/``nn.Embedding``
-            weights that are not attention QKV projections, see
-            :func:`select_parameter`; the top-k presets use it), or a callable
-            ``(module_name, module, param_name, param) -> bool``.
-        min_numel: smallest parameter compressed by the built-in policies.
-        error_feedback: keep per-rank, per-unit residuals of what was not sent
-            and add them back next step.
-        seed: base of the sketch hash seeds, ``_tagc.seed_derive(seed, unit, step)``.
-        residual_dtype: residual storage, ``torch.float32`` (default) or
-            ``torch.bfloat16`` (halves the memory, rounds the feedback).
-        residual_code: how the residual is kept between calls: ``"none"`` as
-            ``residual_dtype`` values; ``"int8"`` / ``"int4"`` as block codes of ``quant_block`` entries (round to nearest,
-            one fp32 scale per block; LoCo keeps an 8-bit error buffer, arXiv
-            2407.04480), decoded into an fp32 working copy for the length of a
-            call and coded again after it; what that coding rounds away is
-            dropped, not fed back (a fraction of a residual that is itself a
-            fraction of the gradient).  Memory per rank and entry of a unit:
-            ``quant_bytes(n)/n`` bytes (int8 1.016, int4 0.516 at block 256)
-            instead of 4, plus the working copy during a call (transient,
-            one unit).  ``None`` (default): ``"int4"`` for ``quant`` mode's
-            residual feedback (``tagc-balanced``/``tagc-full``: 0.52 bytes per
-            parameter per rank, level with an fp32 residual and with EF21 on the
-            suite, docs/SUITE.md), ``"none"`` for the top-k modes (their
-            residual holds most of what they do not send; measured with fp32),
-            for EF21 (``h`` must match the owner's sum exactly) and for a
-            ``bfloat16`` ``residual_dtype``.  A code needs ``residual_dtype``
-            float32 and no EF21; it has no effect where no residual is kept
-            (``error_feedback`` off, ``dense``).  Memory of every state:
-            ``tagc.memory``.
-        sketch_factor: exact mode: buckets per possible union entry,
-            ``m = ceil(sketch_factor * min(S, N*k))``; 3-hash peeling needs
-            about 1.23.  Values below that force peeling failures (used by
-            the tests of the recovery exchange).
-        dense_steps: the first ``dense_steps`` reductions of every compressed
-            unit go through the plain reduce-scatter (no residual yet), as
-            PowerSGD's ``start_powerSGD_iter``: early gradients are large and
-            change fast, and error feedback cannot make up for what is
-            dropped while the loss falls steeply.  A reduction is one call
-            of the hook per unit, i.e. one optimizer step with gradient
-            accumulation (``no_sync``).  0: compress from the first step.
-        warmup_steps: after the dense steps, ``exact``, ``sparse`` and ``auto`` ramp the
-            sparsity from ``warmup_theta`` to ``theta`` over this many
-            reductions, the density falling geometrically as in DGC's
-            warm-up (Lin et al. 2018: 75%, 93.75%, ... sparsity); the wire
-            bytes follow the density.  0: ``theta`` from the start.  Not in
-            ``paper`` mode, whose sketch is a fixed ``S/ratio`` sized for
-            ``theta`` (a denser start would overflow it).
-        warmup_theta: sparsity at the start of the warm-up, in ``[0, theta]``
-            when ``warmup_steps > 0`` (unused otherwise).
-        quant_format: quant mode's code per value (``csrc/tagc.h``):
-            ``"int8"`` (255 levels of max|v|/127, 8 bits), ``"int4"`` (15
-            levels of max|v|/7, 4 bits), ``"ternary"`` ({-s, 0, +s} with
-            ``s = min(2.5 mean|v|, max|v|)``, 5 codes per byte, each
-            block's codes byte-aligned: 1.625 bits at ``quant_block`` 256) or
-            ``"sign"`` (+-mean|v|, 1 bit).  Why it works where top-k
-            struggles: every coordinate reaches the optimizer every step, so
-            AdamW's per-coordinate moments see a stream like plain training,
-            not bursts every 1/density steps (docs/DESIGN.md section 8).
-            Cost per rank and step: ``(N-1)/N * 8 * quant_bytes(S) / S`` bits
-            per parameter of the compressed units, ``quant_bytes`` being
-            ``_tagc.quant_bytes(S, quant_format, quant_block)`` (the exact
-            wire size of a shard of S, scales included; N=2, block 256,
-            int4: 2.06; ternary: 0.88; tests/test_hook_config.py checks these
-            figures against it); memory: one residual per unit as every mode.
-        quant_block: entries per fp32 scale in quant mode, 1..65536 (256:
-            0.125 bits per entry of scale).  A block at which a code in use
-            (``quant_format``, the HSDP owners', ``residual_code``) takes 32
-            bits or more per value is refused, 16 or more warned about
-            (:func:`check_block_codes`): blocks 1 to 4, depending on the code.
-        ef21: EF21 feedback (Richtarik et al. 2021) instead of the residual:
-            each rank keeps ``h``, its running estimate of its own gradient,
-            and sends the compressed *change* ``C(g - h)`` (then ``h += C(g -
-            h)``); each owner keeps the sum of every rank's ``h`` for its
-            shard (a dense estimate, ``est += what arrived``) and hands that
-            to the optimizer every step.  Why: residual feedback delivers
-            what it held back late, all at once, so the optimizer sees a
-            delayed and bursty gradient; EF21's estimate follows the current
-            gradient and is never owed anything (the README's quality grid
-            has the ternary code with each feedback; docs/DESIGN.md sections
-            5 and 8 the mechanism).  Cost: the same bytes; memory:
-            the residual buffer holds ``-h`` (as before, one unit per rank)
-            plus one fp32 estimate of the owner's shard (1/N of the unit).
-            Needs ``error_feedback`` and an fp32 residual (``residual_code``
-            ``"none"``, which it then derives: a rounded ``h`` would drift from
-            the owner's sum); not in ``dense`` mode.  ``None`` (default): off.
-            It was ``tagc-balanced``'s feedback until issue 42; its state, an
-            unsharded fp32 copy of every unit per rank plus a shard, is 4(1 +
-            1/N) bytes per parameter (31 GB per GPU at 7B on 8 GPUs), while the
-            residual on int4 codes trains as well on the suite at 0.52
-            (docs/SUITE.md).
-        ef21_damping: EF21 with a damped estimate: each call first scales
-            every rank's ``h`` and the owners' estimates by one factor
-            ``lam = clip(sum <g, h> / sum ||h||^2, 0, 1)`` (sums over the
-            unit and the ranks, pooled in the non-finite vote: the same
-            ``lam`` everywhere, so the owners' estimates stay the sums of the
-            ranks' ``h``), then sends ``C(g - lam h)``; ``h = lam h + C(g -
-            lam h)``.  ``lam h`` is the multiple of ``h`` closest to ``g``
-            (least squares over the unit), so the coded vector is never
-            larger than ``g``: where consecutive gradients are nearly
-            independent (small batches, noisy tasks) plain EF21 codes ``g -
-            h`` with ``||g - h||^2 ~ 2 ||g||^2`` and keeps coding noise it
-            took for signal; damping drops to ``lam ~ 0`` there (compression
-            without feedback) and stays at ``lam ~ 1`` where the gradient
-            persists (plain EF21).  docs/DESIGN.md section 5 has the
-            measurements.  ``None`` (default): on with ``ef21``; ``False``:
-            the undamped recursion; ``True`` needs ``ef21``.  Cost per call:
-            two dot products over the unit, 32 more control bytes in the
-            vote (the guard's sums share it), no memory, nothing in
-            checkpoints (``lam`` is recomputed from the state every call).
-        bypass_every: 0 (default): always compress.  ``P >= 2``: every P-th
-            reduction of a compressed unit takes the other path (plain
-            reduce-scatter or compression) and is timed; the ranks sum their
-            mean times of both paths (16 bytes) and all keep compressing only
-            while that is not slower (tagc/bypass.py).  For links where the
-            codec may cost more than the bytes it saves (loopback, NVLink, a
-            fast fabric).  Bypassed calls send ``g + residual`` plainly and
-            empty the residual, so nothing owed is lost; counted in
-            ``bypassed_calls``.  CUDA: one host sync per probe.  Not in
-            ``dense`` mode.  Custom HSDP: the probe times the to-the-owner
-            phase of the all-reduce (tagc/hsdp.py).
-        gather: FSDP2 only: how each unit's *parameters* travel in FSDP's
-            all-gathers (the forward gather and the backward re-gather, 2 of
-            FSDP's 3 collectives).  ``"none"`` (default): FSDP's own exact
-            all-gather.  ``"int8"`` / ``"int4"``: every rank block-quantizes
-            its shard (round to nearest, ``max|w|/127`` or ``max|w|/7`` per
-            block of ``gather_block`` values, blocks never crossing a
-            parameter), one all-gather of codes + scales, and every rank, the
-            owner included, dequantizes all shards, so every rank computes
-            with the same weights, in forward and backward alike (the same
-            masters give the same bytes).  The sharded parameters and the
-            optimizer are untouched: only the gathered copy is quantized, the
-            gradient is taken at it (straight through) and applied to the
-            exact masters (ZeRO++'s qwZ, arXiv 2306.10209).  Applies to every
-            unit (not only the ``layers`` selection: weights of attention and
-            norms quantize as well as any, and every byte counts) whose
-            all-gather dtype is fp32 or bf16.  A block holding NaN/Inf is never quantized:
-            the whole unit is then gathered exactly on every rank (CPU); on
-            CUDA the block decodes to NaN (the step fails loudly).
-            :meth:`TAGCState.exact_gathers` gathers exactly, e.g. for
-            validation.  Cost per rank and gather: ``(N-1)/N * (8 + 32/
-            gather_block)`` bits per parameter for int8 (8.125 at block
-            256), against 32 (fp32) or 16 (bf16 ``param_dtype``); memory:
-            the codes of one unit, per call, nothing kept.
-        gather_block: values per fp32 scale of the gather codes, 1..65536;
-            bounded as ``quant_block`` (int8 from 5, int4 from 4 without a warning).
-        fsdp_overlap: FSDP2 over one group on the CPU: run every unit's
-            reduce-scatter and every parameter all-gather on a worker thread
-            while the forward and backward compute (tagc/overlap.py), as FSDP's
-            streams do on a GPU: the backward goes on while a unit's gradient
-            travels, and each gather runs one unit ahead of its compute (FSDP's
-            backward prefetch, and a forward prefetch TAGC sets from the first
-            forward's order: one unit's gathered parameters more held at a time).
-            Same operations in the same order on every rank: the values are
-            those of ``False``, bit for bit.  A unit whose gradient FSDP reads
-            right after the reduce-scatter (accumulation into an existing
-            ``.grad``, a reduce dtype other than the parameters', CPU offload,
-            post-accumulate-grad hooks) waits for its exchange, as with
-            ``False``.  While a step runs, nothing else may issue collectives on
-            the shard group (the worker's order is the ranks' agreement).  No
-            effect on CUDA tensors (FSDP's streams overlap them), on FSDP1 or on
-            TAGC's HSDP route (``hsdp_overlap``).
-        guard_ratio: the feedback guard.  Every compressed call, each rank
-            measures its feedback state against its gradient over the whole
-            unit: with ``ef21`` the estimate error ``||g - h||^2`` (``h``
-            before the call), with the residual feedback what it owes,
-            ``||residual||^2``; the ranks sum these and ``||g||^2`` inside the
-            non-finite vote (one all-reduce of 32 bytes instead of 4, no extra
-            round), so every rank sees the same pooled ratio ``sum ||g -
-            h||^2 / sum ||g||^2`` and takes the same path.  When it exceeds
-            ``guard_ratio``, the call takes the plain reduce-scatter that
-            settles the state, as a bypassed call does (EF21's estimates
-            become the exact sums, the residual travels with the gradient):
-            a state that no longer describes the gradient is dropped instead
-            of being sent on.  Counted in ``guard_resets``.  Why a ratio of
-            squared norms: it is what EF21's contraction argument bounds
-            (``||C(x) - x||^2 <= (1 - alpha) ||x||^2``); a ratio of 1 means
-            the estimate is no better than none, and a stochastic gradient
-            already gives about 2 (consecutive gradients' noise is
-            independent), with transients to about 70 where the gradient's
-            norm falls fast, which is why the default sits well above that:
-            it catches a state that has gone bad (corrupted, stale, another
-            loss scale), not the steady cost of a coarse code.
-            ``None`` (default): ``DEFAULT_GUARD_RATIO`` (256) with ``ef21``
-            where the guard exists (CPU), off elsewhere and with
-            the residual feedback, whose healthy level depends on the code
-            (about ``1/density`` for top-k).  ``0``: off.  A number > 0:
-            that threshold; it needs error feedback and a compressing mode,
-            and raises NotImplementedError on CUDA (the decision would have
-            to reach the host to pick the collective).  Custom HSDP: it
-            watches the to-the-owner phase's state.
-            Cost per call: three dot products over the unit and 28 more
-            control bytes, shared with ``ef21_damping``'s.
-        hsdp_allreduce: custom HSDP only: the form of the compressed all-reduce
-            between the R replicas (tagc/hsdp.py).  ``"two_phase"``: chunk j of
-            every replica's shard, coded, to replica j, which sums, codes its
-            chunk of the sum with a feedback state of its own and all-gathers
-            it: about 2(R-1)/R coded shards per rank, flat in R.
-            ``"gather"``: every replica's whole coded shard to every replica:
-            R-1 coded shards per rank, each contribution coded once; not for
-            ``exact``/``paper`` (NotImplementedError).  ``"auto"`` (default):
-            always two-phase for ``exact``/``paper``; for ``quant`` two-phase
-            where it sends fewer bytes, counted on the unit's codes (from 3
-            replicas with one code, from 4 for ternary with int4 owners, see
-            ``hsdp_out_format``), for ``sparse``/``auto`` from 3 replicas on;
-            all-gather at 2 replicas (equal bytes, one coding fewer) and for
-            ``dense`` (one plain all-reduce, bit for bit native HSDP).
-            Memory of two-phase: the owner's ``residual_out``, 1/R of the
-            shard (residual feedback), or with ``ef21`` ``estimate_out``, every
-            owner's estimate (one shard), checkpointed like the rest.
-        hsdp_out_format: quant mode, two-phase HSDP only: the code of each
-            owner's chunk of the sum in the to-everyone phase (what every
-            replica decodes), one of ``QUANT_FORMATS`` or ``"auto"`` (default):
-            ``int4`` when ``quant_format`` is ``sign`` or ``ternary``, else
-            ``quant_format``.  Why: the owner's chunk is a sum of R decoded
-            codes plus its own exact share, a many-level signal that a second
-            ternary code cuts to three levels.  Measured at R = 4 on the tiny
-            GPT-2 after 1000 steps (docs/DESIGN.md section 9): ternary with
-            EF21 (the ``lean`` preset then) +4.63% against native HSDP with
-            ternary owners, +2.12% with int4 owners (hook runs made before the
-            one-rank-per-node divide fix, RESULTS.md; the probe's 0.50 vs 0.20
-            squared error, DESIGN section 9, is unaffected).  Cost: about (R-1)/R * (b + b_out) bits per
-            element of the shard, b and b_out the two codes' bits, which
-            ``hsdp_allreduce="auto"`` weighs against the all-gather form's.
-        hsdp_overlap: custom HSDP on the CPU: run each unit's all-reduce between
-            the nodes on a worker thread while the backward computes the next
-            units (tagc/overlap.py), as FSDP's all-reduce stream does on a GPU;
-            the backward still returns with every gradient summed, bit for bit
-            the values of a blocking hook.  A unit whose gradient FSDP reads
-            right after the hook (accumulation into an existing ``.grad``, a
-            reduce dtype other than the parameters', CPU offload,
-            post-accumulate-grad hooks) blocks, as with ``False``.  Measured on
-            the step benchmark's 200 Mbit link (docs/RESULTS.md, three A/B
-            pairs): steps 10% (``balanced``) and 6% (``lean``) shorter at 2 nodes
-            with a core per rank; level within the noise (3% shorter on
-            average) at 4 nodes sharing 2 cores, where the exchange needs the
-            cores the backward holds.  No effect on CUDA tensors (FSDP's
-            streams overlap them) or without HSDP.
-        outer_every: custom HSDP only: local steps (DiLoCo, arXiv 2311.08105;
-            tagc/local.py).  0 (default): every backward all-reduces between the
-            nodes.  ``H >= 1``: each node takes H steps of the user's optimizer
-            with plain FSDP inside the node (gradients averaged over the node's
-            ranks, nothing between nodes), then an outer step: each rank's shard
-            change since the round began (the pseudo-gradient) goes through this
-            config's compressed all-reduce between the replicas (``mode``,
-            ``quant_format``, feedback as for gradients), averaged, and a
-            Nesterov step of ``outer_lr`` / ``outer_momentum`` moves the round's
-            starting shard; every replica ends it bit-identical.  Needs
-            ``register(..., optimizer=)``.  Memory: two fp32 copies of the
-            shard (the round's start, the momentum) on top of the feedback.
-        outer_lr: the outer step's learning rate (DiLoCo's 0.7), > 0.
-        outer_momentum: the outer step's Nesterov momentum (DiLoCo's 0.9), in
-            [0, 1).
-        outer_fragments: local steps streamed (Streaming DiLoCo, arXiv 2501.18512):
-            the units split into P contiguous fragments of about equal size, each
-            synced every ``outer_every`` steps, fragment p at inner steps
-            ``p * H // P + k H`` (k >= 1), so 1/P of the model crosses at a time.
-            1 (default): every unit at once.  Needs ``outer_every >= P``.
-        outer_overlap: tau, inner steps a fragment's sync overlaps: its all-reduce
-            starts at step t on a worker thread and its outer step is applied at
-            step t + tau (0, default: at once).  Needs tau < H // P (one sync in
-            flight at a time).
-        outer_mix: alpha, the merge of a fragment at its outer step: its shard
-            becomes ``(1 - alpha) * global + alpha * local``, ``global`` the outer
-            step's result and ``local`` the replica's own shard then (0, default:
-            the global one, every replica identical; > 0 keeps part of the tau
-            steps taken meanwhile, and the replicas differ by design).  In [0, 1).
-    """
-
-    mode: str = "quant"
-    theta: Optional[float] = None
-    ratio: Optional[float] = None
-    index_bits: int = 1
-    value_dtype: Any = torch.float32
-    layers: LayerPolicy = "all"
-    min_numel: int = 2 ** 16
-    error_feedback: bool = True
-    seed: int = 0
-    residual_dtype: Any = torch.float32
-    residual_code: Optional[str] = None
-    sketch_factor: float = 1.3
-    dense_steps: int = 0
-    warmup_steps: int = 0
-    warmup_theta: float = 0.75
-    quant_format: str = "int4"
-    quant_block: int = 256
-    ef21: Optional[bool] = None
-    ef21_damping: Optional[bool] = None
-    bypass_every: int = 0
-    gather: str = "none"
-    gather_block: int = 256
-    fsdp_overlap: bool = True
-    guard_ratio: Optional[float] = None
-    hsdp_allreduce: str = "auto"
-    hsdp_out_format: str = "auto"
-    hsdp_overlap: bool = True
-    outer_every: int = 0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_fragments: int = 1
-    outer_overlap: int = 0
-    outer_mix: float = 0.0
+    mode: str = knob(
+        "quant", "codec",
+        "The transport (docs/DESIGN.md section 4). quant: every entry on a block code; "
+        "sparse: exactly k (offset, value) pairs per shard; auto: the same pairs, each "
+        "message in its smallest coding (Elias-Fano, bitmap or dense); exact: bitmap plus "
+        "a count sketch the owner peels, lossless; paper: the paper's Algorithm 1; dense: "
+        "no compression.",
+        values=" | ".join(MODES), reads="every route")
+    theta: Optional[float] = knob(
+        None, "codec",
+        "Sparsity: the fraction of each shard's entries not sent, "
+        "k = ceil((1 - theta) * S) kept per shard and rank.",
+        values="[0, 1); quant: 0 only", reads="paper, exact, sparse, auto",
+        derived="from ratio in paper mode (2 -> 0.80, 4 -> 0.90, 10 -> 0.9875), 0 in "
+                "quant, else 0.9875")
+    ratio: Optional[float] = knob(
+        None, "codec",
+        "The paper's sketch size: ceil(S / ratio) buckets per shard.",
+        values=">= 1 in paper mode, None elsewhere", reads="paper",
+        derived="from theta when it is a paper preset, else 10")
+    index_bits: int = knob(
+        1, "codec",
+        "Lane width of the index all-reduce, bits per position (the paper uses 1 and 4; "
+        "1-bit lanes lose entries to carries, counted in stats()).",
+        values="1 | 2 | 4 | 8", reads="paper")
+    value_dtype: Any = knob(
+        torch.float32, "codec",
+        "dtype of sketch buckets and sparse values on the wire (auto uses the gradient's "
+        "where that is narrower).",
+        values="float32 | bfloat16", reads="paper, exact, sparse, auto")
+    layers: LayerPolicy = knob(
+        "all", "selection",
+        "Which parameters are compressed: all (every parameter of at least min_numel "
+        "elements), non_attention (the paper's: Linear/Embedding weights but attention "
+        "input projections, select_parameter), or a callable (module_name, module, "
+        "param_name, param) -> bool.",
+        values="all | non_attention | callable", reads="every compressing mode")
+    min_numel: int = knob(
+        2 ** 16, "selection",
+        "The smallest parameter the built-in policies compress.",
+        values=">= 0", reads="every compressing mode")
+    error_feedback: bool = knob(
+        True, "feedback",
+        "Keep a per-rank residual of what each unit did not send and add it back at "
+        "the next step.",
+        values="bool", reads="every compressing mode")
+    seed: int = knob(
+        0, "codec",
+        "Base of the sketch hash seeds: _tagc.seed_derive(seed, unit, step).",
+        values="[0, 2^64)", reads="paper, exact")
+    residual_dtype: Any = knob(
+        torch.float32, "feedback",
+        "Residual storage as values (residual_code none): bfloat16 halves the memory and "
+        "rounds the feedback.",
+        values="float32 | bfloat16", reads="every compressing mode with feedback")
+    residual_code: Optional[str] = knob(
+        None, "feedback",
+        "How the residual is kept between calls: none (residual_dtype values) or block "
+        "codes of quant_block entries, decoded into an fp32 working copy for a call; what "
+        "the coding rounds away is dropped. Needs residual_dtype float32 and no ef21. "
+        "Memory: tagc.memory.",
+        values=" | ".join(RESIDUAL_CODES), reads="every compressing mode with feedback",
+        derived="int4 in quant mode with the fp32 residual feedback, else none")
+    sketch_factor: float = knob(
+        1.3, "codec",
+        "Sketch buckets per possible union entry, m = ceil(sketch_factor * min(S, N*k)); "
+        "3-hash peeling needs about 1.23, values below force peeling failures.",
+        values="finite > 0", reads="exact")
+    dense_steps: int = knob(
+        0, "schedule",
+        "The first dense_steps reductions of every compressed unit take the plain "
+        "reduce-scatter (PowerSGD's start_powerSGD_iter). A reduction is one hook call per "
+        "unit: one optimizer step under gradient accumulation.",
+        values=">= 0", reads="every compressing mode")
+    warmup_steps: int = knob(
+        0, "schedule",
+        "After the dense steps, the sparsity rises from warmup_theta to theta over this "
+        "many reductions, the density falling geometrically (DGC's warm-up; theta_at).",
+        values=">= 0; 0 in quant and paper", reads="exact, sparse, auto")
+    warmup_theta: float = knob(
+        0.75, "schedule",
+        "The sparsity at the start of the warm-up.",
+        values="[0, theta] with warmup_steps, else [0, 1)", reads="exact, sparse, auto")
+    quant_format: str = knob(
+        "int4", "codec",
+        "Code per value (csrc/tagc.h): int8 (255 levels), int4 (15), ternary (5 codes per "
+        "byte, byte-aligned: 1.625 bits at ``quant_block`` 256) or sign (1 bit). Sent per "
+        "parameter and rank at N=2, block 256, int4: 2.06; ternary: 0.88 bits, scales "
+        "included (_tagc.quant_bytes).",
+        values=" | ".join(QUANT_FORMATS), reads="quant")
+    quant_block: int = knob(
+        256, "codec",
+        "Entries per fp32 scale of quant's codes, the HSDP owners' and residual_code's. A "
+        "block at which a code in use takes 32 bits or more per value is refused, 16 or "
+        "more warned about (check_block_codes).",
+        values="[1, 65536]", reads="quant; residual_code")
+    ef21: Optional[bool] = knob(
+        None, "feedback",
+        "EF21 instead of the residual: each rank keeps h, its estimate of its gradient, "
+        "and sends C(g - h); each owner hands the sum of the ranks' h to the optimizer. "
+        "State: an fp32 h per rank plus one fp32 shard. Needs error_feedback, an fp32 "
+        "residual and residual_code none (docs/DESIGN.md section 5).",
+        values="bool", reads="every compressing mode", derived="False")
+    ef21_damping: Optional[bool] = knob(
+        None, "feedback",
+        "EF21 with a damped estimate: every h is first scaled by one factor "
+        "lam = clip(sum <g, h> / sum ||h||^2, 0, 1), pooled over the ranks, so noise "
+        "coded as signal is not fed back (lam near 0 where consecutive gradients are "
+        "independent). True needs ef21.",
+        values="bool", reads="every compressing mode with ef21", derived="ef21")
+    bypass_every: int = knob(
+        0, "schedule",
+        "Every P-th reduction of a compressed unit takes the other path and is timed; "
+        "the ranks keep compressing only while that is not slower (tagc/bypass.py). A "
+        "bypassed call sends g + residual plainly. 0: always compress.",
+        values="0 or >= 2", reads="every compressing mode")
+    gather: str = knob(
+        "none", "gather",
+        "How each unit's parameters travel in FSDP's all-gathers: none (FSDP's exact "
+        "gather) or block codes of gather_block weights every rank decodes alike, the "
+        "masters and the optimizer untouched (ZeRO++'s qwZ). Every unit, not only the "
+        "layers selection; a block holding NaN/Inf gathers its unit exactly (CPU).",
+        values=" | ".join(GATHER_FORMATS), reads="FSDP2, every mode")
+    gather_block: int = knob(
+        256, "gather",
+        "Weights per fp32 scale of the gather codes; bounded as quant_block.",
+        values="[1, 65536]", reads="FSDP2 with gather")
+    fsdp_overlap: bool = knob(
+        True, "overlap",
+        "Run every unit's reduce-scatter and parameter all-gather on a worker thread while "
+        "the forward and backward compute, gathers one unit ahead (tagc/overlap.py); the "
+        "values of False bit for bit. Issue no other collectives on the shard group "
+        "meanwhile.",
+        values="bool", reads="FSDP2 over one group, CPU tensors")
+    guard_ratio: Optional[float] = knob(
+        None, "feedback",
+        "The feedback guard: the ranks pool ||g - h||^2 (EF21) or ||residual||^2 over "
+        "||g||^2 of the unit; above guard_ratio the call takes the plain reduce-scatter, "
+        "which settles the state (guard_resets). None: DEFAULT_GUARD_RATIO with ef21 on "
+        "the CPU, else off; 0: off; > 0 raises NotImplementedError on CUDA.",
+        values="None, 0 or finite > 0 (needs feedback)", reads="every compressing mode")
+    hsdp_allreduce: str = knob(
+        "auto", "hsdp",
+        "The compressed all-reduce's form: two_phase (chunk j of every shard to replica "
+        "j, which codes its chunk of the sum and all-gathers it) or gather (every coded "
+        "shard to every replica; not exact/paper); auto picks by bytes "
+        "(tagc.hsdp.allreduce_form).",
+        values=" | ".join(HSDP_ALLREDUCE_FORMS), reads="custom HSDP")
+    hsdp_out_format: str = knob(
+        "auto", "hsdp",
+        "The code of each owner's chunk of the sum in two-phase's to-everyone phase; "
+        "auto: int4 after sign or ternary (a sum of R codes has many levels), else "
+        "quant_format.",
+        values="auto | " + " | ".join(QUANT_FORMATS), reads="custom HSDP, quant, two-phase")
+    hsdp_overlap: bool = knob(
+        True, "overlap",
+        "Run each unit's all-reduce between the nodes on a worker thread while the "
+        "backward computes the next units; the values of False bit for bit.",
+        values="bool", reads="custom HSDP, CPU tensors")
+    outer_every: int = knob(
+        0, "local",
+        "H: each node takes H steps with plain FSDP inside it, then each rank's shard "
+        "change goes through the compressed all-reduce and a Nesterov outer step moves "
+        "the round's start. 0: every backward all-reduces. Needs register(..., "
+        "optimizer=).",
+        values=">= 0", reads="custom HSDP")
+    outer_lr: float = knob(
+        0.7, "local", "The outer step's learning rate.",
+        values="finite > 0", reads="custom HSDP with outer_every")
+    outer_momentum: float = knob(
+        0.9, "local", "The outer step's Nesterov momentum.",
+        values="[0, 1)", reads="custom HSDP with outer_every")
+    outer_fragments: int = knob(
+        1, "local",
+        "P: the units split into P fragments of about equal size, fragment p synced at "
+        "inner steps p * H // P + k * H (Streaming DiLoCo).",
+        values="[1, outer_every]", reads="custom HSDP with outer_every")
+    outer_overlap: int = knob(
+        0, "local",
+        "tau: a fragment's all-reduce runs on a worker thread, its outer step applied "
+        "tau inner steps later.",
+        values="0 <= tau < outer_every // outer_fragments",
+        reads="custom HSDP with outer_every")
+    outer_mix: float = knob(
+        0.0, "local",
+        "alpha: at its outer step a fragment's shard becomes (1 - alpha) * global + "
+        "alpha * local; 0 keeps the replicas identical.",
+        values="[0, 1)", reads="custom HSDP with outer_every")
 
     def __post_init__(self) -> None:
         # which derived knobs the caller gave: to_dict() writes the others as None
         object.__setattr__(self, "_given", frozenset(
             n for n in DERIVED if getattr(self, n) is not None))
-        if self.mode not in MODES:
-            raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
-        for name in ("theta", "ratio", "sketch_factor"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise ValueError(f"{name}: must be a number, got {v!r}")
-        self._resolve_sparsity()
-        if isinstance(self.index_bits, bool) or self.index_bits not in (1, 2, 4, 8):
-            raise ValueError(f"index_bits: must be 1, 2, 4 or 8, got {self.index_bits!r}")
-        self.value_dtype = _parse_dtype(self.value_dtype, "value_dtype")
-        self.residual_dtype = _parse_dtype(self.residual_dtype, "residual_dtype")
-        if not callable(self.layers) and self.layers not in ("non_attention", "all"):
-            raise ValueError(f"layers: must be 'non_attention', 'all' or a callable, "
-                             f"got {self.layers!r}")
-        _check_int("min_numel", self.min_numel, 0)
-        _check_bool("error_feedback", self.error_feedback)
-        _check_int("seed", self.seed, 0, 2 ** 64 - 1)
-        if not math.isfinite(self.sketch_factor) or self.sketch_factor <= 0:
-            raise ValueError(f"sketch_factor: must be a finite number > 0, "
-                             f"got {self.sketch_factor!r}")
-        self.sketch_factor = float(self.sketch_factor)
-        self._check_warmup()
-        if self.quant_format not in QUANT_FORMATS:
-            raise ValueError(f"quant_format: must be one of {QUANT_FORMATS}, "
-                             f"got {self.quant_format!r}")
-        _check_int("quant_block", self.quant_block, 1, 65536)
-        if self.ef21 is None:
-            # opt-in since issue 42: its state is an unsharded fp32 copy per rank
-            self.ef21 = False
-        _check_bool("ef21", self.ef21)
-        self._resolve_residual_code()
-        if self.ef21 and (self.mode == "dense" or not self.error_feedback
-                          or self.residual_dtype != torch.float32
-                          or self.residual_code != "none"):
-            raise ValueError("ef21: needs a compressing mode, error_feedback=True, "
-                             "residual_dtype float32 and residual_code 'none' (the ranks' "
-                             "estimates must add up to the owner's exactly)")
-        if self.ef21_damping is None:
-            self.ef21_damping = self.ef21
-        _check_bool("ef21_damping", self.ef21_damping)
-        if self.ef21_damping and not self.ef21:
-            raise ValueError("ef21_damping: damps EF21's estimate; it needs ef21=True")
-        _check_int("bypass_every", self.bypass_every, 0)
-        if self.bypass_every == 1:
-            raise ValueError("bypass_every: 0 (off) or >= 2 (a probe every P reductions), got 1")
-        if self.bypass_every and self.mode == "dense":
-            raise ValueError("bypass_every: needs a compressing mode (mode='dense' compresses "
-                             "nothing to bypass)")
-        if self.gather not in GATHER_FORMATS:
-            raise ValueError(f"gather: must be one of {GATHER_FORMATS}, got {self.gather!r}")
-        _check_int("gather_block", self.gather_block, 1, 65536)
-        if self.hsdp_allreduce not in HSDP_ALLREDUCE_FORMS:
-            raise ValueError(f"hsdp_allreduce: must be one of {HSDP_ALLREDUCE_FORMS}, got "
-                             f"{self.hsdp_allreduce!r}")
-        _check_bool("hsdp_overlap", self.hsdp_overlap)
-        _check_bool("fsdp_overlap", self.fsdp_overlap)
-        _check_int("outer_every", self.outer_every, 0)
-        _check_int("outer_fragments", self.outer_fragments, 1)
-        _check_int("outer_overlap", self.outer_overlap, 0)
-        for name, ok in (("outer_lr", lambda v: v > 0),
-                         ("outer_momentum", lambda v: 0 <= v < 1),
-                         ("outer_mix", lambda v: 0 <= v < 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
-                    not math.isfinite(v) or not ok(v):
-                raise ValueError(f"{name}: out of range, got {v!r}")
-        if self.outer_every and self.outer_fragments > self.outer_every:
-            raise ValueError(f"outer_fragments: at most outer_every ({self.outer_every}) "
-                             f"fragments, got {self.outer_fragments}")
-        if self.outer_overlap and (not self.outer_every or
-                                   self.outer_overlap >= self.outer_every // self.outer_fragments):
-            raise ValueError(f"outer_overlap: needs outer_every and tau < outer_every // "
-                             f"outer_fragments (one sync in flight), got {self.outer_overlap}")
-        if (self.outer_fragments > 1 or self.outer_mix) and not self.outer_every:
-            raise ValueError("outer_fragments / outer_mix: need outer_every >= 1 (local steps)")
-        if self.hsdp_out_format != "auto" and self.hsdp_out_format not in QUANT_FORMATS:
-            raise ValueError(f"hsdp_out_format: must be 'auto' or one of {QUANT_FORMATS}, "
-                             f"got {self.hsdp_out_format!r}")
-        self._check_guard()
+        for group, _, _ in GROUPS:
+            CHECKS[group](self)
         check_block_codes(coded_pairs(self))
 
-    def _resolve_residual_code(self) -> None:
-        c = self.residual_code
-        if c is None:
-            # quant mode's residual on int4 codes (issue 42: the presets' state within
-            # one byte per parameter, quality level on the suite); the top-k modes keep
-            # the fp32 residual of the paper's algorithm (their presets state int8
-            # codes: int4 cost them 7-16 points, SUITE.md), EF21 needs it exact
-            c = "int4" if self.mode == "quant" and self.error_feedback is True and \
-                not self.ef21 and self.residual_dtype == torch.float32 else "none"
-        if c not in RESIDUAL_CODES:
-            raise ValueError(f"residual_code: must be None (derived) or one of "
-                             f"{RESIDUAL_CODES}, got {c!r}")
-        if c != "none" and self.residual_dtype != torch.float32:
-            raise ValueError("residual_code: the residual's working copy is float32; leave "
-                             "residual_dtype at float32 (or residual_code 'none')")
-        self.residual_code = c
+    @classmethod
+    def describe(cls, markdown: bool = False) -> str:
+        """Every knob by group: what it does, its default, its values, what reads it.
 
-    def _check_guard(self) -> None:
-        g = self.guard_ratio
-        if g is None:
-            return
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
-                or g < 0:
-            raise ValueError(f"guard_ratio: must be None (default), 0 (off) or a finite "
-                             f"number > 0, got {g!r}")
-        self.guard_ratio = float(g)
-        if self.guard_ratio > 0 and (self.mode == "dense" or not self.error_feedback):
-            raise ValueError("guard_ratio: the guard watches the error-feedback state; it "
-                             "needs error_feedback=True and a compressing mode (set 0 or None)")
+        Args:
+            markdown: a markdown reference (docs/USAGE.md's) instead of plain text.
+        Returns:
+            the text.
+        """
+        out: List[str] = []
+        for group, title, what in GROUPS:
+            out += [f"### {title}" if markdown else f"{title}: {what}.", ""]
+            if markdown:
+                out += [f"{what[0].upper()}{what[1:]}.", ""]
+            for f in dataclasses.fields(cls):
+                if f.metadata.get("group") == group:
+                    out += _describe_knob(f, markdown)
+            out.append("")
+        return "\n".join(out).rstrip("\n") + "\n"
 
     # -- what the mode implies (one place, instead of mode strings across the package)
     @property
@@ -750,62 +781,6 @@ class TAGCConfig:
                 "choosing the plain reduce-scatter would need its decision on the host (a "
                 "sync per call). Set guard_ratio=0 (or leave it None: off on CUDA)")
         return self.guard_ratio
-
-    def _resolve_sparsity(self) -> None:
-        """theta and ratio: paper mode derives one from the other (its presets),
-        quant sends everything (theta 0), the other modes default to 0.9875."""
-        if self.mode == "paper":
-            if self.ratio is None:
-                if self.theta is None:
-                    self.ratio = 10.0
-                else:
-                    inv = {th: r for r, th in PAPER_THETA.items()}
-                    if float(self.theta) not in inv:
-                        raise ValueError(
-                            f"ratio: required in paper mode when theta={self.theta} is not "
-                            f"one of the paper's presets {sorted(inv)}")
-                    self.ratio = inv[float(self.theta)]
-            if not math.isfinite(self.ratio) or self.ratio < 1.0:
-                raise ValueError(f"ratio: must be a finite number >= 1, got {self.ratio!r}")
-            self.ratio = float(self.ratio)
-            if self.theta is None:
-                if self.ratio not in PAPER_THETA:
-                    raise ValueError(
-                        f"theta: no paper default for ratio={self.ratio}; give theta "
-                        f"(paper presets: {PAPER_THETA})")
-                self.theta = PAPER_THETA[self.ratio]
-        else:
-            if self.ratio is not None:
-                raise ValueError(f"ratio: only used by mode='paper' (mode={self.mode!r}); "
-                                 "set theta instead")
-            if self.mode == "quant":
-                if self.theta not in (None, 0, 0.0):
-                    raise ValueError(f"theta: mode='quant' sends every entry (theta 0); "
-                                     f"got {self.theta!r}")
-                self.theta = 0.0
-            if self.theta is None:
-                self.theta = 0.9875
-        self.theta = float(self.theta)
-        if not (0.0 <= self.theta < 1.0):
-            raise ValueError(f"theta: must be in [0, 1), got {self.theta!r}")
-
-    def _check_warmup(self) -> None:
-        for name in ("dense_steps", "warmup_steps"):
-            _check_int(name, getattr(self, name), 0)
-        if self.warmup_steps and self.mode == "quant":
-            raise ValueError("warmup_steps: mode='quant' has no sparsity to ramp; use "
-                             "dense_steps")
-        w = self.warmup_theta
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 <= w < 1.0):
-            raise ValueError(f"warmup_theta: must be a number in [0, 1), got {w!r}")
-        if self.warmup_steps and w > self.theta:
-            raise ValueError(f"warmup_theta: the warm-up must start at most as sparse as "
-                             f"theta={self.theta}, got {w!r}")
-        self.warmup_theta = float(w)
-        if self.warmup_steps and self.mode == "paper":
-            raise ValueError("warmup_steps: not available in mode='paper' (its sketch has a "
-                             "fixed S/ratio buckets sized for theta); use dense_steps, or "
-                             "mode 'exact'/'sparse'/'auto'")
 
     def theta_at(self, step: int) -> Optional[float]:
         """Sparsity of a unit's reduction number ``step`` (0-based) under the warm-up.
@@ -934,3 +909,69 @@ class TAGCConfig:
         """Stable digest of the config, compared across ranks at register()."""
         return hashlib.sha256(json.dumps(self.resolved_dict(), sort_keys=True)
                               .encode()).hexdigest()
+
+
+# Knobs whose default follows other knobs (resolved by their group's check); to_dict()
+# writes them as None unless given, so a changed source re-derives them.
+DERIVED = tuple(f.name for f in dataclasses.fields(TAGCConfig) if f.metadata["derived"])
+
+
+def _default_text(f: "dataclasses.Field[Any]") -> str:
+    """A knob's default as the docs write it."""
+    if f.metadata["derived"]:
+        return f"derived: {f.metadata['derived']}"
+    v = f.default
+    return str(v).replace("torch.", "") if isinstance(v, torch.dtype) else repr(v)
+
+
+def _describe_knob(f: "dataclasses.Field[Any]", markdown: bool) -> List[str]:
+    """One knob's entry: name, default, values and readers, then its doc.
+
+    Args:
+        f: the field.
+        markdown: a markdown list item instead of indented text.
+    Returns:
+        the lines.
+    """
+    m = f.metadata
+    if markdown:
+        return textwrap.wrap(f"- `{f.name}` (default {_default_text(f)}; {m['values']}; "
+                             f"read by {m['reads']}): {m['doc']}", 88,
+                             subsequent_indent="  ", break_on_hyphens=False)
+    head = textwrap.wrap(f"{f.name} (default {_default_text(f)}; {m['values']}; read by "
+                         f"{m['reads']})", 88, initial_indent="    ",
+                         subsequent_indent="            ", break_on_hyphens=False)
+    return head + textwrap.wrap(m["doc"], 88, initial_indent="        ",
+                                subsequent_indent="        ", break_on_hyphens=False)
+
+
+TAGCConfig.__doc__ = _DOC_HEAD.format(derived=", ".join(DERIVED)) + "\n" + \
+    TAGCConfig.describe()
+
+# The knob reference in docs/USAGE.md sits between these lines.
+USAGE_BEGIN = "<!-- knobs: generated from tagc/config.py by tagc.config.write_knobs_doc() -->"
+USAGE_END = "<!-- knobs: end -->"
+
+
+def write_knobs_doc(path: str = "docs/USAGE.md", check: bool = False) -> bool:
+    """Write :meth:`TAGCConfig.describe` (markdown) between the knob markers of ``path``.
+
+    Args:
+        path: the markdown file holding ``USAGE_BEGIN`` and ``USAGE_END``.
+        check: compare only, writing nothing.
+    Returns:
+        True when the file already held the generated text.
+    Raises:
+        ValueError: the markers are missing or out of order.
+    """
+    with open(path) as fh:
+        text = fh.read()
+    i, j = text.find(USAGE_BEGIN), text.find(USAGE_END)
+    if i < 0 or j < i:
+        raise ValueError(f"{path}: needs the lines {USAGE_BEGIN!r} and then {USAGE_END!r}")
+    new = text[:i + len(USAGE_BEGIN)] + "\n\n" + TAGCConfig.describe(markdown=True) + \
+        "\n" + text[j:]
+    if new != text and not check:
+        with open(path, "w") as fh:
+            fh.write(new)
+    return new == text
