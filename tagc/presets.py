@@ -17,11 +17,40 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Dict, List, Union
 
-__all__ = ["config_dir", "names", "resolve", "load_mapping", "PIPELINE_PREFIX"]
+__all__ = ["config_dir", "names", "resolve", "load_mapping", "purpose", "PIPELINE_PREFIX",
+           "PURPOSES"]
 
 # The pipeline presets (tagc.pipeline.PipelineConfig, ``train_gpt2.py --pp``) are named
 # tagc-pp-*; every other tagc-* preset is a TAGCConfig of the data-parallel hook.
 PIPELINE_PREFIX = "tagc-pp-"
+
+# What each shipped preset is for, in one line (``train_gpt2.py --help`` lists them);
+# the files' own comments say how.
+PURPOSES: Dict[str, str] = {
+    "tagc-balanced": "recommended: int4 gradients with feedback, ~8x fewer gradient bytes",
+    "tagc-full": "tagc-balanced plus int8 parameter all-gathers (needs --fsdp 2)",
+    "tagc-lean": "ternary gradients without feedback state, ~18x fewer gradient bytes",
+    "tagc-local": "local steps between nodes, DiLoCo (needs --fsdp 2 --replicas R)",
+    "tagc-auto": "lossless top-k, each message in its smallest coding",
+    "tagc-exact": "lossless top-k (bitmap + sketch), the paper's 10x sparsity",
+    "tagc-exact-warmup": "tagc-exact after a dense warm-up and a sparsity ramp",
+    "tagc-sparse": "top-k (offset, value) pairs by isend/irecv",
+    "tagc-sparse-warmup": "tagc-sparse with tagc-exact-warmup's warm-up",
+    "tagc-sparse-t90-warmup": "tagc-sparse-warmup keeping 10% of each shard",
+    "tagc-dense": "no compression, all-to-all: the baseline on gloo",
+    "tagc-2x-1bit": "the paper's 2x preset, 1-bit index lanes",
+    "tagc-2x-4bit": "the paper's 2x preset, 4-bit index lanes",
+    "tagc-4x-1bit": "the paper's 4x preset, 1-bit index lanes",
+    "tagc-4x-4bit": "the paper's 4x preset, 4-bit index lanes",
+    "tagc-10x-1bit": "the paper's 10x preset, 1-bit index lanes",
+    "tagc-10x-4bit": "the paper's 10x preset, 4-bit index lanes",
+    "tagc-10x-1bit-warmup": "tagc-10x-1bit after a dense warm-up",
+    "tagc-pp-int8": "pipeline stage boundaries as int8 codes (--pp)",
+    "tagc-pp-int4": "pipeline stage boundaries as int4 codes (--pp)",
+    "tagc-pp-subspace": "pipeline boundaries in a fixed subspace (--pp)",
+    "train-tiny": "run settings: tiny GPT-2 on the built-in corpus (CPU)",
+    "train-gpt2": "run settings: the paper's GPT-2 small on OpenWebText (GPUs)",
+}
 
 
 def config_dir() -> Path:
@@ -50,6 +79,22 @@ def names() -> List[str]:
         the sorted names.
     """
     return sorted(p.stem for p in config_dir().glob("*.yaml"))
+
+
+def purpose(name: str) -> str:
+    """What a shipped preset is for, in one line.
+
+    Args:
+        name: the preset's file stem (``names()``).
+    Returns:
+        its line of ``PURPOSES``, else its file's first comment line (a preset added
+        without a line here still gets one).
+    """
+    if name in PURPOSES:
+        return PURPOSES[name]
+    with open(resolve(name), "r", encoding="utf-8") as fh:
+        first = fh.readline().strip()
+    return first.lstrip("#").strip() if first.startswith("#") else ""
 
 
 def resolve(name: Union[str, Path]) -> Path:

@@ -148,6 +148,38 @@ class TAGCState:
                 "feedback_bytes_per_param": steady / params if params else 0.0,
                 "outer_bytes": outer}
 
+    def summary(self, name: Optional[str] = None) -> str:
+        """One line of :meth:`stats` for a log: units compressed, bytes, feedback state.
+
+        Args:
+            name: what to call the config (the preset's name); default its mode.
+        Returns:
+            e.g. ``"TAGC tagc-balanced: 12/14 units compressed (97% of params), sent
+            4.3 MB of 33.6 MB (87.1% saved), feedback 0.52 B/param"``: this rank's
+            gradient bytes against FSDP's plain reduce-scatter of the same calls, and
+            with ``cfg.gather`` the parameter all-gathers' bytes likewise.
+        """
+        st = self.stats()
+        units = list(st["units"].values())
+        comp = [u for u in units if u["compressed"]]
+        params = sum(u["numel"] for u in units)
+        share = 100 * sum(u["numel"] for u in comp) / params if params else 0.0
+        tot = st["total"]
+
+        def sent(what: str, key: str) -> str:
+            done, plain = tot[key], tot[key.replace("wire", "default_wire")]
+            if not plain:  # no call yet: a percentage of nothing would read as a result
+                return f"{what} nothing yet"
+            return (f"{what} {done / 1e6:.1f} MB of {plain / 1e6:.1f} MB "
+                    f"({100 * (1 - done / plain):.1f}% saved)")
+
+        parts = [f"{len(comp)}/{len(units)} units compressed ({share:.0f}% of params)",
+                 sent("sent", "wire_bytes")]
+        if self.cfg.gather != "none":
+            parts.append(sent("gathers", "gather_wire_bytes"))
+        parts.append(f"feedback {st['memory']['feedback_bytes_per_param']:.2f} B/param")
+        return f"TAGC {name or self.cfg.mode}: " + ", ".join(parts)
+
     def _global(self, tot: Dict[str, Any], comp: Dict[str, Any]) -> Dict[str, Any]:
         """The counters of both totals summed over the ranks (one all-reduce)."""
         group = self.units[0].row_group if self.units else None

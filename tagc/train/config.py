@@ -9,16 +9,63 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from tagc import presets
 from tagc.train.model import MODEL_SIZES, GPTConfig
 
-# the --help description of scripts/train_gpt2.py (the default of build_parser)
+# the first line of --help of the GPT-2 trainer (the default of build_parser)
 DESCRIPTION = "Train GPT-2 with PyTorch FSDP, with or without TAGC gradient compression."
+
+# the module a wheel user runs; scripts/train_gpt2.py exists in a checkout only
+MODULE = "tagc.train"
+
+
+def entry_point() -> Tuple[str, str]:
+    """How this process was started, for usage lines and launch hints.
+
+    Returns:
+        ``(command, target)``: ``("python -m tagc.train", "-m tagc.train")`` when the
+        module runs (``python -m`` or ``torchrun -m``) or the caller is not a script
+        (tests, a notebook), else the script's path as typed twice
+        (``("scripts/train_gpt2.py", "scripts/train_gpt2.py")``).
+    """
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    argv0 = sys.argv[0] if sys.argv else ""
+    if (spec is None or spec.name is None) and argv0.endswith(".py") \
+            and Path(argv0).name != "__main__.py":
+        return argv0, argv0
+    return f"python -m {MODULE}", f"-m {MODULE}"
+
+
+def _help_text(target: str) -> str:
+    """The GPT-2 trainer's --help description: examples, then the presets by purpose.
+
+    Args:
+        target: what torchrun starts (:func:`entry_point`'s second item).
+    Returns:
+        the text, laid out for argparse.RawDescriptionHelpFormatter.
+    """
+    run = f"torchrun --standalone --nproc_per_node 2 {target}"
+    lines = [DESCRIPTION, "", "examples:",
+             "  # tiny GPT-2 on 2 CPU processes, gradients compressed as recommended",
+             f"  {run} --tagc tagc-balanced",
+             "  # FSDP2, its gradients and its parameter all-gathers compressed",
+             f"  {run} --fsdp 2 --tagc tagc-full",
+             "  # the paper's GPT-2 small on 2 nodes, one GPU each",
+             "  torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d "
+             "--rdzv_endpoint HOST:29500 \\",
+             f"      {target} train-gpt2.yaml --tagc tagc-balanced",
+             "", "presets (--tagc NAME; tagc-pp-* with --pp; train-* as a YAML argument):"]
+    names = presets.names()
+    width = max(map(len, names))
+    lines += [f"  {n:<{width}}  {presets.purpose(n)}" for n in names]
+    return "\n".join(lines)
 
 
 def option(default: Any, help: str) -> Any:
@@ -135,11 +182,28 @@ class RunConfig:
                              "on HYBRID_SHARD)")
         if self.wrap == "tagc" and not self.tagc:
             raise ValueError("wrap=tagc needs --tagc (the preset decides the unit layout)")
-        if self.tagc is not None:
-            presets.resolve(self.tagc)  # a clear error naming the shipped presets
         if self.tagc_set and self.tagc is None:
             raise ValueError("--tagc_set needs --tagc (it overrides fields of the preset)")
         parse_tagc_set(self.tagc_set)
+        # built here, before any rank loads data or meets its peers: a misspelt field
+        # or a preset this run cannot take fails once, at the start
+        self.check_tagc()
+
+    def check_tagc(self) -> None:
+        """Build ``--tagc`` with ``--tagc_set`` and check it fits this run.
+
+        Raises:
+            ValueError: unknown field (with the nearest), bad value, a pipeline preset,
+                or a preset that needs FSDP2 (or HSDP) under other settings, each
+                naming the option that fixes it.
+        """
+        if self.tagc is None:
+            return
+        path = presets.resolve(self.tagc)  # a clear error naming the shipped presets
+        if path.name.startswith(presets.PIPELINE_PREFIX):
+            raise ValueError(f"--tagc {self.tagc} codes pipeline stage boundaries: run "
+                             "with --pp 2 --tie_weights=false")
+        check_fsdp_needs(self, load_tagc_config(None, self))
 
 
 @dataclass
@@ -183,10 +247,22 @@ class TrainConfig(RunConfig):
             if self.pp == 1:
                 raise ValueError("--stage_tagc needs --pp (it codes FSDP2 inside each "
                                  "stage; without a pipeline, --tagc does that)")
-            presets.resolve(self.stage_tagc)  # a clear error naming the shipped presets
+            build_preset("tagc", self.stage_tagc, "", "--stage_tagc")
         for name in ("n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def check_tagc(self) -> None:
+        """With ``--pp``, ``--tagc`` names the stage boundaries' codes (a tagc-pp-*
+        preset, :class:`~tagc.pipeline.PipelineConfig`); else as RunConfig."""
+        if self.pp == 1:
+            super().check_tagc()
+        elif self.tagc is not None:
+            if not presets.resolve(self.tagc).name.startswith(presets.PIPELINE_PREFIX):
+                raise ValueError(f"--pp: --tagc names the stage boundaries' codes, a "
+                                 f"{presets.PIPELINE_PREFIX}* preset, not {self.tagc!r}; "
+                                 "--stage_tagc codes FSDP2 inside each stage")
+            build_preset("pipeline", self.tagc, self.tagc_set)
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """The model architecture for a tokenizer of vocab_size ids (padded to 64)."""
@@ -229,8 +305,81 @@ def load_tagc_config(tagc: Any, cfg: "RunConfig") -> Any:
     overrides apply to the fields the preset file writes, so a knob whose default
     follows another (``ef21_damping`` follows ``ef21``, ``guard_ratio`` the feedback)
     follows the override too: ``--tagc_set ef21=false`` on an EF21 preset works.
+
+    Args:
+        tagc: TAGC's entry points (``tagc.train.sharding.import_tagc()``) or None
+            (tagc.config's TAGCConfig).
+        cfg: the run config.
+    Returns:
+        the validated TAGCConfig.
+    Raises:
+        ValueError: see :func:`build_preset`.
     """
-    return tagc.TAGCConfig.from_yaml(presets.resolve(cfg.tagc), parse_tagc_set(cfg.tagc_set))
+    cls = tagc.TAGCConfig if tagc is not None else None
+    return build_preset("tagc", cfg.tagc, cfg.tagc_set, cls=cls)
+
+
+def build_preset(kind: str, name: str, spec: str, flag: str = "--tagc",
+                 cls: Any = None) -> Any:
+    """A preset file with ``--tagc_set`` overrides, its errors in the options' words.
+
+    Args:
+        kind: ``"tagc"`` (TAGCConfig) or ``"pipeline"`` (PipelineConfig, ``--pp``).
+        name: the preset's name or YAML file.
+        spec: the ``--tagc_set`` text (may be empty).
+        flag: the option that named the preset, for messages.
+        cls: the config class to build instead of kind's.
+    Returns:
+        the validated config.
+    Raises:
+        ValueError: an unknown field (with the nearest known one) in the file or in
+            ``--tagc_set``, or a bad value (the config's message, then the options).
+    """
+    if cls is None:
+        if kind == "pipeline":
+            from tagc.pipeline import PipelineConfig as cls
+        else:
+            from tagc.config import TAGCConfig as cls
+    path = presets.resolve(name)
+    mapping, overrides = presets.load_mapping(path), parse_tagc_set(spec)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for where, keys in ((f"{flag} {name}: {path.name}", mapping),
+                        ("--tagc_set", overrides)):
+        for key in keys:
+            if key not in known:
+                raise ValueError(f"{where}: unknown field {key!r}{_did_you_mean(key, known)}")
+    try:
+        return cls.from_dict({**mapping, **overrides})
+    except ValueError as exc:
+        raise ValueError(f"{exc} ({flag} {name}"
+                         + (f" --tagc_set {spec})" if spec else ")")) from None
+
+
+def check_fsdp_needs(cfg: "RunConfig", tcfg: Any) -> None:
+    """Refuse a TAGC config whose features this run's sharding does not have.
+
+    Args:
+        cfg: the run config.
+        tcfg: its TAGCConfig.
+    Raises:
+        ValueError: naming the option that fixes it.
+    """
+    via = f"--tagc {cfg.tagc}" + (f" --tagc_set {cfg.tagc_set}" if cfg.tagc_set else "")
+    if tcfg.gather != "none" and cfg.fsdp != 2:
+        # FSDP1 has no hook on its parameter all-gathers: register would refuse
+        raise ValueError(f"{via} quantizes FSDP2's parameter all-gathers "
+                         f"(gather={tcfg.gather}): run with --fsdp 2 (or --tagc_set "
+                         "gather=none)")
+    if tcfg.outer_every and cfg.replicas < 2:
+        raise ValueError(f"{via} takes local steps between nodes (outer_every="
+                         f"{tcfg.outer_every}) on TAGC's HSDP route: run with --fsdp 2 "
+                         "--replicas R (R > 1 nodes)")
+
+
+def _did_you_mean(key: Any, known: Sequence[str], prefix: str = "") -> str:
+    """``"; did you mean X?"`` for the nearest known name, or nothing."""
+    near = difflib.get_close_matches(str(key), known, n=1)
+    return f"; did you mean {prefix}{near[0]}?" if near else ""
 
 
 def _convert(name: str, tp: Any, raw: Any) -> Any:
@@ -273,6 +422,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         raise ValueError(message)
 
+    def print_help(self, file: Any = None) -> None:
+        # under torchrun every rank parses the same line: one copy of --help is enough
+        if os.environ.get("RANK", "0") == "0":
+            super().print_help(file)
+
 
 def _option_type(name: str, tp: Any) -> Any:
     """The argparse ``type`` of a field: _convert, its errors in argparse's words."""
@@ -286,18 +440,27 @@ def _option_type(name: str, tp: Any) -> Any:
     return convert
 
 
-def build_parser(cls: type = None, prog: str = "train_gpt2.py",
+def build_parser(cls: type = None, prog: Optional[str] = None,
                  description: str = "") -> argparse.ArgumentParser:
     """The command line of a config dataclass: one option per field (type, default and
     help from the dataclass), plus YAML files (positional or ``--config``).
 
     Args:
         cls: the config dataclass (default TrainConfig).
-        prog, description: for --help.
+        prog: the command in the usage line (default: how this process was started,
+            :func:`entry_point`).
+        description: the --help text before the options (default: the GPT-2
+            trainer's, with examples and the shipped presets).
+
+    Returns:
+        The parser (its ``error`` raises ValueError).
     """
     cls = cls or TrainConfig
+    command, target = entry_point()
     hints = typing.get_type_hints(cls)
-    p = _Parser(prog=prog, description=description or DESCRIPTION,
+    p = _Parser(prog=prog or command, description=description or _help_text(target),
+                usage="%(prog)s [YAML ...] [--KEY VALUE ...]",
+                formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Settings: the defaults, then YAML files in order, then the options "
                        "given. Booleans take true/false/1/0/yes/no or stand alone (true).",
                 argument_default=argparse.SUPPRESS, allow_abbrev=False)
@@ -319,7 +482,7 @@ def build_parser(cls: type = None, prog: str = "train_gpt2.py",
 
 
 def parse_config(argv: Optional[Sequence[str]] = None, cls: type = None,
-                 prog: str = "train_gpt2.py", description: str = "") -> Any:
+                 prog: Optional[str] = None, description: str = "") -> Any:
     """Build a config (default TrainConfig) from defaults, YAML files and options.
 
     Args:
@@ -327,7 +490,8 @@ def parse_config(argv: Optional[Sequence[str]] = None, cls: type = None,
             ``file.yaml``, ``--config file.yaml``, ``--key=value``, ``--key value``, and a
             bare ``--flag`` for booleans.
         cls: the config dataclass.
-        prog, description: the script's name in messages, its --help text.
+        prog, description: the command in messages (default: how this process was
+            started), its --help text.
 
     Returns:
         The validated config.
@@ -343,10 +507,9 @@ def parse_config(argv: Optional[Sequence[str]] = None, cls: type = None,
     names = [f.name for f in dataclasses.fields(cls)]
     for arg in unknown:
         key = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else arg
-        near = difflib.get_close_matches(key, names, n=1)
-        raise ValueError(f"unknown config key {arg!r}"
-                         + (f"; did you mean --{near[0]}?" if near else "")
-                         + f" ({prog} --help lists them)")
+        raise ValueError(f"unknown config key {arg.partition('=')[0]!r}"
+                         f"{_did_you_mean(key, names, '--')} "
+                         f"({parser.prog} --help lists them)")
     given = vars(args)
     yaml_files = list(given.pop("yaml", [])) + list(given.pop("yaml_opt", None) or [])
     hints = typing.get_type_hints(cls)
@@ -362,9 +525,8 @@ def parse_config(argv: Optional[Sequence[str]] = None, cls: type = None,
             raise ValueError(f"{path}: expected a mapping of config keys")
         for key, value in loaded.items():
             if key not in hints:
-                near = difflib.get_close_matches(str(key), names, n=1)
                 raise ValueError(f"{path}: unknown config key {key!r}"
-                                 + (f"; did you mean {near[0]}?" if near else ""))
+                                 f"{_did_you_mean(key, names)}")
             values[key] = _convert(key, hints[key], value)
     values.update(given)  # already converted by the options' types
     cfg = cls(**values)

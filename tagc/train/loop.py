@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ from tagc import teardown
 from tagc.train.checkpoint import load_checkpoint, save_checkpoint
 from tagc.train.data import TokenData, prepare_distributed
 from tagc.train.health import StepHealth
-from tagc.train.config import RunConfig, TrainConfig, build_parser, load_tagc_config, parse_config
+from tagc.train.config import (RunConfig, TrainConfig, entry_point, load_tagc_config,
+                               parse_config)
 from tagc.train.metrics import GradBytes, MetricsLog, finish
 from tagc.train.model import GPT, Block
 from tagc.train.optim import configure_optimizer, decayed_parameter_names, get_lr
@@ -40,19 +42,47 @@ from tagc.train.sharding import device_mesh, grad_sync, import_tagc, wrap_model
 logger = logging.getLogger(__name__)
 
 
-def require_launcher(script: str) -> None:
+# seconds a rank other than 0 waits before exiting on a config error (config_error)
+QUIET_RANK_DELAY_S = 3.0
+
+
+def require_launcher(script: str, target: Optional[str] = None) -> None:
     """Exit with how to start ``script`` when no launcher set up the process group.
 
     torch's own error ("environment variable RANK expected") does not say that the
     script is meant to run under torchrun, one process per device.
+
+    Args:
+        script: the command as the user runs it (``python -m tagc.train``).
+        target: what torchrun starts (``-m tagc.train``); default ``script``.
     """
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if v not in os.environ]
     if missing:
         raise SystemExit(
             f"{script}: start it with torchrun, one process per device, e.g.\n"
-            f"    torchrun --standalone --nproc_per_node 2 {script} [options]\n"
+            f"    torchrun --standalone --nproc_per_node 2 {target or script} [options]\n"
             f"(not set: {', '.join(missing)}; {script} --help lists the options)")
+
+
+def config_error(command: str, exc: Exception) -> typing.NoReturn:
+    """Exit 2 on a bad command line, the message printed by rank 0 only.
+
+    Every rank parses the same command line and fails the same way, before any of
+    them loads data or joins the process group, so one copy tells it all.
+
+    Args:
+        command: the command in the message (:func:`entry_point`).
+        exc: the error.
+    """
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"usage: {command} [YAML ...] [--KEY VALUE ...]\n"
+                         f"{command}: error: {exc}\n")
+    else:
+        # torchrun stops every rank once one exits: the others give rank 0 the time
+        # to print before they do
+        time.sleep(QUIET_RANK_DELAY_S)
+    sys.exit(2)
 
 
 class _TqdmHandler(logging.Handler):
@@ -118,15 +148,23 @@ class ModelSpec:
     describe: str
 
 
-def setup(cfg: RunConfig, script: str) -> Env:
-    """Process group (from torchrun's environment unless one exists), device, dtype, logging."""
+def setup(cfg: RunConfig, script: str, target: Optional[str] = None) -> Env:
+    """Process group (from torchrun's environment unless one exists), device, dtype, logging.
+
+    Args:
+        cfg: the run config.
+        script: the command, for the message when torchrun did not start it.
+        target: what torchrun starts (default ``script``).
+    Returns:
+        this rank's :class:`Env`.
+    """
     # Linear layers wrapped on their own (TAGC's unit layout) return views of their matmul;
     # FSDP2 warns in case the caller modifies them in place, which these models never do.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     own_pg = not dist.is_initialized()
     if own_pg:
-        require_launcher(script)
+        require_launcher(script, target)
         # a collective waits at most this long for a peer (a stalled one included)
         # before the group fails; torch's default, 30 minutes, passes for a hang
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
@@ -199,13 +237,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             The process group is taken from the torchrun environment unless the caller
             already initialised one (tests do), in which case it is left open.
     """
+    command, target = entry_point()
     try:
-        cfg = parse_config(argv)
+        cfg = parse_config(argv, prog=command)  # the TAGC config too: before any data
     except ValueError as exc:
         if argv is not None:
             raise
-        build_parser().exit(2, f"train_gpt2.py: error: {exc}\n")
-    env = setup(cfg, "scripts/train_gpt2.py")
+        config_error(command, exc)
+    env = setup(cfg, command, target)
     data, tok = load_data(cfg)
     if cfg.pp > 1:
         from tagc.train.pipeline import run_pipeline
@@ -246,6 +285,9 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: TokenData,
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     summary = train_loop(cfg, env, spec, model, optimizer, tagc_state, data, metrics,
                          iter_num, ckpt_path)
+    if tagc_state is not None:
+        # this rank's counters since registration (resumed runs: this part)
+        logger.info("%s", tagc_state.summary(cfg.tagc))
     summary.update(n_params=spec.n_params, world_size=env.world, tokenizer=tok.name,
                    tagc=cfg.tagc, fsdp=cfg.fsdp, sharding=cfg.sharding,
                    replicas=cfg.replicas)
