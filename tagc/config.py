@@ -535,8 +535,8 @@ class TAGCConfig:
     layers: LayerPolicy = knob(
         "all", "selection",
         "Which parameters are compressed: all (every parameter of at least min_numel "
-        "elements), non_attention (the paper's: Linear/Embedding weights but attention "
-        "input projections, select_parameter), or a callable (module_name, module, "
+        "elements), non_attention (the paper's: Linear/Conv1D/Embedding weights but "
+        "attention input projections, select_parameter), or a callable (module_name, module, "
         "param_name, param) -> bool.",
         values="all | non_attention | callable", reads="every compressing mode")
     min_numel: int = knob(
