@@ -10,12 +10,13 @@
 #   --dry-run   no GPU: the same script on the CPU paths and the CUDA emulation
 #               (cuda/emu); the report goes to a temporary folder
 #   env: PYTHON (default python3), TAGC_COMMIT (the commit, when the copy has no .git)
-# The parts are tagc/bench/gpu_check.py (python -m tagc.bench.gpu_check --help).
+# The parts are scripts/bench/tagc_bench/gpu_check.py (bash scripts/gpu_check.sh --help).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# the checkout's package on the path, never the current folder (it may hold an
-# in-place _tagc built for another Python or without the kernels)
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
-exec "$PY" -m tagc.bench.gpu_check "$@"
+# the checkout's package and the scripts' helpers (scripts/bench/tagc_bench) on the path,
+# never the current folder (it may hold an in-place _tagc built for another Python or
+# without the kernels)
+export PYTHONPATH="$PWD:$PWD/scripts/bench${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 \
+    PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+exec "$PY" -m tagc_bench.gpu_check "$@"

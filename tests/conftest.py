@@ -3,7 +3,8 @@
 Imports: ``tagc``, ``tagc_hook`` and ``tagc.train`` from the installed project (or the
 checkout, first on the path under ``python -m pytest``); the helper modules beside
 this file (pytest puts tests/ on the path); a script of ``scripts/`` through
-``script_helpers.load_script``.
+``script_helpers.load_script``; the scripts' helpers ``tagc_bench`` (checkout code, not
+in the wheel) from ``scripts/bench/``, which this file puts on the path.
 
 Markers (registered in setup.cfg):
   slow   multi-process suites beyond N=2, process restarts, builds; the fast tier is
@@ -20,10 +21,17 @@ The run ends with the skips counted by reason.
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
+from pathlib import Path
 from typing import List, Optional
 
 import pytest
+
+# the scripts' helpers (scripts/bench/tagc_bench), importable as the scripts import them
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
+if BENCH.is_dir() and str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,7 +1,7 @@
 """Scaffolding shared by the CUDA test files (test_cuda_ops, test_cuda_hook,
 test_cuda_emulated): the device under test, the skip mark, and the inputs the
 op-level tests build (gradients, kept sets, packed bitmaps, a two-rank summed
-sketch) and their bitwise comparison, which live in ``tagc.bench.cuda_ops``
+sketch) and their bitwise comparison, which live in ``tagc_bench.cuda_ops``
 (``scripts/gpu_check.sh`` builds its op table from them too)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 
-from tagc.bench.cuda_ops import (bitmap_of, gradient, kept, same_bits,  # noqa: F401 (re-exported)
+from tagc_bench.cuda_ops import (bitmap_of, gradient, kept, same_bits,  # noqa: F401 (re-exported)
                                  two_rank_sketch)
 
 # "cpu" runs the CUDA harnesses with both sides on the CPU: a self-check of

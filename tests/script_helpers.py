@@ -1,9 +1,9 @@
 """The tests' access to the scripts of ``scripts/`` (programs, not a package).
 
-The code the scripts share lives in the package (``tagc.train``, ``tagc.bench``); the
-tests of a script's own logic (tables, reports, bookkeeping) load that script by its
-path with :func:`load_script`, as ``python scripts/.../NAME.py`` would, without putting
-a scripts folder on ``sys.path``.  Scripts sit in ``scripts/`` (the entry points a user
+The code the scripts share lives in the package (``tagc.train``, ``tagc.cost``) or, where
+it needs a checkout, in ``scripts/bench/tagc_bench`` (on the path through conftest.py);
+the tests of a script's own logic (tables, reports, bookkeeping) load that script by its
+path with :func:`load_script`, as ``python scripts/.../NAME.py`` would.  Scripts sit in ``scripts/`` (the entry points a user
 runs) or one level below (``bench/``, ``research/``, ``tools/``); a name is found in
 either.
 """

@@ -1,5 +1,5 @@
 """The step benchmark's rows and columns of issue 42 (scripts/bench/bench_step.py,
-bench_report.py, tagc/bench/rows.py): the new configurations and the GPT-2 124M plan
+bench_report.py, tagc/cost/rows.py): the new configurations and the GPT-2 124M plan
 parse, the report's exposed communication, peak RSS, bytes at the call and the
 worker thread's column, and the
 counter of bytes at the call on a 2-rank gloo run of a tiny GPT-2 against the hand
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from script_helpers import load_script, script_path
 
-from tagc.bench.rows import ROWS, baseline
-from tagc.bench.shapes import BENCH_MODELS
+from tagc.cost.rows import ROWS, baseline
+from tagc.cost.shapes import BENCH_MODELS
 
 bench_step = load_script("bench_step")
 bench_report = load_script("bench_report")

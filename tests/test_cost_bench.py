@@ -1,4 +1,4 @@
-"""The cost model on the step benchmark's rows (issue 42; tagc/bench/cost/bench.py and
+"""The cost model on the step benchmark's rows (issue 42; tagc/cost/bench.py and
 cost_model.py --predict-bench / --check PREDICTIONS --measured): the bf16 policy,
 gathering once and int4 gathers counted by hand, predictions from one unshaped plain
 step, the run-time estimate, and the comparison with a (fake) bench_step report.
@@ -11,15 +11,13 @@ import json
 from pathlib import Path
 
 import pytest
-from script_helpers import load_script
 
-from tagc.bench import cost as cm
-from tagc.bench.cost import bench
-from tagc.bench.cost.check import check
+from tagc import cost as cm
+from tagc.cost import bench, cli
+from tagc.cost.check import check
 
 pytestmark = pytest.mark.codec  # the model sizes messages by the _tagc codec
 
-cli = load_script("cost_model")
 
 # a table as bench_collectives.py writes it: every collective at 10 MB/s, the link 100 Mbit/s
 KINDS = ("all_reduce", "all_gather", "all_to_all", "p2p", "p2p_ring")
@@ -136,7 +134,7 @@ def test_predict_bench_cli(tmp_path: Path, capsys: pytest.CaptureFixture,
     """--predict-bench on the default model's rows, from fake inputs."""
     from dataclasses import asdict, replace
 
-    from tagc.bench.shapes import BENCH_MODELS
+    from tagc.cost.shapes import BENCH_MODELS
 
     plan = BENCH_MODELS["bench"]
     step = {"args": {"rate": "none", "fsdp": 2}, "shape": asdict(plan.shape),
@@ -219,7 +217,7 @@ def test_add_a_run_to_the_check_set(tmp_path: Path, capsys: pytest.CaptureFixtur
                    {c: p[c][bench.UNSHAPED]["step_s"] for c in p})
     from dataclasses import asdict
 
-    from tagc.bench.shapes import BENCH_MODELS
+    from tagc.cost.shapes import BENCH_MODELS
 
     rep.update({"shape": asdict(BENCH_MODELS["gpt2-124m"].shape),
                 "started_utc": "2026-11-28 10:00:00", "command": "bench_step.py (fake)",

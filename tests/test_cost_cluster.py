@@ -1,4 +1,4 @@
-"""The cluster table (tagc.bench.cost.cluster, ``cost_model.py --cluster``): its output
+"""The cluster table (tagc.cost.cluster, ``cost_model.py --cluster``): its output
 parses, speed-ups are the printed step times' ratio, memory verdicts follow the GPU's
 memory, TAGC's feedback memory is tagc.memory's, bad input is refused clearly.
 
@@ -11,15 +11,14 @@ import math
 from typing import Dict, List
 
 import pytest
-from script_helpers import load_script
 
 from tagc import memory
-from tagc.bench.cost import cluster as cl
+from tagc.cost import cli
+from tagc.cost import cluster as cl
 from tagc.config import TAGCConfig
 
 pytestmark = pytest.mark.codec  # the model sizes messages by the _tagc codec
 
-cli = load_script("cost_model")
 
 COLUMNS = ["model", "NIC Gbit/s", "nodes", "GPUs", "layout", "config", "step s",
            "vs plain bf16", "inter-node MB/GPU", "memory GiB/GPU", "fits", "bound"]

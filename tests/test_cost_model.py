@@ -1,4 +1,4 @@
-"""The cost model (tagc.bench.cost, its command line scripts/bench/cost_model.py): closed
+"""The cost model (tagc.cost, its command line scripts/bench/cost_model.py): closed
 forms, the N=2 figures computed by hand, bad input, --check, and that its byte counts
 are the library's own rules.
 
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from script_helpers import load_script, script_path
+from script_helpers import script_path
 
-from tagc.bench import cost as cm
+from tagc import cost as cm
+from tagc.cost import cli
 
 pytestmark = pytest.mark.codec  # the model sizes messages by the _tagc codec
 
-cli = load_script("cost_model")
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "docs" / "cost_model_runs.json"
@@ -270,7 +270,7 @@ def test_size_rules_are_the_librarys() -> None:
 
     import tagc.config
     import tagc.hsdp
-    from tagc.bench.cost import configs
+    from tagc.cost import configs
 
     assert cm.keep_count is tagc.config.keep_count
     assert configs.allreduce_form is tagc.hsdp.allreduce_form
@@ -646,7 +646,7 @@ def test_every_checked_number_points_to_a_committed_report() -> None:
     """Traceability (issue 38.4): each setup and bits section names the committed report
     that holds its numbers; the check reads no row of the untraceable section and no
     row's untraceable fields; no machine path is left in the file."""
-    from tagc.bench.cost.check import _run_config
+    from tagc.cost.check import _run_config
 
     data = cm.load_runs(str(RUNS))
     text = RUNS.read_text()

@@ -1,11 +1,11 @@
-"""The cost model's FSDP2 step with TAGC's worker thread (tagc/bench/cost/schedule.py):
+"""The cost model's FSDP2 step with TAGC's worker thread (tagc/cost/schedule.py):
 hand-timed schedules, its bounds, and how predict() uses it."""
 from __future__ import annotations
 
 import pytest
 
-from tagc.bench import cost as cm
-from tagc.bench.cost.schedule import FORWARD_SHARE, UnitJobs, worker_step_s
+from tagc import cost as cm
+from tagc.cost.schedule import FORWARD_SHARE, UnitJobs, worker_step_s
 
 
 def _units(gathers, grads, shares):
@@ -90,7 +90,7 @@ def test_predict_waits_each_exchange_under_a_bf16_reduce_dtype(monkeypatch) -> N
     the units go root first, in the layout's order, with their compute shares."""
     import importlib
 
-    predict_mod = importlib.import_module("tagc.bench.cost.predict")
+    predict_mod = importlib.import_module("tagc.cost.predict")
     seen = []
     monkeypatch.setattr(predict_mod, "worker_step_s",
                         lambda units, compute, reshard, deferred: seen.append(

@@ -27,8 +27,8 @@ _tagc = pytest.importorskip("_tagc", reason="the _tagc codec is not built (pip i
 pytestmark = [pytest.mark.codec, pytest.mark.slow]
 from cuda_helpers import (SPARSIFY_DTYPES, bitmap_of, gradient, kept, same_bits,
                           two_rank_sketch)
-from tagc.bench import cuda_emu
-from tagc.bench.cuda_emu import DT, F32, P, ws
+from tagc_bench import cuda_emu
+from tagc_bench.cuda_emu import DT, F32, P, ws
 
 ERR_RANGE, ERR_CAPACITY, ERR_NONFINITE, ERR_CORRUPT = 2, 3, 5, 6
 I64, VP, INT = C.c_int64, C.c_void_p, C.c_int
@@ -37,7 +37,7 @@ QFORMAT = cuda_emu.QFORMAT
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
-    """The launchers compiled by g++ against the emulation (tagc.bench.cuda_emu)."""
+    """The launchers compiled by g++ against the emulation (tagc_bench.cuda_emu)."""
     try:
         return cuda_emu.load(cuda_emu.build(tmp_path_factory.mktemp("cuda_emu")))
     except FileNotFoundError as exc:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 _tagc = pytest.importorskip("_tagc")
-from tagc.bench.cuda_ops import side_stream as cuda_side_stream
+from tagc_bench.cuda_ops import side_stream as cuda_side_stream
 from cuda_helpers import (DEV, SPARSIFY_DTYPES, bitmap_of, gradient, kept, needs_cuda,
                           same_bits, two_rank_sketch)
 
@@ -39,7 +39,7 @@ cuda_only = pytest.mark.skipif(DEV != "cuda", reason="CUDA-only semantics")
 def side_stream() -> ContextManager[int]:
     """The stream handle to pass as ``stream=``; on CUDA a fresh side stream
     ordered after the current one, joined back and synchronized on exit so the
-    test can read the results (tagc.bench.cuda_ops.side_stream)."""
+    test can read the results (tagc_bench.cuda_ops.side_stream)."""
     return cuda_side_stream(DEV)
 
 

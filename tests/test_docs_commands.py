@@ -196,6 +196,15 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
         ("--tasks", "tiny-300", "--codes", "int8", "--out_dir", "{out}/ppq",
          "--doc", "{out}/ppq.md", "--curves", "{out}/ppq.png"),
         expect=("ppq.md", "ppq.png"), shrink=("tiny-300", 2), seconds=26)],
+    "scripts/bench/tagc_bench/cuda_hook.py": [Covered(
+        "tests/test_gpu_check.py::test_dry_run_passes_and_reports_every_part", '"--dry-run"',
+        "part d of gpu_check.sh --dry-run")],
+    "scripts/bench/tagc_bench/cuda_ops.py": [Covered(
+        "tests/test_gpu_check.py::test_dry_run_passes_and_reports_every_part", '"--dry-run"',
+        "part c of gpu_check.sh --dry-run")],
+    "scripts/bench/tagc_bench/gpu_step.py": [Covered(
+        "tests/test_gpu_check.py::test_dry_run_passes_and_reports_every_part", '"--dry-run"',
+        "part e of gpu_check.sh --dry-run")],
     "scripts/bench/reshape_quality.py": [Run(
         ("--cases", "fsdp2:2-fsdp2:1", "--steps", "2", "--at", "1", "--global-batch", "2",
          "--out", "{out}/reshape"),
@@ -234,18 +243,8 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
     "scripts/train_gpt2.py": [Covered(
         "tests/test_train.py::test_torchrun_command_line", '"train_gpt2.py"',
         "torchrun with 2 ranks and a preset, a few steps")],
-    "tagc.bench.cuda_hook": [Covered(
-        "tests/test_gpu_check.py::test_dry_run_passes_and_reports_every_part", '"--dry-run"',
-        "part d of gpu_check.sh --dry-run")],
-    "tagc.bench.cuda_ops": [Covered(
-        "tests/test_gpu_check.py::test_dry_run_passes_and_reports_every_part", '"--dry-run"',
-        "part c of gpu_check.sh --dry-run")],
-    "tagc.bench.gpu_step": [Covered(
-        "tests/test_gpu_check.py::test_dry_run_passes_and_reports_every_part", '"--dry-run"',
-        "part e of gpu_check.sh --dry-run")],
-    "tagc.bench.teacher_student": [Run(
-        ("--steps", "2", "--eval_every", "1", "--out_dir", "{out}/ts-module", "plain"),
-        expect=("ts-module/summary.json",), seconds=12)],
+    "tagc.cost": [Run(("--params", "124e6", "--nodes", "1,2", "--configs", "fsdp,fsdp+balanced"),
+                      prints="fsdp+balanced", seconds=3)],
     "tagc.train": [Covered(
         "tests/test_packaging.py::test_wheel_installs_and_trains_outside_the_checkout",
         '"-m", "tagc.train"',

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tagc.bench import gpu_check
+from tagc_bench import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 # every _tagc function with a CUDA form (a ``stream=`` keyword): docs/module-api.md
@@ -107,7 +107,7 @@ def test_no_gpu_without_dry_run_says_so(capsys: pytest.CaptureFixture) -> None:
 def test_op_table_harness_against_the_c_ops_themselves() -> None:
     """The table's harness with the C ops on both sides (what TAGC_CUDA_TEST_DEVICE=cpu is
     to the tests): every op of the CUDA API has rows, all equal."""
-    from tagc.bench import cuda_ops
+    from tagc_bench import cuda_ops
     from tagc.codec import _tagc
 
     rows = cuda_ops.run_all(cuda_ops.Side(_tagc, "cpu"), (0, 1, 1001))
@@ -118,7 +118,7 @@ def test_op_table_harness_against_the_c_ops_themselves() -> None:
 
 
 def test_the_emulation_wraps_every_cuda_op() -> None:
-    from tagc.bench.cuda_emu import EmuOps
+    from tagc_bench.cuda_emu import EmuOps
 
     assert CUDA_OPS <= set(vars(EmuOps))
 
@@ -149,7 +149,7 @@ def _trace(hook_kernel: dict, *extra: dict) -> list:
 
 def test_stream_order_reads_a_profiler_trace() -> None:
     """The GPU-only stream-order check's reading of a trace, on made-up traces."""
-    from tagc.bench.cuda_hook import read_trace
+    from tagc_bench.cuda_hook import read_trace
 
     good = read_trace(_trace(_ev("kernel", "quant_encode_kernel", 12.5, 2, stream=20, corr=2)),
                       side=True)

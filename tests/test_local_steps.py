@@ -241,8 +241,8 @@ def _nonfinite(rank: int, n: int) -> bool:
 
 def _bytes_model(rank: int, n: int) -> float:
     """The bytes the hook counts at the call over two rounds equal the cost model's
-    hsdp+local prediction per step (tagc.bench.cost) times the steps."""
-    import tagc.bench.cost as cm
+    hsdp+local prediction per step (tagc.cost) times the steps."""
+    import tagc.cost as cm
 
     cfg = tagc.TAGCConfig.preset("tagc-local").replace(min_numel=64, outer_every=H)
     model, opt, state = _build(cfg)
@@ -373,7 +373,7 @@ def test_local_quality_table_and_doc(tmp_path: "Path") -> None:
 
     from script_helpers import load_script
     from tagc.config import TAGCConfig
-    from tagc.bench.outputs import write_between
+    from tagc_bench.outputs import write_between
     lq = load_script("local_quality")
     for name, outer in lq.RUNS.items():
         if isinstance(outer, tuple):

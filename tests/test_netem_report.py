@@ -261,7 +261,7 @@ def test_run_reports_go_to_docs_runs(tmp_path: Path) -> None:
     checkout, which git does not ignore (docs/runs/README.md)."""
     import subprocess
 
-    from tagc.bench.outputs import run_dir
+    from tagc_bench.outputs import run_dir
 
     d = run_dir(tmp_path, "step", 0.0)
     assert d == tmp_path / "docs" / "runs" / "step-19700101-000000"

@@ -610,7 +610,7 @@ def test_pp_quality_table_and_doc(tmp_path: Path) -> None:
     """pp_quality.py: changes against the task's fp32 run; the doc's marked part is
     replaced, the rest kept; every code is a valid PipelineConfig."""
     from script_helpers import load_script
-    from tagc.bench.outputs import write_between
+    from tagc_bench.outputs import write_between
     pq = load_script("pp_quality")
     for code, fields in pq.CODES.items():
         if fields is not None:

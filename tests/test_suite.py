@@ -12,7 +12,7 @@ import yaml
 
 from script_helpers import load_script
 from tagc import presets
-from tagc.bench import teacher_student as ts
+from tagc_bench import teacher_student as ts
 from tagc.train import runs
 
 qs = load_script("quality_suite")
@@ -174,9 +174,10 @@ def test_compare_quality_names_the_code_of_its_runs(tmp_path):
 
 def test_runs_launch_the_package_not_a_checkout_path(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every training run the suite launches names a module of the installed package
-    (tagc.train, tagc.train.hf, tagc.bench.teacher_student) and shipped presets, so the
-    tools work from an installed wheel; nothing names a file of scripts/."""
+    """Every language-model run the suite launches names a module of the installed package
+    (tagc.train, tagc.train.hf) and shipped presets, so the tools work from an installed
+    wheel; the regression task, checkout code (scripts/bench/tagc_bench), starts through
+    its script, by absolute path, from any folder."""
     seen = []
 
     def fake_execute(cmd, folder, meta):
@@ -195,8 +196,9 @@ def test_runs_launch_the_package_not_a_checkout_path(tmp_path: Path,
     gpt2, llama, regression = (" ".join(c) for c in seen)
     assert "-m tagc.train " in gpt2 and str(presets.resolve("train-tiny")) in gpt2
     assert "-m tagc.train.hf " in llama
-    assert "-m tagc.bench.teacher_student" in regression
-    assert all("scripts" not in part for c in seen for part in c)
+    script = qs.ROOT / "scripts" / "research" / "teacher_student.py"
+    assert seen[2][1] == str(script) and Path(seen[2][1]).is_absolute() and script.is_file()
+    assert all("scripts" not in part for c in seen[:2] for part in c)
 
 
 def test_teacher_student_variants_take_preset_names() -> None:

@@ -11,7 +11,7 @@ gap (collectives in a training step are separated by compute), and prints the by
 per second a host's link carried for each. ``scripts/bench/cost_model.py`` reads the
 output as a setup's ``collectives`` table (``--check``) or ``--collectives FILE``.
 ``--out`` defaults to ``docs/runs/collectives-<UTC date-time>/collectives.json`` of this
-checkout, a folder to commit with the figures quoted from it (``tagc/bench/outputs.py``).
+checkout, a folder to commit with the figures quoted from it (``scripts/bench/tagc_bench/outputs.py``).
 
 Groups measured: the ``world`` (every rank, FULL_SHARD's collectives; with one rank
 per host all of them on the shaped link) and, with ``--per-node N > 1``, the ``node``
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
-from tagc.bench.outputs import run_dir
+from tagc_bench.outputs import run_dir
 from tagc.train.runs import NETEM, free_port, netem
 
 # the checkout this script sits in (scripts/bench/): where --out's default folder goes

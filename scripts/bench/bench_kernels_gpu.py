@@ -21,7 +21,7 @@ Usage (needs a CUDA GPU and a CUDA build of ``_tagc``: ``TAGC_BUILD_CUDA=1 pip i
     python3 scripts/bench/bench_kernels_gpu.py --n 16777216 --theta 0.9875 --json out/gpu.json
 
 ``--emu-lib LIB`` runs the same calls on the CPU through the CUDA emulation
-(``tagc.bench.cuda_emu``; ``--n`` a few thousand): a check of this script's calls, never a
+(``tagc_bench.cuda_emu``; ``--n`` a few thousand): a check of this script's calls, never a
 measurement (the figures are CPU thread timings).  Exits with status 2 and a message when
 no GPU or no CUDA build is present.
 """
@@ -104,7 +104,7 @@ def _ops(torch: Any, ops: Any, dev: Any, s: int, n: int, k: int, N: int, u: int,
 
     Args:
         torch: the torch module.
-        ops: ``_tagc`` (CUDA tensors) or a ``tagc.bench.cuda_emu.EmuOps`` (CPU tensors).
+        ops: ``_tagc`` (CUDA tensors) or a ``tagc_bench.cuda_emu.EmuOps`` (CPU tensors).
         dev: the tensors' device.
         s: the stream handle every call gets.
         n, k, N, u, t: shard length, kept entries, ranks, union size, sketch rows.
@@ -222,13 +222,13 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--json", default=None, help="also write the rows and goals to this file")
     ap.add_argument("--emu-lib", default=None,
                     help="run on the CPU through this emulated build of the kernels "
-                         "(tagc.bench.cuda_emu): a check of the calls, not a measurement")
+                         "(tagc_bench.cuda_emu): a check of the calls, not a measurement")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.emu_lib:
         import torch
 
-        from tagc.bench.cuda_emu import EmuOps
+        from tagc_bench.cuda_emu import EmuOps
 
         ops, dev, stream, name = EmuOps(args.emu_lib), torch.device("cpu"), 0, \
             "CPU (CUDA emulation: not a measurement)"

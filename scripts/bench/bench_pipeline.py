@@ -47,8 +47,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from tagc.bench.outputs import run_dir, shown
-from tagc.train.runs import NETEM, free_port, netem
+from tagc.train.runs import NETEM, free_port, netem, shown
+from tagc_bench.outputs import run_dir
 
 logger = logging.getLogger("bench_pipeline")
 ROOT = Path(__file__).resolve().parents[2]

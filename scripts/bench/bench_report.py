@@ -21,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from tagc.bench.rows import baseline
+from tagc.cost.rows import baseline
 
 logger = logging.getLogger(__name__)
 

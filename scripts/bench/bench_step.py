@@ -14,7 +14,7 @@ plain FSDP's step spent waiting on the link (``1 - t_unshaped / t_shaped``) and,
 configuration, where the time goes. Results, a markdown report (with the codec speed
 table from ``bench_codec.py``) and a PNG chart go to ``--out``, by default a new
 ``docs/runs/step-<UTC date-time>/`` of this checkout: commit it with the figures a
-document quotes from it (``tagc/bench/outputs.py``).
+document quotes from it (``scripts/bench/tagc_bench/outputs.py``).
 
 With ``--hsdp`` the topology has two levels: ``--nodes`` hosts with ``--per-node`` ranks
 each (``torchrun --nproc-per-node``), the ranks of a host on that namespace's unshaped
@@ -58,10 +58,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tagc import presets, teardown
-from tagc.bench.outputs import run_dir, shown
-from tagc.bench.rows import ROWS, Row
-from tagc.bench.shapes import BENCH_MODELS, ModelShape
-from tagc.train.runs import NETEM, free_port, netem
+from tagc.cost.rows import ROWS, Row
+from tagc.cost.shapes import BENCH_MODELS, ModelShape
+from tagc.train.runs import NETEM, free_port, netem, shown
+from tagc_bench.outputs import run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -474,7 +474,7 @@ def _trial(args: argparse.Namespace, shape: ModelShape, rep: int, strategy: str,
         shape: model and batch shape.
         rep: round-robin pass.
         strategy: layout (FULL_SHARD, SHARD_GRAD_OP, HSDP).
-        name: configuration (a key of ``tagc.bench.rows.ROWS``).
+        name: configuration (a key of ``tagc.cost.rows.ROWS``).
         gen: this rank's batch generator.
         timer: codec time.
         comm: time in collectives.
@@ -718,7 +718,7 @@ def _driver(args: argparse.Namespace) -> int:
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
     if args.predictions:
-        from tagc.bench.cost.bench import estimate_text  # noqa: PLC0415 - only with the option
+        from tagc.cost.bench import estimate_text  # noqa: PLC0415 - only with the option
 
         logger.info("%s", estimate_text(json.loads(Path(args.predictions).read_text()),
                                         _plan(args)))
@@ -860,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
                         "in order, one report folder per rate inside --out, the unshaped pass "
                         "once for all ('none' alone with --no-unshaped: an unshaped run)")
     p.add_argument("--model", choices=sorted(BENCH_MODELS), default="bench",
-                   help="the model (default bench: tagc.bench.shapes.ModelShape's defaults; "
+                   help="the model (default bench: tagc.cost.shapes.ModelShape's defaults; "
                         "gpt2-124m: GPT-2 small, vocab 50257, context 256); it sets the "
                         "defaults of --configs, --warmup, --steps, --repeats and "
                         "--unshaped-repeats, and the --n-layer ... options change its shape")

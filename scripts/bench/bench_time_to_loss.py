@@ -24,7 +24,7 @@ left out (the same forward passes for everyone).  Writes ``results.json``,
 ``time_to_loss.md`` and ``time_to_loss.png`` (validation loss against training time)
 to ``--out``, by default a new ``docs/runs/time-to-loss-<UTC date-time>/`` of this
 checkout: commit it with the figures a document quotes from it
-(``tagc/bench/outputs.py``); the runs' own folders (logs, metrics.csv) sit beside them.
+(``scripts/bench/tagc_bench/outputs.py``); the runs' own folders (logs, metrics.csv) sit beside them.
 ``--report-only DIR`` recomputes the table and the plot from ``DIR/results.json``
 without training (no root needed).
 
@@ -50,8 +50,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from tagc import presets as tagc_presets
-from tagc.bench.outputs import run_dir, shown
-from tagc.train.runs import NETEM, TRAIN_GPT2, code_id, free_port, netem, split_passthrough
+from tagc.train.runs import (NETEM, TRAIN_GPT2, code_id, free_port, netem, shown,
+                             split_passthrough)
+from tagc_bench.outputs import run_dir
 
 logger = logging.getLogger("bench_time_to_loss")
 # the checkout this script sits in (scripts/bench/): where --out's default folder goes

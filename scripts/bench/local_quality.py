@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from tagc.bench.outputs import publish_comparison, save_figure
+from tagc_bench.outputs import publish_comparison, save_figure
 from tagc.train.runs import (TRAIN_GPT2, add_comparison_args, code_id, finished_run,
                              run_meta)
 

@@ -12,7 +12,7 @@ Tasks (:data:`TASKS`): the tiny GPT-2 on the built-in corpus, the same at a smal
 large per-rank batch, a model about 8x larger, a run 3x the 1000-step grid, a
 Llama-style model built from a config (RMSNorm, SwiGLU, GQA; ``tagc.train.hf``, what
 ``finetune_hf.py`` runs), and the teacher-student regression
-(``tagc.bench.teacher_student``) at a small and a large batch, whose single seeds move
+(``tagc_bench.teacher_student``) at a small and a large batch, whose single seeds move
 by a few percent with rounding alone, hence several seeds.  Every run is launched
 through the installed package (``torchrun ... -m tagc.train``), in the current folder.
 Methods (:data:`METHODS`): ``plain`` and the shipped presets (``tagc.presets``) as they
@@ -58,8 +58,9 @@ FEEDBACK_MARGIN = 0.5
 # torchrun's arguments that start the Hugging Face trainer (tagc.train.hf, what
 # scripts/finetune_hf.py runs) from the installed package
 FINETUNE_HF = ("-m", "tagc.train.hf")
-# the interpreter's arguments that start the teacher-student task (every method of a seed)
-TEACHER_STUDENT = ("-m", "tagc.bench.teacher_student")
+# the interpreter's arguments that start the teacher-student task (every method of a seed):
+# checkout code (scripts/bench/tagc_bench), started by its script from any folder
+TEACHER_STUDENT = (str(ROOT / "scripts" / "research" / "teacher_student.py"),)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Task:
 
     Attributes:
         trainer: ``gpt2`` (``tagc.train``, train_gpt2.py's), ``hf`` (``tagc.train.hf``,
-            finetune_hf.py's) or ``regression`` (``tagc.bench.teacher_student``, every
+            finetune_hf.py's) or ``regression`` (``scripts/research/teacher_student.py``, every
             method in one launch per seed).
         steps: optimizer steps at scale 1.
         args: trainer options beyond the step count.

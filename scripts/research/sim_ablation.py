@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -43,10 +44,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import tagc_hook as tagc
-from tagc.bench.probes import evaluate, lr_at
 from tagc.train import data as token_data
 from tagc.train.model import GPT, GPTConfig
 from tagc.train.optim import configure_optimizer, decayed_parameter_names
+
+# the scripts' helpers, scripts/bench/tagc_bench, from the folder beside this one
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from tagc_bench.probes import evaluate, lr_at  # noqa: E402 - after the path
 
 FORMAT_BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.0, "int4": 4.0}
 

@@ -1,7 +1,7 @@
 """Feedback and quantizer probe: N simulated ranks in one process, FSDP2's unit layout.
 
 The research probe behind docs/DESIGN.md section 5 ("When feedback drifts", issue 22):
-it trains the teacher-student MLP of ``tagc.bench.teacher_student`` or the tiny GPT-2 of
+it trains the teacher-student MLP of ``tagc_bench.teacher_student`` or the tiny GPT-2 of
 ``scripts/research/sim_ablation.py`` with quant mode's exchange simulated exactly as the hook
 does it (each compressed module one unit; row r of the unit = chunk r of every
 parameter, dim 0 padded to N; the owner's own row exact, the others coded in blocks
@@ -48,20 +48,24 @@ the final validation loss of each and its change vs plain, then the mechanism ta
 appends JSON lines to ``--out``.
 
 The two tasks come from the package, as every script takes shared code: the
-teacher-student task from ``tagc.bench.teacher_student``, the tiny GPT-2's schedule and
-evaluation (``sim_ablation.py``'s) from ``tagc.bench.probes``.
+teacher-student task from ``tagc_bench.teacher_student``, the tiny GPT-2's schedule and
+evaluation (``sim_ablation.py``'s) from ``tagc_bench.probes``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+
+# the scripts' helpers, scripts/bench/tagc_bench, from the folder beside this one
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 BLOCK = 256
 CODEC_FORMATS = ("sign", "ternary", "int4", "int8")
@@ -349,10 +353,10 @@ class Exchange:
 # --------------------------------------------------------------------------- tasks
 
 class TeacherStudent:
-    """``tagc.bench.teacher_student``'s task and student (its defaults), AdamW constant lr."""
+    """``tagc_bench.teacher_student``'s task and student (its defaults), AdamW constant lr."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from tagc.bench import teacher_student as ts
+        from tagc_bench import teacher_student as ts
 
         ns = ts.parse_args(["plain", "--steps", str(args.steps), "--batch", str(args.batch or 16),
                             "--lr", str(args.lr or 3e-3), "--seed", str(args.seed),
@@ -383,11 +387,11 @@ class TeacherStudent:
 
 
 class TinyGPT2:
-    """sim_ablation.py's tiny GPT-2 (train-tiny's schedule, clip 1.0: ``tagc.bench.probes``);
+    """sim_ablation.py's tiny GPT-2 (train-tiny's schedule, clip 1.0: ``tagc_bench.probes``);
     units: the modules the default selection compresses (MLP, attention output, embedding)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from tagc.bench import probes
+        from tagc_bench import probes
         from tagc.train import data as token_data
 
         self.probes, self.args = probes, argparse.Namespace(

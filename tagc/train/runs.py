@@ -5,8 +5,9 @@ quality comparisons share, and the emulated network of tagc/train/netem.sh.
 
 The runs train through the installed package (:data:`TRAIN_GPT2`: ``-m tagc.train``), in
 the caller's folder, so the tools work from an installed wheel as from a checkout; the
-code a run executes is the checkout's git state when the package sits in one
-(:func:`code_id`), else the installed version.
+code a run executes is the git state of the source tree the package is imported from
+(:func:`code_id`: an editable install, a checkout on the path), else the installed
+version.
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
-# the folder the package sits in: a source checkout's root, or site-packages
-ROOT = Path(__file__).resolve().parents[2]
+# the package's own folder (tagc/): in a source tree, or in site-packages
+PACKAGE = Path(__file__).resolve().parent.parent
 # torchrun's arguments that start GPT-2 training (tagc/train/__main__.py)
 TRAIN_GPT2 = ("-m", "tagc.train")
 # what decides a run's result besides its configs (code_id hashes these paths)
@@ -42,11 +43,12 @@ def code_id() -> Dict[str, str]:
     Returns:
         ``{"commit", "tree", "dirty"}``; ``tree`` and ``dirty`` decide reuse.
     """
-    if not (ROOT / ".git").exists():
+    root = source_tree()
+    if root is None:
         return installed_code_id()
 
     def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+        return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout
 
     trees = git("ls-tree", "HEAD", *CODE_DIRS)
     diff = git("diff", "HEAD", "--", *CODE_DIRS)
@@ -55,6 +57,26 @@ def code_id() -> Dict[str, str]:
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or "unknown",
             "tree": hashlib.sha256(trees.encode()).hexdigest()[:12],
             "dirty": hashlib.sha256(dirty.encode()).hexdigest()[:12] if dirty.strip() else ""}
+
+
+def source_tree() -> Optional[Path]:
+    """The git work tree the package is imported from, or None when it is installed.
+
+    Git is asked from the package's folder, and its answer counts only when that tree's
+    ``tagc/`` is this package: a wheel installed in a virtual environment that sits
+    inside some work tree is still an installed package.
+
+    Returns:
+        the work tree's root, or None (not in one, or git missing).
+    """
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=PACKAGE,
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not top or not (Path(top) / "tagc").is_dir():
+        return None
+    return Path(top) if (Path(top) / "tagc").resolve() == PACKAGE else None
 
 
 def installed_code_id() -> Dict[str, str]:
@@ -82,6 +104,19 @@ def installed_code_id() -> Dict[str, str]:
     except metadata.PackageNotFoundError:
         version = "unknown"
     return {"commit": f"tagc {version}", "tree": h.hexdigest()[:12], "dirty": ""}
+
+
+def shown(path: Path) -> str:
+    """How a report records a path: relative to the current folder when it lies inside
+    it (a committed report names no folder of the machine that ran it), else as given.
+
+    Args:
+        path: a file or folder.
+    Returns:
+        the path as text.
+    """
+    rel = os.path.relpath(Path(path).resolve())
+    return rel if not rel.startswith("..") else str(path)
 
 
 def run_meta(cmd: Sequence[str], configs: Dict[str, Any], code: Dict[str, str]) -> Dict[str, Any]:

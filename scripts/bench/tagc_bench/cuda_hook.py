@@ -41,8 +41,8 @@ codes may round the other way).
 
 Usage::
 
-    python -m tagc.bench.cuda_hook --json hook.json               # on a GPU
-    python -m tagc.bench.cuda_hook --device cpu --json hook.json  # the CPU path: a check
+    python3 scripts/bench/tagc_bench/cuda_hook.py --json hook.json  # on a GPU
+    python3 scripts/bench/tagc_bench/cuda_hook.py --device cpu --json hook.json  # the CPU path: a check
                                                                   # of this harness only
 """
 from __future__ import annotations
@@ -59,6 +59,7 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -67,7 +68,6 @@ import torch.nn as nn
 
 import tagc.reducer
 from tagc import fsdp2
-from tagc.bench.cuda_ops import require_device
 from tagc.codec import _tagc
 from tagc.comm import Comm
 from tagc.config import TAGCConfig
@@ -75,6 +75,11 @@ from tagc.device import CodecStreams
 from tagc.hsdp import GatherReducer, ReplicaReducer
 from tagc.reducer import UnitReducer
 from tagc.wrapping import shard_model
+
+if not __package__:  # run as a file: the folder holding tagc_bench onto the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tagc_bench.cuda_ops import require_device  # noqa: E402 - after the path
 
 PRESETS = ("balanced", "full", "lean")
 REL_TOL = 1e-3

@@ -7,17 +7,17 @@ a. **build**: ``setup.py build_ext`` of ``_tagc`` with its CUDA kernels for the 
    (``TAGC_CUDA_ARCHS`` from ``nvidia-smi``'s compute capability, else torch's) against
    the torch installed there, into a scratch folder (``--build-lib``/``--build-temp``):
    no download, no build isolation; setup.py runs one nvcc per CPU.  Every later part
-   imports that build (``PYTHONPATH=<scratch>/lib:<repo>``, ``PYTHONSAFEPATH=1``) and says
+   imports that build (``PYTHONPATH=<scratch>/lib:<repo>:<repo>/scripts/bench``, ``PYTHONSAFEPATH=1``) and says
    which ``_tagc`` it imported;
 b. **tests**: ``pytest -m cuda tests`` (junit summary: passed, failed, skipped with the
    reasons), then ``tests/test_module_args.py tests/test_cuda_build.py``;
-c. **ops**: every CUDA codec op against its C twin, bit for bit (``tagc.bench.cuda_ops``:
+c. **ops**: every CUDA codec op against its C twin, bit for bit (``tagc_bench.cuda_ops``:
    sizes 0, 1, odd, 2^24; fp32 and bf16);
 d. **hook**: the hook's CUDA path on one rank with each recommended preset
-   (``tagc.bench.cuda_hook``);
+   (``tagc_bench.cuda_hook``);
 e. **kernels** and **step**: each CUDA kernel against a device-to-device copy
    (``scripts/bench/bench_kernels_gpu.py --json``) and one bf16 training step of GPT-2
-   124M without and with the codec (``tagc.bench.gpu_step``);
+   124M without and with the codec (``tagc_bench.gpu_step``);
 f. the report: ``$OUT/gpu_report.md`` when ``$OUT`` is set, else
    ``docs/gpu/report-<UTC>.md`` (``--out DIR`` overrides both): the parts' status and
    duration, the tests' summary, the bit-equality table, the timings, the device,
@@ -52,7 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
+# the folder holding this package (scripts/bench/): on the parts' path beside the checkout
+BENCH = Path(__file__).resolve().parents[1]
 # the code a report describes (hashed when the checkout has no .git)
 CODE_PATHS = ("tagc", "csrc", "cuda", "scripts", "configs", "tests", "setup.py", "tagc_hook.py")
 # seconds: each part's own limit; the whole run's budget (GPU: one device call of 8 min)
@@ -109,8 +111,8 @@ class Runner:
         """The parts' environment: the scratch build first, then the checkout; no
         current folder on the path (it holds the checkout's own ``_tagc``, if any)."""
         env = dict(os.environ)
-        env.update(PYTHONPATH=f"{self.lib}{os.pathsep}{REPO}", PYTHONSAFEPATH="1",
-                   PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", PIP_NO_INDEX="1")
+        env.update(PYTHONPATH=os.pathsep.join(map(str, (self.lib, REPO, BENCH))),
+                   PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", PIP_NO_INDEX="1")
         env.pop("TAGC_CUDA_TEST_DEVICE", None)
         env.update(extra)
         return env
@@ -361,11 +363,11 @@ def part_ops(r: Runner, part: Part, later: int) -> None:
         args = ["--target", "emu", "--emu-build", str(r.scratch / "emu")]
     else:
         args = ["--target", "cuda"]
-    res, secs = run_json(r, part, [r.python, "-m", "tagc.bench.cuda_ops", *args, "--json",
+    res, secs = run_json(r, part, [r.python, "-m", "tagc_bench.cuda_ops", *args, "--json",
                                    str(out)], out, later)
     if res is None:
         return
-    from tagc.bench.cuda_ops import Row, markdown
+    from tagc_bench.cuda_ops import Row, markdown
 
     rows = [Row(**row) for row in res["rows"]]
     bad = [x for x in rows if not x.ok]
@@ -395,7 +397,7 @@ UNRUN = ("Two ranks: NCCL refuses two ranks on one device and gloo has no CUDA s
 def part_hook(r: Runner, part: Part, later: int) -> None:
     """d: the hook's CUDA path on one rank, each preset."""
     out = r.out / "hook.json"
-    res, secs = run_json(r, part, [r.python, "-m", "tagc.bench.cuda_hook", "--device",
+    res, secs = run_json(r, part, [r.python, "-m", "tagc_bench.cuda_hook", "--device",
                                    "cpu" if r.dry else "cuda", "--json", str(out)], out, later)
     if res is None:
         part.body = UNRUN
@@ -420,7 +422,7 @@ def part_hook(r: Runner, part: Part, later: int) -> None:
            "the CUDA-only checks are skipped")
     part.data = {"checks": len(rows), "failed": len(bad),
                  "skipped": sum(x["status"] == "skipped" for x in rows)}
-    part.body = (f"{how} ({secs:.0f} s); module `tagc.bench.cuda_hook` says what each check "
+    part.body = (f"{how} ({secs:.0f} s); module `tagc_bench.cuda_hook` says what each check "
                  f"does.\n\n" + "\n".join(lines) + "\n\n" + UNRUN)
 
 
@@ -431,7 +433,7 @@ def part_kernels(r: Runner, part: Part, later: int) -> None:
     if r.dry:
         lib = r.scratch / "emu" / "libtagc_cuda_emu.so"
         if not lib.exists():  # part c builds it; without part c, build it here
-            r.run(part, [r.python, "-c", "import sys; from tagc.bench import cuda_emu; "
+            r.run(part, [r.python, "-c", "import sys; from tagc_bench import cuda_emu; "
                          "cuda_emu.build(sys.argv[1])", str(lib.parent)],
                   r.limit("kernels", later), r.env())
         cmd += ["--emu-lib", str(lib), "--n", "4099", "--iters", "2", "--warmup", "1"]
@@ -497,7 +499,7 @@ def part_step(r: Runner, part: Part, later: int) -> None:
     reasons = []
     for batch in ((2,) if r.dry else STEP_BATCHES):
         out = r.out / f"step_b{batch}.json"
-        cmd = [r.python, "-m", "tagc.bench.gpu_step", "--json", str(out)]
+        cmd = [r.python, "-m", "tagc_bench.gpu_step", "--json", str(out)]
         cmd += (["--device", "cpu", "--shape", "tiny", "--context", "64", "--batch",
                  str(batch), "--steps", "2", "--warmup", "1"] if r.dry else
                 ["--device", "cuda", "--shape", "gpt2-124m", "--context", "1024", "--batch",

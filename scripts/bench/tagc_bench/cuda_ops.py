@@ -4,7 +4,7 @@ For each op, size and dtype the C op runs on CPU tensors and the op under test o
 of the same inputs, then every output is compared: bit for bit, and as the largest
 absolute difference.  The op under test is ``_tagc`` on CUDA tensors (a side stream,
 scalar outputs in device tensors, as the hook calls it) or, without a GPU, the kernels'
-own code under the CPU emulation (:class:`tagc.bench.cuda_emu.EmuOps`).
+own code under the CPU emulation (:class:`tagc_bench.cuda_emu.EmuOps`).
 
 The contract (``cuda/tagc_cuda.h``): selection, sparsification, lanes, bitmaps, pair
 packing, block quantization and weight quantization agree bit for bit; sketch buckets and
@@ -16,8 +16,8 @@ The input builders and comparisons here are shared with ``tests/test_cuda_ops.py
 
 Usage::
 
-    python -m tagc.bench.cuda_ops --target cuda --json ops.json          # on a GPU
-    python -m tagc.bench.cuda_ops --target emu --emu-build /tmp/emu      # no GPU
+    python3 scripts/bench/tagc_bench/cuda_ops.py --target cuda --json ops.json  # on a GPU
+    python3 scripts/bench/tagc_bench/cuda_ops.py --target emu --emu-build /tmp/emu  # no GPU
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import (Any, Callable, ContextManager, Dict, Iterator, List, NamedTuple, Optional,
                     Sequence, Tuple)
@@ -35,6 +36,9 @@ from typing import (Any, Callable, ContextManager, Dict, Iterator, List, NamedTu
 import torch
 
 from tagc.codec import _tagc
+
+if not __package__:  # run as a file: the folder holding tagc_bench onto the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the sizes of issue 39 on a GPU (0, 1, odd, 2^24), and what the emulation can run
 GPU_SIZES = (0, 1, 100_003, 1 << 24)
@@ -657,7 +661,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.target == "cuda":
         side, sizes = Side(_tagc, "cuda"), GPU_SIZES
     else:
-        from tagc.bench import cuda_emu
+        from tagc_bench import cuda_emu
 
         lib = args.emu_lib or (args.emu_build and cuda_emu.build(args.emu_build))
         if not lib:

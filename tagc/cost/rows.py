@@ -6,7 +6,7 @@ under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``, wit
 resharding after forward (``reshard_after_forward=False``: every unit gathered once
 per step) or with TAGC config fields overridden (``full-int4g``: ``tagc-full`` with
 ``gather: int4``).  ``scripts/bench/bench_step.py`` builds each row from it and
-``tagc.bench.cost.bench`` predicts each.
+``tagc.cost.bench`` predicts each.
 """
 from __future__ import annotations
 

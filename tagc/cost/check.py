@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from tagc.bench.rows import ROWS
+from tagc.cost.rows import ROWS
 
 from .configs import Compression, Config, make_config, row_config
 from .layouts import RUN_MODELS, ModelSpec, run_model
@@ -175,7 +175,7 @@ def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[f
 
 def _run_config(st: Dict[str, Any], name: str) -> Config:
     """A runs-file row's configuration: ``fsdp`` is the setup's plain layout; on
-    FULL_SHARD a step benchmark row (``tagc.bench.rows``: ``fsdp-bf16``,
+    FULL_SHARD a step benchmark row (``tagc.cost.rows``: ``fsdp-bf16``,
     ``full-noreshard``, ...) as the benchmark ran it."""
     if st["layout"] != "hsdp" and name in ROWS:
         return row_config(name, st["dtype"], st["fsdp"])

@@ -20,8 +20,8 @@ each call the codec makes (a step whose launching thread is its bound pays those
 
 Usage::
 
-    python -m tagc.bench.gpu_step --json step.json                    # GPU, GPT-2 124M
-    python -m tagc.bench.gpu_step --device cpu --shape tiny --steps 2  # a check of the code
+    python3 scripts/bench/tagc_bench/gpu_step.py --json step.json  # GPU, GPT-2 124M
+    python3 scripts/bench/tagc_bench/gpu_step.py --device cpu --shape tiny --steps 2  # a check of the code
 """
 from __future__ import annotations
 
@@ -30,16 +30,21 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from tagc.bench.cuda_ops import require_device
 from tagc.codec import _tagc
 from tagc.config import TAGCConfig
 from tagc.selection import modules_to_wrap
 from tagc.train.model import GPT, GPTConfig
+
+if not __package__:  # run as a file: the folder holding tagc_bench onto the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tagc_bench.cuda_ops import require_device  # noqa: E402 - after the path
 
 # (variant, quant format, error feedback)
 VARIANTS: List[Tuple[str, Optional[str], bool]] = [

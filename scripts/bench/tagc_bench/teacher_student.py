@@ -20,10 +20,10 @@ following the gradient shows up as a growing gap.
 Run (2 gloo ranks on the CPU, spawned here; or under torchrun, which sets RANK), from
 any folder (``scripts/research/teacher_student.py`` takes the same arguments)::
 
-    python3 -m tagc.bench.teacher_student plain tagc-lean tagc-balanced
-    python3 -m tagc.bench.teacher_student plain tagc-lean ternary ternary-res \\
+    python3 scripts/research/teacher_student.py plain tagc-lean tagc-balanced
+    python3 scripts/research/teacher_student.py plain tagc-lean ternary ternary-res \\
         --batch 256 --steps 100
-    python3 -m tagc.bench.teacher_student plain "tagc-balanced,guard_ratio=8"
+    python3 scripts/research/teacher_student.py plain "tagc-balanced,guard_ratio=8"
 
 A variant is ``plain`` (FSDP2's own reduce-scatter) or ``BASE[,field=value...]``:
 BASE is a shipped preset's name (``tagc-lean`` or ``lean``: ``tagc.presets.resolve``),

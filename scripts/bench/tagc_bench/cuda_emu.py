@@ -7,7 +7,7 @@ in :data:`SIGS`); ``tests/test_cuda_emulated.py`` calls them one by one.
 
 :class:`EmuOps` puts the ``_tagc`` module's CUDA calling convention on top of them (scalar
 results in ``out=``/``count_out=`` tensors, ``stream=``, ``status_out=``), on CPU tensors:
-a harness written against ``_tagc`` on CUDA tensors (``tagc.bench.cuda_ops``,
+a harness written against ``_tagc`` on CUDA tensors (``tagc_bench.cuda_ops``,
 ``scripts/bench/bench_kernels_gpu.py``) runs unchanged on a machine without a GPU, with
 the kernels' own code, when it is handed an :class:`EmuOps` instead of ``_tagc``.  It says
 nothing about GPU speed, occupancy or the GPU memory model.  Every emulated thread is an
@@ -28,7 +28,7 @@ import torch
 
 from tagc.codec import _tagc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 F32, BF16 = 0, 1
 DT = {torch.float32: F32, torch.bfloat16: BF16}
 QFORMAT = {"sign": 1, "ternary": 2, "int4": 4, "int8": 8}

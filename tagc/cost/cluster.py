@@ -739,11 +739,17 @@ def _list(kind: type, what: str):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``cost_model.py --cluster`` command line."""
+def build_parser(prog: str = "python -m tagc.cost --cluster") -> argparse.ArgumentParser:
+    """The ``python -m tagc.cost --cluster`` command line.
+
+    Args:
+        prog: the command's name in the usage line.
+    Returns:
+        the parser.
+    """
     d = Assumptions()
     p = argparse.ArgumentParser(
-        prog="cost_model.py --cluster",
+        prog=prog,
         description="What TAGC would give on your cluster: step time, speed-up over plain "
                     "bf16 FSDP, inter-node bytes and memory per GPU (fits or not) for model "
                     "sizes x node counts x FULL_SHARD/HSDP x plain bf16/TAGC presets. Cost-model "
@@ -796,17 +802,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(argv: Optional[List[str]] = None) -> str:
-    """Parse ``cost_model.py --cluster``'s arguments and build its printout.
+def run(argv: Optional[List[str]] = None, prog: str = "python -m tagc.cost --cluster") -> str:
+    """Parse ``python -m tagc.cost --cluster``'s arguments and build its printout.
 
     Args:
         argv: the arguments after ``--cluster``.
+        prog: the command's name in the usage line.
     Returns:
         the text to print (the table, or JSON with ``--json``).
     Raises:
         SystemExit: bad input (argparse's message on stderr, exit code 2).
     """
-    p = build_parser()
+    p = build_parser(prog)
     args = p.parse_args(argv)
     try:
         d = Assumptions()

@@ -3,7 +3,7 @@
 A model is a list of :class:`Unit` (its parameters' shapes in FSDP's order, whether
 TAGC compresses it).  The GPT-2 layouts follow TAGC's wrapping and selection
 (``tagc/selection.py``) on the shapes the training code builds
-(``tagc.bench.shapes``); a model known only by its size is one compressed and one
+(``tagc.cost.shapes``); a model known only by its size is one compressed and one
 plain aggregate unit (:func:`generic_model`).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from tagc.bench.shapes import GPT_SHAPES
+from tagc.cost.shapes import GPT_SHAPES
 from tagc.config import TAGCConfig
 from tagc.train.model import GPTConfig
 
@@ -280,7 +280,7 @@ def gpt2_label(shape: str, cfg: GPTConfig) -> str:
 
 
 def named_gpt2(shape: str, layers: str = DEFAULT_LAYERS) -> ModelSpec:
-    """One of the repository's GPT-2 shapes (``tagc.bench.shapes.GPT_SHAPES``: the step
+    """One of the repository's GPT-2 shapes (``tagc.cost.shapes.GPT_SHAPES``: the step
     benchmark's, the quality runs' tiny one, GPT-2 124M, each as the training code
     builds it) as TAGC wraps it under a selection policy.
 

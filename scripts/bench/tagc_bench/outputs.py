@@ -7,10 +7,10 @@ of ``bench_step.py``, ``time_to_loss.md`` / ``results.json`` of
 the document (``docs/RESULTS.md``, ``docs/cost_model_runs.json``) names that folder.
 The benchmarks' ``--out`` default is such a folder, named by the benchmark and the
 UTC time it started: ``docs/runs/<kind>-<YYYYmmdd-HHMMSS>`` of the checkout.
+How a report names a path is ``tagc.train.runs.shown``.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Tuple
@@ -31,19 +31,6 @@ def run_dir(root: Path, kind: str, started: float = None) -> Path:
     """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(started))
     return Path(root) / RUNS / f"{kind}-{stamp}"
-
-
-def shown(path: Path) -> str:
-    """How a report records a path: relative to the current folder when it lies inside
-    it (a committed report names no folder of the machine that ran it), else as given.
-
-    Args:
-        path: a file or folder.
-    Returns:
-        the path as text.
-    """
-    rel = os.path.relpath(Path(path).resolve())
-    return rel if not rel.startswith("..") else str(path)
 
 
 def write_between(path: Path, text: str, marks: Tuple[str, str]) -> None:

@@ -84,7 +84,7 @@ class BenchModel:
         repeats: round-robin passes on each shaped link.
         unshaped_repeats: passes on the unshaped link.
         configs: the configurations run when ``--configs`` is left out (names of
-            ``tagc.bench.rows.ROWS``).
+            ``tagc.cost.rows.ROWS``).
     """
 
     shape: ModelShape

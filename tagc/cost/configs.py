@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from tagc import codec
-from tagc.bench.rows import ROWS
+from tagc.cost.rows import ROWS
 from tagc.config import GATHER_FORMATS, QUANT_FORMATS, RESIDUAL_CODES, TAGCConfig, keep_count
 from tagc.hsdp import allreduce_form
 from tagc.transports import pairs_wire
@@ -333,7 +333,7 @@ def make_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
 
 
 def row_config(name: str, dtype: str = "fp32", fsdp: int = 2) -> Config:
-    """A step benchmark row (``tagc.bench.rows.ROWS``) on FULL_SHARD as the model sees
+    """A step benchmark row (``tagc.cost.rows.ROWS``) on FULL_SHARD as the model sees
     it: its preset's compression with the row's overrides, its precision, its resharding.
 
     Args:

@@ -1,7 +1,7 @@
 """The step benchmark's rows in the cost model: predictions made before a run, and the
 comparison with the run once it exists (issue 42: the predictions are committed first).
 
-:func:`predict_rows` predicts every row (``tagc.bench.rows``) at every link rate of a
+:func:`predict_rows` predicts every row (``tagc.cost.rows``) at every link rate of a
 run from what may be measured before it: each rate's collective table and link
 (``scripts/bench/bench_collectives.py``) and one unshaped step of plain FSDP on the
 model (``bench_step.py --rate none --no-unshaped --configs fsdp``), which gives the
@@ -19,7 +19,7 @@ import statistics
 from dataclasses import asdict, replace
 from typing import Any, Dict, List, Optional, Sequence
 
-from tagc.bench.shapes import BENCH_MODELS
+from tagc.cost.shapes import BENCH_MODELS
 
 from .check import TCP_FRAME_OVERHEAD, CheckRow, _pct, _setup_cluster
 from .configs import row_config
@@ -96,7 +96,7 @@ def predict_rows(model: ModelSpec, rows: Sequence[str], clusters: Dict[str, Clus
 
     Args:
         model: the layout.
-        rows: names of ``tagc.bench.rows.ROWS``.
+        rows: names of ``tagc.cost.rows.ROWS``.
         clusters: rate -> its cluster (:func:`rate_cluster`); :data:`UNSHAPED` among them.
         plain_s: plain FSDP's measured step on the unshaped link.
         codec: codec throughputs (default: this machine's).

@@ -33,16 +33,20 @@ the presets were until that change and as the measured runs of ``--check`` ran).
 Byte counts apply the library's own rules, not copies of them: the codec's wire sizes
 (``_tagc.quant_bytes``, ``_tagc.wq_bytes``), the transports' pairs message, the kept
 entries and HSDP's all-reduce form (:mod:`.configs`), on the GPT-2 shapes the training
-code builds (:mod:`tagc.bench.shapes`); they count what the hook's ``stats()`` and
+code builds (:mod:`tagc.cost.shapes`); they count what the hook's ``stats()`` and
 ``scripts/bench/bench_step.py`` count at the ``torch.distributed`` call.  ``check``
 compares them and the step time with the measured runs of ``docs/cost_model_runs.json``.
-See ``docs/COST_MODEL.md``; ``scripts/bench/cost_model.py`` is the command line.
+See ``docs/COST_MODEL.md``; ``python -m tagc.cost`` is the command line (:mod:`.cli`;
+``scripts/bench/cost_model.py`` in a checkout).
 
 Modules: :mod:`.layouts` (models as FSDP units), :mod:`.links` (the cluster, measured
 collective rates, the codec's throughput), :mod:`.configs` (configurations and the
 library's size rules), :mod:`.predict` (one step's bytes and time, sweeps and the
-report), :mod:`.schedule` (an FSDP2 step with TAGC's worker thread, unit by unit), :mod:`.check` (against measured runs), :mod:`.bench` (the step benchmark's
-rows: predictions before a run, the comparison after it).
+report), :mod:`.schedule` (an FSDP2 step with TAGC's worker thread, unit by unit),
+:mod:`.check` (against measured runs), :mod:`.bench` (the step benchmark's rows:
+predictions before a run, the comparison after it), :mod:`.rows` (those rows, which
+``scripts/bench/bench_step.py`` runs), :mod:`.shapes` (the GPT-2 shapes) and
+:mod:`.cli` (the command line).
 """
 from .check import (CALIBRATABLE, TCP_FRAME_OVERHEAD, CheckRow, calibrate, check, check_report,
                     load_runs)
