@@ -12,7 +12,11 @@ One process per device, launched by torchrun, on one node or several:
 
 Settings come from tagc.train.config.TrainConfig, then an optional YAML file (a bare
 ``.yaml`` argument or ``--config PATH``), then ``--key=value`` / ``--key value`` overrides,
-converted to the field's type; an unknown key raises.  ``--help`` lists them.
+converted to the field's type.  The whole configuration, the TAGC preset with its
+``--tagc_set`` fields included, is checked before any rank loads data: an unknown key
+(with the nearest known one), a bad value or a preset this run cannot take (``--tagc
+tagc-full`` needs ``--fsdp 2``) is printed once, by rank 0, and every rank exits 2.
+``--help`` gives examples, the shipped presets by purpose and every option.
 
 Outputs in ``--out_dir``: metrics.csv, summary.json, config.json, tb/ (TensorBoard) and
 ckpt/ (model, optimizer and TAGC state through torch.distributed.checkpoint, each rank's
