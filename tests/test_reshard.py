@@ -234,3 +234,20 @@ def test_codes_of_another_codec_format_are_refused() -> None:
     saved["layout"] = {**layout, "codec_format": layout["codec_format"] + 1}
     with pytest.raises(ValueError, match="codec format"):
         checkpoint.check_saved(saved, units, cfg, "fsdp2", 2)
+
+
+def test_another_unit_layout_is_refused_naming_the_units() -> None:
+    """Units wrapped otherwise (another --wrap, another model) cannot be mapped: the
+    error names both unit lists; a unit holding other parameters is named too."""
+    cfg = TAGCConfig(residual_code="none", min_numel=1)
+    units = [reducer(cfg, fsdp2_layout(2), 2, 0)]
+    layout = checkpoint.layout_record(units, "fsdp2", 2)
+    saved = {"format": checkpoint.FORMAT, "kind": "fsdp2", "world_size": 2,
+             "config": cfg.resolved_dict(), "units": {"v": {}}, "layout": layout}
+    with pytest.raises(ValueError, match=r"unit layout differs: saved \['v'\], current \['u'\]"):
+        checkpoint.check_saved(saved, units, cfg, "fsdp2", 2)
+    other = {"form": "rows", "world": 2, "params": [["u.weight", 5, 4, 3]]}
+    saved["units"] = {"u": {"has_residual": True}}
+    saved["layout"] = checkpoint.layout_record([reducer(cfg, other, 2, 0)], "fsdp2", 2)
+    with pytest.raises(ValueError, match="holds other parameters"):
+        checkpoint.check_saved(saved, [reducer(cfg, fsdp2_layout(1), 1, 0)], cfg, "fsdp2", 1)
