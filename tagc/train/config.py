@@ -258,7 +258,11 @@ class TrainConfig(RunConfig):
         if self.pp == 1:
             super().check_tagc()
         elif self.tagc is not None:
-            if not presets.resolve(self.tagc).name.startswith(presets.PIPELINE_PREFIX):
+            path = presets.resolve(self.tagc)
+            # a shipped data-parallel preset here is a mix-up; a user's file is a
+            # PipelineConfig or fails on its first unknown field
+            if path.parent.resolve() == presets.config_dir().resolve() and \
+                    not path.name.startswith(presets.PIPELINE_PREFIX):
                 raise ValueError(f"--pp: --tagc names the stage boundaries' codes, a "
                                  f"{presets.PIPELINE_PREFIX}* preset, not {self.tagc!r}; "
                                  "--stage_tagc codes FSDP2 inside each stage")
