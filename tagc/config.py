@@ -489,12 +489,12 @@ CHECKS: Dict[str, Callable[["TAGCConfig"], None]] = {
 
 _DOC_HEAD = """Every knob of TAGC, validated on construction; the defaults are ``tagc-balanced``.
 
-A knob whose default follows others ("derived": {derived})
-keeps following them unless given: :meth:`to_dict` writes it as None when it was not given, so
+The knobs are grouped by the feature that reads them (:meth:`describe`), each group
+validated by its ``check_<group>`` function in tagc/config.py.  A derived knob, whose
+default follows other knobs ({derived}), keeps following them
+unless given: :meth:`to_dict` writes it as None when not given, so
 ``TAGCConfig.from_dict({{**c.to_dict(), "mode": "exact"}})`` and :meth:`replace`
-re-derive it; :meth:`resolved_dict` has every value as used.  The knobs below are
-grouped by the feature that reads them (``TAGCConfig.describe()``); each group is
-validated by its ``check_<group>`` function in tagc/config.py.
+re-derive it; :meth:`resolved_dict` has every value as used.
 """
 
 
@@ -945,7 +945,9 @@ def _describe_knob(f: "dataclasses.Field[Any]", markdown: bool) -> List[str]:
                                 subsequent_indent="        ", break_on_hyphens=False)
 
 
-TAGCConfig.__doc__ = _DOC_HEAD.format(derived=", ".join(DERIVED)) + "\n" + \
+TAGCConfig.__doc__ = "\n\n".join(
+    textwrap.fill(" ".join(par.split()), 88, break_on_hyphens=False)
+    for par in _DOC_HEAD.format(derived=", ".join(DERIVED)).split("\n\n")) + "\n\n" + \
     TAGCConfig.describe()
 
 # The knob reference in docs/USAGE.md sits between these lines.

@@ -117,7 +117,7 @@ def test_recommended_presets():
     feedback kept on int4 codes for int4 and no feedback on ternary (it did not earn
     its memory there, SUITE.md), no warm-up to size, bits/param per rank at N=2
     (``_tagc.quant_bytes``) within their budgets (2.6 and 1.0), and at most one byte
-    of feedback state per parameter and rank at any N (issue 42)."""
+    of feedback state per parameter and rank at any N."""
     from tagc import memory
 
     for name, budget, feedback, code in (("tagc-balanced", 2.6, True, "int4"),
@@ -136,7 +136,7 @@ def test_recommended_presets():
 
 
 def test_every_preset_keeps_at_most_a_byte_of_feedback_per_parameter():
-    """Issue 42's memory budget for every shipped preset, the top-k ones included: per
+    """The feedback-memory budget of every shipped preset, the top-k ones included: per
     entry of a compressed unit and rank, at any world size, flat or HSDP, at most int8
     codes with an fp32 scale per 256 (1.016 bytes). The top-k presets leave attention
     uncompressed, which brings that under one byte per model parameter (test_train)."""
@@ -421,7 +421,7 @@ def test_a_checkpoint_from_before_a_knob_resumes_under_its_default() -> None:
 
 
 def test_an_ef21_checkpoint_from_before_residual_code_resumes_with_its_fp32_state() -> None:
-    """An EF21 run's saved config (tagc-balanced before issue 42) lacks residual_code:
+    """An EF21 run's saved config (an older tagc-balanced's) lacks residual_code:
     it counts as what its knobs resolve to now, "none", so the same knobs resume and
     today's tagc-balanced (int4 codes, no EF21) is refused."""
     from tagc.checkpoint import _saved_config
@@ -452,7 +452,7 @@ def test_a_checkpoint_resumes_under_either_hsdp_overlap() -> None:
 
 PRESETS_BEFORE = os.path.join(ROOT, "tests", "data", "presets_resolved_f1cb654.json")
 # presets changed since that record, and why (each change named here, nothing silent):
-# issue 42 moved tagc-balanced/-full from EF21 (4(1 + 1/N) bytes of state per parameter)
+# tagc-balanced/-full moved from EF21 (4(1 + 1/N) bytes of state per parameter)
 # to the residual feedback on int4 codes (0.52), level on the suite (docs/SUITE.md)
 CHANGED_ON_PURPOSE = {name: {"ef21": False, "ef21_damping": False, "residual_code": "int4"}
                       for name in ("tagc-balanced", "tagc-full")}
