@@ -500,7 +500,9 @@ re-derive it; :meth:`resolved_dict` has every value as used.
 
 @dataclass
 class TAGCConfig:
-    # The docstring is generated from the fields' metadata (describe()).
+    # The docstring is generated from the fields' metadata (describe()).  The fields
+    # stay in this order rather than by group: positional construction and the
+    # key order of to_dict()/resolved_dict() (written into checkpoints) depend on it.
 
     mode: str = knob(
         "quant", "codec",
