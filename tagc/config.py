@@ -610,7 +610,7 @@ class TAGCConfig:
     ef21_damping: Optional[bool] = knob(
         None, "feedback",
         "EF21 with a damped estimate: every h is first scaled by one factor "
-        "lam = clip(sum <g, h> / sum ||h||^2, 0, 1), pooled over the ranks, so noise "
+        "``lam = clip(sum(g * h) / sum(h * h), 0, 1)``, pooled over the ranks, so noise "
         "coded as signal is not fed back (lam near 0 where consecutive gradients are "
         "independent). True needs ef21.",
         values="bool", reads="every compressing mode with ef21", derived="ef21")
@@ -640,8 +640,8 @@ class TAGCConfig:
         values="bool", reads="FSDP2 over one group, CPU tensors")
     guard_ratio: Optional[float] = knob(
         None, "feedback",
-        "The feedback guard: the ranks pool ||g - h||^2 (EF21) or ||residual||^2 over "
-        "||g||^2 of the unit; above guard_ratio the call takes the plain reduce-scatter, "
+        "The feedback guard: the ranks pool ``|g - h|^2`` (EF21) or ``|residual|^2`` over "
+        "``|g|^2`` of the unit; above guard_ratio the call takes the plain reduce-scatter, "
         "which settles the state (guard_resets). None: DEFAULT_GUARD_RATIO with ef21 on "
         "the CPU, else off; 0: off; > 0 raises NotImplementedError on CUDA.",
         values="None, 0 or finite > 0 (needs feedback)", reads="every compressing mode")
