@@ -77,6 +77,9 @@ def test_config_errors_name_the_fix(tmp_path: Path) -> None:
           "formt=int4"], "did you mean format?"),
         (["--tagc", "tagc-balanced", "--tagc_set", "quant_block=0"],
          "(--tagc tagc-balanced --tagc_set quant_block=0)"),
+        (["--keep_checkpoints=0"], "--keep_checkpoints must be >= 1, got 0"),
+        (["--replicas=2"], "--replicas > 1 (HSDP) needs --fsdp 2"),
+        (["--min_lr=1"], "--min_lr must not exceed --learning_rate"),
     ]
     for argv, expected in cases:
         with pytest.raises(ValueError) as err:

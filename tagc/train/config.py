@@ -142,7 +142,7 @@ class RunConfig:
         """Raise ValueError on any inconsistent setting."""
         def one_of(name: str, allowed: Sequence[Any]) -> None:
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {list(allowed)}, "
+                raise ValueError(f"--{name} must be one of {list(allowed)}, "
                                  f"got {getattr(self, name)!r}")
         one_of("init_from", ("scratch", "resume"))
         one_of("tokenizer", ("auto", "gpt2", "byte"))
@@ -154,34 +154,34 @@ class RunConfig:
         for name in ("eval_interval", "eval_iters", "log_interval", "block_size",
                      "batch_size", "grad_accum", "max_iters"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
         if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+            raise ValueError(f"--keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.resume_from not in ("latest", "previous") and not self.resume_from.isdigit():
-            raise ValueError("resume_from must be latest, previous or a step number, got "
+            raise ValueError("--resume_from must be latest, previous or a step number, got "
                              f"{self.resume_from!r}")
         if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
         for name in ("ckpt_interval", "warmup_iters", "lr_decay_iters", "threads", "seed",
                      "nonfinite_patience"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
             if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.min_lr > self.learning_rate:
-            raise ValueError("min_lr must not exceed learning_rate")
+            raise ValueError("--min_lr must not exceed --learning_rate")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError("beta1 and beta2 must be in [0, 1)")
+            raise ValueError("--beta1 and --beta2 must be in [0, 1)")
         if not 0 < self.val_percent < 100:
-            raise ValueError("val_percent must be in (0, 100)")
+            raise ValueError("--val_percent must be in (0, 100)")
         if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if self.replicas > 1 and self.fsdp != 2:
-            raise ValueError("replicas > 1 (HSDP) needs fsdp=2 (FSDP1 allows no comm hook "
+            raise ValueError("--replicas > 1 (HSDP) needs --fsdp 2 (FSDP1 allows no comm hook "
                              "on HYBRID_SHARD)")
         if self.wrap == "tagc" and not self.tagc:
-            raise ValueError("wrap=tagc needs --tagc (the preset decides the unit layout)")
+            raise ValueError("--wrap tagc needs --tagc (the preset decides the unit layout)")
         if self.tagc_set and self.tagc is None:
             raise ValueError("--tagc_set needs --tagc (it overrides fields of the preset)")
         parse_tagc_set(self.tagc_set)
@@ -229,9 +229,9 @@ class TrainConfig(RunConfig):
     def validate(self) -> None:
         super().validate()
         if self.model not in MODEL_SIZES:
-            raise ValueError(f"model must be one of {list(MODEL_SIZES)}, got {self.model!r}")
+            raise ValueError(f"--model must be one of {list(MODEL_SIZES)}, got {self.model!r}")
         if self.pp < 1:
-            raise ValueError(f"pp must be >= 1, got {self.pp}")
+            raise ValueError(f"--pp must be >= 1, got {self.pp}")
         if self.pp > 1:
             # the embedding and the LM head sit on different stages, in every run of a
             # comparison (the fp32 baseline too): untying must be asked for, not implied
@@ -250,7 +250,7 @@ class TrainConfig(RunConfig):
             build_preset("tagc", self.stage_tagc, "", "--stage_tagc")
         for name in ("n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
 
     def check_tagc(self) -> None:
         """With ``--pp``, ``--tagc`` names the stage boundaries' codes (a tagc-pp-*
