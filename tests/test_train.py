@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -384,3 +385,6 @@ def test_torchrun_command_line(tmp_path: Path, cache_dir: Path) -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "tokenizer: byte" in p.stdout
     assert "final: iter 2, val loss" in p.stdout and "saved" in p.stdout
+    # the run's last line: TAGCState.summary(), once (rank 0)
+    assert len(re.findall(r"^TAGC .*tagc-exact\.yaml: \d+/\d+ units compressed", p.stdout,
+                          re.M)) == 1, p.stdout[-2000:]
