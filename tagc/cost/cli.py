@@ -1,8 +1,8 @@
 """Cost model of plain FSDP/HSDP and TAGC: bytes per rank and step time per step.
 
-The command line of :mod:`tagc.cost`, ``python -m tagc.cost`` (the model: configurations, layouts, links,
-the library's size rules, the check against measured runs; its docstring says what is
-modelled).  It prints the tables of a sweep over node counts, the check of
+The command line of :mod:`tagc.cost`, ``python -m tagc.cost`` (the model: configurations,
+layouts, links, the library's size rules, the check against measured runs; its docstring
+says what is modelled).  It prints the tables of a sweep over node counts, the check of
 ``docs/cost_model_runs.json`` (bytes counted at the ``torch.distributed`` call and on
 the veth, step times; rows the file lists as untraceable are not checked), or a plot.
 See ``docs/COST_MODEL.md`` of the repository; ``scripts/bench/cost_model.py`` runs this

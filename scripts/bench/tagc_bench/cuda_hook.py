@@ -42,8 +42,8 @@ codes may round the other way).
 Usage::
 
     python3 scripts/bench/tagc_bench/cuda_hook.py --json hook.json  # on a GPU
-    python3 scripts/bench/tagc_bench/cuda_hook.py --device cpu --json hook.json  # the CPU path: a check
-                                                                  # of this harness only
+    # the CPU path: a check of this harness only
+    python3 scripts/bench/tagc_bench/cuda_hook.py --device cpu --json hook.json
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ a. **build**: ``setup.py build_ext`` of ``_tagc`` with its CUDA kernels for the 
    (``TAGC_CUDA_ARCHS`` from ``nvidia-smi``'s compute capability, else torch's) against
    the torch installed there, into a scratch folder (``--build-lib``/``--build-temp``):
    no download, no build isolation; setup.py runs one nvcc per CPU.  Every later part
-   imports that build (``PYTHONPATH=<scratch>/lib:<repo>:<repo>/scripts/bench``, ``PYTHONSAFEPATH=1``) and says
+   imports that build (``PYTHONPATH=<scratch>/lib:<repo>:<repo>/scripts/bench``,
+   ``PYTHONSAFEPATH=1``) and says
    which ``_tagc`` it imported;
 b. **tests**: ``pytest -m cuda tests`` (junit summary: passed, failed, skipped with the
    reasons), then ``tests/test_module_args.py tests/test_cuda_build.py``;
@@ -108,11 +109,13 @@ class Runner:
         self.deadline = time.monotonic() + budget
 
     def env(self, **extra: str) -> Dict[str, str]:
-        """The parts' environment: the scratch build first, then the checkout; no
-        current folder on the path (it holds the checkout's own ``_tagc``, if any)."""
+        """The parts' environment: the scratch build first, then the checkout and the
+        folder of this package (the parts run ``-m tagc_bench...``); no current folder on
+        the path (it holds the checkout's own ``_tagc``, if any)."""
         env = dict(os.environ)
         env.update(PYTHONPATH=os.pathsep.join(map(str, (self.lib, REPO, BENCH))),
-                   PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", PIP_NO_INDEX="1")
+                   PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1",
+                   PIP_NO_INDEX="1")
         env.pop("TAGC_CUDA_TEST_DEVICE", None)
         env.update(extra)
         return env

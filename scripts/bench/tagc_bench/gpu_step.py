@@ -21,7 +21,8 @@ each call the codec makes (a step whose launching thread is its bound pays those
 Usage::
 
     python3 scripts/bench/tagc_bench/gpu_step.py --json step.json  # GPU, GPT-2 124M
-    python3 scripts/bench/tagc_bench/gpu_step.py --device cpu --shape tiny --steps 2  # a check of the code
+    # a check of the code
+    python3 scripts/bench/tagc_bench/gpu_step.py --device cpu --shape tiny --steps 2
 """
 from __future__ import annotations
 
