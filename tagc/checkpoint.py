@@ -126,11 +126,9 @@ def layout_record(reducers: List[UnitReducer], kind: str, world: int) -> Dict[st
 
 def codec_format() -> Optional[int]:
     """The C codec's code layout version (``TAGC_FORMAT_VERSION``); None without it."""
-    try:
-        import _tagc
-    except ImportError:
-        return None
-    return int(_tagc.FORMAT_VERSION)
+    from .codec import _tagc
+
+    return None if _tagc is None else int(_tagc.FORMAT_VERSION)
 
 
 # knobs that change how the hook runs, not what it computes (hsdp_overlap and

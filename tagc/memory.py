@@ -18,8 +18,8 @@ two fp32 shards, step counters, and with ``outer_overlap`` a third shard while a
 is in flight (:func:`outer_buffers`).
 
 The reducers take their buffers' layout from here (checkpoints store exactly those),
-``TAGCState.stats()`` adds up what they hold, and the cost model's cluster table asks
-what a model would need before it is built.
+``TAGCState.stats()`` adds up what they hold, and the cost model's cluster table
+(``tagc.cost.cluster.feedback_bytes``) asks what a model would need before it is built.
 """
 
 from __future__ import annotations
@@ -108,37 +108,6 @@ def out_buffers(cfg: TAGCConfig, chunk: int, replicas: int) -> List[Buffer]:
 def buffer_bytes(buffers: List[Buffer]) -> int:
     """Bytes the buffers hold."""
     return sum(n * torch.empty((), dtype=d).element_size() for _, n, d in buffers)
-
-
-def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -> int:
-    """Persistent bytes one rank holds for one compressed unit of ``numel`` parameters,
-    before the model exists (the cost model's memory column).
-
-    FULL_SHARD (``replicas`` 1): the unit is reduced over ``world`` ranks.  TAGC's
-    HSDP (``replicas`` R > 1): the unit is sharded over ``world`` ranks of a node, and
-    each shard all-reduced over R replicas in the form
-    :func:`tagc.hsdp.allreduce_form` picks.
-
-    Args:
-        cfg: the config.
-        numel: the unit's parameters.
-        world: ranks the unit is sharded over.
-        replicas: R (1: no HSDP).
-    Returns:
-        bytes.
-    """
-    if not cfg.compresses or not cfg.feeds_back:
-        return 0
-    shard = math.ceil(numel / world)
-    if replicas <= 1:
-        return buffer_bytes(unit_buffers(cfg, shard * world, shard))
-    from .hsdp import allreduce_form  # hsdp imports this module
-
-    if allreduce_form(cfg, replicas, True, shard) == "gather":
-        return buffer_bytes(unit_buffers(cfg, shard, shard))
-    chunk = math.ceil(shard / replicas)
-    return buffer_bytes(unit_buffers(cfg, chunk * replicas, chunk)
-                        + out_buffers(cfg, chunk, replicas))
 
 
 def outer_buffers(cfg: TAGCConfig, shard: int) -> List[Buffer]:

@@ -12,7 +12,6 @@ from typing import Dict, List
 
 import pytest
 
-from tagc import memory
 from tagc.cost import cli
 from tagc.cost import cluster as cl
 from tagc.config import TAGCConfig
@@ -75,7 +74,7 @@ def test_assumptions_are_printed_and_explain_names_the_bound(
                      "--mfu", "0.3", "--mfu-source", "our last run", "--explain"]) == 0
     out = capsys.readouterr().out
     for text in ("MFU 0.3 (our last run)", "NCCL efficiency 0.8", "28x measured on an H200",
-                 "16 bytes per parameter", "Korthikanti", "tagc.memory.feedback_bytes",
+                 "16 bytes per parameter", "Korthikanti", "tagc.cost.cluster.feedback_bytes",
                  "not measurements"):
         assert text in out, text
     explain = out.split("## Explain")[1]
@@ -97,9 +96,9 @@ def test_memory_verdict_flips_when_the_gpu_shrinks(capsys: pytest.CaptureFixture
         assert s["fits"] == (s["memory_gib"]["total"] <= s["memory_gib"]["limit"])
 
 
-def test_feedback_memory_is_tagc_memory_feedback_bytes(
+def test_feedback_memory_is_the_feedback_bytes_of_each_unit(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The table asks tagc.memory for every compressed unit, with the unit's size, the
+    """The table asks feedback_bytes (tagc.memory's layout) for every compressed unit, with the unit's size, the
     GPUs it is sharded over and HSDP's replicas, and adds up what it says."""
     calls = []
 
@@ -107,7 +106,7 @@ def test_feedback_memory_is_tagc_memory_feedback_bytes(
         calls.append((numel, world, replicas))
         return 7 * numel + world + 1000 * replicas
 
-    monkeypatch.setattr(memory, "feedback_bytes", fake)
+    monkeypatch.setattr(cl, "feedback_bytes", fake)
     s = cl.shape("124m")
     cfg = TAGCConfig.preset("tagc-full")
     model = s.layout(cfg.layers, cfg.min_numel)
@@ -152,7 +151,7 @@ def test_cells_follow_the_presets_as_loaded(capsys: pytest.CaptureFixture) -> No
             continue
         world = 8 if hsdp else 8 * c.nodes
         assert c.mem.feedback == sum(
-            memory.feedback_bytes(cfg, u.numel, world, c.nodes if hsdp else 1)
+            cl.feedback_bytes(cfg, u.numel, world, c.nodes if hsdp else 1)
             for u in model.units if u.compressed)
     assert cl.compression_of(cfg).ef21 == bool(cfg.ef21)
     # the codec term times the residual's decode and re-code as the preset keeps it

@@ -9,6 +9,8 @@ import re
 import pytest
 import torch
 
+from tagc.cost import cluster
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -131,8 +133,8 @@ def test_recommended_presets():
         assert bits <= budget, (name, bits)
         n = 1 << 20
         for world in (2, 8, 64):
-            assert memory.feedback_bytes(c, n, world) <= n, (name, world)
-            assert memory.feedback_bytes(c, n, world, replicas=4) <= n, (name, world)
+            assert cluster.feedback_bytes(c, n, world) <= n, (name, world)
+            assert cluster.feedback_bytes(c, n, world, replicas=4) <= n, (name, world)
 
 
 def test_every_preset_keeps_at_most_a_byte_of_feedback_per_parameter():
@@ -147,7 +149,7 @@ def test_every_preset_keeps_at_most_a_byte_of_feedback_per_parameter():
         n = 1 << 20
         for world in (2, 8, 64):
             for replicas in (1, 4):
-                assert memory.feedback_bytes(c, n, world, replicas) <= 1.02 * n, \
+                assert cluster.feedback_bytes(c, n, world, replicas) <= 1.02 * n, \
                     (path, world, replicas)
 
 

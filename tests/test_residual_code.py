@@ -23,6 +23,8 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
+
+from tagc.cost import cluster
 import torch.distributed as dist
 
 import tagc_hook as tagc
@@ -229,15 +231,15 @@ def test_feedback_bytes_per_format(code: Any, per_entry: float) -> None:
     """Residual feedback: the residual over the unit, nothing else (FULL_SHARD)."""
     n = 1 << 16
     cfg = _cfg(residual_code=code)
-    assert memory.feedback_bytes(cfg, n, 4) == per_entry * n
+    assert cluster.feedback_bytes(cfg, n, 4) == per_entry * n
 
 
 def test_feedback_bytes_ef21_and_none() -> None:
     n, world = 3 * 1024, 3
     ef21 = _cfg(residual_code="none", ef21=True)
-    assert memory.feedback_bytes(ef21, n, world) == 4 * n + 4 * n // world
-    assert memory.feedback_bytes(_cfg(error_feedback=False), n, world) == 0
-    assert memory.feedback_bytes(_cfg(mode="dense"), n, world) == 0
+    assert cluster.feedback_bytes(ef21, n, world) == 4 * n + 4 * n // world
+    assert cluster.feedback_bytes(_cfg(error_feedback=False), n, world) == 0
+    assert cluster.feedback_bytes(_cfg(mode="dense"), n, world) == 0
 
 
 def test_feedback_bytes_hsdp_two_phase() -> None:
@@ -246,7 +248,7 @@ def test_feedback_bytes_hsdp_two_phase() -> None:
     cfg = _cfg(residual_code="int4", hsdp_allreduce="two_phase")
     shard = (1 << 16) // 8
     want = memory.coded_bytes(shard, "int4", 256) + memory.coded_bytes(shard // 4, "int4", 256)
-    assert memory.feedback_bytes(cfg, 1 << 16, 8, replicas=4) == want
+    assert cluster.feedback_bytes(cfg, 1 << 16, 8, replicas=4) == want
 
 
 def test_unit_buffers_are_what_reducers_keep() -> None:

@@ -12,8 +12,8 @@ Memory per GPU adds four estimates and one library figure:
   FULL_SHARD, over a node's GPUs for HSDP);
 * activations from tokens per GPU, layers and width (Korthikanti et al. 2022);
 * the unsharded unit buffers FSDP holds during its all-gathers (per-block units);
-* TAGC's feedback state: ``tagc.memory.feedback_bytes`` per compressed unit, the
-  library's own count of what its reducers keep;
+* TAGC's feedback state: :func:`feedback_bytes` per compressed unit, from the
+  library's own layout of what its reducers keep (:mod:`tagc.memory`);
 * TAGC's transient working copy of one unit (an estimate).
 
 Every input the model cannot measure on this machine (GPU throughput and MFU, NCCL's
@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence
 
 from tagc import memory
+from tagc.hsdp import allreduce_form
 from tagc.config import TAGCConfig
 
 from .configs import HSDP_ALLREDUCE, Compression, Config, VALUE_DTYPES
@@ -275,7 +276,7 @@ class Assumptions:
             "gradient, plus the root (embeddings, head, norms) and its gradient, which "
             "FSDP2 keeps unsharded through the step; TAGC's own wrapping (a unit per "
             "linear) holds less",
-            "TAGC feedback: tagc.memory.feedback_bytes(preset, unit, ...) summed over the "
+            "TAGC feedback: tagc.cost.cluster.feedback_bytes(preset, unit, ...) summed over the "
             "compressed units of tagc.shard_model's layout, for the presets as shipped now, "
             "and with local steps (outer_every) tagc.memory.outer_bytes (two fp32 shards) "
             "over every unit; plus one fp32 working copy of the largest compressed unit "
@@ -336,8 +337,38 @@ def activation_bytes(s: Shape, tokens: int, act_ckpt: str) -> float:
     return s.n_layer * 2 * s.d_model * tokens + layer + logits
 
 
+def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -> int:
+    """Persistent bytes one rank holds for one compressed unit of ``numel`` parameters,
+    before the model exists (this model's memory column; the reducers' own layout is
+    :mod:`tagc.memory`).
+
+    FULL_SHARD (``replicas`` 1): the unit is reduced over ``world`` ranks.  TAGC's
+    HSDP (``replicas`` R > 1): the unit is sharded over ``world`` ranks of a node, and
+    each shard all-reduced over R replicas in the form
+    :func:`tagc.hsdp.allreduce_form` picks.
+
+    Args:
+        cfg: the config.
+        numel: the unit's parameters.
+        world: ranks the unit is sharded over.
+        replicas: R (1: no HSDP).
+    Returns:
+        bytes.
+    """
+    if not cfg.compresses or not cfg.feeds_back:
+        return 0
+    shard = math.ceil(numel / world)
+    if replicas <= 1:
+        return memory.buffer_bytes(memory.unit_buffers(cfg, shard * world, shard))
+    if allreduce_form(cfg, replicas, True, shard) == "gather":
+        return memory.buffer_bytes(memory.unit_buffers(cfg, shard, shard))
+    chunk = math.ceil(shard / replicas)
+    return memory.buffer_bytes(memory.unit_buffers(cfg, chunk * replicas, chunk)
+                               + memory.out_buffers(cfg, chunk, replicas))
+
+
 def feedback_state(cfg: TAGCConfig, model: ModelSpec, world: int, replicas: int) -> int:
-    """TAGC's persistent bytes per GPU: ``tagc.memory.feedback_bytes`` summed over the
+    """TAGC's persistent bytes per GPU: :func:`feedback_bytes` summed over the
     compressed units, and with local steps ``tagc.memory.outer_bytes`` over every unit.
 
     Args:
@@ -348,7 +379,7 @@ def feedback_state(cfg: TAGCConfig, model: ModelSpec, world: int, replicas: int)
     Returns:
         bytes.
     """
-    return sum(memory.feedback_bytes(cfg, u.numel, world, replicas)
+    return sum(feedback_bytes(cfg, u.numel, world, replicas)
                for u in model.units if u.compressed) + \
         sum(memory.outer_bytes(cfg, u.numel, world, replicas) for u in model.units)
 
@@ -632,8 +663,8 @@ def preset_lines(presets: Sequence[str]) -> List[str]:
     n = 2 ** 24
     for p in presets:
         cfg = TAGCConfig.preset(p)
-        fs = memory.feedback_bytes(cfg, n, 8) / n
-        hs = memory.feedback_bytes(cfg, n, 8, replicas=4) / n
+        fs = feedback_bytes(cfg, n, 8) / n
+        hs = feedback_bytes(cfg, n, 8, replicas=4) / n
         out.append(f"- {p}: mode {cfg.mode} {cfg.quant_format}, ef21 {cfg.ef21}, residual "
                    f"code {cfg.residual_code}, gathers {cfg.gather}; feedback per GPU and "
                    f"parameter of a unit at 8 GPUs: FULL_SHARD {fs:.3g} B, HSDP R=4 {hs:.3g} B")
