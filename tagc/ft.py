@@ -1,0 +1,386 @@
+"""TAGC's compressed all-reduce inside torchft: :class:`FTAllReduce` (docs/TORCHFT.md).
+
+torchft's ``Manager`` forms a quorum of replicas every step and reconfigures its process
+group to it.  :class:`FTAllReduce` has ``Manager.allreduce``'s signature (what
+``torchft.local_sgd.DiLoCo`` calls) and runs custom HSDP's replica reducers
+(tagc/hsdp.py) over the current quorum: R, this replica's rank and the reducer's step
+are read from the manager at every call, the reducer is rebuilt when (R, rank) changes,
+its feedback state carried over by position (:func:`carry_feedback`), and every change
+to that state is a transaction that ``should_commit()`` commits or rolls back.
+
+Nothing here imports torchft: the manager and the process group are duck-typed
+(:class:`QuorumSource`, anything with torch's ``ProcessGroup`` methods).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from datetime import timedelta
+from typing import Any, Dict, Hashable, List, Optional, Protocol, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from .comm import Comm, pair_all_gather
+from .config import TAGCConfig
+from .device import CodecStreams, Exec
+from .hsdp import GatherReducer, ReplicaReducer, TwoPhaseReducer, allreduce_form
+from .selection import UnitSpec
+
+
+class QuorumSource(Protocol):
+    """What :class:`FTAllReduce` reads from a ``torchft.Manager`` (public methods only)."""
+
+    def num_participants(self) -> int: ...  # noqa: D102 - torchft's
+
+    def participating_rank(self) -> Optional[int]: ...  # noqa: D102
+
+    def current_step(self) -> int: ...  # noqa: D102
+
+    def should_commit(self, timeout: Optional[timedelta] = None) -> bool: ...  # noqa: D102
+
+    def report_error(self, e: Exception) -> None: ...  # noqa: D102
+
+    def errored(self) -> Optional[Exception]: ...  # noqa: D102
+
+
+class PGComm(Comm):
+    """:class:`~tagc.comm.Comm` over a process group that ``torch.distributed``'s
+    registry does not know (torchft's reconfigurable groups).
+
+    ``dist.all_reduce``, ``all_to_all_single`` and ``isend``/``irecv`` with group ranks
+    call the group's own methods and work on such a group; the base class's all-gather
+    (``dist.get_backend``, a flat all-gather), reduce (a global rank) and reduce-scatter
+    (torchft's gloo group has none) do not, so they are issued here through methods
+    every group has, and counted as what they send.
+    """
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Every rank's ``inp`` into row r of ``out``: one exchange with the peer at
+        two CPU ranks (as :func:`tagc.comm.exchanges_pairwise` decides on gloo), else
+        the group's list all-gather into views of ``out``'s rows."""
+        nb = inp.numel() * inp.element_size()
+        if self.world == 2 and inp.device.type == "cpu":
+            self.stats.record("pair_all_gather", nb, nb)
+            pair_all_gather(out, inp, self.rank, self.group)
+            return
+        self.stats.record("allgather", nb, (self.world - 1) * nb)
+        rows = list(out.view(self.world, -1).unbind(0))
+        self.group.allgather([rows], [inp.reshape(-1)], AllgatherOptions()).wait()
+
+    def reduce(self, t: torch.Tensor, dst_group_rank: int, async_op: bool = False) -> Any:
+        """A SUM all-reduce in place of the reduce: ``dst_group_rank`` gets the same
+        sum (the others get it too; counted as the all-reduce it is)."""
+        return self.all_reduce(t, async_op=async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """The SUM reduce-scatter as an all-reduce of a copy, this rank's row kept."""
+        full = inp.clone()
+        self.all_reduce(full)
+        out.copy_(full.view(self.world, -1)[self.rank])
+
+
+class _OnGroup:
+    """Makes a replica reducer issue its collectives through :class:`PGComm`: the
+    reducer builds its ``Comm`` per call and hands it to ``_route`` and ``after``, the
+    two places that use it."""
+
+    def _pg_comm(self, comm: Comm) -> PGComm:
+        return PGComm(comm.group, comm.rank, comm.world, comm.stats, comm.dev)
+
+    def _route(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
+        super()._route(self._pg_comm(comm), dev, inp, out)  # type: ignore[misc]
+
+    def after(self, comm: Comm, dev: Exec, out: torch.Tensor, step: int) -> None:
+        super().after(self._pg_comm(comm), dev, out, step)  # type: ignore[misc]
+
+
+class FTGatherReducer(_OnGroup, GatherReducer):
+    """:class:`~tagc.hsdp.GatherReducer` over a torchft process group."""
+
+
+class FTTwoPhaseReducer(_OnGroup, TwoPhaseReducer):
+    """:class:`~tagc.hsdp.TwoPhaseReducer` over a torchft process group."""
+
+
+def build_reducer(cfg: TAGCConfig, key: Hashable, group: Any, rank: int, world: int,
+                  numel: int, device: torch.device, streams: CodecStreams) -> ReplicaReducer:
+    """The replica reducer of one flat tensor for one quorum, of the form
+    :func:`~tagc.hsdp.allreduce_form` picks (the same on every replica).
+
+    Args:
+        cfg: the config.
+        key: the tensor's name; its CRC is the unit index the hash seeds take, the
+            same in every process.
+        group: the quorum's process group.
+        rank, world: this replica's rank and R.
+        numel: the tensor's elements, L.
+        device: where the tensor lives.
+        streams: the codec streams.
+    Returns:
+        the reducer (its ``divide`` left at 1).
+    """
+    index = zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
+    spec = UnitSpec(name=f"ft:{key}", index=index, numel=numel, flat_numel=numel,
+                    selected_numel=numel, device=device)
+    if allreduce_form(cfg, world, True, numel) == "gather":
+        return FTGatherReducer(cfg, spec, group, rank, world, streams, numel)
+    spec = dataclasses.replace(spec, flat_numel=world * math.ceil(numel / world))
+    return FTTwoPhaseReducer(cfg, spec, group, rank, world, streams, numel)
+
+
+def carry_feedback(old: ReplicaReducer, new: ReplicaReducer) -> None:
+    """Move ``old``'s feedback state into ``new``, built for another (R, rank, form).
+
+    Both are in sum space.  The to-the-owner residual is indexed by position in the
+    flat tensor (owners only cut it into chunks), so its first L entries carry over
+    as they are; an owner's ``residual_out`` (what its code of its chunk of the sum
+    left) is added at that chunk's positions, so the new owners of those positions
+    get it with the next call.  Padding never holds anything (its input is always 0).
+    Coded residuals (``residual_code``) are decoded and coded again.  ``old`` is left
+    as it was.
+
+    Args:
+        old: the reducer of the previous quorum.
+        new: the fresh reducer of this one (no state yet).
+    """
+    if not old.keeps_feedback or old.residual is None:
+        return
+    dev = Exec(old.residual)
+    held = old._open_codes(dev)  # fp32 working copies of coded residuals
+    try:
+        length = old.shard_numel
+        owed = torch.zeros(new.flat_numel, dtype=torch.float32, device=old.residual.device)
+        owed[:length] += old.residual.float()[:length]
+        out = getattr(old, "residual_out", None)
+        if out is not None:
+            start = old.rank * old.chunk
+            stop = min(start + old.chunk, length)
+            if stop > start:
+                owed[start:stop] += out.float()[:stop - start]
+    finally:
+        old._close_codes(dev, held, False)  # the old codes back, untouched
+    if new.coded_residuals():
+        new.residual = owed
+        new._close_codes(dev, {"residual": None}, True)  # codes the working copy
+    else:
+        new.residual = owed.to(new.cfg.residual_dtype)
+
+
+@dataclasses.dataclass
+class _Held:
+    """One tensor's state before its first call of a step: the reducer object then
+    (None: none yet) and clones of its state buffers."""
+
+    reducer: Optional[ReplicaReducer]
+    buffers: Dict[str, Optional[torch.Tensor]]
+
+
+class _Done(dist.Work):
+    """A finished all-reduce, as torchft's ``Manager.allreduce`` returns it (``wait``,
+    ``get_future``): the exchange runs when called."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._future.set_result(tensor)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.detach().clone()
+
+
+class FTAllReduce:
+    """TAGC's compressed all-reduce over a torchft quorum, ``Manager.allreduce``'s
+    drop-in (docs/TORCHFT.md).
+
+    Call :meth:`should_commit` in place of ``manager.should_commit()``: it commits or
+    rolls back the feedback state with the step.
+
+    Args:
+        manager: a ``torchft.Manager`` (synchronous quorum) or anything with its
+            :class:`QuorumSource` methods.
+        pg: the process group the manager reconfigures (the one handed to it).
+        cfg: the config (the same on every replica).
+    Raises:
+        NotImplementedError: EF21 or ``bypass_every`` (see docs/TORCHFT.md).
+    """
+
+    def __init__(self, manager: QuorumSource, pg: Any, cfg: TAGCConfig) -> None:
+        if cfg.ef21:
+            raise NotImplementedError("FTAllReduce: EF21's estimates are shared by every "
+                                      "replica and cannot follow a quorum change yet")
+        if cfg.bypass_every:
+            raise NotImplementedError("FTAllReduce: bypass_every keeps per-replica timing "
+                                      "state a joiner lacks; set it to 0")
+        self.manager, self.pg, self.cfg = manager, pg, cfg
+        self.streams = CodecStreams()
+        self.units: Dict[Hashable, ReplicaReducer] = {}
+        self._held: Dict[Hashable, _Held] = {}
+        self._calls = 0  # calls since the last commit/rollback: the default keys
+        self._open_step: Optional[int] = None  # the step of the open transaction
+        # the manager step the state belongs to after the last commit (None: none yet)
+        self._state_step: Optional[int] = None
+
+    # ------------------------------------------------------------------ the exchange
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
+                  reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
+                  key: Optional[Hashable] = None) -> dist.Work:
+        """The mean (or sum) of ``tensor`` over the quorum, in place, compressed.
+
+        As ``Manager.allreduce``: after an error every call is a no-op until the next
+        quorum, and an error is reported to the manager (the step will not commit)
+        instead of raised; ``tensor`` then holds garbage.
+
+        Args:
+            tensor: a floating tensor, the same shape on every replica.
+            should_quantize: ignored (TAGC's config decides the codes).
+            reduce_op: ``AVG`` or ``SUM``.
+            key: the tensor's name, the same on every replica; None: the call's
+                position since the last commit.
+        Returns:
+            a finished work whose future holds ``tensor``.
+        Raises:
+            ValueError: another reduce op, or a key seen with another size.
+            RuntimeError: the quorum is not the group (async quorum, spares), or the
+                last step was neither committed nor rolled back.
+        """
+        if reduce_op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise ValueError(f"FTAllReduce: reduce_op must be AVG or SUM, got {reduce_op}")
+        if key is None:
+            key = self._calls
+        self._calls += 1
+        if self.manager.errored():
+            return _Done(tensor)
+        world, rank, step = self._quorum()
+        self._begin(step)
+        unit = self.units.get(key)
+        if unit is not None and unit.shard_numel != tensor.numel():
+            raise ValueError(f"FTAllReduce: tensor {key!r} has {tensor.numel()} elements, "
+                             f"{unit.shard_numel} before")
+        if key not in self._held:
+            self._held[key] = _Held(unit, {} if unit is None else
+                                    {n: _clone(getattr(unit, n))
+                                     for n, _, _ in unit.state_buffers()})
+        if world == 1:
+            # nothing crosses a link: the tensor is its own mean, the state waits
+            return _Done(tensor)
+        try:
+            if unit is None or (unit.world, unit.rank) != (world, rank):
+                fresh = build_reducer(self.cfg, key, self.pg, rank, world, tensor.numel(),
+                                      tensor.device, self.streams)
+                if unit is not None:
+                    carry_feedback(unit, fresh)
+                    fresh.stats = unit.stats  # the counters go on
+                self.units[key] = unit = fresh
+            unit.step = step  # the same on every participant, a healed one too
+            unit.divide = float(world) if reduce_op == dist.ReduceOp.AVG else 1.0
+            unit.hook(tensor)
+        except Exception as e:  # the peers see a failed collective too
+            self._restore(key)
+            self.manager.report_error(e)
+        return _Done(tensor)
+
+    def _quorum(self) -> Tuple[int, int, int]:
+        """(R, this replica's rank, the manager's step), checked against the group."""
+        world = self.manager.num_participants()
+        rank = self.manager.participating_rank()
+        size = self.pg.size()
+        if rank is None or world != size or not 0 <= rank < size:
+            raise RuntimeError(
+                f"FTAllReduce: {world} participants (this replica's rank {rank}) in a group "
+                f"of {size}: every member of the group must participate (a synchronous "
+                "quorum, Manager(use_async_quorum=False), world_size_mode DYNAMIC)")
+        return world, rank, self.manager.current_step()
+
+    def _begin(self, step: int) -> None:
+        """Open the step's transaction; drop the state of another timeline."""
+        if self._open_step is not None and self._open_step != step:
+            raise RuntimeError("FTAllReduce: a new step began with the last one neither "
+                               "committed nor rolled back; call FTAllReduce.should_commit() "
+                               "in place of manager.should_commit()")
+        if self._open_step is None and self._state_step is not None \
+                and step != self._state_step:
+            # healed from a peer (or steps committed without this replica): its state
+            # belongs to steps the quorum has moved past, and a peer's would count twice
+            self.units.clear()
+        self._open_step = step
+
+    # ------------------------------------------------------------------ transactions
+    def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
+        """``manager.should_commit()``, then :meth:`commit` or :meth:`rollback`.
+
+        Args:
+            timeout: passed on.
+        Returns:
+            whether the step commits.
+        """
+        try:
+            ok = self.manager.should_commit(timeout) if timeout is not None \
+                else self.manager.should_commit()
+        except Exception:
+            self.rollback()
+            raise
+        if ok:
+            self.commit()
+        else:
+            self.rollback()
+        return ok
+
+    def commit(self) -> None:
+        """Keep the state the step's calls left (call after the manager committed)."""
+        self._held.clear()
+        self._calls = 0
+        self._open_step = None
+        self._state_step = self.manager.current_step()
+
+    def rollback(self) -> None:
+        """Put every tensor's state back as it was before the step's first call."""
+        for key in list(self._held):
+            self._restore(key)
+        self._calls = 0
+        self._open_step = None
+
+    def _restore(self, key: Hashable) -> None:
+        held = self._held.pop(key, None)
+        if held is None:
+            return
+        if held.reducer is None:
+            self.units.pop(key, None)
+            return
+        for name, t in held.buffers.items():
+            setattr(held.reducer, name, t)
+        self.units[key] = held.reducer
+
+    # ------------------------------------------------------------------ inspection
+    def feedback_state(self, key: Hashable) -> Dict[str, Optional[torch.Tensor]]:
+        """Clones of one tensor's state buffers (empty before its first call).
+
+        Args:
+            key: the tensor's key.
+        Returns:
+            attribute -> clone (None where not created yet).
+        """
+        unit = self.units.get(key)
+        if unit is None:
+            return {}
+        return {n: _clone(getattr(unit, n)) for n, _, _ in unit.state_buffers()}
+
+    def stats(self) -> Dict[Hashable, Dict[str, Any]]:
+        """Every tensor's reducer counters (``UnitReducer.stats_dict``) with its R,
+        rank and form."""
+        return {k: {**u.stats_dict(), "replicas": u.world, "rank": u.rank, "form": u.FORM}
+                for k, u in self.units.items()}
+
+
+__all__: List[str] = ["FTAllReduce", "PGComm", "QuorumSource", "build_reducer",
+                      "carry_feedback"]

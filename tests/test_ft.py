@@ -1,0 +1,266 @@
+"""TAGC's compressed all-reduce inside torchft (tagc/ft.py, docs/TORCHFT.md).
+
+Replicas are threads of this process, as in torchft's own integration tests, each
+with torchft's reconfigurable gloo group.  :class:`Quorums` plays the Lighthouse: it
+configures every member's group for a quorum (a fresh store prefix per quorum, as the
+``Manager`` does) and decides each step's commit from the members' errors, which
+:class:`StubManager` (the public ``Manager`` methods FTAllReduce reads) reports.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("torchft", reason="torchft not installed (pip install tagc[ft])")
+from torchft.process_group import ProcessGroupGloo  # noqa: E402
+
+from tagc.config import TAGCConfig  # noqa: E402
+from tagc.ft import FTAllReduce  # noqa: E402
+
+pytestmark = pytest.mark.codec
+
+L = 1000  # not a multiple of 2 or 3: the two-phase form pads
+
+
+class FailingGloo(ProcessGroupGloo):
+    """torchft's gloo group whose point-to-point sends raise while :attr:`fail`."""
+
+    fail = False
+
+    def send(self, tensors: List[torch.Tensor], dst_rank: int, tag: int) -> Any:
+        if self.fail:
+            raise RuntimeError("injected send failure")
+        return super().send(tensors, dst_rank, tag)
+
+
+class StubManager:
+    """The ``torchft.Manager`` methods FTAllReduce reads, for one replica."""
+
+    def __init__(self, pg: Any) -> None:
+        self.pg = pg
+        self.world, self.rank, self.step = 0, 0, 0
+        self.error: Optional[Exception] = None
+        self.decision = False  # the quorum's commit vote, set by Quorums.commit
+
+    def num_participants(self) -> int:
+        return self.world
+
+    def participating_rank(self) -> Optional[int]:
+        return self.rank
+
+    def current_step(self) -> int:
+        return self.step
+
+    def errored(self) -> Optional[Exception]:
+        return self.error
+
+    def report_error(self, e: Exception) -> None:
+        self.error = e
+
+    def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
+        if self.decision:
+            self.step += 1
+        return self.decision
+
+
+class Replica:
+    def __init__(self, cfg: TAGCConfig, pg_timeout: float = 20.0) -> None:
+        self.pg = FailingGloo(timeout=timedelta(seconds=pg_timeout))
+        self.manager = StubManager(self.pg)
+        self.ft = FTAllReduce(self.manager, self.pg, cfg)
+
+
+class Quorums:
+    """The Lighthouse's part: quorums of replicas, their groups, their commits."""
+
+    def __init__(self) -> None:
+        self.store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        self.quorum_id = 0
+        self.members: List[Replica] = []
+
+    def form(self, members: List[Replica], step: int) -> None:
+        """Configure every member's group for a new quorum at ``step`` (a joiner is
+        healed to it, as the Manager does)."""
+        self.quorum_id += 1
+        self.members = members
+        addr = f"localhost:{self.store.port}/torchft/{self.quorum_id}"
+
+        def configure(i: int) -> None:
+            m = members[i].manager
+            m.world, m.rank, m.step, m.error = len(members), i, step, None
+            members[i].pg.configure(addr, str(id(members[i])), i, len(members))
+
+        self.run(configure)
+
+    def run(self, fn: Callable[[int], Any]) -> List[Any]:
+        """``fn(i)`` on every member at once (member i on its own thread)."""
+        with ThreadPoolExecutor(len(self.members)) as pool:
+            return list(pool.map(fn, range(len(self.members))))
+
+    def sync(self, grads: List[torch.Tensor], key: Any = "g") -> List[torch.Tensor]:
+        """One all-reduce of member i's ``grads[i]`` (copies), on every member."""
+        outs = [g.clone() for g in grads]
+        self.run(lambda i: self.members[i].ft.allreduce(outs[i], key=key).wait())
+        return outs
+
+    def commit(self) -> bool:
+        """The commit vote (True only if no member errored), then every member's
+        ``FTAllReduce.should_commit``; fails if a member's answer differs."""
+        ok = all(r.manager.error is None for r in self.members)
+        for r in self.members:
+            r.manager.decision = ok
+        assert [r.ft.should_commit() for r in self.members] == [ok] * len(self.members)
+        return ok
+
+
+def owed(r: Replica, key: Any = "g") -> torch.Tensor:
+    """What replica ``r`` owes, in sum space: its residual plus its residual_out
+    folded at its chunk (fp32 residuals: ``residual_code`` none)."""
+    u = r.ft.units.get(key)
+    total = torch.zeros(L)
+    if u is None or u.residual is None:
+        return total
+    total += u.residual.float()[:L]
+    out = getattr(u, "residual_out", None)
+    if out is not None:
+        start = u.rank * u.chunk
+        stop = min(start + u.chunk, L)
+        total[start:stop] += out.float()[:stop - start]
+    return total
+
+
+def grads_for(n: int, seed: int) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(L, generator=g) for _ in range(n)]
+
+
+def test_two_replicas_dense_is_the_exact_mean_and_quant_conserves() -> None:
+    """(a) dense: bit for bit the mean; quant (all-gather form at R = 2): bit-equal on
+    both replicas, near the mean, and nothing lost: the outputs times R plus what each
+    replica owes equal every input summed, step after step."""
+    q = Quorums()
+    dense = [Replica(TAGCConfig(mode="dense")) for _ in range(2)]
+    q.form(dense, 0)
+    a, b = grads_for(2, 0)
+    outs = q.sync([a, b])
+    assert torch.equal(outs[0], (a + b) / 2) and torch.equal(outs[1], outs[0])
+    assert q.commit()
+
+    cfg = TAGCConfig(mode="quant", residual_code="none")
+    reps = [Replica(cfg) for _ in range(2)]
+    q.form(reps, 0)
+    sent = torch.zeros(L)
+    given = torch.zeros(L)
+    for step in range(3):
+        grads = grads_for(2, 10 + step)
+        outs = q.sync(grads)
+        assert q.commit()
+        assert torch.equal(outs[0], outs[1])
+        mean = (grads[0] + grads[1]) / 2
+        # int4 blocks: a few hundredths of the spread, never the spread itself
+        assert 0 < (outs[0] - mean).abs().max() < 0.5
+        sent += 2 * outs[0]
+        given += grads[0] + grads[1]
+        torch.testing.assert_close(sent + owed(reps[0]) + owed(reps[1]), given,
+                                   rtol=0, atol=1e-4)
+    st = reps[0].ft.stats()["g"]
+    assert (st["replicas"], st["rank"], st["form"]) == (2, 0, "gather")
+    assert st["compressed_calls"] == 3
+
+
+def test_quorum_two_one_two_follows_and_the_joiner_starts_at_zero() -> None:
+    """(b) R 2 -> 1 -> 2, two-phase: the exchange follows R; alone, the tensor is its
+    own mean and the state waits untouched; the leaver comes back healed, its old
+    residual dropped (zero), ranks swapped, so the survivor's state is carried to the
+    new chunks; across it all, nothing owed is lost or counted twice."""
+    cfg = TAGCConfig(mode="quant", residual_code="none", hsdp_allreduce="two_phase")
+    a, b = Replica(cfg), Replica(cfg)
+    q = Quorums()
+    q.form([a, b], 0)
+    sent, given = torch.zeros(L), torch.zeros(L)
+    for step in range(2):
+        grads = grads_for(2, 20 + step)
+        outs = q.sync(grads)
+        assert q.commit()
+        sent += 2 * outs[0]
+        given += grads[0] + grads[1]
+    stale_b = owed(b)
+    assert stale_b.abs().sum() > 0 and a.ft.stats()["g"]["replicas"] == 2
+    assert a.ft.units["g"].residual_out is not None  # the owner's state exists
+
+    q.form([a], 2)  # b fails
+    before = a.ft.feedback_state("g")
+    calls = a.ft.stats()["g"]["calls"]
+    (g,) = grads_for(1, 30)
+    (out,) = q.sync([g])
+    assert q.commit()
+    assert torch.equal(out, g)
+    after = a.ft.feedback_state("g")
+    assert all(torch.equal(before[k], after[k]) for k in before if before[k] is not None)
+    assert a.ft.stats()["g"]["calls"] == calls  # nothing crossed a link
+    sent += out
+    given += g
+
+    q.form([b, a], a.manager.step)  # b rejoins, healed to a's step, as rank 0
+    for step in range(2):
+        grads = grads_for(2, 40 + step)  # member order: b, a
+        outs = q.sync(grads)
+        assert q.commit()
+        assert torch.equal(outs[0], outs[1])
+        sent += 2 * outs[0]
+        given += grads[0] + grads[1]
+    st_a, st_b = a.ft.stats()["g"], b.ft.stats()["g"]
+    assert (st_a["replicas"], st_a["rank"], st_b["rank"]) == (2, 1, 0)
+    assert st_a["form"] == "two-phase"
+    # what b owed before it left is what was dropped, no more (a's state all carried)
+    # and no less (b's residual kept would make the two sides differ by it)
+    assert stale_b.abs().max() > 1e-2
+    torch.testing.assert_close(sent + owed(a) + owed(b) + stale_b, given, rtol=0, atol=1e-4)
+
+
+def test_failed_sync_leaves_every_state_bit_identical() -> None:
+    """(c) a step that does not commit (the vote) and a sync that fails mid-exchange
+    (one replica's send raises, its peer's receive times out): every replica's state
+    is bit for bit what it was; the next quorum trains on."""
+    # fp32 residuals: the encoder updates them in place before the send that fails
+    # (coded ones are only coded back after a call that finished)
+    cfg = TAGCConfig(mode="quant", residual_code="none")
+    reps = [Replica(cfg, pg_timeout=3.0) for _ in range(2)]
+    q = Quorums()
+    q.form(reps, 0)
+    for step in range(2):
+        q.sync(grads_for(2, 50 + step))
+        assert q.commit()
+    before = [r.ft.feedback_state("g") for r in reps]
+    assert before[0]["residual"] is not None
+
+    def same_as_before() -> bool:
+        return all(torch.equal(before[i][k], reps[i].ft.feedback_state("g")[k])
+                   for i in range(2) for k in before[i])
+
+    q.sync(grads_for(2, 60))
+    assert not same_as_before()  # the sync did change the state...
+    for r in reps:
+        r.manager.error = RuntimeError("a peer failed to commit")
+    assert q.commit() is False and all(r.manager.step == 2 for r in reps)
+    assert same_as_before()  # ...and the failed vote put it back
+
+    for r in reps:
+        r.manager.error = None
+    reps[0].pg.fail = True
+    q.sync(grads_for(2, 61))
+    reps[0].pg.fail = False
+    assert all(r.manager.error is not None for r in reps)
+    assert same_as_before()  # restored at once, before any vote
+    assert q.commit() is False and same_as_before()
+
+    q.form(reps, 2)  # a new quorum, a fresh group: training goes on
+    outs = q.sync(grads_for(2, 62))
+    assert q.commit() and reps[0].manager.step == 3
+    assert torch.equal(outs[0], outs[1]) and not same_as_before()
