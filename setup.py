@@ -204,7 +204,9 @@ setup(
     # FSDP2 method needs).  Install torch first (README: `pip install torch==2.13.0` on
     # a CPU machine): without one installed, pip would fetch a multi-GB CUDA build.
     install_requires=["torch>=2.10", "PyYAML", "tqdm", "numpy"],
-    # transformers/accelerate: the Hugging Face tests and scripts/finetune_hf.py
+    # transformers/accelerate: the Hugging Face tests and scripts/finetune_hf.py;
+    # ft: tagc.ft, TAGC's all-reduce inside torchft (docs/TORCHFT.md)
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tensorboard",
-                             "transformers", "accelerate"]},
+                             "transformers", "accelerate"],
+                    "ft": ["torchft>=0.2.0"]},
 )
