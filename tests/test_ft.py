@@ -9,6 +9,8 @@ configures every member's group for a quorum (a fresh store prefix per quorum, a
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
@@ -20,8 +22,11 @@ import torch.distributed as dist
 pytest.importorskip("torchft", reason="torchft not installed (pip install tagc[ft])")
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
+from tagc.codec import _tagc  # noqa: E402
 from tagc.config import TAGCConfig  # noqa: E402
-from tagc.ft import FTAllReduce  # noqa: E402
+from tagc.device import CodecStreams  # noqa: E402
+from tagc.ft import FTAllReduce, build_reducer, carry_feedback  # noqa: E402
+from tagc.memory import coded_bytes  # noqa: E402
 
 pytestmark = pytest.mark.codec
 
@@ -264,3 +269,133 @@ def test_failed_sync_leaves_every_state_bit_identical() -> None:
     outs = q.sync(grads_for(2, 62))
     assert q.commit() and reps[0].manager.step == 3
     assert torch.equal(outs[0], outs[1]) and not same_as_before()
+
+
+def test_carry_decodes_and_codes_again_coded_residuals() -> None:
+    """The carry of ``residual_code`` int4 state from (R 3, rank 1, two-phase) to
+    (R 2, rank 0, all-gather): the residual's first L entries plus the owner's
+    residual_out at its chunk, decoded, coded again; the old codes untouched."""
+    cfg = TAGCConfig(mode="quant", residual_code="int4", hsdp_allreduce="auto")
+    streams = CodecStreams()
+    old = build_reducer(cfg, "g", None, 1, 3, L, torch.device("cpu"), streams)
+    new = build_reducer(cfg, "g", None, 0, 2, L, torch.device("cpu"), streams)
+    assert (old.FORM, new.FORM) == ("two-phase", "gather")
+    gen = torch.Generator().manual_seed(7)
+    res = torch.randn(old.flat_numel, generator=gen)
+    res[L:] = 0  # padding never holds anything
+    out = torch.randn(old.chunk, generator=gen)
+
+    def code(x: torch.Tensor) -> torch.Tensor:
+        c = torch.zeros(coded_bytes(x.numel(), "int4", cfg.quant_block), dtype=torch.uint8)
+        _tagc.quant_encode(c, None, x, "int4", cfg.quant_block)
+        return c
+
+    def decode(c: torch.Tensor, n: int) -> torch.Tensor:
+        x = torch.zeros(n)
+        _tagc.quant_decode_add(x, c, "int4", cfg.quant_block)
+        return x
+
+    old.residual, old.residual_out = code(res), code(out)
+    held = (old.residual.clone(), old.residual_out.clone())
+    carry_feedback(old, new)
+    assert torch.equal(old.residual, held[0]) and torch.equal(old.residual_out, held[1])
+    assert new.residual.dtype == torch.uint8
+    want = decode(held[0], old.flat_numel)[:L]
+    want[old.chunk:2 * old.chunk] += decode(held[1], old.chunk)
+    got = decode(new.residual, L)
+    # one more int4 rounding: at most half a step (a block's largest value / 7)
+    block = cfg.quant_block
+    for lo in range(0, L, block):
+        w, g = want[lo:lo + block], got[lo:lo + block]
+        assert (g - w).abs().max() <= w.abs().max() / 14 * (1 + 1e-5)
+
+
+def _manager_replica(lighthouse: str, rid: int, cfg: TAGCConfig, steps: int,
+                     gate: Callable[[int], None], stop_after: Optional[int] = None
+                     ) -> List[Dict[str, Any]]:
+    """One replica with torchft's Manager (synchronous quorum) and FTAllReduce: per
+    step its R, gradient, output and residual after the commit."""
+    from torchft.manager import Manager
+
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=20))
+    state = {"w": torch.zeros(4)}  # what a rejoining replica heals from a peer
+    wait = timedelta(seconds=20)
+    m = Manager(pg=pg, min_replica_size=1, load_state_dict=state.update,
+                state_dict=lambda: dict(state), replica_id=str(rid), store_addr="localhost",
+                store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                use_async_quorum=False, timeout=wait, quorum_timeout=wait,
+                connect_timeout=wait)
+    ft = FTAllReduce(m, pg, cfg)
+    log: List[Dict[str, Any]] = []
+    try:
+        while m.current_step() < steps:
+            gate(m.current_step())
+            m.start_quorum()
+            step = m.current_step()
+            g = torch.randn(L, generator=torch.Generator().manual_seed(100 * step + rid))
+            out = g.clone()
+            ft.allreduce(out).wait()
+            ok = ft.should_commit()
+            log.append({"step": step, "R": m.num_participants(), "ok": ok, "g": g,
+                        "out": out, "res": ft.feedback_state(0)["residual"]})
+            if stop_after is not None and m.current_step() >= stop_after:
+                break
+    finally:
+        m.shutdown(wait=True)
+    return log
+
+
+def test_with_torchft_manager_a_replica_leaves_and_rejoins() -> None:
+    """torchft's Lighthouse and Managers: A and B train 2 steps, B leaves, A trains 2
+    alone (the tensor its own mean, its residual untouched), B comes back as a fresh
+    process would, heals from A and joins with a zero residual; every output of a
+    2-replica step is bit-equal on both and nothing owed is lost."""
+    from torchft._torchft import LighthouseServer
+
+    lh = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100,
+                          heartbeat_timeout_ms=400)
+    cfg = TAGCConfig(mode="quant", residual_code="none")
+    start = threading.Barrier(2, timeout=20)
+    left, alone, back = threading.Event(), threading.Event(), threading.Event()
+
+    def a_gate(step: int) -> None:
+        if step == 0:
+            start.wait()
+        if step == 2:  # past B's last heartbeat: the quorum is A alone
+            left.wait(20)
+            time.sleep(0.8)
+        if step == 4:  # B's Manager up before A asks: the quorum is both again
+            alone.set()
+            back.wait(20)
+            time.sleep(0.2)
+
+    def b_first() -> List[Dict[str, Any]]:
+        try:
+            return _manager_replica(lh.address(), 1, cfg, 6,
+                                    lambda s: start.wait() if s == 0 else None, stop_after=2)
+        finally:
+            left.set()
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            fa = pool.submit(_manager_replica, lh.address(), 0, cfg, 6, a_gate)
+            b1 = pool.submit(b_first).result()
+            assert alone.wait(30)
+            b2 = pool.submit(_manager_replica, lh.address(), 1, cfg, 6,
+                             lambda s: back.set()).result()
+            a = fa.result()
+    finally:
+        lh.shutdown()
+    assert [(e["step"], e["R"], e["ok"]) for e in a] == \
+        [(0, 2, True), (1, 2, True), (2, 1, True), (3, 1, True), (4, 2, True), (5, 2, True)]
+    assert [e["step"] for e in b1] == [0, 1] and [e["step"] for e in b2] == [4, 5]
+    for x, y in zip(a[:2] + a[4:], b1 + b2):
+        assert torch.equal(x["out"], y["out"])
+    for e in a[2:4]:
+        assert torch.equal(e["out"], e["g"]) and torch.equal(e["res"], a[1]["res"])
+    # the rejoined B starts at zero: A's residual before the rejoin is all that was owed
+    sent = sum(2 * e["out"] for e in a[4:])
+    given = sum(x["g"] + y["g"] for x, y in zip(a[4:], b2))
+    torch.testing.assert_close(sent + a[-1]["res"] + b2[-1]["res"], given + a[3]["res"],
+                               rtol=0, atol=1e-4)
