@@ -399,3 +399,28 @@ def test_with_torchft_manager_a_replica_leaves_and_rejoins() -> None:
     given = sum(x["g"] + y["g"] for x, y in zip(a[4:], b2))
     torch.testing.assert_close(sent + a[-1]["res"] + b2[-1]["res"], given + a[3]["res"],
                                rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode,replicas,form", [
+    ("quant", 3, "two-phase"), ("sparse", 3, "two-phase"), ("exact", 3, "two-phase"),
+    ("paper", 3, "two-phase"), ("sparse", 2, "gather")])
+def test_every_form_over_torchft_groups(mode: str, replicas: int, form: str) -> None:
+    """Each transport over torchft's groups (ring steps, list all-gather, the reduce
+    as an all-reduce): bit-equal on every replica, and the outputs times R plus what
+    each replica owes equal every input summed."""
+    cfg = TAGCConfig(mode=mode, residual_code="none") if mode == "quant" else \
+        TAGCConfig(mode=mode)
+    reps = [Replica(cfg) for _ in range(replicas)]
+    q = Quorums()
+    q.form(reps, 0)
+    sent, given = torch.zeros(L), torch.zeros(L)
+    for step in range(2):
+        grads = grads_for(replicas, 70 + step)
+        outs = q.sync(grads)
+        assert q.commit()
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        sent += replicas * outs[0]
+        given += sum(grads)
+    torch.testing.assert_close(sent + sum(owed(r) for r in reps), given, rtol=0, atol=2e-4)
+    st = reps[0].ft.stats()["g"]
+    assert st["form"] == form and st["compressed_calls"] == 2
