@@ -18,7 +18,7 @@ rank 0 has done so (through the store), so the worker's last reference certainly
 comes after the Python objects died and costs a GIL acquisition per tensor; the main
 thread then polls for the result with the GIL held (instead of a wait that releases
 it), so those acquisitions are still pending when the program ends.  Without the drain
-this aborts in most runs (README, "Known problems"), not all: the control of
+this aborts in most runs (README "Limits"), not all: the control of
 ``tests/test_teardown.py``'s fast test.
 
     python tests/teardown_repro.py --hold global --drain

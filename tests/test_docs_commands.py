@@ -249,16 +249,12 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
         "tests/test_packaging.py::test_wheel_installs_and_trains_outside_the_checkout",
         '"-m", "tagc.train"',
         "torchrun -m tagc.train from an installed wheel, outside the checkout")],
-    "tagc.train.data": [Run(("--tokenizer", "byte", "--cache_dir", "{out}/token-cache"),
-                            expect=("token-cache",), seconds=5)],
-    "tagc.train.hf": [Covered(
-        "tests/test_hf.py::test_finetune_hf_from_config_and_checkpoint", "_finetune",
-        "its main on 2 ranks (what finetune_hf.py starts)")],
 }
 # a script without a step option, run with its TASKS entry cut short (Run.shrink)
 SHRINK = """
 import importlib.util, sys
 path, task, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+sys.path.insert(0, path.rsplit("/", 1)[0])  # as when run as a file: its folder first
 spec = importlib.util.spec_from_file_location("command_under_test", path)
 module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module

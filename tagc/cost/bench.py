@@ -1,5 +1,5 @@
 """The step benchmark's rows in the cost model: predictions made before a run, and the
-comparison with the run once it exists (issue 42: the predictions are committed first).
+comparison with the run once it exists (the predictions are committed first).
 
 :func:`predict_rows` predicts every row (``tagc.cost.rows``) at every link rate of a
 run from what may be measured before it: each rate's collective table and link

@@ -47,7 +47,7 @@ from .shapes import BENCH_MODELS
 
 # how the command is named in its help and in the reports it writes
 PROG = "python -m tagc.cost"
-# the step goal of the predictions (issue 42: every measured step within 20%)
+# the step goal of the predictions (every measured step within 20%)
 PREDICTION_TOLERANCE = 0.2
 
 
@@ -218,7 +218,7 @@ def _predict_bench(args: argparse.Namespace, codec: Dict[str, float], runs_dir: 
                + " --no-codec" + (" --override fsdp_overlap=false" if args.blocking else "")
                + " --predictions " + shown(out / "predictions.json"))
     data = {"kind": PREDICTIONS_KIND,
-            "about": "Predictions of the cost model made BEFORE the run they predict (issue 42): "
+            "about": "Predictions of the cost model made BEFORE the run they predict: "
                      "inputs are only each rate's link and collective table and one unshaped "
                      "step of plain FSDP; compute = that step - the communication predicted "
                      "on the unshaped link, the same for every row (bf16 compute included); "

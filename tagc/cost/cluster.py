@@ -1,6 +1,6 @@
 """What TAGC would give on a user's cluster: step time, inter-node bytes and memory per
 GPU for a few model sizes, FSDP2 FULL_SHARD across nodes and HSDP, plain bf16 FSDP
-against TAGC presets (issue 42, item 5; ``docs/CLUSTER.md``).
+against TAGC presets (``docs/CLUSTER.md``).
 
 The step time and the bytes are :func:`.predict.predict`'s, on a layout of the model as
 ``tagc.shard_model`` wraps it (every linear and embedding its own FSDP unit, the

@@ -217,12 +217,12 @@ PRESETS: Dict[str, Compression] = {
     "full": Compression("quant", "int4", residual_code="int4", gather="int8"),  # tagc-full.yaml
     # tagc-local.yaml: tagc-balanced's exchange of the pseudo-gradient, once every 32 steps
     "local": Compression("quant", "int4", residual_code="int4", outer_every=32),
-    # the presets as the runs file's older rows ran them: tagc-lean until it dropped
-    # its feedback, tagc-balanced / tagc-full until issue 42 (EF21, a 32-byte vote)
+    # the presets as the runs file's older rows ran them: tagc-lean with feedback,
+    # tagc-balanced / tagc-full with EF21 (a 32-byte vote)
     "lean-ef21": Compression("quant", "ternary", ef21=True),
     "balanced-ef21": Compression("quant", "int4", ef21=True),
     "full-ef21": Compression("quant", "int4", ef21=True, gather="int8"),
-    # and tagc-sparse / tagc-auto until issue 42 put their residual on int8 codes
+    # and tagc-sparse / tagc-auto with an fp32 residual (now on int8 codes)
     "sparse-res32": Compression("sparse", theta=0.9875),
     "auto-res32": Compression("auto", theta=0.9875),
 }

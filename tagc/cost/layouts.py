@@ -344,7 +344,7 @@ MODELS: Dict[str, Callable[..., ModelSpec]] = {
 # The layouts the measured runs used, by the name docs/cost_model_runs.json gives them:
 # (layout, policy).  Every run there predates the presets' move to `layers: all`, so a
 # bare name is the policy they had then (non_attention); "bench-all" is bench_step.py's
-# `--override layers=all`; "gpt2-124m-c256" (issue 42) ran the presets' `layers: all`.
+# `--override layers=all`; "gpt2-124m-c256" ran the presets' `layers: all`.
 # Fixed here, not taken from --layers, so that --check compares each run with the
 # layout it ran.
 RUN_MODELS: Dict[str, Tuple[str, str]] = {

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 # Codec throughput, values per second on one CPU core (this project's 2-core machine),
-# from docs/RESULTS.md "Codec speed", the S = 2^24 rows (median ms for 2^24 values): quant encode int4 15.789 ms and ternary 16.612 ms (the AVX2 table, commit
-# c8a8754); quant decode int4 5.115 ms and ternary 14.828 ms, select+sparsify 15.653 ms,
+# from docs/RESULTS.md "Codec speed", the S = 2^24 rows (median ms for 2^24 values): quant encode int4 15.789 ms and ternary 16.612 ms (the AVX2
+# table); quant decode int4 5.115 ms and ternary 14.828 ms, select+sparsify 15.653 ms,
 # sparse unpack 2.152 ms, auto pack 0.708 ms and auto decode 4.867 ms at theta 0.9875
-# (the first table, commit 31aa238); wq encode+decode int8 fp32 17.062 ms, split in two
+# (the first table); wq encode+decode int8 fp32 17.062 ms, split in two
 # halves (encode and decode alone ran at about the same fraction of memcpy: 1.05-1.42
 # and 0.93-1.09).  int8 and sign quant were not timed: they take int4's figures.
 _MEASURED_MS_PER_2_24 = {

@@ -98,12 +98,12 @@ class BenchModel:
 
 BENCH_MODELS: Dict[str, BenchModel] = {
     # the default model: steps of a fraction of a second, so several repeats; every row
-    # but issue 42's gather-once and int4-gather ones
+    # but the gather-once and int4-gather ones
     "bench": BenchModel(ModelShape(), "bench", warmup=1, steps=3, repeats=4, unshaped_repeats=2,
                         configs=("fsdp", "dense", "10x-1bit", "10x-4bit", "exact", "sparse",
                                  "auto", "balanced", "lean", "full", "fsdp-bf16",
                                  "full-bf16")),
-    # GPT-2 small at the sizes users train (issue 42): 5-7 s of compute per step on this
+    # GPT-2 small at the sizes users train: 5-7 s of compute per step on this
     # CPU and up to a minute on a 200 Mbit/s link, so one warm-up step, two timed steps
     # and two shaped passes keep 8 rows at 3 link rates within about 40 minutes
     # (cost_model.py's estimate from its predictions)

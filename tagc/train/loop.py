@@ -393,7 +393,7 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
         "compressed_bits_per_param": gb.comp_bits, "unpeeled": gb.unpeeled,
         "recovered": gb.recovered, "guard_resets": gb.guard_resets,
     }
-    # what TAGC keeps across steps on this rank (issue 42: the presets' budget is one
+    # what TAGC keeps across steps on this rank (the presets' budget is one
     # byte per parameter)
     mem = tagc_state.memory() if tagc_state is not None else None
     summary["feedback_bytes"] = mem["feedback_bytes"] if mem else 0

@@ -165,7 +165,7 @@ def execute(cmd: List[str], folder: Path, meta: Dict[str, Any]) -> float:
     t0 = time.perf_counter()
     with open(folder / "train.log", "w") as log:
         # faulthandler: a rank that dies of a signal leaves every thread's Python stack
-        # in train.log (the teardown abort, README "Known problems")
+        # in train.log (the teardown abort: DESIGN "Facts the code relies on")
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     if p.returncode != 0:
