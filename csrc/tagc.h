@@ -63,6 +63,7 @@ size_t tagc_dtype_size(tagc_dtype d);
  *                               0 <= k <= INT64_MAX/8, d a tagc_dtype
  *   tagc_quant_bytes(n, f, b)   see the block quantization section below
  *   tagc_wq_bytes(seg, ns, f, b) see the quantized weight gather section
+ *   tagc_fp4_bytes(n, b)        see the 4-bit codes section
  */
 int64_t tagc_bitmap_bytes(int64_t n);
 int64_t tagc_lanes_bytes(int64_t n, int bits);
@@ -408,6 +409,94 @@ tagc_status tagc_wq_decode(void *out, tagc_dtype out_dtype, int64_t n,
                            const uint8_t *src, int64_t src_bytes,
                            const int64_t *seg, int64_t nseg,
                            tagc_qformat format, int64_t block);
+
+/*
+ * 4-bit codes (MXFP4-style): each value is one E2M1 code, a 4-bit float of
+ * magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} and a sign bit (bit 3), times the
+ * power-of-two scale of its block of `block` consecutive values (the last
+ * block may be shorter).  A block's scale is E8M0: one byte b, the scale
+ * 2^(b - 127) (255 is NaN), chosen as the smallest power of two s with
+ * max |v| <= 6 s, so no value of a block is clipped (OCP's MX rule takes
+ * 2^(floor(log2 max) - 2), which clips the top of the range to 6 s; this
+ * one spends up to a bit of range to never clip).  A scale below 2^-127 is
+ * 2^-127.  Codes: round to nearest, ties to the even index (0.25 s -> 0,
+ * 0.75 s -> 1 s, 2.5 s -> 2 s, 5 s -> 4 s, as IEEE's ties-to-even), or,
+ * with TAGC_FP4_STOCHASTIC, stochastic rounding between the two
+ * neighbouring magnitudes, from a hash of (seed, position); zero is always
+ * code 0 (never -0).  Block sizes: a power of two in [2, TAGC_FP4_BLOCK_MAX]
+ * (32 is MXFP4's).
+ *
+ * Wire layout (tagc_fp4_bytes): ceil(n/2) code bytes, value i in byte i/2,
+ * the low nibble for even i (a last odd value's high nibble is 0), then
+ * ceil(n/block) scale bytes, one per block in order: 4 + 8/block bits per
+ * value (4.25 at block 32).  Every nibble is a valid code, so a decoder
+ * has nothing to refuse but a size.
+ *
+ * Rotation (TAGC_FP4_ROTATE, tagc_rht): before coding, each whole block x
+ * becomes H D x / sqrt(block), D a diagonal of signs from a hash of
+ * (seed, position) (bit i % 64 of the hash of i / 64), H the Walsh-Hadamard
+ * matrix of the block (the fast transform, butterflies a + b, a - b over
+ * strides 1, 2, 4, ...), and the division a product by the float of
+ * 1/sqrt(block) after the butterflies; the decoder undoes it (D H y /
+ * sqrt(block): butterflies, product, signs).  It spreads a block's outliers
+ * over the block, so the scale fits the bulk.  A shorter last block gets
+ * the sign flips only.  Rotating then unrotating gives x back up to float
+ * rounding (the butterflies round).  The seed is the caller's:
+ * every rank must use the same one for a unit and step (tagc_seed_derive).
+ */
+#define TAGC_FP4_ROTATE 1u     /* rotate each block before coding (undone on decode) */
+#define TAGC_FP4_STOCHASTIC 2u /* stochastic rounding instead of round to nearest */
+
+/* Largest block of the tagc_fp4_* functions and tagc_rht. */
+#define TAGC_FP4_BLOCK_MAX ((int64_t)256)
+
+/*
+ * tagc_fp4_bytes - exact size in bytes of tagc_fp4_encode's output for n
+ *   values: ceil(n/2) + ceil(n/block).  0 for n == 0, -1 for n outside
+ *   [0, TAGC_MAX_N] or a block that is not a power of two in
+ *   [2, TAGC_FP4_BLOCK_MAX].
+ */
+int64_t tagc_fp4_bytes(int64_t n, int64_t block);
+
+/*
+ * tagc_fp4_encode - fused error feedback + 4-bit block coding, one shard.
+ *   v = grad + residual (residual may be NULL: no error feedback; fp32 sum).
+ *   Writes dst[0..tagc_fp4_bytes(n, block)) (layout above; with
+ *   TAGC_FP4_ROTATE the codes are those of the rotated blocks) and, if
+ *   residual is not NULL, residual = v - what tagc_fp4_decode_add adds for
+ *   the same flags and seed (rounding included), in place.  flags: an OR of
+ *   TAGC_FP4_ROTATE and TAGC_FP4_STOCHASTIC; seed drives both.
+ *   Bounds: as tagc_fp4_bytes.  Errors: ARG, DTYPE, RANGE (n, block, an
+ *   unknown flag), CAPACITY; NONFINITE when v holds NaN/Inf, or, with
+ *   TAGC_FP4_ROTATE, a |v| >= 2^100 (so that no rotation can overflow): the
+ *   residual is then untouched and dst holds unspecified bytes.
+ */
+tagc_status tagc_fp4_encode(uint8_t *dst, int64_t dst_capacity,
+                            void *residual, tagc_dtype residual_dtype,
+                            const void *grad, tagc_dtype grad_dtype,
+                            int64_t n, int64_t block, unsigned flags, uint64_t seed);
+
+/*
+ * tagc_fp4_decode_add - owner side: out[i] += the decoded value i of src
+ *   (tagc_fp4_encode's output, any alignment): code times scale, unrotated
+ *   when flags has TAGC_FP4_ROTATE (the encoder's flags and seed;
+ *   TAGC_FP4_STOCHASTIC changes nothing here).  A NaN scale byte (255) is
+ *   data: its block adds NaN.
+ *   Bounds: src_bytes == tagc_fp4_bytes(n, block), else RANGE; an unknown
+ *   flag: RANGE.  Errors: ARG, RANGE.
+ */
+tagc_status tagc_fp4_decode_add(float *out, int64_t n,
+                                const uint8_t *src, int64_t src_bytes,
+                                int64_t block, unsigned flags, uint64_t seed);
+
+/*
+ * tagc_rht - the rotation above alone, fp32: dst[0..n) = the blockwise
+ *   rotation of src[0..n) under seed (inverse != 0: its inverse).  dst may
+ *   equal src (in place); other overlaps are undefined.
+ *   Errors: ARG, RANGE (n, block), CAPACITY (dst_capacity < n).
+ */
+tagc_status tagc_rht(float *dst, int64_t dst_capacity, const float *src, int64_t n,
+                     int64_t block, uint64_t seed, int inverse);
 
 #ifdef __cplusplus
 }

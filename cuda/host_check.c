@@ -158,6 +158,21 @@ int main(void)
     EXPECT(tagc_cuda_pairs_unpack_add(tau, 10, bm, 10, 2, TAGC_F32, TAGC_PAIRS_EF, NULL, NULL,
                                       0, s), TAGC_ERR_ARG);
 
+    size_t sf = tagc_cuda_fp4_encode_workspace_size();
+    EXPECT(sf >= 4, 1);
+    EXPECT(tagc_cuda_fp4_encode(bm, 53, NULL, TAGC_F32, d, TAGC_F32, 100, 32, 0, 1, d, sf, s),
+           TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_fp4_encode(bm, 54, NULL, TAGC_F32, d, TAGC_F32, 100, 24, 0, 1, d, sf, s),
+           TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_fp4_encode(bm, 54, NULL, TAGC_F32, d, TAGC_F32, 100, 32, 8, 1, d, sf, s),
+           TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_fp4_encode(bm, 54, NULL, TAGC_F32, d, TAGC_F32, 100, 32, 0, 1, ws_small,
+                                0, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_fp4_decode_add(tau, 100, bm, 53, 32, TAGC_FP4_ROTATE, 1, s),
+           TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_rht(tau, 99, tau, 100, 32, 1, 0, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_rht(NULL, 100, tau, 100, 32, 1, 0, s), TAGC_ERR_ARG);
+
     /* No usable GPU: a valid call must fail cleanly in its first CUDA call. */
     int devices = 0;
     if (cudaGetDeviceCount(&devices) != cudaSuccess)
@@ -176,6 +191,10 @@ int main(void)
                                    d, sw, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_pairs_unpack_add(tau, 10, bm, 10, 2, TAGC_F32, TAGC_PAIRS_EF, NULL,
                                           d, pu, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_fp4_encode(bm, 54, NULL, TAGC_F32, d, TAGC_F32, 100, 32,
+                                    TAGC_FP4_ROTATE, 1, d, sf, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_fp4_decode_add(tau, 100, bm, 54, 32, 0, 1, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_rht(tau, 100, tau, 100, 32, 1, 0, s), TAGC_ERR_CUDA);
     } else {
         printf("host_check: %d CUDA device(s) present, no-GPU checks skipped\n",
                devices);

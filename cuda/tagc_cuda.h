@@ -290,6 +290,31 @@ tagc_status tagc_cuda_wq_decode(void *out, tagc_dtype out_dtype, int64_t n,
                                 void *workspace, size_t workspace_bytes,
                                 cudaStream_t stream);
 
+/*
+ * tagc_cuda_fp4_encode / tagc_cuda_fp4_decode_add / tagc_cuda_rht - as
+ *   tagc_fp4_encode, tagc_fp4_decode_add and tagc_rht: the same bytes,
+ *   residual and values bit for bit (one warp per block, the block staged
+ *   in shared memory for the butterflies; the arithmetic is csrc/fp4.h's).
+ *   Encode: a first kernel checks v (the C op's NONFINITE: NaN/Inf, or
+ *   |v| >= 2^100 with TAGC_FP4_ROTATE) into a flag in the workspace; if set,
+ *   every scale byte is 255 (NaN) and every code 0, and the residual is left
+ *   untouched, so the NaN reaches the owner's decoded shard.  Decode and
+ *   rht need no workspace (nothing to validate but sizes).
+ */
+size_t tagc_cuda_fp4_encode_workspace_size(void);
+tagc_status tagc_cuda_fp4_encode(uint8_t *dst, int64_t dst_capacity,
+                                 void *residual, tagc_dtype residual_dtype,
+                                 const void *grad, tagc_dtype grad_dtype,
+                                 int64_t n, int64_t block, unsigned flags, uint64_t seed,
+                                 void *workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
+tagc_status tagc_cuda_fp4_decode_add(float *out, int64_t n,
+                                     const uint8_t *src, int64_t src_bytes,
+                                     int64_t block, unsigned flags, uint64_t seed,
+                                     cudaStream_t stream);
+tagc_status tagc_cuda_rht(float *dst, int64_t dst_capacity, const float *src, int64_t n,
+                          int64_t block, uint64_t seed, int inverse, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

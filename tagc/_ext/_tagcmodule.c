@@ -616,6 +616,136 @@ static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
                   "(out untouched)");
 }
 
+/* ---- 4-bit codes (fp4) and the block rotation ---------------------------- */
+
+/* block: a power of two in [2, TAGC_FP4_BLOCK_MAX]. */
+static int arg_fp4_block(const char *fn, PyObject *o, int64_t *block)
+{
+    if (tagc_py_arg_range(fn, o, "block", 2, TAGC_FP4_BLOCK_MAX, block) < 0)
+        return -1;
+    if ((*block & (*block - 1)) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'block' must be a power of two, got %lld",
+                     fn, (long long)*block);
+        return -1;
+    }
+    return 0;
+}
+
+/* seed (uint64) and the flags of the keyword booleans. */
+static int arg_fp4_flags(const char *fn, PyObject *oseed, int rotate, int stochastic,
+                         uint64_t *seed, unsigned *flags)
+{
+    *flags = (rotate ? TAGC_FP4_ROTATE : 0u) | (stochastic ? TAGC_FP4_STOCHASTIC : 0u);
+    *seed = 0;
+    return oseed == NULL ? 0 : tagc_py_arg_u64(fn, oseed, "seed", seed);
+}
+
+static PyObject *py_fp4_encode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"buf", "residual", "grad", "block", "seed", "rotate", "stochastic",
+                          "stream", NULL};
+    PyObject *obuf, *ores, *ograd, *oblock, *oseed = NULL, *ostream = NULL;
+    int rotate = 0, stochastic = 0;
+    TAGC_BEGIN("fp4_encode");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$OppO", kwl, &obuf, &ores, &ograd, &oblock,
+                                     &oseed, &rotate, &stochastic, &ostream))
+        return NULL;
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    int64_t block;
+    uint64_t seed;
+    unsigned flags;
+    TAGC_CHECK(arg_fp4_block(fn, oblock, &block));
+    TAGC_CHECK(arg_fp4_flags(fn, oseed, rotate, stochastic, &seed, &flags));
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE_OPT(res, has_res, ores, "residual", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(grad, ograd, "grad", TAGC_K_F32 | TAGC_K_BF16);
+    int64_t n = grad->numel;
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, grad));
+    if (has_res)
+        TAGC_CHECK(tagc_py_need_size(&vs_, res, n, 1, "grad.numel()"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_fp4_bytes(n, block), 0,
+                                 "fp4_bytes(grad.numel(), block)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) { /* NaN/Inf: every scale byte NaN, residual untouched */
+        TAGC_RUN_CUDA(grad, tagc_cuda_fp4_encode_workspace_size(),
+                      tagc_cuda_fp4_encode(buf->data, buf->numel, has_res ? res->data : NULL,
+                                           tagc_py_codec_dtype(res->kind), grad->data,
+                                           tagc_py_codec_dtype(grad->kind), n, block, flags,
+                                           seed, ws_, wsb_, strm_));
+    } else {
+        TAGC_RUN(tagc_fp4_encode(buf->data, buf->numel, has_res ? res->data : NULL,
+                                 tagc_py_codec_dtype(res->kind), grad->data,
+                                 tagc_py_codec_dtype(grad->kind), n, block, flags, seed));
+    }
+    TAGC_END_NONE(TAGC_ERR_NONFINITE,
+                  "grad + residual holds NaN or Inf, or |v| >= 2^100 with rotate (residual "
+                  "untouched)");
+}
+
+static PyObject *py_fp4_decode_add(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"out", "buf", "block", "seed", "rotate", "stream", NULL};
+    PyObject *oout, *obuf, *oblock, *oseed = NULL, *ostream = NULL;
+    int rotate = 0;
+    TAGC_BEGIN("fp4_decode_add");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$OpO", kwl, &oout, &obuf, &oblock, &oseed,
+                                     &rotate, &ostream))
+        return NULL;
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    int64_t block;
+    uint64_t seed;
+    unsigned flags;
+    TAGC_CHECK(arg_fp4_block(fn, oblock, &block));
+    TAGC_CHECK(arg_fp4_flags(fn, oseed, rotate, 0, &seed, &flags));
+    TAGC_TAKE(out, oout, "out", TAGC_K_F32);
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, out));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_fp4_bytes(out->numel, block), 1,
+                                 "fp4_bytes(out.numel(), block)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) {
+        TAGC_RUN_CUDA(out, 0,
+                      tagc_cuda_fp4_decode_add(out->data, out->numel, buf->data, buf->numel,
+                                               block, flags, seed, strm_));
+    } else {
+        TAGC_RUN(tagc_fp4_decode_add(out->data, out->numel, buf->data, buf->numel, block, flags,
+                                     seed));
+    }
+    TAGC_END_NONE(TAGC_OK, NULL);
+}
+
+static PyObject *py_rht(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"dst", "src", "block", "seed", "inverse", "stream", NULL};
+    PyObject *odst, *osrc, *oblock, *oseed, *ostream = NULL;
+    int inverse = 0;
+    TAGC_BEGIN("rht");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$pO", kwl, &odst, &osrc, &oblock, &oseed,
+                                     &inverse, &ostream))
+        return NULL;
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    int64_t block;
+    uint64_t seed;
+    TAGC_CHECK(arg_fp4_block(fn, oblock, &block));
+    TAGC_CHECK(tagc_py_arg_u64(fn, oseed, "seed", &seed));
+    TAGC_TAKE(dst, odst, "dst", TAGC_K_F32);
+    TAGC_TAKE(src, osrc, "src", TAGC_K_F32);
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, src));
+    TAGC_CHECK(tagc_py_need_size(&vs_, dst, src->numel, 1, "src.numel()"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    if (dev == TAGC_DEV_CUDA) {
+        TAGC_RUN_CUDA(src, 0,
+                      tagc_cuda_rht(dst->data, dst->numel, src->data, src->numel, block, seed,
+                                    inverse, strm_));
+    } else {
+        TAGC_RUN(tagc_rht(dst->data, dst->numel, src->data, src->numel, block, seed, inverse));
+    }
+    TAGC_END_NONE(TAGC_OK, NULL);
+}
+
 /* ---- quantized weight gather ------------------------------------------- */
 
 /* The segment lengths of a wq call: an int64 tensor (a view, on the data's
@@ -734,12 +864,14 @@ typedef enum {
     SA_BLOCK,    /* "block": [1, QBLOCK_MAX] */
     SA_CODING,   /* "coding": 'ef', 'bitmap' or 'dense' */
     SA_SEGS,     /* "segs": a CPU table, read after every other argument */
+    SA_FP4BLOCK, /* "block": a power of two in [2, FP4_BLOCK_MAX] */
 } size_arg;
 
 static char *const SIZE_KEYWORDS[] = {
     [SA_N] = "n", [SA_K_OF_N] = "k", [SA_K] = "k", [SA_BITS] = "bits", [SA_T] = "t",
     [SA_VDTYPE] = "value_dtype", [SA_QFORMAT] = "format", [SA_WQFORMAT] = "format",
-    [SA_BLOCK] = "block", [SA_CODING] = "coding", [SA_SEGS] = "segs"};
+    [SA_BLOCK] = "block", [SA_CODING] = "coding", [SA_SEGS] = "segs",
+    [SA_FP4BLOCK] = "block"};
 
 /* The checked arguments; a rule reads those its row's kinds fill. */
 typedef struct {
@@ -774,8 +906,10 @@ SIZE_RULE(quant_bytes, tagc_quant_bytes(a->n, a->fmt, a->block))
 SIZE_RULE(pairs_bytes, tagc_pairs_bytes(a->n, a->k, a->vd, a->coding))
 SIZE_RULE(pairs_cheapest, (int64_t)tagc_pairs_cheapest(a->n, a->k, a->vd))
 SIZE_RULE(wq_bytes, tagc_wq_bytes(a->segs.len, a->segs.n, a->fmt, a->block))
+SIZE_RULE(fp4_bytes, tagc_fp4_bytes(a->n, a->block))
 
-enum { SZ_BITMAP, SZ_LANES, SZ_SKETCH, SZ_SPARSE, SZ_QUANT, SZ_PAIRS, SZ_CHEAPEST, SZ_WQ };
+enum { SZ_BITMAP, SZ_LANES, SZ_SKETCH, SZ_SPARSE, SZ_QUANT, SZ_PAIRS, SZ_CHEAPEST, SZ_WQ,
+       SZ_FP4 };
 
 static const size_fn SIZE_FNS[] = {
     [SZ_BITMAP] = {"_tagc.bitmap_bytes", size_bitmap_bytes, 0, 1, {SA_N}},
@@ -789,6 +923,7 @@ static const size_fn SIZE_FNS[] = {
     [SZ_CHEAPEST] = {"_tagc.pairs_cheapest", size_pairs_cheapest, 1, 3,
                      {SA_N, SA_K_OF_N, SA_VDTYPE}},
     [SZ_WQ] = {"_tagc.wq_bytes", size_wq_bytes, 0, 3, {SA_SEGS, SA_WQFORMAT, SA_BLOCK}},
+    [SZ_FP4] = {"_tagc.fp4_bytes", size_fp4_bytes, 0, 2, {SA_N, SA_FP4BLOCK}},
 };
 
 /* Checks one argument of a scalar kind into *a. */
@@ -806,6 +941,7 @@ static int size_arg_check(const char *fn, size_arg kind, PyObject *o, size_args 
     case SA_WQFORMAT: return arg_format(fn, o, 1, &a->fmt);
     case SA_BLOCK: return tagc_py_arg_range(fn, o, "block", 1, TAGC_QBLOCK_MAX, &a->block);
     case SA_CODING: return arg_coding(fn, o, &a->coding);
+    case SA_FP4BLOCK: return arg_fp4_block(fn, o, &a->block);
     case SA_SEGS: break; /* size_segs(), once the cheap checks passed */
     }
     return 0;
@@ -887,6 +1023,7 @@ SIZE_ENTRY(quant_bytes, SZ_QUANT)
 SIZE_ENTRY(pairs_bytes, SZ_PAIRS)
 SIZE_ENTRY(pairs_cheapest, SZ_CHEAPEST)
 SIZE_ENTRY(wq_bytes, SZ_WQ)
+SIZE_ENTRY(fp4_bytes, SZ_FP4)
 
 /* What a refused message means for the caller. */
 static const char *wq_detail(tagc_status st)
@@ -1037,6 +1174,16 @@ static PyMethodDef methods[] = {
     KW(wq_decode, SIG(wq_decode, "out, buf, segs, format, block, *, stream=0, status_out=None",
                       "out = the weights of one wq message (raises NonFiniteError for a "
                       "flagged block).")),
+    KW(fp4_bytes, SIG(fp4_bytes, "n, block",
+                      "Wire size of n 4-bit coded values: ceil(n / 2) + ceil(n / block).")),
+    KW(fp4_encode, SIG(fp4_encode, "buf, residual, grad, block, *, seed=0, rotate=False, "
+                       "stochastic=False, stream=0",
+                       "Error feedback + E2M1 codes with E8M0 block scales (MXFP4-style), "
+                       "optionally rotated.")),
+    KW(fp4_decode_add, SIG(fp4_decode_add, "out, buf, block, *, seed=0, rotate=False, stream=0",
+                           "out += the decoded values of one fp4 shard.")),
+    KW(rht, SIG(rht, "dst, src, block, seed, *, inverse=False, stream=0",
+                "dst = the seeded block Hadamard rotation of src (or its inverse).")),
     {"cuda_available", py_cuda_available, METH_NOARGS,
      SIG(cuda_available, "",
          "Whether the CUDA kernels are built in and a CUDA device is usable.")},
