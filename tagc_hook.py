@@ -71,7 +71,7 @@ from __future__ import annotations
 
 from tagc import __version__, presets, teardown
 from tagc.config import MODES, PAPER_THETA, QUANT_BITS, QUANT_FORMATS, TAGCConfig
-from tagc.ft import FTAllReduce
+from tagc.ft import FTAllReduce, FTManager
 from tagc.pipeline import PipelineConfig, pipeline_stage
 from tagc.selection import select_parameter
 from tagc.state import TAGCState, register
@@ -94,4 +94,5 @@ __all__ = [
     "QUANT_BITS",
     "PAPER_THETA",
     "FTAllReduce",
+    "FTManager",
 ]

@@ -382,5 +382,48 @@ class FTAllReduce:
                 for k, u in self.units.items()}
 
 
-__all__: List[str] = ["FTAllReduce", "PGComm", "QuorumSource", "build_reducer",
-                      "carry_feedback"]
+class FTManager:
+    """A ``torchft.Manager`` whose ``allreduce`` and ``should_commit`` are an
+    :class:`FTAllReduce`'s, everything else the manager's: what to hand
+    ``torchft.local_sgd.DiLoCo`` as its manager.
+
+    DiLoCo syncs fragment ``manager.current_step() % fragments`` (its
+    ``_current_fragment``), each pseudo-gradient a fresh tensor in the fragment's
+    parameter order, so a tensor's key is (that fragment, its call's position in the
+    sync): equal-shaped fragments never share feedback state.
+
+    Args:
+        manager: the ``torchft.Manager`` (``use_async_quorum=False``, as DiLoCo wants).
+        pg: the process group handed to it.
+        cfg: the config.
+        fragments: how many model fragments DiLoCo is given.
+    """
+
+    def __init__(self, manager: Any, pg: Any, cfg: TAGCConfig, fragments: int = 1) -> None:
+        if fragments < 1:
+            raise ValueError(f"FTManager: fragments must be >= 1, got {fragments}")
+        self.manager, self.fragments = manager, fragments
+        self.ft = FTAllReduce(manager, pg, cfg)
+        self._calls = 0  # this sync's calls so far
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
+                  reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG) -> dist.Work:
+        """:meth:`FTAllReduce.allreduce` keyed by (fragment, position in the sync)."""
+        key = (self.manager.current_step() % self.fragments, self._calls)
+        self._calls += 1
+        return self.ft.allreduce(tensor, should_quantize, reduce_op, key=key)
+
+    def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
+        """:meth:`FTAllReduce.should_commit`; the next sync's keys start again."""
+        self._calls = 0
+        return self.ft.should_commit(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        # only what this class lacks: start_quorum, current_step, register_state_dict_fn...
+        if name == "manager":  # not set yet: no recursion through this method
+            raise AttributeError(name)
+        return getattr(self.manager, name)
+
+
+__all__: List[str] = ["FTAllReduce", "FTManager", "PGComm", "QuorumSource",
+                      "build_reducer", "carry_feedback"]

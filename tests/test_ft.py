@@ -25,7 +25,7 @@ from torchft.process_group import ProcessGroupGloo  # noqa: E402
 from tagc.codec import _tagc  # noqa: E402
 from tagc.config import TAGCConfig  # noqa: E402
 from tagc.device import CodecStreams  # noqa: E402
-from tagc.ft import FTAllReduce, build_reducer, carry_feedback  # noqa: E402
+from tagc.ft import FTAllReduce, FTManager, build_reducer, carry_feedback  # noqa: E402
 from tagc.memory import coded_bytes  # noqa: E402
 
 pytestmark = pytest.mark.codec
@@ -424,3 +424,70 @@ def test_every_form_over_torchft_groups(mode: str, replicas: int, form: str) -> 
     torch.testing.assert_close(sent + sum(owed(r) for r in reps), given, rtol=0, atol=2e-4)
     st = reps[0].ft.stats()["g"]
     assert st["form"] == form and st["compressed_calls"] == 2
+
+
+def _diloco_replica(lighthouse: str, rid: int, cfg: TAGCConfig, syncs: int,
+                    start: threading.Barrier) -> Dict[str, Any]:
+    """One replica of torchft's DiLoCo over two equal-shaped fragments, its manager
+    an FTManager: per sync the synced fragment's parameters, and the reducers."""
+    from torch import nn
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=20))
+    torch.manual_seed(0)  # the same model on both replicas (init_sync is on anyway)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    frags = [model[0], model[2]]
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+             for f in frags]
+    wait = timedelta(seconds=20)
+    m = Manager(pg=pg, min_replica_size=2, load_state_dict=model.load_state_dict,
+                state_dict=model.state_dict, replica_id=str(rid), store_addr="localhost",
+                store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                use_async_quorum=False, timeout=wait, quorum_timeout=wait,
+                connect_timeout=wait)
+    fm = FTManager(m, pg, cfg, fragments=2)
+    start.wait()
+    synced: List[List[torch.Tensor]] = []
+    gen = torch.Generator().manual_seed(rid)
+    try:
+        with DiLoCo(fm, frags, inner, outer, sync_every=4):
+            while m.current_step() < syncs:
+                done = m.current_step()
+                loss = model(torch.randn(8, 16, generator=gen)).pow(2).mean()
+                inner.zero_grad()
+                loss.backward()
+                inner.step()  # DiLoCo's hook syncs a fragment every 2 steps here
+                if m.current_step() > done:
+                    frag = frags[done % 2]
+                    synced.append([p.detach().clone() for p in frag.parameters()])
+    finally:
+        m.shutdown(wait=True)
+    return {"synced": synced, "units": dict(fm.ft.units), "stats": fm.ft.stats()}
+
+
+def test_diloco_with_ft_manager_keys_fragments_apart() -> None:
+    """torchft's DiLoCo (two fragments of equal shapes) with FTManager as its manager:
+    after every sync the synced fragment is bit-equal on both replicas; each fragment's
+    tensors have their own reducers, compressed at each of their syncs."""
+    from torchft._torchft import LighthouseServer
+
+    lh = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100)
+    cfg = TAGCConfig(mode="quant")
+    start = threading.Barrier(2, timeout=20)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            a, b = pool.map(lambda r: _diloco_replica(lh.address(), r, cfg, 4, start), [0, 1])
+    finally:
+        lh.shutdown()
+    assert len(a["synced"]) == len(b["synced"]) == 4
+    for pa, pb in zip(a["synced"], b["synced"]):
+        assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    # (fragment, position): weight then bias of each Linear, 2 syncs each
+    assert set(a["units"]) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert a["units"][(0, 0)] is not a["units"][(1, 0)]
+    assert [a["units"][(f, 0)].shard_numel for f in (0, 1)] == [256, 256]
+    assert not torch.equal(a["units"][(0, 0)].residual, a["units"][(1, 0)].residual)
+    assert all(st["compressed_calls"] == 2 for st in a["stats"].values())
