@@ -7,6 +7,7 @@ group to it.  :class:`FTAllReduce` has ``Manager.allreduce``'s signature (what
 are read from the manager at every call, the reducer is rebuilt when (R, rank) changes,
 its feedback state carried over by position (:func:`carry_feedback`), and every change
 to that state is a transaction that ``should_commit()`` commits or rolls back.
+:class:`FTManager` hands it to ``DiLoCo`` as its manager.
 
 Nothing here imports torchft: the manager and the process group are duck-typed
 (:class:`QuorumSource`, anything with torch's ``ProcessGroup`` methods).
