@@ -208,5 +208,5 @@ setup(
     # ft: tagc.ft, TAGC's all-reduce inside torchft (docs/TORCHFT.md)
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "tensorboard",
                              "transformers", "accelerate"],
-                    "ft": ["torchft>=0.2.0"]},
+                    "ft": ["torchft>=0.2.0,<0.3"]},
 )
