@@ -16,10 +16,27 @@
 #define FP4_MAX_BITS 0x7f7fffffu
 #define FP4_MAX_BITS_ROTATED 0x717fffffu
 
-/* The fast Walsh-Hadamard transform of x[0..len), len a power of two. */
+/* The fast Walsh-Hadamard transform of x[0..len), len a power of two:
+ * strides 1, 2, 4 written out per group of 8 (straight-line code the
+ * compiler keeps in registers), then the wider strides, whose runs of
+ * butterflies are contiguous and vectorize.  The same butterflies as one
+ * loop per stride: each a + b or a - b of the same two values. */
 TAGC_AI void fwht(float *x, int len)
 {
-    for (int h = 1; h < len; h <<= 1)
+    int h = 1;
+    if (len >= 8) {
+        for (int j = 0; j < len; j += 8) {
+            float *y = x + j;
+            float a0 = y[0] + y[1], a1 = y[0] - y[1], a2 = y[2] + y[3], a3 = y[2] - y[3];
+            float a4 = y[4] + y[5], a5 = y[4] - y[5], a6 = y[6] + y[7], a7 = y[6] - y[7];
+            float b0 = a0 + a2, b2 = a0 - a2, b1 = a1 + a3, b3 = a1 - a3;
+            float b4 = a4 + a6, b6 = a4 - a6, b5 = a5 + a7, b7 = a5 - a7;
+            y[0] = b0 + b4, y[4] = b0 - b4, y[1] = b1 + b5, y[5] = b1 - b5;
+            y[2] = b2 + b6, y[6] = b2 - b6, y[3] = b3 + b7, y[7] = b3 - b7;
+        }
+        h = 8;
+    }
+    for (; h < len; h <<= 1)
         for (int j = 0; j < len; j += 2 * h)
             for (int i = j; i < j + h; i++) {
                 float a = x[i], b = x[i + h];
@@ -28,18 +45,18 @@ TAGC_AI void fwht(float *x, int len)
             }
 }
 
-/* x[i] *= the sign of position o + i (tagc_fp4_flip_bit), i < len: one hash
- * per 64 positions. */
+/* x[i] *= the sign of position o + i (tagc_fp4_flip_bit), i < len, 32 at a
+ * time from 32-bit words of the hashes (o is a multiple of the block, so a
+ * step never crosses a hash's 64 positions). */
 TAGC_AI void flip_signs(float *x, int64_t o, int len, uint64_t seed)
 {
     const uint64_t ts = tagc_table_seed(seed, TAGC_FP4_SIGN_STREAM);
-    for (int i = 0; i < len;) {
+    for (int i = 0; i < len; i += 32) {
         int64_t p = o + i;
-        int at = (int)(p & 63), cnt = 64 - at < len - i ? 64 - at : len - i;
-        uint64_t h = tagc_hash((uint64_t)p >> 6, ts) >> at;
+        uint32_t word = (uint32_t)(tagc_hash((uint64_t)p >> 6, ts) >> (p & 63));
+        int cnt = len - i < 32 ? len - i : 32;
         for (int j = 0; j < cnt; j++)
-            x[i + j] = tagc_fp4_xor_sign(x[i + j], (uint32_t)(h >> j) & 1u);
-        i += cnt;
+            x[i + j] = u2f(f2u(x[i + j]) ^ ((word >> j) & 1u) << 31);
     }
 }
 
@@ -52,7 +69,7 @@ TAGC_AI void rotate(float *x, int64_t o, int len, int l, uint64_t seed, int inve
     if (!inverse)
         flip_signs(x, o, len, seed);
     if (whole) {
-        fwht(x, len);
+        fwht(x, 1 << l);
         for (int i = 0; i < len; i++)
             x[i] *= norm;
     }
@@ -83,17 +100,23 @@ TAGC_AI int all_below(const void *g, int gd, const void *r, int rd, int64_t n, u
 }
 
 /* One block [o, o + len) of v: its codes (nibbles into codes, which starts
- * at the block's first byte), its scale byte (returned), and the residual. */
-TAGC_AI uint32_t encode_block(uint8_t *codes, const void *g, int gd, void *r, int rd,
-                              int64_t o, int len, int l, unsigned flags, uint64_t seed)
+ * at the block's first byte), its scale byte (returned), and the residual;
+ * -1 (nothing written) when a |v| is above `limit`. */
+TAGC_AI int encode_block(uint8_t *codes, const void *g, int gd, void *r, int rd, int64_t o,
+                         int len, int l, unsigned flags, uint64_t seed, uint32_t limit)
 {
     float v[TAGC_FP4_BLOCK_MAX], w[TAGC_FP4_BLOCK_MAX];
     uint8_t c[TAGC_FP4_BLOCK_MAX + 1];
     for (int i = 0; i < len; i++)
         v[i] = w[i] = load_v(g, gd, r, rd, o + i);
-    if (flags & TAGC_FP4_ROTATE)
+    uint32_t mx = max_bits(v, len);
+    if (mx > limit)
+        return -1;
+    if (flags & TAGC_FP4_ROTATE) {
         rotate(w, o, len, l, seed, 0);
-    uint32_t sb = tagc_fp4_scale_byte(max_bits(w, len));
+        mx = max_bits(w, len);
+    }
+    uint32_t sb = tagc_fp4_scale_byte(mx);
     const float inv = tagc_fp4_inv(sb), s = tagc_fp4_scale(sb);
     if (flags & TAGC_FP4_STOCHASTIC) {
         for (int i = 0; i < len; i++)
@@ -106,31 +129,38 @@ TAGC_AI uint32_t encode_block(uint8_t *codes, const void *g, int gd, void *r, in
     for (int i = 0; i < len; i += 2)
         codes[i >> 1] = (uint8_t)(c[i] | c[i + 1] << 4);
     if (rd == DT_NONE)
-        return sb;
+        return (int)sb;
     for (int i = 0; i < len; i++)
         w[i] = tagc_fp4_value(c[i]) * s;
     if (flags & TAGC_FP4_ROTATE)
         rotate(w, o, len, l, seed, 1);
     for (int i = 0; i < len; i++)
         st_val(r, rd, o + i, v[i] - w[i]);
-    return sb;
+    return (int)sb;
 }
 
-/* Both passes for constant dtypes (G, R) and block 1 << L (L == 0: any,
- * from l); 0 when pass 1 refuses v. */
+/* The encoding for constant dtypes (G, R) and block 1 << L (L == 0: any,
+ * from l); 0 when v is refused.  With a residual, pass 1 checks all of v
+ * before pass 2 writes anything; without one, a single pass checks each
+ * block as it goes (dst is unspecified after a refusal). */
 TAGC_AI int encode_all(uint8_t *dst, const void *g, int gd, void *r, int rd, int64_t n,
                        int l, unsigned flags, uint64_t seed)
 {
     const uint32_t limit = (flags & TAGC_FP4_ROTATE) ? FP4_MAX_BITS_ROTATED : FP4_MAX_BITS;
-    if (!all_below(g, gd, r, rd, n, limit))
+    if (rd != DT_NONE && !all_below(g, gd, r, rd, n, limit))
         return 0;
     const int64_t block = (int64_t)1 << l, code_bytes = (n + 1) / 2;
-    for (int64_t o = 0, b = 0; o < n; o += block, b++) {
-        int len = n - o < block ? (int)(n - o) : (int)block;
-        dst[code_bytes + b] = (uint8_t)encode_block(dst + (o >> 1), g, gd, r, rd, o, len, l,
-                                                    flags, seed);
+    int64_t o = 0, b = 0;
+    int sb = 0;
+    for (; o + block <= n && sb >= 0; o += block, b++) {
+        sb = encode_block(dst + (o >> 1), g, gd, r, rd, o, 1 << l, l, flags, seed, limit);
+        dst[code_bytes + b] = (uint8_t)sb;
     }
-    return 1;
+    if (o < n && sb >= 0) {
+        sb = encode_block(dst + (o >> 1), g, gd, r, rd, o, (int)(n - o), l, flags, seed, limit);
+        dst[code_bytes + b] = (uint8_t)sb;
+    }
+    return sb >= 0;
 }
 
 /* One test per (grad, residual) dtype pair and the common blocks, each
@@ -182,8 +212,12 @@ TAGC_AI void decode_block(float *out, const uint8_t *codes, uint32_t sb, int64_t
 {
     float w[TAGC_FP4_BLOCK_MAX];
     const float s = tagc_fp4_scale(sb);
-    for (int i = 0; i < len; i++)
-        w[i] = tagc_fp4_value((unsigned)(codes[i >> 1] >> (4 * (i & 1))) & 15u) * s;
+    for (int j = 0; j < len / 2; j++) {
+        w[2 * j] = tagc_fp4_value(codes[j] & 15u) * s;
+        w[2 * j + 1] = tagc_fp4_value((unsigned)codes[j] >> 4) * s;
+    }
+    if (len & 1)
+        w[len - 1] = tagc_fp4_value(codes[len >> 1] & 15u) * s;
     if (flags & TAGC_FP4_ROTATE)
         rotate(w, o, len, l, seed, 1);
     for (int i = 0; i < len; i++)
@@ -194,10 +228,11 @@ TAGC_AI void decode_all(float *out, int64_t n, const uint8_t *src, int l, unsign
                         uint64_t seed)
 {
     const int64_t block = (int64_t)1 << l, code_bytes = (n + 1) / 2;
-    for (int64_t o = 0, b = 0; o < n; o += block, b++) {
-        int len = n - o < block ? (int)(n - o) : (int)block;
-        decode_block(out, src + (o >> 1), src[code_bytes + b], o, len, l, flags, seed);
-    }
+    int64_t o = 0, b = 0;
+    for (; o + block <= n; o += block, b++)
+        decode_block(out, src + (o >> 1), src[code_bytes + b], o, 1 << l, l, flags, seed);
+    if (o < n)
+        decode_block(out, src + (o >> 1), src[code_bytes + b], o, (int)(n - o), l, flags, seed);
 }
 
 TAGC_HOT_CLONES static void decode_dispatch(float *out, int64_t n, const uint8_t *src, int l,

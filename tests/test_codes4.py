@@ -293,8 +293,12 @@ def test_bad_input_raises_and_writes_nothing() -> None:
     with pytest.raises(_tagc.NonFiniteError):
         _tagc.fp4_encode(buf, res, g, 32)
     assert torch.equal(res, torch.ones(100))
+    with pytest.raises(_tagc.NonFiniteError):  # no residual: the single-pass route
+        _tagc.fp4_encode(buf, None, g, 32, rotate=True)
     g = grad.clone()
     g[3] = 2.0 ** 100
+    with pytest.raises(_tagc.NonFiniteError):
+        _tagc.fp4_encode(buf, None, g, 32, rotate=True)
     _tagc.fp4_encode(buf, None, g, 32)  # fine without rotation
     with pytest.raises(_tagc.NonFiniteError):
         _tagc.fp4_encode(buf, res, g, 32, rotate=True)
