@@ -10,12 +10,6 @@
 #include "fp4.h"
 #include "tagc_internal.h"
 
-/* Magnitude patterns above these are refused as NONFINITE: FLT_MAX, and
- * just below 2^100 when rotating (a rotation multiplies magnitudes by at
- * most sqrt(block) <= 16, and its butterflies by at most block). */
-#define FP4_MAX_BITS 0x7f7fffffu
-#define FP4_MAX_BITS_ROTATED 0x717fffffu
-
 /* The fast Walsh-Hadamard transform of x[0..len), len a power of two:
  * strides 1, 2, 4 written out per group of 8 (straight-line code the
  * compiler keeps in registers), then the wider strides, whose runs of
@@ -146,7 +140,7 @@ TAGC_AI int encode_block(uint8_t *codes, const void *g, int gd, void *r, int rd,
 TAGC_AI int encode_all(uint8_t *dst, const void *g, int gd, void *r, int rd, int64_t n,
                        int l, unsigned flags, uint64_t seed)
 {
-    const uint32_t limit = (flags & TAGC_FP4_ROTATE) ? FP4_MAX_BITS_ROTATED : FP4_MAX_BITS;
+    const uint32_t limit = TAGC_FP4_MAX_BITS;
     if (rd != DT_NONE && !all_below(g, gd, r, rd, n, limit))
         return 0;
     const int64_t block = (int64_t)1 << l, code_bytes = (n + 1) / 2;

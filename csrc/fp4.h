@@ -17,6 +17,13 @@
 /* The known flag bits of tagc_fp4_encode / tagc_fp4_decode_add. */
 #define TAGC_FP4_FLAGS_ALL (TAGC_FP4_ROTATE | TAGC_FP4_STOCHASTIC)
 
+/* Magnitude patterns above this (just below 2^100) are refused as
+ * NONFINITE: far from overflow whatever happens next (a rotation multiplies
+ * magnitudes by at most sqrt(block) <= 16, its butterflies by at most
+ * block, and a code rounds up by at most 4/3, while near FLT_MAX a block's
+ * top code times its scale could overflow). */
+#define TAGC_FP4_MAX_BITS 0x717fffffu
+
 /* Seed streams of the sign flips and of stochastic rounding: sub-seeds
  * derived from the call seed like the sketch's tables (none of which uses
  * these numbers). */

@@ -467,9 +467,9 @@ int64_t tagc_fp4_bytes(int64_t n, int64_t block);
  *   the same flags and seed (rounding included), in place.  flags: an OR of
  *   TAGC_FP4_ROTATE and TAGC_FP4_STOCHASTIC; seed drives both.
  *   Bounds: as tagc_fp4_bytes.  Errors: ARG, DTYPE, RANGE (n, block, an
- *   unknown flag), CAPACITY; NONFINITE when v holds NaN/Inf, or, with
- *   TAGC_FP4_ROTATE, a |v| >= 2^100 (so that no rotation can overflow): the
- *   residual is then untouched and dst holds unspecified bytes.
+ *   unknown flag), CAPACITY; NONFINITE when v holds NaN/Inf or a |v| >=
+ *   2^100 (so that neither a rotation nor a code rounded up can overflow):
+ *   the residual is then untouched and dst holds unspecified bytes.
  */
 tagc_status tagc_fp4_encode(uint8_t *dst, int64_t dst_capacity,
                             void *residual, tagc_dtype residual_dtype,

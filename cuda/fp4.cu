@@ -211,9 +211,8 @@ extern "C" tagc_status tagc_cuda_fp4_encode(uint8_t *dst, int64_t dst_capacity,
     TAGC_CUDA_TRY(cudaMemsetAsync(flag, 0, sizeof *flag, stream));
     tagc_gr gr = {grad, residual, (int)grad_dtype,
                   residual != NULL ? (int)residual_dtype : TAGC_DT_NONE};
-    uint32_t limit = (flags & TAGC_FP4_ROTATE) ? 0x717fffffu : 0x7f7fffffu;
     fp4_check_kernel<<<tagc_grid(n, TAGC_THREADS), TAGC_THREADS, 0, stream>>>(flag, gr, n,
-                                                                              limit);
+                                                                              TAGC_FP4_MAX_BITS);
     TAGC_CUDA_LAUNCHED();
     unsigned grid = tagc_grid(tagc_ceil_div(n, block), FP4_WARPS);
     fp4_encode_kernel<<<grid, TAGC_THREADS, 0, stream>>>(dst, flag, gr, residual, n,

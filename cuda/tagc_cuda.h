@@ -295,8 +295,8 @@ tagc_status tagc_cuda_wq_decode(void *out, tagc_dtype out_dtype, int64_t n,
  *   tagc_fp4_encode, tagc_fp4_decode_add and tagc_rht: the same bytes,
  *   residual and values bit for bit (one warp per block, the block staged
  *   in shared memory for the butterflies; the arithmetic is csrc/fp4.h's).
- *   Encode: a first kernel checks v (the C op's NONFINITE: NaN/Inf, or
- *   |v| >= 2^100 with TAGC_FP4_ROTATE) into a flag in the workspace; if set,
+ *   Encode: a first kernel checks v (the C op's NONFINITE: NaN/Inf, or a
+ *   |v| >= 2^100) into a flag in the workspace; if set,
  *   every scale byte is 255 (NaN) and every code 0, and the residual is left
  *   untouched, so the NaN reaches the owner's decoded shard.  Decode and
  *   rht need no workspace (nothing to validate but sizes).

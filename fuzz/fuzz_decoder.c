@@ -2,7 +2,8 @@
  * fuzz_decoder.c - libFuzzer target over what a decoder reads from other
  * machines: peel_decode (sketch + union bitmap), lanes_unpack (SUM-reduced
  * lanes), sparse_unpack (received pairs), pairs_unpack_add (coded pairs: Elias-Fano,
- * bitmap, dense), wq_decode (quantized weights), plus sketch_encode,
+ * bitmap, dense), wq_decode (quantized weights), fp4_decode_add (4-bit
+ * codes), plus fp4_encode, sketch_encode,
  * sparsify and wq_encode on hostile values.  Every buffer is allocated at
  * exactly the size the call is told, so ASan flags any read or write past it.
  * The first input byte picks the operation; the next bytes are its
@@ -277,6 +278,50 @@ static void fuzz_quant(input_t *in)
     free(enc);
 }
 
+/* A received fp4 message (any bytes: every code is valid): decoded (NaN
+ * scale bytes give NaN); then encoding hostile values: OK (decoded values
+ * and residual finite) or NONFINITE with the residual untouched. */
+static void fuzz_fp4(input_t *in)
+{
+    uint32_t a = take_u32(in), b = take_u32(in), seed = take_u32(in);
+    int64_t n = (a >> 2) % 3000, block = (int64_t)2 << (b % 8);
+    unsigned flags = a & 3u;
+    int64_t bytes = tagc_fp4_bytes(n, block);
+    REQUIRE(bytes >= 0);
+    uint8_t *msg = take_buf(in, (size_t)bytes);
+    float *out = calloc((size_t)(n ? n : 1), 4);
+    REQUIRE(out != NULL);
+    REQUIRE(tagc_fp4_decode_add(out, n, msg, bytes, block, flags, seed) == TAGC_OK);
+    REQUIRE(tagc_fp4_decode_add(out, n, msg, bytes + 1, block, flags, seed) == TAGC_ERR_RANGE);
+
+    tagc_dtype gd = (b >> 16) & 1 ? TAGC_BF16 : TAGC_F32;
+    uint8_t *grad = take_buf(in, (size_t)n * tagc_dtype_size(gd));
+    float *res = (float *)take_buf(in, (size_t)n * 4);
+    float *res0 = malloc((size_t)(n ? n : 1) * 4);
+    uint8_t *enc = malloc((size_t)(bytes ? bytes : 1));
+    REQUIRE(res0 != NULL && enc != NULL);
+    memcpy(res0, res, (size_t)n * 4);
+    tagc_status st = tagc_fp4_encode(enc, bytes, res, TAGC_F32, grad, gd, n, block, flags, seed);
+    REQUIRE(st == TAGC_OK || st == TAGC_ERR_NONFINITE);
+    if (st == TAGC_ERR_NONFINITE) {
+        REQUIRE(memcmp(res, res0, (size_t)n * 4) == 0);
+    } else {
+        memset(out, 0, (size_t)(n ? n : 1) * 4);
+        REQUIRE(tagc_fp4_decode_add(out, n, enc, bytes, block, flags, seed) == TAGC_OK);
+        for (int64_t i = 0; i < n; i++)
+            REQUIRE(isfinite(out[i]) && isfinite(res[i]));
+    }
+    if (n > 0)
+        REQUIRE(tagc_fp4_encode(enc, bytes - 1, res, TAGC_F32, grad, gd, n, block, flags,
+                                seed) == TAGC_ERR_CAPACITY);
+    free(msg);
+    free(out);
+    free(grad);
+    free(res);
+    free(res0);
+    free(enc);
+}
+
 /* Value i of a buffer of dtype d, as fp32. */
 static float value_at(const uint8_t *p, tagc_dtype d, int64_t i)
 {
@@ -371,7 +416,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (size < 1)
         return 0;
     input_t in = {data + 1, size - 1};
-    switch (data[0] % 8) {
+    switch (data[0] % 9) {
     case 0: fuzz_peel(&in); break;
     case 1: fuzz_lanes(&in); break;
     case 2: fuzz_sparse(&in); break;
@@ -379,6 +424,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     case 4: fuzz_quant(&in); break;
     case 5: fuzz_pairs(&in); break;
     case 6: fuzz_wq(&in); break;
+    case 7: fuzz_fp4(&in); break;
     default: fuzz_sparsify(&in); break;
     }
     return 0;

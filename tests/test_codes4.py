@@ -297,11 +297,11 @@ def test_bad_input_raises_and_writes_nothing() -> None:
         _tagc.fp4_encode(buf, None, g, 32, rotate=True)
     g = grad.clone()
     g[3] = 2.0 ** 100
-    with pytest.raises(_tagc.NonFiniteError):
-        _tagc.fp4_encode(buf, None, g, 32, rotate=True)
-    _tagc.fp4_encode(buf, None, g, 32)  # fine without rotation
-    with pytest.raises(_tagc.NonFiniteError):
-        _tagc.fp4_encode(buf, res, g, 32, rotate=True)
+    for rotate in (False, True):
+        with pytest.raises(_tagc.NonFiniteError):
+            _tagc.fp4_encode(buf, None, g, 32, rotate=rotate)
+        with pytest.raises(_tagc.NonFiniteError):
+            _tagc.fp4_encode(buf, res, g, 32, rotate=rotate)
     assert torch.equal(res, torch.ones(100))
     g[3] = float.fromhex("0x1.fffffep99")
     _tagc.fp4_encode(buf, None, g, 32, rotate=True)

@@ -679,8 +679,7 @@ static PyObject *py_fp4_encode(PyObject *m, PyObject *args, PyObject *kw)
                                  tagc_py_codec_dtype(grad->kind), n, block, flags, seed));
     }
     TAGC_END_NONE(TAGC_ERR_NONFINITE,
-                  "grad + residual holds NaN or Inf, or |v| >= 2^100 with rotate (residual "
-                  "untouched)");
+                  "grad + residual holds NaN, Inf or a |v| >= 2^100 (residual untouched)");
 }
 
 static PyObject *py_fp4_decode_add(PyObject *m, PyObject *args, PyObject *kw)
