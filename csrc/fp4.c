@@ -100,7 +100,7 @@ TAGC_AI int encode_block(uint8_t *codes, const void *g, int gd, void *r, int rd,
                          int len, int l, unsigned flags, uint64_t seed, uint32_t limit)
 {
     float v[TAGC_FP4_BLOCK_MAX], w[TAGC_FP4_BLOCK_MAX];
-    uint8_t c[TAGC_FP4_BLOCK_MAX + 1];
+    uint32_t c[TAGC_FP4_BLOCK_MAX + 1];
     for (int i = 0; i < len; i++)
         v[i] = w[i] = load_v(g, gd, r, rd, o + i);
     uint32_t mx = max_bits(v, len);
@@ -114,10 +114,10 @@ TAGC_AI int encode_block(uint8_t *codes, const void *g, int gd, void *r, int rd,
     const float inv = tagc_fp4_inv(sb), s = tagc_fp4_scale(sb);
     if (flags & TAGC_FP4_STOCHASTIC) {
         for (int i = 0; i < len; i++)
-            c[i] = (uint8_t)tagc_fp4_code(w[i], inv, 1, tagc_fp4_uniform(seed, o + i));
+            c[i] = tagc_fp4_code(w[i], inv, 1, tagc_fp4_uniform(seed, o + i));
     } else {
         for (int i = 0; i < len; i++)
-            c[i] = (uint8_t)tagc_fp4_code(w[i], inv, 0, 0.0f);
+            c[i] = tagc_fp4_code(w[i], inv, 0, 0.0f);
     }
     c[len] = 0; /* the pad nibble of an odd last block */
     for (int i = 0; i < len; i += 2)

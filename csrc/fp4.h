@@ -117,7 +117,7 @@ TAGC_HD float tagc_fp4_inv(uint32_t b)
 /* Twice the magnitude of E2M1 index k (0..7): 0, 1, 2, 3, 4, 6, 8, 12. */
 TAGC_HD int tagc_fp4_level2(int k)
 {
-    return k <= 4 ? k : k == 7 ? 12 : 2 * k - 4;
+    return k + (k > 4 ? k - 4 : 0) + (k == 7 ? 2 : 0);
 }
 
 /* The value of a 4-bit code (bit 3 the sign, bits 0-2 the index). */
@@ -153,7 +153,7 @@ TAGC_HD unsigned tagc_fp4_code(float v, float inv, int stochastic, float u)
         k += (y - lo) > u * (hi - lo);
 #endif
     }
-    return (unsigned)k | (v < 0.0f && k > 0 ? 8u : 0u);
+    return (unsigned)k | ((unsigned)(v < 0.0f) & (unsigned)(k > 0)) << 3;
 }
 
 /* ---- argument checks, shared by the C ops and the CUDA launchers ---- */
