@@ -15,6 +15,7 @@ and only ``tagc/codec.py`` imports the C module ``_tagc`` (``tests/test_layout.p
 * ``tagc/hsdp.py``        custom HSDP: the all-reduce between replicas, compressed
 * ``tagc/overlap.py``     custom HSDP on the CPU: that all-reduce beside the backward
 * ``tagc/local.py``       custom HSDP's local steps (DiLoCo): an outer step every H
+* ``tagc/ft.py``          that all-reduce over a torchft Manager's quorum (FTAllReduce)
 * ``tagc/reducer.py``     UnitReducer: what FSDP holds per unit; one reduction
 * ``tagc/bypass.py``      the timing-based bypass (``bypass_every``): compress or not
 * ``tagc/memory.py``      what the feedback state keeps per rank: its layout and bytes
@@ -34,7 +35,7 @@ and only ``tagc/codec.py`` imports the C module ``_tagc`` (``tests/test_layout.p
 * ``tagc/train/``         the training harness behind ``scripts/train_gpt2.py`` and
   ``python -m tagc.train`` (never imported by ``tagc_hook``)
 
-How one gradient travels through these modules: ``docs/USAGE.md``, "Layout".
+How one gradient travels through these modules: ``docs/DESIGN.md``, section 2.
 """
 
 # The release, one constant: setup.py reads this line as text for the wheel's metadata.
