@@ -214,7 +214,7 @@ class Assumptions:
     mfu: float = 0.4
     mfu_source: str = "typical reported FSDP bf16 MFU; pass your own"
     nccl_efficiency: float = 0.8
-    # docs/gpu/report-20261127-155224.md (H200): tagc-balanced's int4 encode with
+    # docs/gpu/README.md, its second report (H200): tagc-balanced's int4 encode with
     # feedback and its decode took 5.59 ms for GPT-2 124M's 50 units, 22.3e9 values/s,
     # against 0.80e9 on this CPU core (links.DEFAULT_CODEC, encode + decode): 28x.  The
     # kernels alone at 2^24 values ran 61x (decode) to 149x (encode); launches per unit
@@ -261,7 +261,7 @@ class Assumptions:
             "CPU runs nothing overlapped)",
             f"TAGC codec on the GPU: {self.codec_speedup:g}x this CPU core's measured "
             "throughput (28x measured on an H200: int4 encode with feedback and decode of "
-            "GPT-2 124M's 50 units in 5.59 ms a step, docs/gpu/report-20261127-155224.md; "
+            "GPT-2 124M's 50 units in 5.59 ms a step, docs/gpu/README.md (its second report); "
             "the kernels alone at 2^24 values ran 61-149x; another GPU: pass your own)",
             f"training state: {self.state_bytes:g} bytes per parameter, sharded (bf16 "
             "mixed precision with fp32 master weights and AdamW: FSDP2 keeps the sharded "
