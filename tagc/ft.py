@@ -231,6 +231,9 @@ class FTAllReduce:
         self._open_step: Optional[int] = None  # the step of the open transaction
         # the manager step the state belongs to after the last commit (None: none yet)
         self._state_step: Optional[int] = None
+        # bytes this replica sent (and fp32's ring all-reduce would have), every call
+        # that crossed a link, committed or not
+        self.wire_bytes = self.default_wire_bytes = 0.0
 
     # ------------------------------------------------------------------ the exchange
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
@@ -285,7 +288,14 @@ class FTAllReduce:
                 self.units[key] = unit = fresh
             unit.step = step  # the same on every participant, a healed one too
             unit.divide = float(world) if reduce_op == dist.ReduceOp.AVG else 1.0
-            unit.hook(tensor)
+            before = (unit.stats.counters["wire_bytes"],
+                      unit.stats.counters["default_wire_bytes"])
+            try:
+                unit.hook(tensor)
+            finally:
+                self.wire_bytes += unit.stats.counters["wire_bytes"] - before[0]
+                self.default_wire_bytes += \
+                    unit.stats.counters["default_wire_bytes"] - before[1]
         except Exception as e:  # the peers see a failed collective too
             self._restore(key)
             self.manager.report_error(e)
@@ -426,5 +436,51 @@ class FTManager:
         return getattr(self.manager, name)
 
 
+class _UnitHook:
+    """One FSDP2 unit's all-reduce hook: the unit's reduce-scatter output, averaged
+    over the quorum by :meth:`FTAllReduce.allreduce` under the unit's index (the same
+    on every replica)."""
+
+    def __init__(self, ft: FTAllReduce, key: int) -> None:
+        self.ft, self.key = ft, key
+
+    def __call__(self, t: torch.Tensor) -> None:
+        self.ft.allreduce(t, key=self.key)
+
+
+def register(model: torch.nn.Module, cfg: TAGCConfig, manager: QuorumSource,
+             pg: Any) -> FTAllReduce:
+    """Average an FSDP2 model's gradients over a torchft quorum with TAGC's codes: one
+    call, before the first backward.
+
+    Each ``fully_shard``-ed unit's all-reduce hook (``FSDPModule.set_all_reduce_hook``,
+    which FSDP2 calls after its reduce-scatter on a 1-D mesh) hands the unit's
+    gradient shard to :meth:`FTAllReduce.allreduce`.  FSDP2 keeps its own mean over the
+    replica group's ranks; the hook divides by R, so the gradient is the mean over
+    every rank of every participating replica, as native HSDP's.  Inside a replica
+    group FSDP2 runs plain; the slow links are between groups.
+
+    Args:
+        model: the FSDP2 model (one replica group's, sharded over a 1-D mesh).
+        cfg: the config (its gradient codec; the same on every replica).
+        manager: the ``torchft.Manager`` (``use_async_quorum=False``).
+        pg: the process group handed to it.
+    Returns:
+        the :class:`FTAllReduce`; call its ``should_commit()`` in place of the
+        manager's before ``optimizer.step()``.
+    Raises:
+        TypeError: no ``fully_shard``-ed unit with parameters.
+        ValueError: a 2-D (HSDP) mesh, or parameter groups FSDP2 cannot hook.
+        NotImplementedError: as :class:`FTAllReduce`.
+    """
+    from . import fsdp2
+
+    mods = [m for _, m, _ in fsdp2._param_groups(model)]
+    ft = FTAllReduce(manager, pg, cfg)
+    for i, m in enumerate(mods):
+        m.set_all_reduce_hook(_UnitHook(ft, i))
+    return ft
+
+
 __all__: List[str] = ["FTAllReduce", "FTManager", "PGComm", "QuorumSource",
-                      "build_reducer", "carry_feedback"]
+                      "build_reducer", "carry_feedback", "register"]

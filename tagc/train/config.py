@@ -130,6 +130,12 @@ class RunConfig:
     replicas: int = option(1, "FSDP2: HSDP over this many replicas (nodes; ranks are numbered "
                               "node by node): shard inside a replica, replicate across; "
                               "TAGC's HSDP route with --tagc, native HSDP without")
+    ft_lighthouse: str = option("", "torchft: the Lighthouse's address (http://HOST:PORT); "
+                                    "this torchrun job is then one replica group of a run "
+                                    "that goes on when groups fail and rejoin (FSDP2 inside, "
+                                    "--tagc or fp32 between groups; docs/TORCHFT.md)")
+    ft_replica: int = option(0, "torchft: this replica group's index (its name and its data)")
+    ft_min_replicas: int = option(1, "torchft: the fewest replica groups a step commits with")
     tagc: Optional[str] = option(None, "a TAGC preset by name (tagc-balanced, full, lean, ...) "
                                  "or a YAML file; none: plain FSDP")
     tagc_set: str = option("", "preset fields to override, e.g. dense_steps=2000,theta=0.9")
@@ -180,6 +186,17 @@ class RunConfig:
         if self.replicas > 1 and self.fsdp != 2:
             raise ValueError("--replicas > 1 (HSDP) needs --fsdp 2 (FSDP1 allows no comm hook "
                              "on HYBRID_SHARD)")
+        if self.ft_lighthouse:
+            if self.fsdp != 2 or self.replicas != 1:
+                raise ValueError("--ft_lighthouse needs --fsdp 2 and --replicas 1: each "
+                                 "torchrun job is one replica group, torchft replicates "
+                                 "across the jobs")
+            if self.init_from != "scratch":
+                raise ValueError("--ft_lighthouse: a (re)started replica group heals from a "
+                                 "live peer; --init_from resume is not supported with it")
+        if self.ft_replica < 0 or self.ft_min_replicas < 1:
+            raise ValueError("--ft_replica must be >= 0 and --ft_min_replicas >= 1, got "
+                             f"{self.ft_replica} and {self.ft_min_replicas}")
         if self.wrap == "tagc" and not self.tagc:
             raise ValueError("--wrap tagc needs --tagc (the preset decides the unit layout)")
         if self.tagc_set and self.tagc is None:
@@ -369,6 +386,14 @@ def check_fsdp_needs(cfg: "RunConfig", tcfg: Any) -> None:
         ValueError: naming the option that fixes it.
     """
     via = f"--tagc {cfg.tagc}" + (f" --tagc_set {cfg.tagc_set}" if cfg.tagc_set else "")
+    if cfg.ft_lighthouse:
+        # the keys name FTAllReduce's refusals (docs/TORCHFT.md)
+        for key, bad in (("outer_every", tcfg.outer_every), ("ef21", tcfg.ef21),
+                         ("bypass_every", tcfg.bypass_every)):
+            if bad:
+                raise ValueError(f"{via} sets {key}={bad}, which --ft_lighthouse does not "
+                                 f"take yet (docs/TORCHFT.md): add --tagc_set {key}="
+                                 f"{'false' if isinstance(bad, bool) else 0}")
     if tcfg.gather != "none" and cfg.fsdp != 2:
         # FSDP1 has no hook on its parameter all-gathers: register would refuse
         raise ValueError(f"{via} quantizes FSDP2's parameter all-gathers "

@@ -264,7 +264,11 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: TokenData,
                        mesh)
     optimizer = configure_optimizer(model, spec.decayed, cfg.weight_decay, cfg.learning_rate,
                                     (cfg.beta1, cfg.beta2))
-    if tagc_cfg is not None:
+    replica_group = None
+    if cfg.ft_lighthouse:
+        from tagc.train.ft import ReplicaGroup
+        replica_group = ReplicaGroup(cfg, model, optimizer, tagc_cfg)
+    elif tagc_cfg is not None:
         # local steps (outer_every) end each round from the optimizer's step hook
         tagc_state = tagc.register(model, tagc_cfg,
                                    mesh=mesh if cfg.replicas > 1 else None,
@@ -275,6 +279,8 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: TokenData,
                 f"TAGC {cfg.tagc}" + (f" with {cfg.tagc_set}" if cfg.tagc_set else "")
                 if cfg.tagc else "no compression (plain FSDP)")
     out_dir = Path(cfg.out_dir)
+    if cfg.ft_lighthouse:  # each replica group its own metrics and checkpoints
+        out_dir = out_dir / f"replica-{cfg.ft_replica}"
     iter_num = 0
     ckpt_path = out_dir / "ckpt"
     if cfg.init_from == "resume":
@@ -283,8 +289,12 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: TokenData,
     metrics = MetricsLog(out_dir, env.master, cfg.tensorboard, cfg.init_from == "resume")
     if env.master:
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    summary = train_loop(cfg, env, spec, model, optimizer, tagc_state, data, metrics,
-                         iter_num, ckpt_path)
+    try:
+        summary = train_loop(cfg, env, spec, model, optimizer, tagc_state, data, metrics,
+                             iter_num, ckpt_path, replica_group)
+    finally:
+        if replica_group is not None:
+            replica_group.close()
     if tagc_state is not None:
         # this rank's counters since registration (resumed runs: this part)
         logger.info("%s", tagc_state.summary(cfg.tagc))
@@ -296,14 +306,23 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: TokenData,
 
 def train_step(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
                optimizer: torch.optim.Optimizer, data: TokenData, iter_num: int,
-               lr: float) -> float:
-    """One optimizer step (``grad_accum`` micro-batches); returns the mean train loss."""
+               lr: float, commit: Optional[Callable[[], bool]] = None) -> Tuple[float, bool]:
+    """One optimizer step (``grad_accum`` micro-batches).
+
+    Args:
+        commit: asked after the backward, before the optimizer steps (torchft's vote);
+            False: the gradients are dropped, the optimizer does not step.
+    Returns:
+        the mean train loss, and whether the optimizer stepped.
+    """
     for group in optimizer.param_groups:
         group["lr"] = lr
+    # torchft's replica groups each draw their own batches (same ranks in every group)
+    shard = (env.rank, cfg.ft_replica) if cfg.ft_lighthouse else (env.rank,)
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(cfg.grad_accum):
         x, y = data.get_batch("train", cfg.batch_size, cfg.block_size,
-                              (cfg.seed, 0, iter_num, micro, env.rank))
+                              (cfg.seed, 0, iter_num, micro, *shard))
         # FSDP's mixed-precision policy casts parameters; no autocast needed
         with grad_sync(model, cfg.fsdp, micro == cfg.grad_accum - 1):
             loss = spec.loss(model, x.to(env.device), y.to(env.device))
@@ -314,15 +333,23 @@ def train_step(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
             model.clip_grad_norm_(cfg.grad_clip)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    optimizer.step()
+    stepped = commit is None or commit()
+    if stepped:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum.item() / cfg.grad_accum  # .item() also waits for the device
+    return loss_sum.item() / cfg.grad_accum, stepped  # .item() also waits for the device
 
 
 def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
                optimizer: torch.optim.Optimizer, tagc_state: Any, data: TokenData,
-               metrics: "MetricsLog", iter_num: int, ckpt_path: Path) -> Dict[str, Any]:
-    """The steps from ``iter_num`` to ``max_iters``; returns the run's numbers."""
+               metrics: "MetricsLog", iter_num: int, ckpt_path: Path,
+               replica_group: Any = None) -> Dict[str, Any]:
+    """The steps from ``iter_num`` to ``max_iters``; returns the run's numbers.
+
+    With ``replica_group`` (:class:`tagc.train.ft.ReplicaGroup`) each step first joins
+    torchft's quorum, whose committed steps are ``iter_num`` (a healed group jumps to
+    its peer's), and an uncommitted step runs again.
+    """
     device, world = env.device, env.world
     tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
     grad_bytes = GradBytes(tagc_state, spec.n_params, world, cfg.replicas)
@@ -349,9 +376,18 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
                 break
 
             t0 = time.perf_counter()
+            if replica_group is not None:
+                start, iter_num = iter_num, replica_group.begin()
+                bar.update(iter_num - start)
+                if iter_num >= cfg.max_iters:
+                    continue  # healed to the end: the last evaluation
             lr = get_lr(iter_num, cfg)
-            train_loss = train_step(cfg, env, spec, model, optimizer, data, iter_num, lr)
+            train_loss, stepped = train_step(
+                cfg, env, spec, model, optimizer, data, iter_num, lr,
+                replica_group.commit if replica_group is not None else None)
             dt = time.perf_counter() - t0
+            if not stepped:
+                continue
             step_times.append(dt)
             iter_num += 1
             bar.update(1)
@@ -364,10 +400,11 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
                 gb = grad_bytes
                 logger.info("iter %d: loss %.4f, lr %.2e, %.0f ms/step, %.0f tok/s, grad "
-                            "bytes/rank %s%s", iter_num, train_loss, lr, dt * 1000,
+                            "bytes/rank %s%s%s", iter_num, train_loss, lr, dt * 1000,
                             tokens_per_iter / dt,
                             gb.line(), f", unpeeled {int(gb.unpeeled)} (recovered "
-                            f"{int(gb.recovered)})" if gb.unpeeled else "")
+                            f"{int(gb.recovered)})" if gb.unpeeled else "",
+                            replica_group.line() if replica_group is not None else "")
                 metrics.write(kind="train", iter=iter_num, loss=train_loss, lr=lr,
                               step_ms=dt * 1000, tokens_per_s=tokens_per_iter / dt,
                               bytes_sent=gb.sent, bytes_uncompressed=gb.uncompressed,
@@ -393,6 +430,8 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
         "compressed_bits_per_param": gb.comp_bits, "unpeeled": gb.unpeeled,
         "recovered": gb.recovered, "guard_resets": gb.guard_resets,
     }
+    if replica_group is not None:
+        summary.update(replica_group.summary())
     # what TAGC keeps across steps on this rank (the presets' budget is one
     # byte per parameter)
     mem = tagc_state.memory() if tagc_state is not None else None
