@@ -12,7 +12,6 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 pytest.importorskip("torchft", reason="torchft not installed (pip install tagc[ft])")
 
 from tagc.train.config import parse_config  # noqa: E402
+from tagc.train.runs import free_port, kill_tree  # noqa: E402
 
 # a small GPT-2: about 25 ms a step alone on 2 cores
 SMALL = ["--fsdp=2", "--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=32",
@@ -38,7 +38,12 @@ SMALL = ["--fsdp=2", "--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=3
 STEPS = 400
 
 
-def _replica(tmp_path: Path, lighthouse: str, rid: int, tag: str,
+# the kill test's modes: (preset options, steps per exchange)
+MODES = {"per-step": (["--tagc=tagc-balanced"], 1),
+         "local-steps": (["--tagc=tagc-local", "--tagc_set=outer_every=8"], 8)}
+
+
+def _replica(tmp_path: Path, lighthouse: str, rid: int, tag: str, preset: List[str],
              gate: "Path | None" = None) -> "tuple[Any, Path]":
     """One replica group: torchrun with one ``tagc.train`` process, or (``gate``) one
     that imports first and trains once the file ``gate`` exists."""
@@ -46,7 +51,7 @@ def _replica(tmp_path: Path, lighthouse: str, rid: int, tag: str,
     target = ["-m", "tagc.train"] if gate is None else \
         [str(Path(__file__).with_name("ft_gate.py")), str(gate)]
     args = ["torchrun", "--standalone", "--nproc_per_node=1", *target, *SMALL,
-            "--tagc=tagc-balanced", f"--ft_lighthouse={lighthouse}", f"--ft_replica={rid}",
+            *preset, f"--ft_lighthouse={lighthouse}", f"--ft_replica={rid}",
             f"--max_iters={STEPS}", f"--out_dir={tmp_path / 'out'}",
             f"--cache_dir={tmp_path / 'cache'}"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
@@ -69,29 +74,6 @@ def _lighthouse(tmp_path: Path, min_replicas: int) -> Any:
                             heartbeat_timeout_ms=1000)
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything under it, as a lost machine: torchrun's agent
-    starts its workers in sessions of their own, so its process group is not enough."""
-    parent: Dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                # the field after the parenthesised name: state, then the parent's pid
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    tree, grew = {pid}, True
-    while grew:
-        more = {p for p, pp in parent.items() if pp in tree} - tree
-        tree |= more
-        grew = bool(more)
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _wait_for(pattern: str, log: Path, procs: List[Any], seconds: float) -> "re.Match[str]":
     deadline = time.monotonic() + seconds
     while True:
@@ -109,54 +91,64 @@ def _wait_for(pattern: str, log: Path, procs: List[Any], seconds: float) -> "re.
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.codec
-def test_a_killed_replica_group_rejoins_heals_and_the_run_ends(tmp_path: Path) -> None:
-    """Replica group 1 is SIGKILLed once both have committed steps together; group 0
-    commits steps alone (its quorum shrinks to 1); group 1 restarted from scratch heals from group 0 at its step
-    (torchft's recovery: model, optimizer, step) and both commit the remaining steps
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_killed_replica_group_rejoins_heals_and_the_run_ends(tmp_path: Path,
+                                                                mode: str) -> None:
+    """Replica group 1 is SIGKILLed once both have committed an exchange together
+    (each step's gradients, or with local steps every 8th step's outer sync through
+    torchft's DiLoCo); group 0 commits alone (its quorum shrinks to 1); group 1
+    restarted from scratch heals from group 0 at its step (torchft's recovery: model,
+    optimizer, step, DiLoCo's anchor and outer momentum) and both commit the rest
     together; both end at the same step with the same validation loss (the same
-    weights), and the restarted group never trained a step alone."""
+    weights), and the restarted group never committed alone."""
+    preset, every = MODES[mode]
     lh = _lighthouse(tmp_path, min_replicas=1)
     procs: List[Any] = []
     try:
-        a, a_log = _replica(tmp_path, lh.address(), 0, "first")
-        b, b_log = _replica(tmp_path, lh.address(), 1, "first")
+        a, a_log = _replica(tmp_path, lh.address(), 0, "first", preset)
+        b, b_log = _replica(tmp_path, lh.address(), 1, "first", preset)
         # the restart, imported ahead: it joins nothing until the gate opens
         gate = tmp_path / "restart"
-        b2, b2_log = _replica(tmp_path, lh.address(), 1, "restarted", gate)
+        b2, b2_log = _replica(tmp_path, lh.address(), 1, "restarted", preset, gate)
         procs += [a, b, b2]
         _wait_for(r"^ft_gate: imported", b2_log, procs, 120)
         # both in one quorum first (a group that starts first trains alone until the
         # other's manager is up, then one heals from the other)
         together = _wait_for(r"^iter (\d+): .*torchft: 2 replicas", b_log, procs, 120)
         kill_at = int(together.group(1))
-        _kill_tree(b.pid)
+        kill_tree(b.pid)
         b.wait(10)
         procs.remove(b)
         # the survivor goes on alone (the dead group's heartbeats stopped)
         _wait_for(r"torchft: 1 replicas", a_log, [a], 60)
         gate.touch()
-        healed = _wait_for(r"healed from a peer: step 0 -> (\d+)", b2_log, procs, 120)
+        # per step the first quorum heals it; with local steps the first sync, after
+        # its first round of inner steps (and that sync commits with the peer)
+        first = every if every > 1 else 0
+        healed = _wait_for(rf"healed from a peer: step {first} -> (\d+)", b2_log, procs,
+                           120)
         assert kill_at < int(healed.group(1)) < STEPS, healed.group(0)
         for p in (a, b2):
             assert p.wait(240) == 0, (a_log.read_text() + b2_log.read_text())[-4000:]
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p.pid)
+                kill_tree(p.pid)
         lh.shutdown()
     sa, sb = (json.loads((tmp_path / "out" / f"replica-{r}" / "summary.json").read_text())
               for r in (0, 1))
     assert sa["iters"] == sb["iters"] == STEPS
-    # the survivor: every step committed once (or healed over at the start), some
+    # the survivor: every exchange committed once (or healed over at the start), some
     # alone, the rest with its peer
     alone, together = sa["ft_committed_by_replicas"].get("1", 0), \
         sa["ft_committed_by_replicas"].get("2", 0)
     assert alone > 0 and together > 0, sa
-    assert alone + together + sa["ft_healed_steps"] == STEPS, sa
-    assert sa["ft_healed_steps"] < kill_at and sb["ft_healed"] == 1
-    # the restarted group: only steps with its peer, after the one it healed at
+    assert (alone + together) * every + sa["ft_healed_steps"] == STEPS, sa
+    assert sa["ft_failed"] <= 1 and sa["ft_healed_steps"] < kill_at and sb["ft_healed"] == 1
+    # the restarted group: only exchanges with its peer, from the step it healed at
     assert set(sb["ft_committed_by_replicas"]) == {"2"}, sb
-    assert sb["ft_committed_by_replicas"]["2"] == STEPS - int(healed.group(1))
+    assert sb["ft_committed_by_replicas"]["2"] * every == STEPS - int(healed.group(1)) + \
+        first, sb
     assert sa["final_val_loss"] == sb["final_val_loss"]
     assert 0 < sa["ft_bytes_between"] < 0.2 * sa["ft_bytes_between_fp32"]
 
@@ -172,7 +164,7 @@ def test_plain_mode_averages_with_torchfts_own_allreduce(tmp_path: Path) -> None
         for rid in (0, 1):
             env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                        LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
+                       MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tagc.train", *SMALL, "--max_iters=12",
                  f"--ft_lighthouse={lh.address()}", f"--ft_replica={rid}",
@@ -199,14 +191,6 @@ def _small_model() -> torch.nn.Module:
 
     cfg = parse_config(SMALL)
     return GPT(cfg.gpt_config(257))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state_roundtrip(rank: int, world: int) -> Dict[str, Any]:
@@ -265,8 +249,11 @@ def test_the_healed_state_is_the_peers_model_and_optimizer() -> None:
     (["--ft_lighthouse=http://h:1", "--fsdp=1"], "needs --fsdp 2"),
     (["--ft_lighthouse=http://h:1", "--fsdp=2", "--replicas=2"], "needs --fsdp 2"),
     (["--ft_lighthouse=http://h:1", "--fsdp=2", "--init_from=resume"], "heals from a live"),
-    (["--ft_lighthouse=http://h:1", "--fsdp=2", "--replicas=1", "--tagc=tagc-local"],
-     "outer_every=32, which --ft_lighthouse does not take yet"),
+    (["--ft_lighthouse=http://h:1", "--fsdp=2", "--tagc=tagc-local",
+      "--tagc_set=outer_fragments=2"], "outer_fragments=2, which --ft_lighthouse does not"),
+    (["--ft_lighthouse=http://h:1", "--fsdp=2", "--tagc=tagc-full"],
+     "--tagc_set gather=none"),
+    (["--ft_lighthouse=http://h:1", "--fsdp=2", "--ft_allreduce=fp8"], "ft_allreduce"),
     (["--ft_lighthouse=http://h:1", "--fsdp=2", "--tagc=tagc-auto"],
      "--tagc_set bypass_every=0"),
     (["--ft_replica=-1"], "--ft_replica must be >= 0"),

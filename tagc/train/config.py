@@ -136,6 +136,9 @@ class RunConfig:
                                     "--tagc or fp32 between groups; docs/TORCHFT.md)")
     ft_replica: int = option(0, "torchft: this replica group's index (its name and its data)")
     ft_min_replicas: int = option(1, "torchft: the fewest replica groups a step commits with")
+    ft_allreduce: str = option("tagc", "torchft: tagc (--tagc's codes between groups) | "
+                                       "torchft (its fp32 all-reduce, the preset's local "
+                                       "steps kept: a baseline)")
     tagc: Optional[str] = option(None, "a TAGC preset by name (tagc-balanced, full, lean, ...) "
                                  "or a YAML file; none: plain FSDP")
     tagc_set: str = option("", "preset fields to override, e.g. dense_steps=2000,theta=0.9")
@@ -157,6 +160,7 @@ class RunConfig:
         one_of("wrap", ("auto", "block", "tagc"))
         one_of("device", ("auto", "cpu", "cuda"))
         one_of("dtype", ("auto", "float32", "bfloat16"))
+        one_of("ft_allreduce", ("tagc", "torchft"))
         for name in ("eval_interval", "eval_iters", "log_interval", "block_size",
                      "batch_size", "grad_accum", "max_iters"):
             if getattr(self, name) <= 0:
@@ -387,13 +391,17 @@ def check_fsdp_needs(cfg: "RunConfig", tcfg: Any) -> None:
     """
     via = f"--tagc {cfg.tagc}" + (f" --tagc_set {cfg.tagc_set}" if cfg.tagc_set else "")
     if cfg.ft_lighthouse:
-        # the keys name FTAllReduce's refusals (docs/TORCHFT.md)
-        for key, bad in (("outer_every", tcfg.outer_every), ("ef21", tcfg.ef21),
-                         ("bypass_every", tcfg.bypass_every)):
+        # FTAllReduce's refusals, what torchft's DiLoCo lacks, and the gathers inside a
+        # group (FSDP2 runs plain there): each with the override that lifts it
+        for key, bad, fix in (("outer_fragments", tcfg.outer_fragments > 1, 1),
+                              ("ef21", tcfg.ef21, "false"),
+                              ("bypass_every", tcfg.bypass_every, 0),
+                              ("gather", tcfg.gather != "none", "none")):
             if bad:
-                raise ValueError(f"{via} sets {key}={bad}, which --ft_lighthouse does not "
-                                 f"take yet (docs/TORCHFT.md): add --tagc_set {key}="
-                                 f"{'false' if isinstance(bad, bool) else 0}")
+                raise ValueError(f"{via} sets {key}={getattr(tcfg, key)}, which "
+                                 "--ft_lighthouse does not take yet (docs/TORCHFT.md): add "
+                                 f"--tagc_set {key}={fix}")
+        return
     if tcfg.gather != "none" and cfg.fsdp != 2:
         # FSDP1 has no hook on its parameter all-gathers: register would refuse
         raise ValueError(f"{via} quantizes FSDP2's parameter all-gathers "

@@ -2,18 +2,20 @@
 replica group of a torchft run (docs/TORCHFT.md).
 
 Inside the group FSDP2 shards the model as usual; between groups a ``torchft.Manager``
-forms a quorum every step, and each unit's gradient shard is averaged over it by TAGC's
-:func:`tagc.ft.register` (``--tagc``) or by torchft's own ``Manager.allreduce`` (plain,
-fp32).  A step whose exchange failed (a peer died) is not committed: the optimizer does
-not step, TAGC's feedback state rolls back, and the step runs again with the next
-quorum.  A group that starts late or restarts heals from a live peer through torchft's
-recovery: the model, the optimizer and the step (:func:`local_state`).
+forms quorums, and the groups average over them every step (each unit's gradient shard:
+TAGC's :func:`tagc.ft.register`, or torchft's fp32 ``Manager.allreduce``) or every H
+steps (local steps: torchft's ``DiLoCo`` with TAGC's all-reduce).  An exchange that
+failed (a peer died) is not committed: per step the optimizer does not step, TAGC's
+feedback state rolls back, and the step runs again with the next quorum (DiLoCo puts
+the round's start back).  A group that starts late or restarts heals from a live peer
+through torchft's recovery: the model, the optimizer and the step (:func:`local_state`;
+DiLoCo adds its own).
 """
 from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -105,6 +107,37 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.load_state_dict({"state": state, "param_groups": sd["optim"]["param_groups"]})
 
 
+class _Observed:
+    """The manager as the fp32 hooks and DiLoCo see it: each all-reduce that crosses a
+    link counted as the fp32 ring all-reduce torchft's gloo group runs, each vote
+    recorded on the group (everything else is the manager's, or TAGC's
+    :class:`~tagc.ft.FTManager`'s)."""
+
+    def __init__(self, inner: Any, group: "ReplicaGroup", count: bool) -> None:
+        self.inner, self.group, self.count = inner, group, count
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
+                  reduce_op: Any = None) -> Any:
+        r = self.group.manager.num_participants()
+        if self.count and r > 1:
+            self.group.fp32_sent += tensor.numel() * tensor.element_size() * 2 * (r - 1) / r
+        if reduce_op is None:
+            return self.inner.allreduce(tensor, should_quantize=should_quantize)
+        return self.inner.allreduce(tensor, should_quantize=should_quantize,
+                                    reduce_op=reduce_op)
+
+    def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
+        ok = self.inner.should_commit(timeout) if timeout is not None \
+            else self.inner.should_commit()
+        self.group.record(ok)
+        return ok
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet: no recursion through this method
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 class _PlainHook:
     """A unit's all-reduce hook through torchft's own ``Manager.allreduce`` (fp32;
     torchft reports a failure to the manager itself)."""
@@ -117,15 +150,23 @@ class _PlainHook:
 
 
 class ReplicaGroup:
-    """This torchrun job as one replica group: the manager, the group between
-    replicas, the gradient hooks, the commit, and the bytes between replicas.
+    """This torchrun job as one replica group: the manager, the exchange between
+    groups, the votes, the heals, and the bytes between groups.
+
+    Two modes.  Per step (a preset without ``outer_every``, or none): every unit's
+    gradient shard is averaged over the quorum after its reduce-scatter (TAGC's
+    :func:`tagc.ft.register`, or torchft's fp32 all-reduce), one quorum and one vote a
+    step.  Local steps (``outer_every`` H): torchft's ``DiLoCo`` runs the outer loop
+    (a quorum every H steps, the pseudo-gradient averaged, Nesterov SGD with the
+    preset's ``outer_lr`` / ``outer_momentum``, ``outer_overlap`` as its fragment
+    delay, ``outer_mix`` as its merge), its all-reduce TAGC's through
+    :class:`tagc.ft.FTManager` unless ``--ft_allreduce torchft``.
 
     Args:
-        cfg: the run config (``ft_lighthouse``, ``ft_replica``, ``ft_min_replicas``,
-            ``timeout``).
+        cfg: the run config (``ft_*``, ``timeout``).
         model: the FSDP2 model, sharded inside this group.
-        optimizer: its optimizer (healed with it).
-        tagc_cfg: the TAGC config (None: torchft's plain all-reduce).
+        optimizer: its optimizer (healed with it; DiLoCo's inner optimizer).
+        tagc_cfg: the TAGC config (None: torchft's fp32 all-reduce, per step).
     """
 
     def __init__(self, cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -139,95 +180,133 @@ class ReplicaGroup:
 
         wait = timedelta(seconds=cfg.timeout)
         self.model, self.optimizer = model, optimizer
+        self.iter = 0  # the loop's step, sent to a healing peer
+        self.healed_to: Optional[int] = None  # a peer's step, once loaded
         self.pg = ProcessGroupGloo(timeout=wait)
         # init_sync off: every replica builds the same weights from the seed; a late
         # or restarted one heals from a peer whose step is ahead (torchft's rule)
         self.manager = Manager(
             pg=self.pg, min_replica_size=cfg.ft_min_replicas,
-            load_state_dict=lambda sd: load_local_state(model, optimizer, sd),
-            state_dict=lambda: local_state(model, optimizer),
+            load_state_dict=self._load, state_dict=self._state,
             replica_id=f"tagc_{cfg.ft_replica}", lighthouse_addr=cfg.ft_lighthouse,
             use_async_quorum=False, init_sync=False, timeout=wait, quorum_timeout=wait,
             connect_timeout=wait)
-        self.sync: Optional[Any] = None
-        self._plain_sent = 0.0
-        if tagc_cfg is not None:
-            self.sync = tagc_ft.register(model, tagc_cfg, self.manager, self.pg)
-        else:
-            self._numel = 0
-            for _, m, pgroup in fsdp2._param_groups(model):
-                m.set_all_reduce_hook(_PlainHook(self.manager))
-                self._numel += sum(int(fp.padded_sharded_param_size.numel())
-                                   for fp in pgroup.fsdp_params
-                                   if fp.sharded_param.requires_grad)
-        self.replicas = 1  # the last step's quorum
-        self.committed: Dict[int, int] = {}  # committed steps by quorum size
-        self.failed = 0  # steps not committed
+        self.sync: Optional[Any] = None  # TAGC's FTAllReduce
+        self.fp32_sent = 0.0
+        self.replicas = 1  # the last vote's quorum
+        self.committed: Dict[int, int] = {}  # committed steps (syncs) by quorum size
+        self.failed = 0  # steps (syncs) not committed
         self.healed = 0  # times this group loaded a peer's state
         self.healed_steps = 0  # the steps those jumps skipped
+        use_tagc = tagc_cfg is not None and cfg.ft_allreduce == "tagc"
+        self.local_steps = bool(tagc_cfg is not None and tagc_cfg.outer_every)
+        self.diloco: Optional[Any] = None
+        if self.local_steps:
+            from torchft.local_sgd import DiLoCo
 
-    def begin(self) -> int:
-        """Join this step's quorum (healing from a peer if behind).
+            inner: Any = self.manager
+            if use_tagc:
+                inner = tagc_ft.FTManager(self.manager, self.pg, tagc_cfg)
+                self.sync = inner.ft
+            outer = torch.optim.SGD(model.parameters(), lr=tagc_cfg.outer_lr,
+                                    momentum=tagc_cfg.outer_momentum, nesterov=True)
+            # one bucket: one exchange per sync, the whole pseudo-gradient
+            self.diloco = DiLoCo(_Observed(inner, self, not use_tagc), [model], optimizer,
+                                 outer, sync_every=tagc_cfg.outer_every,
+                                 use_bucketization=True,
+                                 fragment_sync_delay=tagc_cfg.outer_overlap,
+                                 fragment_update_alpha=tagc_cfg.outer_mix)
+            self.diloco.__enter__()
+            self.vote: Optional[Callable[[], bool]] = None
+        elif use_tagc:
+            self.sync = tagc_ft.register(model, tagc_cfg, self.manager, self.pg)
+            self.vote = self._commit
+        else:
+            observed = _Observed(self.manager, self, True)
+            for _, m, _ in fsdp2._param_groups(model):
+                m.set_all_reduce_hook(_PlainHook(observed))
+            self.vote = self._commit
+
+    def _state(self) -> Dict[str, Any]:
+        return {**local_state(self.model, self.optimizer), "iter": self.iter}
+
+    def _load(self, sd: Dict[str, Any]) -> None:
+        load_local_state(self.model, self.optimizer, sd)
+        self.healed_to = int(sd["iter"])
+
+    def begin(self, iter_num: int) -> int:
+        """Start step ``iter_num``: per step, join its quorum (healing from a peer if
+        behind).
 
         Returns:
-            the step to train: the manager's committed steps.
+            the step to train (a healed group's: its peer's).
         """
-        before = self.manager.current_step()
+        self.iter = iter_num
+        if self.local_steps:
+            return iter_num  # DiLoCo asks for a quorum at its syncs
         self.manager.start_quorum()
-        step = self.manager.current_step()
         self.replicas = self.manager.num_participants()
-        if step != before:
+        return self._healed(iter_num, self.manager.current_step())
+
+    def after_step(self, iter_num: int) -> int:
+        """The step that follows: ``iter_num``, or after a heal during a sync the
+        peer's step that follows."""
+        if self.healed_to is None:
+            return iter_num
+        return self._healed(iter_num, self.healed_to + 1)
+
+    def _healed(self, mine: int, now: int) -> int:
+        self.healed_to = None
+        if now != mine:
             self.healed += 1
-            self.healed_steps += step - before
+            self.healed_steps += now - mine
             logger.warning("torchft: replica %s healed from a peer: step %d -> %d",
-                           self.manager._replica_id, before, step)
-        return step
+                           self.manager._replica_id, mine, now)
+        return now
 
-    def commit(self) -> bool:
-        """Vote on the step; with TAGC its feedback state commits or rolls back too.
-
-        Returns:
-            whether every participant's exchange succeeded (then step the optimizer).
-        """
+    def _commit(self) -> bool:
+        """Per step: vote on it; with TAGC its feedback state commits or rolls back."""
         if self.sync is not None:
             ok = self.sync.should_commit()
-        else:
-            ok = self.manager.should_commit()
-            if ok and self.replicas > 1:
-                # the fp32 ring all-reduce torchft's gloo group runs, per rank
-                self._plain_sent += 4 * self._numel * 2 * (self.replicas - 1) / self.replicas
+            self.record(ok)
+            return ok
+        return _Observed(self.manager, self, False).should_commit()
+
+    def record(self, ok: bool) -> None:
+        """One vote's outcome (the quorum it was taken in)."""
+        self.replicas = self.manager.num_participants()
         if ok:
             self.committed[self.replicas] = self.committed.get(self.replicas, 0) + 1
         else:
             self.failed += 1
             logger.warning("torchft: step %d not committed (%s); it runs again with the "
-                           "next quorum", self.manager.current_step(),
-                           self.manager.errored() or "a peer failed")
-        return ok
+                           "next quorum", self.iter, self.manager.errored() or
+                           "a peer failed")
 
     def bytes_between(self) -> float:
-        """Bytes this rank sent to other replicas so far (TAGC: its counters; plain:
-        the ring all-reduce of every committed synced step)."""
-        return self.sync.wire_bytes if self.sync is not None else self._plain_sent
+        """Bytes this rank sent to other groups so far (TAGC: its counters; fp32: the
+        ring all-reduce of every exchange that crossed a link)."""
+        return self.sync.wire_bytes if self.sync is not None else self.fp32_sent
 
     def line(self) -> str:
         """The log line's torchft part."""
         return (f"; torchft: {self.replicas} replicas, {self.bytes_between() / 1e6:.2f} MB "
-                f"sent between them, {self.failed} steps not committed, healed "
-                f"{self.healed}x")
+                f"sent between them, {self.failed} {'syncs' if self.local_steps else 'steps'}"
+                f" not committed, healed {self.healed}x")
 
     def summary(self) -> Dict[str, Any]:
         """The run summary's torchft numbers."""
         return {"ft_bytes_between": self.bytes_between(),
                 "ft_bytes_between_fp32": (self.sync.default_wire_bytes
-                                          if self.sync is not None else self._plain_sent),
-                "ft_failed_steps": self.failed, "ft_healed": self.healed,
-                "ft_healed_steps": self.healed_steps,
-                "ft_replicas": self.replicas,
+                                          if self.sync is not None else self.fp32_sent),
+                "ft_failed": self.failed, "ft_healed": self.healed,
+                "ft_healed_steps": self.healed_steps, "ft_replicas": self.replicas,
+                "ft_local_steps": self.local_steps,
                 "ft_committed_by_replicas": {str(r): n for r, n in
                                              sorted(self.committed.items())}}
 
     def close(self) -> None:
         """Leave the quorum (the peers go on without this group)."""
+        if self.diloco is not None:
+            self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
-

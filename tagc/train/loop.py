@@ -376,21 +376,24 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
                 break
 
             t0 = time.perf_counter()
+            start = iter_num
             if replica_group is not None:
-                start, iter_num = iter_num, replica_group.begin()
-                bar.update(iter_num - start)
+                iter_num = replica_group.begin(iter_num)
                 if iter_num >= cfg.max_iters:
+                    bar.update(iter_num - start)
                     continue  # healed to the end: the last evaluation
             lr = get_lr(iter_num, cfg)
             train_loss, stepped = train_step(
                 cfg, env, spec, model, optimizer, data, iter_num, lr,
-                replica_group.commit if replica_group is not None else None)
+                replica_group.vote if replica_group is not None else None)
             dt = time.perf_counter() - t0
             if not stepped:
                 continue
             step_times.append(dt)
             iter_num += 1
-            bar.update(1)
+            if replica_group is not None:
+                iter_num = replica_group.after_step(iter_num)
+            bar.update(iter_num - start)
             if health.after_step(train_loss, iter_num):
                 _save(cfg, model, optimizer, tagc_state, iter_num, ckpt_path, health, val_loss)
                 logger.warning("iter %d: SIGTERM, checkpoint saved; exiting", iter_num)

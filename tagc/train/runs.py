@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -253,6 +254,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process under it, as a lost machine: torchrun's
+    agent starts its workers in sessions of their own, so its process group would
+    miss them.  Linux only (reads /proc)."""
+    parent: Dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                # after the parenthesised name: the state, then the parent's pid
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, more = {pid}, {pid}
+    while more:
+        more = {p for p, pp in parent.items() if pp in tree} - tree
+        tree |= more
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def netem(net: list[str], *cmd: str, timeout: float = 60, check: bool = True) -> str:
