@@ -136,6 +136,8 @@ class RunConfig:
                                     "--tagc or fp32 between groups; docs/TORCHFT.md)")
     ft_replica: int = option(0, "torchft: this replica group's index (its name and its data)")
     ft_min_replicas: int = option(1, "torchft: the fewest replica groups a step commits with")
+    ft_hostname: str = option("", "torchft: the address other groups reach this one's "
+                                  "manager at (default: this machine's host name)")
     ft_allreduce: str = option("tagc", "torchft: tagc (--tagc's codes between groups) | "
                                        "torchft (its fp32 all-reduce, the preset's local "
                                        "steps kept: a baseline)")

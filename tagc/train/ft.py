@@ -14,8 +14,9 @@ DiLoCo adds its own).
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -118,6 +119,7 @@ class _Observed:
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
                   reduce_op: Any = None) -> Any:
+        self.group.exchange_started()
         r = self.group.manager.num_participants()
         if self.count and r > 1:
             self.group.fp32_sent += tensor.numel() * tensor.element_size() * 2 * (r - 1) / r
@@ -190,7 +192,7 @@ class ReplicaGroup:
             load_state_dict=self._load, state_dict=self._state,
             replica_id=f"tagc_{cfg.ft_replica}", lighthouse_addr=cfg.ft_lighthouse,
             use_async_quorum=False, init_sync=False, timeout=wait, quorum_timeout=wait,
-            connect_timeout=wait)
+            connect_timeout=wait, **({"hostname": cfg.ft_hostname} if cfg.ft_hostname else {}))
         self.sync: Optional[Any] = None  # TAGC's FTAllReduce
         self.fp32_sent = 0.0
         self.replicas = 1  # the last vote's quorum
@@ -198,6 +200,10 @@ class ReplicaGroup:
         self.failed = 0  # steps (syncs) not committed
         self.healed = 0  # times this group loaded a peer's state
         self.healed_steps = 0  # the steps those jumps skipped
+        # local steps: seconds from a sync's first all-reduce call to its vote's end
+        # (per step the exchanges run inside the backward: not timed apart)
+        self.sync_s: List[float] = []
+        self._sync_t0: Optional[float] = None
         use_tagc = tagc_cfg is not None and cfg.ft_allreduce == "tagc"
         self.local_steps = bool(tagc_cfg is not None and tagc_cfg.outer_every)
         self.diloco: Optional[Any] = None
@@ -272,8 +278,16 @@ class ReplicaGroup:
             return ok
         return _Observed(self.manager, self, False).should_commit()
 
+    def exchange_started(self) -> None:
+        """An all-reduce call: a sync's clock starts at its first."""
+        if self.local_steps and self._sync_t0 is None:
+            self._sync_t0 = time.perf_counter()
+
     def record(self, ok: bool) -> None:
         """One vote's outcome (the quorum it was taken in)."""
+        if self._sync_t0 is not None:
+            self.sync_s.append(time.perf_counter() - self._sync_t0)
+            self._sync_t0 = None
         self.replicas = self.manager.num_participants()
         if ok:
             self.committed[self.replicas] = self.committed.get(self.replicas, 0) + 1
@@ -302,6 +316,8 @@ class ReplicaGroup:
                 "ft_failed": self.failed, "ft_healed": self.healed,
                 "ft_healed_steps": self.healed_steps, "ft_replicas": self.replicas,
                 "ft_local_steps": self.local_steps,
+                "ft_sync_s_mean": (sum(self.sync_s) / len(self.sync_s)
+                                       if self.sync_s else float("nan")),
                 "ft_committed_by_replicas": {str(r): n for r, n in
                                              sorted(self.committed.items())}}
 
