@@ -31,8 +31,12 @@ QUANT_FORMATS = ("sign", "ternary", "int4", "int8")
 # the exact size of a shard is `_tagc.quant_bytes(n, format, block)`, which every
 # transport sizes its messages by.
 QUANT_BITS = {"sign": 1.0, "ternary": 1.6, "int4": 4.0, "int8": 8.0}
-# Parameter all-gather formats (FSDP2): "none" leaves FSDP's own all-gather alone.
-GATHER_FORMATS = ("none", "int8", "int4")
+# Parameter all-gather formats (FSDP2): "none" leaves FSDP's own all-gather alone;
+# int8/int4 uniform codes with a fp32 scale per block (_tagc.wq_*); fp4 E2M1 codes with
+# a power-of-two (E8M0) scale per block (_tagc.fp4_*, OCP microscaling's MXFP4).
+GATHER_FORMATS = ("none", "int8", "int4", "fp4")
+# fp4 blocks: powers of two up to the codec's TAGC_FP4_BLOCK_MAX
+FP4_BLOCK_MAX = 256
 HSDP_ALLREDUCE_FORMS = ("auto", "two_phase", "gather")
 # How a residual is kept between calls (TAGCConfig.residual_code): "none" as values of
 # residual_dtype, or as block codes.
@@ -133,7 +137,9 @@ def code_bits(fmt: str, block: int, gather: bool = False) -> float:
     from .codec import _tagc, require_codec
 
     require_codec()
-    if gather:
+    if gather and fmt == "fp4":
+        nbytes = _tagc.fp4_bytes(block, block)
+    elif gather:
         nbytes = _tagc.wq_bytes(torch.tensor([block], dtype=torch.int64), fmt, block)
     else:
         nbytes = _tagc.quant_bytes(block, fmt, block)
@@ -437,6 +443,15 @@ def check_gather(cfg: "TAGCConfig") -> None:
     """Validate ``cfg``'s parameter-gather knobs (ValueError: a knob out of range, named first)."""
     _check_choice("gather", cfg.gather, GATHER_FORMATS)
     _check_int("gather_block", cfg.gather_block, 1, 65536)
+    _check_bool("gather_rotate", cfg.gather_rotate)
+    if cfg.gather == "fp4":
+        b = cfg.gather_block
+        if b < 2 or b > FP4_BLOCK_MAX or b & (b - 1):
+            raise ValueError(f"gather_block: fp4 codes take a power of two in [2, "
+                             f"{FP4_BLOCK_MAX}], got {b}")
+    elif cfg.gather_rotate:
+        raise ValueError(f"gather_rotate: rotates fp4 gather codes only, not "
+                         f"gather={cfg.gather!r}")
 
 
 def check_overlap(cfg: "TAGCConfig") -> None:
@@ -629,8 +644,15 @@ class TAGCConfig:
         values=" | ".join(GATHER_FORMATS), reads="FSDP2, every mode")
     gather_block: int = knob(
         256, "gather",
-        "Weights per fp32 scale of the gather codes; bounded as quant_block.",
-        values="[1, 65536]", reads="FSDP2 with gather")
+        "Weights per scale of the gather codes (fp32 scales for int8/int4, power-of-two "
+        "bytes for fp4); bounded as quant_block, fp4: a power of two up to 256.",
+        values="[1, 65536]; fp4: 2, 4, .., 256", reads="FSDP2 with gather")
+    gather_rotate: bool = knob(
+        False, "gather",
+        "fp4 gathers: a random Hadamard rotation of each block before coding, undone "
+        "after decoding (the same seeded signs on every rank and call of a unit), which "
+        "spreads a block's outliers (NVFP4 pretraining, QuaRot).",
+        values="bool", reads="FSDP2 with gather: fp4")
     fsdp_overlap: bool = knob(
         True, "overlap",
         "Run every unit's reduce-scatter and parameter all-gather on a worker thread while "

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,26 @@ except ImportError:  # pragma: no cover - older torch without custom comms
     _AGBase = object  # type: ignore[assignment,misc]
 
 _QUANTIZABLE = (torch.float32, torch.bfloat16)
+
+
+def message_bytes(segments: Sequence[int], fmt: str, block: int) -> int:
+    """Bytes of one rank's shard on the gather codes: blocks never cross a segment.
+
+    Args:
+        segments: the shard's segment lengths (one per parameter).
+        fmt: a gather format other than ``none``.
+        block: values per scale.
+    Returns:
+        the message size, the same on every rank.
+    """
+    if fmt == "fp4":
+        return sum(int(_tagc.fp4_bytes(int(n), block)) for n in segments)
+    return int(_tagc.wq_bytes(torch.tensor([int(n) for n in segments], dtype=torch.int64),
+                              fmt, block))
+
+
+# E8M0's NaN: a scale byte every fp4 decoder turns into NaN values
+_FP4_NAN_SCALE = 0xFF
 
 
 class GatherSwitch:
@@ -178,7 +198,21 @@ class GatherComm(_OrderedGather):
         self.shard_numel = sum(segments)
         self.quantize, self.stats, self.switch = quantize, stats, switch
         # one rank's message: its size depends on the segments alone, the same everywhere
-        self.message_bytes = _tagc.wq_bytes(self.segments, cfg.gather, cfg.gather_block)
+        self.message_bytes = message_bytes(segments, cfg.gather, cfg.gather_block)
+        # fp4: each segment coded on its own, (values, bytes) spans of the shard and
+        # message; one rotation seed per unit, from (config seed, unit): the forward
+        # gather and the backward re-gather code the same masters to the same bytes
+        self._spans: List[Tuple[int, int, int, int]] = []
+        scales = []  # where the messages hold scale bytes (after each segment's codes)
+        v = b = 0
+        for n in segments if cfg.gather == "fp4" else ():
+            nb = int(_tagc.fp4_bytes(int(n), cfg.gather_block))
+            self._spans.append((v, v + int(n), b, b + nb))
+            scales.append(torch.arange(b + (int(n) + 1) // 2, b + nb))
+            v, b = v + int(n), b + nb
+        self._scale_at = torch.cat(scales) if scales else torch.zeros(0, dtype=torch.int64)
+        self._fp4_kw = {"seed": _tagc.seed_derive(cfg.seed, index, 0),
+                        "rotate": cfg.gather_rotate}
         self._seg_dev: Optional[torch.Tensor] = None
         self._warned = False
 
@@ -242,7 +276,10 @@ class GatherComm(_OrderedGather):
         mb = self.message_bytes
         recv = torch.empty(world, mb, dtype=torch.uint8, device=inp.device)
         rank = dist.get_rank(group)
-        _tagc.wq_encode(recv[rank], inp, segs, fmt, block, **kw)
+        if fmt == "fp4":
+            self._fp4_encode(recv[rank], inp, kw)
+        else:
+            _tagc.wq_encode(recv[rank], inp, segs, fmt, block, **kw)
         # ring all-gather: this rank's message travels to the N-1 others
         self.stats.add("gather_wire_bytes", (world - 1) * mb)
         self.stats.add("gather_quantized_calls", 1)
@@ -250,8 +287,38 @@ class GatherComm(_OrderedGather):
         # wants the output flat, world * numel, not stacked)
         _all_gather(recv, recv[rank], group, world)
         n = inp.numel()
+        if fmt == "fp4" and not recv.is_cuda and \
+                bool((recv[:, self._scale_at] == _FP4_NAN_SCALE).any()):
+            # a NaN scale in some rank's message, before anything is decoded (the own
+            # slice of the output is the input the exact fallback reads): every rank
+            # sees the same bytes.  CUDA: no host sync; NaN weights, as an exact gather
+            # of NaN masters gives too
+            raise _tagc.NonFiniteError("a parameter block holds NaN/Inf")
         for r in [r for r in range(world) if r != rank] + [rank]:  # own shard last
-            _tagc.wq_decode(out[r * n:(r + 1) * n], recv[r], segs, fmt, block, **kw)
+            if fmt == "fp4":
+                self._fp4_decode(out[r * n:(r + 1) * n], recv[r], kw)
+            else:
+                _tagc.wq_decode(out[r * n:(r + 1) * n], recv[r], segs, fmt, block, **kw)
+
+    def _fp4_encode(self, msg: torch.Tensor, inp: torch.Tensor, kw: Any) -> None:
+        """This rank's message, segment by segment; NaN scales throughout if a block
+        holds NaN/Inf (the peers must see it in the bytes, not in an exception here)."""
+        block = self.cfg.gather_block
+        try:
+            for v0, v1, b0, b1 in self._spans:
+                _tagc.fp4_encode(msg[b0:b1], None, inp[v0:v1], block, **self._fp4_kw, **kw)
+        except _tagc.NonFiniteError:
+            msg.fill_(_FP4_NAN_SCALE)
+
+    def _fp4_decode(self, out: torch.Tensor, msg: torch.Tensor, kw: Any) -> None:
+        """One rank's message into its slice of the output (fp32: the codec adds)."""
+        block = self.cfg.gather_block
+        dst = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
+        dst.zero_()
+        for v0, v1, b0, b1 in self._spans:
+            _tagc.fp4_decode_add(dst[v0:v1], msg[b0:b1], block, **self._fp4_kw, **kw)
+        if dst is not out:
+            out.copy_(dst)
 
     def _exact(self, out: torch.Tensor, inp: torch.Tensor, group: Any, world: int,
                nb: int) -> None:

@@ -106,10 +106,23 @@ def test_residual_code_and_block() -> None:
 
 
 def test_gather_and_block() -> None:
-    """The parameter gather's codes, sized by wq_bytes."""
+    """The parameter gather's uniform codes, sized by wq_bytes."""
     cases = [dict(mode="dense", gather=g, gather_block=b)
-             for g in GATHER_FORMATS if g != "none" for b in BLOCKS]
+             for g in GATHER_FORMATS if g not in ("none", "fp4") for b in BLOCKS]
     _walk(cases, [_bits(c["gather"], c["gather_block"], gather=True) for c in cases])
+
+
+def test_fp4_gather_takes_its_blocks_and_refuses_others() -> None:
+    """fp4 gathers: every power of two from 2 to 256 (8 bits per value at 2, by
+    fp4_bytes: accepted silently), any other block refused naming the rule."""
+    for b in BLOCKS:
+        kw = dict(mode="dense", gather="fp4", gather_block=b)
+        if 2 <= b <= 256 and b & (b - 1) == 0:
+            assert 8.0 * _tagc.fp4_bytes(SHARD_BLOCKS * b, b) / (SHARD_BLOCKS * b) <= 8
+            assert _outcome(kw) == "accept", kw
+        else:
+            with pytest.raises(ValueError, match="power of two in \\[2, 256\\]"):
+                TAGCConfig(**kw)
 
 
 def test_knobs_not_in_use_are_not_checked() -> None:

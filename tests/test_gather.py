@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import tagc_hook as tagc
 from dist_helpers import SharedSpawn, ToyGPT, run_cases, toy_batch
+from tagc.codec import _tagc
 
 pytestmark = [pytest.mark.codec, pytest.mark.dist]
 
@@ -38,8 +39,15 @@ WIDE = {"d": 24}  # a toy whose segments (N = 2, 3, 4) hold 1 to 4 blocks of 256
 
 # --------------------------------------------------------------------------- reference
 
-def ref_dequant(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
-    """One segment quantized in blocks and dequantized, by the test's own rules."""
+def ref_dequant(x: torch.Tensor, fmt: str, block: int, seed: int = 0,
+                rotate: bool = False) -> torch.Tensor:
+    """One segment quantized in blocks and dequantized, by the test's own rules (fp4:
+    tests/test_codes4.py's numpy reference, the unit's rotation seed)."""
+    if fmt == "fp4":
+        from test_codes4 import ROTATE, ref_encode
+
+        dec = ref_encode(x.float().numpy(), block, ROTATE if rotate else 0, seed)[1]
+        return torch.from_numpy(dec).to(x.dtype)
     qmax = QMAX[fmt]
     xf = x.float()
     out = torch.empty_like(xf)
@@ -55,7 +63,10 @@ def ref_dequant(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
 
 
 def ref_segment_bytes(length: int, fmt: str, block: int) -> int:
-    """Bytes of one segment: per block a fp32 scale and its packed codes."""
+    """Bytes of one segment: per block a fp32 scale and its packed codes (fp4: the
+    segment's packed codes, then a scale byte per block)."""
+    if fmt == "fp4":
+        return (length + 1) // 2 + math.ceil(length / block)
     per = 1 if fmt == "int8" else 2
     full, last = divmod(length, block)
     return full * (4 + math.ceil(block / per)) + (4 + math.ceil(last / per) if last else 0)
@@ -77,10 +88,12 @@ def unit_params(model: torch.nn.Module) -> List[Tuple[torch.nn.Module, List[str]
     return [(m, names) for m, names in units if names]
 
 
-def ref_weights(full: Dict[str, torch.Tensor], world: int, fmt: str,
-                block: int) -> Dict[str, torch.Tensor]:
+def ref_weights(full: Dict[str, torch.Tensor], world: int, fmt: str, block: int,
+                seeds: Optional[Dict[str, int]] = None,
+                rotate: bool = False) -> Dict[str, torch.Tensor]:
     """The weights every rank computes with: each rank's padded chunk of each
-    parameter quantized as its own segment, then the rows put back together."""
+    parameter quantized as its own segment, then the rows put back together (fp4:
+    ``seeds`` maps a parameter to its unit's rotation seed)."""
     out = {}
     for name, w in full.items():
         rows = w.shape[0]
@@ -90,7 +103,8 @@ def ref_weights(full: Dict[str, torch.Tensor], world: int, fmt: str,
             part = w[r * c:(r + 1) * c].reshape(-1)
             pad = torch.zeros(c * w[0].numel(), dtype=w.dtype)
             pad[:part.numel()] = part
-            chunks.append(ref_dequant(pad, fmt, block)[:part.numel()])
+            chunks.append(ref_dequant(pad, fmt, block, (seeds or {}).get(name, 0),
+                                      rotate)[:part.numel()])
         out[name] = torch.cat(chunks).reshape(w.shape)
     return out
 
@@ -210,11 +224,13 @@ def _my_rows(full_grad: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def _case_grads(rank: int, n: int, reshard: Any = True, prefetch: bool = False,
                 fmt: str = "int8", block: int = BLOCK,
-                model_kw: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                model_kw: Optional[Dict[str, Any]] = None,
+                rotate: bool = False) -> Dict[str, Any]:
     """Gradients == a plain model on the reference weights; masters untouched; forward
     gather == backward re-gather; the same weights on every rank; bytes == formula
-    (gather blocks of ``block`` values, a ToyGPT of ``model_kw``)."""
-    cfg = _cfg(gather=fmt, gather_block=block)
+    (gather blocks of ``block`` values, a ToyGPT of ``model_kw``; fp4 optionally
+    rotated, each unit by its seed from (config seed, unit))."""
+    cfg = _cfg(gather=fmt, gather_block=block, gather_rotate=rotate)
     model = _build(cfg, model_kw=model_kw, reshard_after_forward=reshard)
     full = _full(model)
     masters = _local(model)
@@ -228,7 +244,9 @@ def _case_grads(rank: int, n: int, reshard: Any = True, prefetch: bool = False,
     model(toy_batch(rank, 0)).backward()
     # masters bit for bit (no optimizer step)
     assert all(torch.equal(a, b) for a, b in zip(masters, _local(model)))
-    ref = ref_weights(full, n, fmt, block)
+    seeds = {nm: _tagc.seed_derive(cfg.seed, i, 0)
+             for i, (_, names) in enumerate(unit_params(model)) for nm in names}
+    ref = ref_weights(full, n, fmt, block, seeds, rotate)
     want = _plain_ref_grads(ref, n, model_kw=model_kw)
     got = _grads(model)
     assert set(got) == set(want)
@@ -313,13 +331,13 @@ def _case_modes(rank: int, n: int) -> List[str]:
     return done
 
 
-def _case_bf16(rank: int, n: int) -> Dict[str, Any]:
-    """MixedPrecisionPolicy(param_dtype=bf16): int8 of the bf16 shard; the gathered
+def _case_bf16(rank: int, n: int, fmt: str = "int8", block: int = BLOCK) -> Dict[str, Any]:
+    """MixedPrecisionPolicy(param_dtype=bf16): codes of the bf16 shard; the gathered
     weights are the reference's (quantized from the bf16 cast), the messages are the
     same bytes as fp32's (half of the bf16 plain gather's ratio's denominator)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    cfg = _cfg()
+    cfg = _cfg(gather=fmt, gather_block=block)
     model = _build(cfg, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     full = _full(model)
     state = tagc.register(model, cfg)
@@ -327,7 +345,7 @@ def _case_bf16(rank: int, n: int) -> Dict[str, Any]:
     loss = model(toy_batch(rank, 0))
     loss.backward()
     assert torch.isfinite(loss)
-    ref = ref_weights({k: v.to(torch.bfloat16) for k, v in full.items()}, n, "int8", BLOCK)
+    ref = ref_weights({k: v.to(torch.bfloat16) for k, v in full.items()}, n, fmt, block)
     for mod, names in unit_params(model):
         comm = mod._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
         out = rec.calls[comm.name][0][0]
@@ -344,10 +362,10 @@ def _case_bf16(rank: int, n: int) -> Dict[str, Any]:
     return {"ratio": state.stats()["total"]["gather_wire_ratio"]}
 
 
-def _case_nonfinite(rank: int, n: int) -> Dict[str, Any]:
+def _case_nonfinite(rank: int, n: int, fmt: str = "int8") -> Dict[str, Any]:
     """A NaN in one rank's master shard: that unit is gathered exactly on every rank
     (the NaN where it is, every other weight exact), counted; other units quantized."""
-    cfg = _cfg()
+    cfg = _cfg(gather=fmt, gather_block=32 if fmt == "fp4" else BLOCK)
     model = _build(cfg)
     target = model.h[0].mlp[0]
     with torch.no_grad():
@@ -594,7 +612,10 @@ def _case_bad_input(rank: int, n: int) -> List[str]:
         tagc.register(fsdp1, cfg)
     msgs.append(str(e.value))
     for bad in (dict(gather="int2"), dict(gather="fp8"), dict(gather_block=0),
-                dict(gather_block=65537), dict(gather_block=True)):
+                dict(gather_block=65537), dict(gather_block=True),
+                dict(gather="fp4", gather_block=24), dict(gather="fp4", gather_block=512),
+                dict(gather="fp4", gather_block=1), dict(gather_rotate=True),
+                dict(gather="fp4", gather_block=32, gather_rotate=1)):
         with pytest.raises(ValueError, match="gather"):
             _cfg(**bad)
     return msgs
@@ -646,6 +667,12 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
     cases = [
         ("grads", _case_grads),
         ("grads_int4", lambda r, w: _case_grads(r, w, fmt="int4")),
+        ("grads_fp4", lambda r, w: _case_grads(r, w, fmt="fp4", block=32)),
+        # the wide toy: segments not multiples of the block, one below it
+        ("grads_fp4_rotated", lambda r, w: _case_grads(r, w, fmt="fp4", block=16,
+                                                       model_kw=WIDE, rotate=True)),
+        ("nonfinite_fp4", lambda r, w: _case_nonfinite(r, w, "fp4")),
+        ("bf16_fp4", lambda r, w: _case_bf16(r, w, "fp4", 32)),
         ("no_reshard", lambda r, w: _case_grads(r, w, reshard=False)),
         ("prefetch", lambda r, w: _case_grads(r, w, prefetch=True)),
         ("modes", _case_modes),
@@ -667,7 +694,8 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
 
 
 SPAWN = SharedSpawn(_suite, timeout=400)
-CASES = ["grads", "grads_int4", "no_reshard", "prefetch", "modes", "bf16", "nonfinite",
+CASES = ["grads", "grads_int4", "grads_fp4", "grads_fp4_rotated", "nonfinite_fp4", "bf16_fp4",
+         "no_reshard", "prefetch", "modes", "bf16", "nonfinite",
          "exact_switch", "exact_switch_kept", "regather", "preset_block_int8",
          "preset_block_int4", "checkpoint", "bad_input", "pair_exchange"]
 

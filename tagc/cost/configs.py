@@ -66,15 +66,17 @@ def quant_bytes(n: int, fmt: str, block: int) -> int:
 
 def gather_bytes(segments: Sequence[int], fmt: str, block: int) -> int:
     """Bytes of one rank's parameter shard on the weight-gather codes: the codec's
-    ``wq_bytes`` (blocks never cross a segment).
+    ``wq_bytes`` or ``fp4_bytes`` (blocks never cross a segment).
 
     Args:
         segments: the shard's segment lengths (``Unit.segments``).
-        fmt: ``int8`` or ``int4``.
-        block: values per fp32 scale.
+        fmt: ``int8``, ``int4`` or ``fp4``.
+        block: values per scale.
     Returns:
         the message size.
     """
+    if fmt == "fp4":
+        return sum(int(_tagc().fp4_bytes(int(x), block)) for x in segments)
     if any(x > _CODEC_MAX_N for x in segments):
         return sum(quant_bytes(x, fmt, block) for x in segments)
     return _tagc().wq_bytes([int(x) for x in segments], fmt, block)
