@@ -182,6 +182,12 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
          "--eval_iters=1", "--batch_size=2", "--block_size=32"),
         expect=("ttl/time_to_loss.md", "ttl/results.json"), needs=("root", "ip", "tc"),
         seconds=50)],
+    # loopback, H = 2: both all-reduces of the comparison through two replica groups
+    "scripts/bench/ft_runs.py": [Run(
+        ("compare", "--rate", "none", "--H", "2", "--steps", "4", "--out", "{out}/ftr",
+         "--", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32",
+         "--batch_size=2", "--eval_iters=1"),
+        expect=("ftr/report.md",), needs=("torchft_lighthouse",), seconds=25)],
     "scripts/bench/cost_model.py": [Covered(
         "tests/test_cost_model.py::test_cli_table_and_winner", "cli.main(",
         "its main() on a cluster sweep; --check and --cluster in the tests beside it")],
