@@ -229,6 +229,40 @@ def test_quorum_two_one_two_follows_and_the_joiner_starts_at_zero() -> None:
     torch.testing.assert_close(sent + owed(a) + owed(b) + stale_b, given, rtol=0, atol=1e-4)
 
 
+def test_quorum_three_to_two_drops_the_leaver_and_carries_the_survivors() -> None:
+    """R 3 -> 2, two-phase (L not a multiple of 2 or 3: both pad): the middle replica
+    leaves; the survivors' reducers are rebuilt for R = 2 with ranks 0 and 1, their
+    owner-side state folded into their residuals at the old chunks, and after two more
+    syncs nothing owed is lost or counted twice but what the leaver owed."""
+    cfg = TAGCConfig(mode="quant", residual_code="none", hsdp_allreduce="two_phase")
+    a, b, c = (Replica(cfg) for _ in range(3))
+    q = Quorums()
+    q.form([a, b, c], 0)
+    sent, given = torch.zeros(L), torch.zeros(L)
+    for step in range(2):
+        grads = grads_for(3, 50 + step)
+        outs = q.sync(grads)
+        assert q.commit()
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+        sent += 3 * outs[0]
+        given += sum(grads)
+    assert a.ft.units["g"].chunk == -(-L // 3)
+    left = owed(b)
+    assert left.abs().sum() > 0
+    q.form([a, c], a.manager.step)  # b fails
+    for step in range(2):
+        grads = grads_for(2, 60 + step)
+        outs = q.sync(grads)
+        assert q.commit()
+        assert torch.equal(outs[0], outs[1])
+        sent += 2 * outs[0]
+        given += sum(grads)
+    st_a, st_c = a.ft.stats()["g"], c.ft.stats()["g"]
+    assert (st_a["replicas"], st_a["rank"], st_c["rank"]) == (2, 0, 1)
+    assert a.ft.units["g"].chunk == -(-L // 2)
+    torch.testing.assert_close(sent + owed(a) + owed(c) + left, given, rtol=0, atol=1e-4)
+
+
 def test_failed_sync_leaves_every_state_bit_identical() -> None:
     """(c) a step that does not commit (the vote) and a sync that fails mid-exchange
     (one replica's send raises, its peer's receive times out): every replica's state
