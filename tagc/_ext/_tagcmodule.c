@@ -162,18 +162,13 @@ static PyObject *lanes_common(PyObject *m, PyObject *args, PyObject *kw, int unp
                                  "lanes_bytes(n, bits)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA && unpack) {
-        TAGC_RUN_CUDA(bitmap, 0, tagc_cuda_lanes_unpack(bitmap->data, bitmap->numel, lanes->data,
-                                                        lanes->numel, n, (int)bits, strm_));
-    } else if (dev == TAGC_DEV_CUDA) {
-        TAGC_RUN_CUDA(bitmap, 0, tagc_cuda_lanes_pack(lanes->data, lanes->numel, bitmap->data, n,
-                                                      (int)bits, strm_));
-    } else if (unpack) {
-        TAGC_RUN(tagc_lanes_unpack(bitmap->data, bitmap->numel, lanes->data, lanes->numel, n,
-                                   (int)bits));
-    } else {
-        TAGC_RUN(tagc_lanes_pack(lanes->data, lanes->numel, bitmap->data, n, (int)bits));
-    }
+    if (unpack)
+        TAGC_RUN_BOTH(dev, bitmap, 0, lanes_unpack,
+                      (bitmap->data, bitmap->numel, lanes->data, lanes->numel, n, (int)bits),
+                      strm_);
+    else
+        TAGC_RUN_BOTH(dev, bitmap, 0, lanes_pack,
+                      (lanes->data, lanes->numel, bitmap->data, n, (int)bits), strm_);
     TAGC_END_NONE(TAGC_OK, NULL);
 }
 
@@ -210,12 +205,8 @@ static PyObject *py_bitmap_or(PyObject *m, PyObject *args, PyObject *kw)
     TAGC_CHECK(tagc_py_need_size(&vs_, dst, nbytes, 0, "src.numel() // count"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) {
-        TAGC_RUN_CUDA(dst, 0, tagc_cuda_bitmap_or(dst->data, dst->numel, src->data, nbytes, count,
-                                                  strm_));
-    } else {
-        TAGC_RUN(tagc_bitmap_or(dst->data, dst->numel, src->data, nbytes, count));
-    }
+    TAGC_RUN_BOTH(dev, dst, 0, bitmap_or,
+                  (dst->data, dst->numel, src->data, nbytes, count), strm_);
     TAGC_END_NONE(TAGC_OK, NULL);
 }
 
@@ -276,18 +267,12 @@ static PyObject *py_sketch_encode(PyObject *m, PyObject *args, PyObject *kw)
     TAGC_CHECK(tagc_py_need_size(&vs_, sk, tagc_sketch_buckets(t), 0, "sketch_buckets(t)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) { /* an idx outside [0, n): skipped, RANGE in status_out */
-        TAGC_RUN_CUDA(sk, tagc_cuda_sketch_encode_workspace_size(t, tagc_py_codec_dtype(sk->kind)),
-                      tagc_cuda_sketch_encode(sk->data, tagc_py_codec_dtype(sk->kind), sk->numel,
-                                              idx->data, val->data, tagc_py_codec_dtype(val->kind),
-                                              idx->numel, n, t, seed,
-                                              has_status ? status->data : NULL, ws_, wsb_,
-                                              strm_));
-    } else {
-        TAGC_RUN(tagc_sketch_encode(sk->data, tagc_py_codec_dtype(sk->kind), sk->numel, idx->data,
-                                    val->data, tagc_py_codec_dtype(val->kind), idx->numel, n, t,
-                                    seed));
-    }
+    /* CUDA: an idx outside [0, n): skipped, RANGE in status_out */
+    TAGC_RUN_BOTH(dev, sk, tagc_cuda_sketch_encode_workspace_size(t, tagc_py_codec_dtype(sk->kind)),
+                  sketch_encode,
+                  (sk->data, tagc_py_codec_dtype(sk->kind), sk->numel, idx->data, val->data,
+                   tagc_py_codec_dtype(val->kind), idx->numel, n, t, seed),
+                  has_status ? status->data : NULL, ws_, wsb_, strm_);
     TAGC_END_NONE(TAGC_ERR_RANGE,
                   "idx holds a position outside [0, n)");
 }
@@ -365,12 +350,8 @@ static PyObject *py_sparse_pack(PyObject *m, PyObject *args, PyObject *kw)
                                  "sparse_bytes(k, value_dtype)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) {
-        TAGC_RUN_CUDA(buf, 0, tagc_cuda_sparse_pack(buf->data, buf->numel, idx->data, val->data,
-                                                    vd, k, strm_));
-    } else {
-        TAGC_RUN(tagc_sparse_pack(buf->data, buf->numel, idx->data, val->data, vd, k));
-    }
+    TAGC_RUN_BOTH(dev, buf, 0, sparse_pack,
+                  (buf->data, buf->numel, idx->data, val->data, vd, k), strm_);
     TAGC_END_NONE(TAGC_OK, NULL);
 }
 
@@ -395,14 +376,10 @@ static PyObject *py_sparse_unpack(PyObject *m, PyObject *args, PyObject *kw)
                                  "sparse_bytes(k, value_dtype)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) { /* bad offset: out untouched, CORRUPT in status_out */
-        TAGC_RUN_CUDA(out, tagc_cuda_sparse_unpack_workspace_size(),
-                      tagc_cuda_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd,
-                                              has_status ? status->data : NULL, ws_, wsb_,
-                                              strm_));
-    } else {
-        TAGC_RUN(tagc_sparse_unpack(out->data, out->numel, buf->data, buf->numel, k, vd));
-    }
+    /* CUDA: bad offset: out untouched, CORRUPT in status_out */
+    TAGC_RUN_BOTH(dev, out, tagc_cuda_sparse_unpack_workspace_size(), sparse_unpack,
+                  (out->data, out->numel, buf->data, buf->numel, k, vd),
+                  has_status ? status->data : NULL, ws_, wsb_, strm_);
     TAGC_END_NONE(TAGC_ERR_CORRUPT,
                   "buf holds an offset outside [0, out.numel()) "
                   "(out untouched)");
@@ -494,14 +471,10 @@ static PyObject *py_pairs_pack(PyObject *m, PyObject *args, PyObject *kw)
                                  "pairs_bytes(n, k, value_dtype, coding)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) { /* positions not ascending in [0, n): RANGE in status_out */
-        TAGC_RUN_CUDA(buf, tagc_cuda_pairs_pack_workspace_size(),
-                      tagc_cuda_pairs_pack(buf->data, buf->numel, idx->data, val->data, vd, k, n,
-                                           c, has_status ? status->data : NULL, ws_, wsb_,
-                                           strm_));
-    } else {
-        TAGC_RUN(tagc_pairs_pack(buf->data, buf->numel, idx->data, val->data, vd, k, n, c));
-    }
+    /* CUDA: positions not ascending in [0, n): RANGE in status_out */
+    TAGC_RUN_BOTH(dev, buf, tagc_cuda_pairs_pack_workspace_size(), pairs_pack,
+                  (buf->data, buf->numel, idx->data, val->data, vd, k, n, c),
+                  has_status ? status->data : NULL, ws_, wsb_, strm_);
     TAGC_END_NONE(TAGC_ERR_RANGE,
                   "idx must be strictly ascending "
                   "positions in [0, n) (nothing written)");
@@ -531,14 +504,10 @@ static PyObject *py_pairs_unpack_add(PyObject *m, PyObject *args, PyObject *kw)
                                  "pairs_bytes(out.numel(), k, value_dtype, coding)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) { /* inconsistent message: out untouched, CORRUPT in status_out */
-        TAGC_RUN_CUDA(out, tagc_cuda_pairs_unpack_add_workspace_size(out->numel, k),
-                      tagc_cuda_pairs_unpack_add(out->data, out->numel, buf->data, buf->numel, k,
-                                                 vd, c, has_status ? status->data : NULL, ws_,
-                                                 wsb_, strm_));
-    } else {
-        TAGC_RUN(tagc_pairs_unpack_add(out->data, out->numel, buf->data, buf->numel, k, vd, c));
-    }
+    /* CUDA: inconsistent message: out untouched, CORRUPT in status_out */
+    TAGC_RUN_BOTH(dev, out, tagc_cuda_pairs_unpack_add_workspace_size(out->numel, k),
+                  pairs_unpack_add, (out->data, out->numel, buf->data, buf->numel, k, vd, c),
+                  has_status ? status->data : NULL, ws_, wsb_, strm_);
     TAGC_END_NONE(TAGC_ERR_CORRUPT,
                   "buf is not a valid message of k pairs of a "
                   "shard of out.numel() (out untouched)");
@@ -567,17 +536,12 @@ static PyObject *py_quant_encode(PyObject *m, PyObject *args, PyObject *kw)
                                  "quant_bytes(grad.numel(), format, block)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) { /* NaN/Inf: every scale NaN, residual untouched (tagc_cuda.h) */
-        TAGC_RUN_CUDA(grad, tagc_cuda_quant_encode_workspace_size(),
-                      tagc_cuda_quant_encode(buf->data, buf->numel, has_res ? res->data : NULL,
-                                             tagc_py_codec_dtype(res->kind), grad->data,
-                                             tagc_py_codec_dtype(grad->kind), n, fmt, block, ws_,
-                                             wsb_, strm_));
-    } else {
-        TAGC_RUN(tagc_quant_encode(buf->data, buf->numel, has_res ? res->data : NULL,
-                                   tagc_py_codec_dtype(res->kind), grad->data,
-                                   tagc_py_codec_dtype(grad->kind), n, fmt, block));
-    }
+    /* CUDA: NaN/Inf: every scale NaN, residual untouched (tagc_cuda.h) */
+    TAGC_RUN_BOTH(dev, grad, tagc_cuda_quant_encode_workspace_size(), quant_encode,
+                  (buf->data, buf->numel, has_res ? res->data : NULL,
+                   tagc_py_codec_dtype(res->kind), grad->data, tagc_py_codec_dtype(grad->kind),
+                   n, fmt, block),
+                  ws_, wsb_, strm_);
     TAGC_END_NONE(TAGC_ERR_NONFINITE,
                   "grad + residual holds NaN or Inf (residual "
                   "untouched)");
@@ -603,14 +567,10 @@ static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
                                  "quant_bytes(out.numel(), format, block)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) { /* invalid code: out untouched, CORRUPT in status_out */
-        TAGC_RUN_CUDA(out, tagc_cuda_quant_decode_add_workspace_size(),
-                      tagc_cuda_quant_decode_add(out->data, out->numel, buf->data, buf->numel, fmt,
-                                                 block, has_status ? status->data : NULL, ws_,
-                                                 wsb_, strm_));
-    } else {
-        TAGC_RUN(tagc_quant_decode_add(out->data, out->numel, buf->data, buf->numel, fmt, block));
-    }
+    /* CUDA: invalid code: out untouched, CORRUPT in status_out */
+    TAGC_RUN_BOTH(dev, out, tagc_cuda_quant_decode_add_workspace_size(), quant_decode_add,
+                  (out->data, out->numel, buf->data, buf->numel, fmt, block),
+                  has_status ? status->data : NULL, ws_, wsb_, strm_);
     TAGC_END_NONE(TAGC_ERR_CORRUPT,
                   "buf holds a code outside the format "
                   "(out untouched)");
@@ -667,17 +627,12 @@ static PyObject *py_fp4_encode(PyObject *m, PyObject *args, PyObject *kw)
                                  "fp4_bytes(grad.numel(), block)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) { /* NaN/Inf: every scale byte NaN, residual untouched */
-        TAGC_RUN_CUDA(grad, tagc_cuda_fp4_encode_workspace_size(),
-                      tagc_cuda_fp4_encode(buf->data, buf->numel, has_res ? res->data : NULL,
-                                           tagc_py_codec_dtype(res->kind), grad->data,
-                                           tagc_py_codec_dtype(grad->kind), n, block, flags,
-                                           seed, ws_, wsb_, strm_));
-    } else {
-        TAGC_RUN(tagc_fp4_encode(buf->data, buf->numel, has_res ? res->data : NULL,
-                                 tagc_py_codec_dtype(res->kind), grad->data,
-                                 tagc_py_codec_dtype(grad->kind), n, block, flags, seed));
-    }
+    /* CUDA: NaN/Inf: every scale byte NaN, residual untouched */
+    TAGC_RUN_BOTH(dev, grad, tagc_cuda_fp4_encode_workspace_size(), fp4_encode,
+                  (buf->data, buf->numel, has_res ? res->data : NULL,
+                   tagc_py_codec_dtype(res->kind), grad->data, tagc_py_codec_dtype(grad->kind),
+                   n, block, flags, seed),
+                  ws_, wsb_, strm_);
     TAGC_END_NONE(TAGC_ERR_NONFINITE,
                   "grad + residual holds NaN, Inf or a |v| >= 2^100 (residual untouched)");
 }
@@ -704,14 +659,8 @@ static PyObject *py_fp4_decode_add(PyObject *m, PyObject *args, PyObject *kw)
                                  "fp4_bytes(out.numel(), block)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) {
-        TAGC_RUN_CUDA(out, 0,
-                      tagc_cuda_fp4_decode_add(out->data, out->numel, buf->data, buf->numel,
-                                               block, flags, seed, strm_));
-    } else {
-        TAGC_RUN(tagc_fp4_decode_add(out->data, out->numel, buf->data, buf->numel, block, flags,
-                                     seed));
-    }
+    TAGC_RUN_BOTH(dev, out, 0, fp4_decode_add,
+                  (out->data, out->numel, buf->data, buf->numel, block, flags, seed), strm_);
     TAGC_END_NONE(TAGC_OK, NULL);
 }
 
@@ -735,13 +684,8 @@ static PyObject *py_rht(PyObject *m, PyObject *args, PyObject *kw)
     TAGC_CHECK(tagc_py_need_size(&vs_, dst, src->numel, 1, "src.numel()"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    if (dev == TAGC_DEV_CUDA) {
-        TAGC_RUN_CUDA(src, 0,
-                      tagc_cuda_rht(dst->data, dst->numel, src->data, src->numel, block, seed,
-                                    inverse, strm_));
-    } else {
-        TAGC_RUN(tagc_rht(dst->data, dst->numel, src->data, src->numel, block, seed, inverse));
-    }
+    TAGC_RUN_BOTH(dev, src, 0, rht,
+                  (dst->data, dst->numel, src->data, src->numel, block, seed, inverse), strm_);
     TAGC_END_NONE(TAGC_OK, NULL);
 }
 

@@ -228,4 +228,20 @@ done:                                                                           
 #define TAGC_RUN_CUDA(view, wsb, call) ((void)0)
 #endif
 
+/* A kernel's two paths from one argument list: tagc_<op>(ARGS) on the CPU,
+ * tagc_cuda_<op>(ARGS, TAIL...) on CUDA through TAGC_RUN_CUDA with a workspace
+ * of `wsb` bytes.  `args` is the parenthesised list both take; the tail is
+ * what only the launcher takes (a status tensor, ws_, wsb_, strm_).  Entry
+ * points whose CPU function returns to the host what the launcher writes to
+ * the device (a count, a threshold) call the two themselves. */
+#define TAGC_LIST_(...) __VA_ARGS__
+#define TAGC_RUN_BOTH(dev, view, wsb, op, args, ...)                                 \
+    do {                                                                             \
+        if ((dev) == TAGC_DEV_CUDA) {                                                \
+            TAGC_RUN_CUDA(view, wsb, tagc_cuda_##op(TAGC_LIST_ args, __VA_ARGS__));  \
+        } else {                                                                     \
+            TAGC_RUN(tagc_##op(TAGC_LIST_ args));                                    \
+        }                                                                            \
+    } while (0)
+
 #endif /* TAGC_ARGS_H */
