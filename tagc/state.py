@@ -316,6 +316,9 @@ class TAGCState:
             sd = self.state_dict()
             if saved["layout"] is None:
                 del sd["layout"]  # a v2 checkpoint has none: DCP would miss the key
+            # knobs added since it was written: not in it (DCP would miss them), and
+            # compared by what the saved knobs resolve them to (checkpoint._saved_config)
+            sd["config"] = {k: v for k, v in sd["config"].items() if k in saved["config"]}
             dcp.load({key: sd}, checkpoint_id=str(checkpoint_id))
             self.load_state_dict(sd)
             return
