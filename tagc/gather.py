@@ -14,12 +14,16 @@ Protocol of one call (every rank runs the same steps on the same bytes):
    ``max|w| / qmax`` and round-to-nearest codes (``_tagc.wq_encode``).  The same
    masters give the same bytes, so the forward gather and the backward re-gather
    hand FSDP the same weights.  A block holding NaN/Inf gets a sentinel scale
-   instead of codes;
+   instead of codes.  ``fp4``: E2M1 codes and a power-of-two scale byte per block
+   (``_tagc.fp4_encode``, each segment on its own, optionally rotated by the unit's
+   seeded block Hadamard transform); a NaN/Inf anywhere in the shard makes every
+   scale byte of the message E8M0's NaN;
 2. one all-gather of the N messages (they have the same size on every rank: the
    segment lengths are the padded shard lengths, equal on every rank);
 3. every rank decodes every message into its slice of the output, its own shard
    last (so a refused message never leaves the own slice half-written, and the
-   exact fallback below still reads the true shard).  If any message holds the
+   exact fallback below still reads the true shard; fp4 messages are checked for NaN
+   scales before any is decoded).  If any message holds the
    sentinel, every rank sees it in the same bytes, so all of them fall back to the
    exact all-gather of the unit for this call, with no extra agreement round.
 
