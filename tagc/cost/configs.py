@@ -76,7 +76,9 @@ def gather_bytes(segments: Sequence[int], fmt: str, block: int) -> int:
         the message size.
     """
     if fmt == "fp4":
-        return sum(int(_tagc().fp4_bytes(int(x), block)) for x in segments)
+        from tagc.gather import message_bytes  # the runtime's own rule
+
+        return message_bytes(segments, fmt, block)
     if any(x > _CODEC_MAX_N for x in segments):
         return sum(quant_bytes(x, fmt, block) for x in segments)
     return _tagc().wq_bytes([int(x) for x in segments], fmt, block)

@@ -272,11 +272,9 @@ class ReplicaGroup:
 
     def _commit(self) -> bool:
         """Per step: vote on it; with TAGC its feedback state commits or rolls back."""
-        if self.sync is not None:
-            ok = self.sync.should_commit()
-            self.record(ok)
-            return ok
-        return _Observed(self.manager, self, False).should_commit()
+        ok = (self.sync if self.sync is not None else self.manager).should_commit()
+        self.record(ok)
+        return ok
 
     def exchange_started(self) -> None:
         """An all-reduce call: a sync's clock starts at its first."""
