@@ -43,6 +43,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from . import fsdp2
 from .hsdp import ReplicaReducer
@@ -83,18 +84,32 @@ class LocalSteps:
 
     def __init__(self, mods: List[Any], reducers_: List[ReplicaReducer], group: Any,
                  optimizer: torch.optim.Optimizer) -> None:
-        self.mods, self.units, self.group = mods, reducers_, group
-        self.cfg = reducers_[0].cfg
+        self.group = group
         self.replicas = dist.get_world_size(group)
-        for m, u in zip(mods, reducers_):
+        for u in reducers_:
             u.divide = float(self.replicas)  # the average over the replicas
             u.local = True
-            have = sum(fp._sharded_param_data.numel() for fp in self._params(m))
+        self._setup(mods, reducers_, reducers_[0].cfg, optimizer)
+
+    def _setup(self, mods: List[Any], units: List[Any], cfg: Any,
+               optimizer: torch.optim.Optimizer) -> None:
+        """What every outer loop shares: the shard check, the fragments and their
+        offsets, the common start and the optimizer's step post-hook.
+
+        Args:
+            mods: the units' modules.
+            units: one holder of the outer state per module (``outer_*``,
+                ``shard_numel``, ``device``, ``name``).
+            cfg: the config.
+            optimizer: the inner optimizer.
+        """
+        self.mods, self.units, self.cfg = mods, units, cfg
+        for m, u in zip(mods, units):
+            have = sum(t.numel() for t in self._storage(m))
             if have != u.shard_numel:
                 raise ValueError(f"TAGC local steps: unit {u.name!r} holds {have} shard "
                                  f"elements, its reducer {u.shard_numel}")
-        self.fragments = fragments([u.shard_numel for u in reducers_],
-                                   self.cfg.outer_fragments)
+        self.fragments = fragments([u.shard_numel for u in units], self.cfg.outer_fragments)
         h, p = self.cfg.outer_every, len(self.fragments)
         self.offsets = [i * h // p for i in range(p)]
         self._pool = ThreadPoolExecutor(1, "tagc-outer") if self.cfg.outer_overlap else None
@@ -104,15 +119,19 @@ class LocalSteps:
         self._hook = optimizer.register_step_post_hook(self._after_inner_step)
 
     @staticmethod
-    def _params(mod: Any) -> List[Any]:
-        # the reducer's layout (tagc/fsdp2.py reducers): padded shards of the trained
-        # parameters, in the unit's order; read afresh each time, since FSDP2 may
-        # re-point _sharded_param_data (reset_sharded_param, after a state dict load)
-        return [fp for fp in fsdp2.unit_params(mod) if fp.sharded_param.requires_grad]
+    def _storage(mod: Any) -> List[torch.Tensor]:
+        """The tensors a unit's shard lives in, in the reducer's layout: an FSDP2
+        unit's padded shards of its trained parameters in the unit's order (read
+        afresh each time: FSDP2 may re-point ``_sharded_param_data`` after a state
+        dict load); a plain module's trained parameters (a replica of one process)."""
+        if isinstance(mod, FSDPModule):
+            return [fp._sharded_param_data for fp in fsdp2.unit_params(mod)
+                    if fp.sharded_param.requires_grad]
+        return [p.data for p in mod.parameters() if p.requires_grad]
 
     def _shard(self, i: int) -> torch.Tensor:
         """Unit i's shard on this rank as one flat fp32 tensor (a copy), on its device."""
-        parts = [fp._sharded_param_data.detach().float() for fp in self._params(self.mods[i])]
+        parts = [t.detach().float().reshape(-1) for t in self._storage(self.mods[i])]
         u = self.units[i]
         return torch.cat(parts).to(u.device) if parts else torch.zeros(0, device=u.device)
 
@@ -120,24 +139,26 @@ class LocalSteps:
         """Put ``flat`` (the reducer's layout) into unit i's shard."""
         o = 0
         with torch.no_grad():
-            for fp in self._params(self.mods[i]):
-                data = fp._sharded_param_data
-                data.copy_(flat[o:o + data.numel()].to(data.dtype))
+            for data in self._storage(self.mods[i]):
+                data.copy_(flat[o:o + data.numel()].view_as(data).to(data.dtype))
                 o += data.numel()
 
     def _start_identical(self) -> None:
         """Every replica starts from replica 0's shard (DiLoCo's common start: without
         it the replicas would drift from different points and never agree)."""
-        src = dist.get_global_rank(self.group, 0)
         for i, u in enumerate(self.units):
             if u.outer_start is None:
                 start = self._shard(i)
-                dist.broadcast(start, src, group=self.group)
+                self._common(start)
                 self._write(i, start)
                 u.outer_start = start
                 u.outer_momentum = torch.zeros_like(start)
                 # [inner steps since registration, step the sync in flight merges at]
                 u.outer_inner = torch.tensor([0, -1], dtype=torch.int64)
+
+    def _common(self, start: torch.Tensor) -> None:
+        """Make ``start`` replica 0's, in place."""
+        dist.broadcast(start, dist.get_global_rank(self.group, 0), group=self.group)
 
     # ----------------------------------------------------------------- the schedule
     @property
@@ -159,10 +180,18 @@ class LocalSteps:
         self._set_counters(t, merge_at)
         if merge_at == t:  # the sync launched tau steps ago: its outer step now
             self._merge_flight()
+        p = self._due(t)
+        if p is not None:
+            self._launch(p, t)
+
+    def _due(self, t: int) -> Optional[int]:
+        """The fragment synced at inner step ``t``, None if none (the offsets are
+        distinct: P <= H)."""
         h = self.cfg.outer_every
         for p, off in enumerate(self.offsets):
             if t - off >= h and (t - off) % h == 0:
-                self._launch(p, t)
+                return p
+        return None
 
     def _launch(self, p: int, t: int) -> None:
         """Fragment p's pseudo-gradient into its all-reduce; merged at once, or after
@@ -205,25 +234,46 @@ class LocalSteps:
     def _merge(self, p: int, avgs: List[torch.Tensor]) -> bool:
         """Fragment p's outer step from its averaged pseudo-gradients (module doc)."""
         idx = self.fragments[p]
-        finite = all(bool(torch.isfinite(d).all()) for d in avgs)
-        mu, lr, alpha = self.cfg.outer_momentum, self.cfg.outer_lr, self.cfg.outer_mix
+        new = self._outer(idx, avgs)
+        self._check_agree([u.outer_start for u in map(self.units.__getitem__, idx)]
+                          if new is None else [start for _, start in new])
+        self._apply(p, new)
+        return new is not None
+
+    def _outer(self, idx: List[int], avgs: List[torch.Tensor]
+               ) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+        """Each unit's new (momentum, start) from its average, the state untouched;
+        None when an average has a NaN/Inf (every replica decodes the same codes, so
+        every replica skips alike)."""
+        if not all(bool(torch.isfinite(d).all()) for d in avgs):
+            return None
+        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        out = []
         for i, d in zip(idx, avgs):
             u = self.units[i]
+            m = u.outer_momentum.mul(mu).add_(d)
+            out.append((m, u.outer_start.sub(d.add(m, alpha=mu), alpha=lr)))
+        return out
+
+    def _apply(self, p: int, new: Optional[List[Tuple[torch.Tensor, torch.Tensor]]]
+               ) -> None:
+        """Fragment p's shards to the new start (merged with the local shard by
+        ``outer_mix``); ``new`` None: back to their last sync."""
+        alpha = self.cfg.outer_mix
+        for k, i in enumerate(self.fragments[p]):
+            u = self.units[i]
             u.outer_avg = None
-            if finite:
-                u.outer_momentum.mul_(mu).add_(d)
-                u.outer_start = u.outer_start.sub(d.add(u.outer_momentum, alpha=mu),
-                                                  alpha=lr)
-            new = u.outer_start
-            if finite and alpha:  # global + alpha (local - global)
-                new = new.add(self._shard(i) - new, alpha=alpha)
-            self._write(i, new)
-        if not finite:
+            if new is not None:
+                u.outer_momentum.copy_(new[k][0])
+                u.outer_start = new[k][1]
+            shard = u.outer_start
+            if new is not None and alpha:  # global + alpha (local - global)
+                shard = shard.add(self._shard(i) - shard, alpha=alpha)
+            self._write(i, shard)
+        if new is None:
             logger.warning("TAGC local steps: a non-finite pseudo-gradient on some replica; "
                            "the outer step of fragment %d skipped on every replica, its "
                            "shards back at their last sync", p)
-        self._check_agree(idx)
-        return finite
 
     def outer_step(self) -> bool:
         """Sync every fragment now, blocking (every replica must call it at the same
@@ -249,20 +299,24 @@ class LocalSteps:
         average (``outer_avg``) is saved and merged at its step after a resume."""
         self._wait_flight()
 
-    def _check_agree(self, idx: List[int]) -> None:
-        """Raise when the replicas' ``start`` of the units ``idx`` differ (a sum and a
-        sum of squares per unit, in float64, compared over the replicate group)."""
+    def _check_agree(self, starts: List[torch.Tensor]) -> None:
+        """Raise when the replicas' ``starts`` differ (a sum and a sum of squares per
+        unit, in float64, compared over the replicas)."""
         # on the units' device: NCCL moves no host tensors
-        mine = torch.stack([torch.stack((self.units[i].outer_start.double().sum(),
-                                         self.units[i].outer_start.double().square().sum()))
-                            for i in idx])
-        everyone = [torch.empty_like(mine) for _ in range(self.replicas)]
-        dist.all_gather(everyone, mine, group=self.group)
+        mine = torch.stack([torch.stack((s.double().sum(), s.double().square().sum()))
+                            for s in starts])
+        everyone = self._gather(mine)
         bad = [i for i, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
         if bad:
             raise RuntimeError(f"TAGC local steps: after an outer step the state of "
                                f"replica(s) {bad} differs from replica 0's; it must agree "
                                "(the same config, data order and codec on every rank?)")
+
+    def _gather(self, mine: torch.Tensor) -> List[torch.Tensor]:
+        """Every replica's ``mine``, in replica order."""
+        everyone = [torch.empty_like(mine) for _ in range(self.replicas)]
+        dist.all_gather(everyone, mine, group=self.group)
+        return everyone
 
     def remove(self) -> None:
         """Stop counting the optimizer's steps; end the worker."""
