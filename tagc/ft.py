@@ -448,34 +448,48 @@ class _UnitHook:
         self.ft.allreduce(t, key=self.key)
 
 
-def register(model: torch.nn.Module, cfg: TAGCConfig, manager: QuorumSource,
-             pg: Any) -> FTAllReduce:
-    """Average an FSDP2 model's gradients over a torchft quorum with TAGC's codes: one
-    call, before the first backward.
+def register(model: torch.nn.Module, cfg: TAGCConfig, manager: QuorumSource, pg: Any,
+             optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+    """TAGC's codes between the replica groups of a torchft run: one call, before the
+    first backward.
 
-    Each ``fully_shard``-ed unit's all-reduce hook (``FSDPModule.set_all_reduce_hook``,
-    which FSDP2 calls after its reduce-scatter on a 1-D mesh) hands the unit's
-    gradient shard to :meth:`FTAllReduce.allreduce`.  FSDP2 keeps its own mean over the
-    replica group's ranks; the hook divides by R, so the gradient is the mean over
-    every rank of every participating replica, as native HSDP's.  Inside a replica
-    group FSDP2 runs plain; the slow links are between groups.
+    Per step (``cfg.outer_every`` 0): each ``fully_shard``-ed unit's all-reduce hook
+    (``FSDPModule.set_all_reduce_hook``, which FSDP2 calls after its reduce-scatter on
+    a 1-D mesh) hands the unit's gradient shard to :meth:`FTAllReduce.allreduce`.
+    FSDP2 keeps its own mean over the replica group's ranks; the hook divides by R, so
+    the gradient is the mean over every rank of every participating replica, as native
+    HSDP's.  Inside a replica group FSDP2 runs plain; the slow links are between groups.
+
+    Local steps (``cfg.outer_every`` H): no hook; :class:`tagc.ft_local.FTLocalSteps`
+    counts the optimizer's steps and syncs the units' shards over the quorum (a quorum,
+    the exchange and a vote per sync, from the optimizer's step hook).
 
     Args:
         model: the FSDP2 model (one replica group's, sharded over a 1-D mesh).
         cfg: the config (its gradient codec; the same on every replica).
         manager: the ``torchft.Manager`` (``use_async_quorum=False``).
         pg: the process group handed to it.
+        optimizer: the inner optimizer (local steps only).
     Returns:
-        the :class:`FTAllReduce`; call its ``should_commit()`` in place of the
-        manager's before ``optimizer.step()``.
+        per step the :class:`FTAllReduce` (call its ``should_commit()`` in place of
+        the manager's before ``optimizer.step()``); with local steps the
+        :class:`~tagc.ft_local.FTLocalSteps`.
     Raises:
         TypeError: no ``fully_shard``-ed unit with parameters.
-        ValueError: a 2-D (HSDP) mesh, or parameter groups FSDP2 cannot hook.
+        ValueError: a 2-D (HSDP) mesh, parameter groups FSDP2 cannot hook, or local
+            steps without the optimizer.
         NotImplementedError: as :class:`FTAllReduce`.
     """
     from . import fsdp2
 
     mods = [m for _, m, _ in fsdp2._param_groups(model)]
+    if cfg.outer_every:
+        if optimizer is None:
+            raise ValueError("tagc.ft.register: local steps (outer_every) need the inner "
+                             "optimizer (optimizer=...)")
+        from .ft_local import FTLocalSteps
+
+        return FTLocalSteps(mods, cfg, manager, pg, optimizer)
     ft = FTAllReduce(manager, pg, cfg)
     for i, m in enumerate(mods):
         m.set_all_reduce_hook(_UnitHook(ft, i))

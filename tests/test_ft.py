@@ -22,6 +22,8 @@ import torch.distributed as dist
 pytest.importorskip("torchft", reason="torchft not installed (pip install tagc[ft])")
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
+from ft_helpers import Quorums, Replica  # noqa: E402
+
 from tagc.codec import _tagc  # noqa: E402
 from tagc.config import TAGCConfig  # noqa: E402
 from tagc.device import CodecStreams  # noqa: E402
@@ -31,97 +33,6 @@ from tagc.memory import coded_bytes  # noqa: E402
 pytestmark = pytest.mark.codec
 
 L = 1000  # not a multiple of 2 or 3: the two-phase form pads
-
-
-class FailingGloo(ProcessGroupGloo):
-    """torchft's gloo group whose point-to-point sends raise while :attr:`fail`."""
-
-    fail = False
-
-    def send(self, tensors: List[torch.Tensor], dst_rank: int, tag: int) -> Any:
-        if self.fail:
-            raise RuntimeError("injected send failure")
-        return super().send(tensors, dst_rank, tag)
-
-
-class StubManager:
-    """The ``torchft.Manager`` methods FTAllReduce reads, for one replica."""
-
-    def __init__(self, pg: Any) -> None:
-        self.pg = pg
-        self.world, self.rank, self.step = 0, 0, 0
-        self.error: Optional[Exception] = None
-        self.decision = False  # the quorum's commit vote, set by Quorums.commit
-
-    def num_participants(self) -> int:
-        return self.world
-
-    def participating_rank(self) -> Optional[int]:
-        return self.rank
-
-    def current_step(self) -> int:
-        return self.step
-
-    def errored(self) -> Optional[Exception]:
-        return self.error
-
-    def report_error(self, e: Exception) -> None:
-        self.error = e
-
-    def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
-        if self.decision:
-            self.step += 1
-        return self.decision
-
-
-class Replica:
-    def __init__(self, cfg: TAGCConfig, pg_timeout: float = 20.0) -> None:
-        self.pg = FailingGloo(timeout=timedelta(seconds=pg_timeout))
-        self.manager = StubManager(self.pg)
-        self.ft = FTAllReduce(self.manager, self.pg, cfg)
-
-
-class Quorums:
-    """The Lighthouse's part: quorums of replicas, their groups, their commits."""
-
-    def __init__(self) -> None:
-        self.store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-        self.quorum_id = 0
-        self.members: List[Replica] = []
-
-    def form(self, members: List[Replica], step: int) -> None:
-        """Configure every member's group for a new quorum at ``step`` (a joiner is
-        healed to it, as the Manager does)."""
-        self.quorum_id += 1
-        self.members = members
-        addr = f"localhost:{self.store.port}/torchft/{self.quorum_id}"
-
-        def configure(i: int) -> None:
-            m = members[i].manager
-            m.world, m.rank, m.step, m.error = len(members), i, step, None
-            members[i].pg.configure(addr, str(id(members[i])), i, len(members))
-
-        self.run(configure)
-
-    def run(self, fn: Callable[[int], Any]) -> List[Any]:
-        """``fn(i)`` on every member at once (member i on its own thread)."""
-        with ThreadPoolExecutor(len(self.members)) as pool:
-            return list(pool.map(fn, range(len(self.members))))
-
-    def sync(self, grads: List[torch.Tensor], key: Any = "g") -> List[torch.Tensor]:
-        """One all-reduce of member i's ``grads[i]`` (copies), on every member."""
-        outs = [g.clone() for g in grads]
-        self.run(lambda i: self.members[i].ft.allreduce(outs[i], key=key).wait())
-        return outs
-
-    def commit(self) -> bool:
-        """The commit vote (True only if no member errored), then every member's
-        ``FTAllReduce.should_commit``; fails if a member's answer differs."""
-        ok = all(r.manager.error is None for r in self.members)
-        for r in self.members:
-            r.manager.decision = ok
-        assert [r.ft.should_commit() for r in self.members] == [ok] * len(self.members)
-        return ok
 
 
 def owed(r: Replica, key: Any = "g") -> torch.Tensor:

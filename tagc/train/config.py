@@ -393,9 +393,11 @@ def check_fsdp_needs(cfg: "RunConfig", tcfg: Any) -> None:
     """
     via = f"--tagc {cfg.tagc}" + (f" --tagc_set {cfg.tagc_set}" if cfg.tagc_set else "")
     if cfg.ft_lighthouse:
-        # FTAllReduce's refusals, what torchft's DiLoCo lacks, and the gathers inside a
-        # group (FSDP2 runs plain there): each with the override that lifts it
-        for key, bad, fix in (("outer_fragments", tcfg.outer_fragments > 1, 1),
+        # FTAllReduce's refusals, what torchft's DiLoCo (the fp32 baseline) lacks, and
+        # the gathers inside a group (FSDP2 runs plain there): each with the override
+        # that lifts it
+        fp32 = cfg.ft_allreduce == "torchft"
+        for key, bad, fix in (("outer_fragments", fp32 and tcfg.outer_fragments > 1, 1),
                               ("ef21", tcfg.ef21, "false"),
                               ("bypass_every", tcfg.bypass_every, 0),
                               ("gather", tcfg.gather != "none", "none")):

@@ -4,12 +4,13 @@ replica group of a torchft run (docs/TORCHFT.md).
 Inside the group FSDP2 shards the model as usual; between groups a ``torchft.Manager``
 forms quorums, and the groups average over them every step (each unit's gradient shard:
 TAGC's :func:`tagc.ft.register`, or torchft's fp32 ``Manager.allreduce``) or every H
-steps (local steps: torchft's ``DiLoCo`` with TAGC's all-reduce).  An exchange that
-failed (a peer died) is not committed: per step the optimizer does not step, TAGC's
-feedback state rolls back, and the step runs again with the next quorum (DiLoCo puts
-the round's start back).  A group that starts late or restarts heals from a live peer
-through torchft's recovery: the model, the optimizer and the step (:func:`local_state`;
-DiLoCo adds its own).
+steps (local steps: TAGC's :class:`tagc.ft_local.FTLocalSteps`, or torchft's ``DiLoCo``
+with its fp32 all-reduce).  An exchange that failed (a peer died) is not committed:
+per step the optimizer does not step, TAGC's feedback state rolls back, and the step
+runs again with the next quorum; with local steps the fragment's shards go back to
+their last sync.  A group that starts late or restarts heals from a live peer through
+torchft's recovery: the model, the optimizer and the step (:func:`local_state`; the
+outer loop adds its own).
 """
 from __future__ import annotations
 
@@ -68,11 +69,18 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str,
         model: the FSDP2 model.
         optimizer: its optimizer.
     Returns:
-        ``{"model": name -> tensor, "optim": optimizer state dict with local tensors}``.
+        ``{"model": name -> tensor, "optim": optimizer state dict with local tensors}``,
+        copies.
     """
+    def copy(v: Any) -> Any:
+        # torchft serves a CPU tensor as it is while this replica trains on (streamed
+        # local steps step meanwhile): a copy, taken only when a peer heals
+        v = _local(v)
+        return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
     osd = optimizer.state_dict()
-    return {"model": {k: _local(v).detach() for k, v in model.state_dict().items()},
-            "optim": {"state": {i: {k: _local(v) for k, v in s.items()}
+    return {"model": {k: copy(v) for k, v in model.state_dict().items()},
+            "optim": {"state": {i: {k: copy(v) for k, v in s.items()}
                                 for i, s in osd["state"].items()},
                       "param_groups": osd["param_groups"]}}
 
@@ -158,11 +166,12 @@ class ReplicaGroup:
     Two modes.  Per step (a preset without ``outer_every``, or none): every unit's
     gradient shard is averaged over the quorum after its reduce-scatter (TAGC's
     :func:`tagc.ft.register`, or torchft's fp32 all-reduce), one quorum and one vote a
-    step.  Local steps (``outer_every`` H): torchft's ``DiLoCo`` runs the outer loop
-    (a quorum every H steps, the pseudo-gradient averaged, Nesterov SGD with the
-    preset's ``outer_lr`` / ``outer_momentum``, ``outer_overlap`` as its fragment
-    delay, ``outer_mix`` as its merge), its all-reduce TAGC's through
-    :class:`tagc.ft.FTManager` unless ``--ft_allreduce torchft``.
+    step.  Local steps (``outer_every`` H): TAGC's own outer loop over the quorum
+    (:class:`tagc.ft_local.FTLocalSteps`: a quorum and a vote per fragment's sync);
+    with ``--ft_allreduce torchft`` torchft's ``DiLoCo`` instead, fp32 (one fragment,
+    Nesterov SGD with the preset's ``outer_lr`` / ``outer_momentum``,
+    ``outer_overlap`` as its fragment delay, ``outer_mix`` as its merge): the
+    baseline.
 
     Args:
         cfg: the run config (``ft_*``, ``timeout``).
@@ -207,23 +216,25 @@ class ReplicaGroup:
         use_tagc = tagc_cfg is not None and cfg.ft_allreduce == "tagc"
         self.local_steps = bool(tagc_cfg is not None and tagc_cfg.outer_every)
         self.diloco: Optional[Any] = None
-        if self.local_steps:
+        self.outer: Optional[Any] = None  # TAGC's FTLocalSteps
+        if self.local_steps and use_tagc:
+            self.outer = tagc_ft.register(model, tagc_cfg, _Observed(self.manager, self, False),
+                                          self.pg, optimizer)
+            self.sync = self.outer.ft
+            self.vote: Optional[Callable[[], bool]] = None
+        elif self.local_steps:
             from torchft.local_sgd import DiLoCo
 
-            inner: Any = self.manager
-            if use_tagc:
-                inner = tagc_ft.FTManager(self.manager, self.pg, tagc_cfg)
-                self.sync = inner.ft
             outer = torch.optim.SGD(model.parameters(), lr=tagc_cfg.outer_lr,
                                     momentum=tagc_cfg.outer_momentum, nesterov=True)
             # one bucket: one exchange per sync, the whole pseudo-gradient
-            self.diloco = DiLoCo(_Observed(inner, self, not use_tagc), [model], optimizer,
+            self.diloco = DiLoCo(_Observed(self.manager, self, True), [model], optimizer,
                                  outer, sync_every=tagc_cfg.outer_every,
                                  use_bucketization=True,
                                  fragment_sync_delay=tagc_cfg.outer_overlap,
                                  fragment_update_alpha=tagc_cfg.outer_mix)
             self.diloco.__enter__()
-            self.vote: Optional[Callable[[], bool]] = None
+            self.vote = None
         elif use_tagc:
             self.sync = tagc_ft.register(model, tagc_cfg, self.manager, self.pg)
             self.vote = self._commit
@@ -314,13 +325,18 @@ class ReplicaGroup:
                 "ft_failed": self.failed, "ft_healed": self.healed,
                 "ft_healed_steps": self.healed_steps, "ft_replicas": self.replicas,
                 "ft_local_steps": self.local_steps,
-                "ft_sync_s_mean": (sum(self.sync_s) / len(self.sync_s)
-                                       if self.sync_s else float("nan")),
+                "ft_sync_s_mean": self._sync_s_mean(),
                 "ft_committed_by_replicas": {str(r): n for r, n in
                                              sorted(self.committed.items())}}
 
+    def _sync_s_mean(self) -> float:
+        times = self.outer.sync_s if self.outer is not None else self.sync_s
+        return sum(times) / len(times) if times else float("nan")
+
     def close(self) -> None:
         """Leave the quorum (the peers go on without this group)."""
+        if self.outer is not None:
+            self.outer.remove()
         if self.diloco is not None:
             self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
