@@ -372,6 +372,58 @@ class FTAllReduce:
             setattr(held.reducer, name, t)
         self.units[key] = held.reducer
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """This replica's feedback state as of the last commit, for a checkpoint (its
+        own unsent error, per tensor, with the quorum that left it): inside a step
+        (exchanged, not yet voted) what the step's first call found.
+
+        Returns:
+            ``{"step": the manager step the state belongs to, "units": {key:
+            {"world", "rank", "numel", "buffers": {attribute: tensor}}}}``, copies.
+        """
+        units: Dict[Hashable, Any] = {}
+        for key, unit in self.units.items():
+            held = self._held.get(key)
+            if held is not None:  # touched by the open step: its state before
+                if held.reducer is None:
+                    continue
+                unit, bufs = held.reducer, held.buffers
+            else:
+                bufs = {n: getattr(unit, n) for n, _, _ in unit.state_buffers()}
+            units[key] = {"world": unit.world, "rank": unit.rank, "numel": unit.shard_numel,
+                          "buffers": {n: _clone(t) for n, t in bufs.items()}}
+        return {"step": self._state_step, "units": units}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (a replica resumed from its checkpoint):
+        each tensor's reducer rebuilt for the quorum that left the state, so a call in
+        another quorum carries it over as after any quorum change.
+
+        Args:
+            sd: a :meth:`state_dict` of this replica, the same config.
+        Raises:
+            ValueError: a buffer of another size (another model or config).
+        """
+        units: Dict[Hashable, ReplicaReducer] = {}
+        for key, u in sd["units"].items():
+            bufs = u["buffers"]
+            device = next((t.device for t in bufs.values() if t is not None),
+                          torch.device("cpu"))
+            unit = build_reducer(self.cfg, key, self.pg, u["rank"], u["world"], u["numel"],
+                                 device, self.streams)
+            for name, numel, dtype in unit.state_buffers():
+                t = bufs.get(name)
+                if t is not None and (t.numel() != numel or t.dtype != dtype):
+                    raise ValueError(f"FTAllReduce: the saved {name} of {key!r} has "
+                                     f"{t.numel()} {t.dtype} entries, this config {numel} "
+                                     f"{dtype}")
+                setattr(unit, name, None if t is None else t.clone())
+            units[key] = unit
+        self.units, self._state_step = units, sd["step"]
+        self._held.clear()
+        self._calls, self._open_step = 0, None
+
     # ------------------------------------------------------------------ inspection
     def feedback_state(self, key: Hashable) -> Dict[str, Optional[torch.Tensor]]:
         """Clones of one tensor's state buffers (empty before its first call).

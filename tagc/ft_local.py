@@ -194,26 +194,37 @@ class FTLocalSteps(LocalSteps):
         return ok
 
     # ------------------------------------------------------------------ recovery
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, committed: bool = False) -> Dict[str, Any]:
         """The outer state a healing peer loads: every unit's anchor, momentum and
         counters (copies: the step goes on while a peer reads them).  The feedback
         state is not in it: a peer's residual is its own unsent error.
 
+        Args:
+            committed: for a checkpoint: a sync in flight (launched, not voted) is
+                left out, as if never launched; its pseudo-gradient stays in the
+                shards, and its fragment's next sync sends it.
         Returns:
             ``{"units": [{"start", "momentum", "inner"}, ...]}``.
+        Raises:
+            RuntimeError: a sync in flight and not ``committed`` (a quorum is taken at
+                a launch, never inside one).
         """
-        if self._flight is not None:
+        if self._flight is not None and not committed:
             raise RuntimeError("FTLocalSteps: a state dict was asked for with a sync in "
                                "flight (quorums are taken at a launch, never inside one)")
         return {"units": [{"start": u.outer_start.detach().clone(),
                            "momentum": u.outer_momentum.detach().clone(),
-                           "inner": u.outer_inner.clone()} for u in self.units]}
+                           "inner": torch.tensor([int(u.outer_inner[0]), -1])}
+                          for u in self.units]}
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Load a peer's :meth:`state_dict` (torchft's recovery calls it).
+    def load_state_dict(self, sd: Dict[str, Any], healed: bool = True) -> None:
+        """Load a peer's :meth:`state_dict` (torchft's recovery calls it), or this
+        replica's own from a checkpoint.
 
         Args:
-            sd: the peer's outer state.
+            sd: the outer state.
+            healed: a peer's, loaded at a quorum: the fragment to sync is read again
+                from its counters (False: a checkpoint's, loaded before training).
         Raises:
             ValueError: another number of units or another shard size.
         """
@@ -230,7 +241,7 @@ class FTLocalSteps(LocalSteps):
             u.outer_momentum = s["momentum"].to(u.device, torch.float32).clone()
             u.outer_inner = s["inner"].to("cpu", torch.int64).clone()
             u.outer_avg = None
-        self._healed = True
+        self._healed = healed
 
     def stats(self) -> Dict[str, Any]:
         """Syncs committed and not, bytes sent (and fp32's ring figure), and the mean

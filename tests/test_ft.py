@@ -436,3 +436,45 @@ def test_diloco_with_ft_manager_keys_fragments_apart() -> None:
     assert [a["units"][(f, 0)].shard_numel for f in (0, 1)] == [256, 256]
     assert not torch.equal(a["units"][(0, 0)].residual, a["units"][(1, 0)].residual)
     assert all(st["compressed_calls"] == 2 for st in a["stats"].values())
+
+
+def test_feedback_state_of_a_checkpoint_resumes_bit_for_bit() -> None:
+    """``FTAllReduce.state_dict()`` loaded into fresh replicas (a resumed run): the
+    next syncs give the outputs and states of the replicas that never stopped, bit
+    for bit, in the same quorum and with the ranks swapped (the state carried as after
+    a quorum change); a state taken inside a step (exchanged, not voted) is the one
+    before the step."""
+    cfg = TAGCConfig(mode="quant", hsdp_allreduce="two_phase")
+    a, b = Replica(cfg), Replica(cfg)
+    q = Quorums()
+    q.form([a, b], 0)
+    for step in range(2):
+        q.sync(grads_for(2, 80 + step))
+        assert q.commit()
+    saved = [r.ft.state_dict() for r in (a, b)]
+    want = q.sync(grads_for(2, 90))  # inside step 2: the saved state is still the commit's
+    mid = [r.ft.state_dict() for r in (a, b)]
+    assert q.commit()
+    after = [r.ft.feedback_state("g") for r in (a, b)]
+    for x, y in zip(saved, mid):
+        assert x["step"] == y["step"] == 2
+        assert all(torch.equal(x["units"]["g"]["buffers"][n], t)
+                   for n, t in y["units"]["g"]["buffers"].items() if t is not None)
+
+    for order in ((0, 1), (1, 0)):
+        fresh = [Replica(cfg), Replica(cfg)]
+        for r, sd in zip(fresh, saved):
+            r.ft.load_state_dict(sd)
+        grads = grads_for(2, 90)
+        q2 = Quorums()
+        q2.form([fresh[i] for i in order], 2)
+        outs = q2.sync([grads[i] for i in order])
+        assert q2.commit()
+        assert torch.equal(outs[0], outs[1])
+        if order == (0, 1):  # the same quorum: what a and b did at step 2
+            assert torch.equal(outs[0], want[0])
+            for st, f in zip(after, fresh):
+                sf = f.ft.feedback_state("g")
+                assert all(torch.equal(st[n], sf[n]) for n in st if st[n] is not None)
+        else:
+            assert fresh[1].ft.stats()["g"]["rank"] == 0

@@ -50,15 +50,17 @@ MODES = {"per-step": (["--tagc=tagc-balanced"], 1, 0, 0),
 
 
 def _replica(tmp_path: Path, lighthouse: str, rid: int, tag: str, preset: List[str],
-             gate: "Path | None" = None) -> "tuple[Any, Path]":
+             gate: "Path | None" = None, steps: int = STEPS,
+             out: str = "out") -> "tuple[Any, Path]":
     """One replica group: torchrun with one ``tagc.train`` process, or (``gate``) one
-    that imports first and trains once the file ``gate`` exists."""
+    that imports first and trains once the file ``gate`` exists; ``steps`` steps,
+    its output under ``tmp_path/out``."""
     log = tmp_path / f"replica{rid}-{tag}.log"
     target = ["-m", "tagc.train"] if gate is None else \
         [str(Path(__file__).with_name("ft_gate.py")), str(gate)]
     args = ["torchrun", "--standalone", "--nproc_per_node=1", *target, *SMALL,
             *preset, f"--ft_lighthouse={lighthouse}", f"--ft_replica={rid}",
-            f"--max_iters={STEPS}", f"--out_dir={tmp_path / 'out'}",
+            f"--max_iters={steps}", f"--out_dir={tmp_path / out}",
             f"--cache_dir={tmp_path / 'cache'}"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
     with open(log, "w") as f:
@@ -164,6 +166,47 @@ def test_a_killed_replica_group_rejoins_heals_and_the_run_ends(tmp_path: Path,
     assert 0 < sa["ft_bytes_between"] < 0.2 * sa["ft_bytes_between_fp32"]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.codec
+@pytest.mark.parametrize("preset", [["--tagc=tagc-balanced"],
+                                    ["--tagc=tagc-local", "--tagc_set=outer_every=4"]],
+                         ids=["per-step", "local-steps"])
+def test_every_group_stopped_resumes_from_its_checkpoint_as_if_never_stopped(
+        tmp_path: Path, preset: List[str]) -> None:
+    """Both groups stop at step 20 (each saves its checkpoint: model, optimizer, the
+    manager's step, TAGC's feedback between the groups and with local steps the outer
+    anchor, momentum and counters) and start again with ``--init_from resume``; at step
+    40 both have the validation loss of a run that never stopped, bit for bit."""
+    lh = _lighthouse(tmp_path, min_replicas=2)  # every step with both groups
+
+    def run(tag: str, steps: int, out: str, more: List[str]) -> List[Dict[str, Any]]:
+        # one learning-rate schedule for every run: the 40 steps'
+        procs = [_replica(tmp_path, lh.address(), r, tag,
+                          [*preset, "--lr_decay_iters=40", *more], steps=steps, out=out)
+                 for r in (0, 1)]
+        try:
+            for p, log in procs:
+                assert p.wait(180) == 0, log.read_text(errors="replace")[-3000:]
+        finally:
+            for p, _ in procs:
+                if p.poll() is None:
+                    kill_tree(p.pid)
+        return [json.loads((tmp_path / out / f"replica-{r}" / "summary.json").read_text())
+                for r in (0, 1)]
+
+    try:
+        straight = run("straight", 40, "straight", [])
+        run("first", 20, "stopped", [])
+        resumed = run("resumed", 40, "stopped", ["--init_from=resume"])
+    finally:
+        lh.shutdown()
+    assert [s["iters"] for s in resumed] == [40, 40]
+    assert [s["steps_this_run"] for s in resumed] == [20, 20]
+    assert [s["ft_healed"] for s in resumed] == [0, 0]
+    assert [s["final_val_loss"] for s in resumed] == [s["final_val_loss"] for s in straight]
+
+
 @pytest.mark.dist
 def test_plain_mode_averages_with_torchfts_own_allreduce(tmp_path: Path) -> None:
     """Without ``--tagc`` the groups average with ``Manager.allreduce`` (fp32): both
@@ -259,7 +302,8 @@ def test_the_healed_state_is_the_peers_model_and_optimizer() -> None:
 @pytest.mark.parametrize("argv,match", [
     (["--ft_lighthouse=http://h:1", "--fsdp=1"], "needs --fsdp 2"),
     (["--ft_lighthouse=http://h:1", "--fsdp=2", "--replicas=2"], "needs --fsdp 2"),
-    (["--ft_lighthouse=http://h:1", "--fsdp=2", "--init_from=resume"], "heals from a live"),
+    (["--ft_lighthouse=http://h:1", "--fsdp=2", "--init_from=resume", "--tagc=tagc-local",
+      "--ft_allreduce=torchft"], "outer state is not in the checkpoint"),
     (["--ft_lighthouse=http://h:1", "--fsdp=2", "--tagc=tagc-local",
       "--tagc_set=outer_fragments=2", "--ft_allreduce=torchft"],
      "outer_fragments=2, which --ft_lighthouse does not"),

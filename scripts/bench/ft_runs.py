@@ -12,8 +12,8 @@ figure, both groups' final validation loss, the wall time; for the fault run the
 seconds from the kill to the heal.
 
 ``compare``: torchft's own DiLoCo (``--ft_allreduce torchft``: fp32) against the same
-run with TAGC's all-reduce, local steps at each ``--H`` (``tagc-local``'s outer
-optimizer), on each ``--rate``: an emulated link between the groups (network
+run with TAGC's local steps over the quorum (``FTLocalSteps``: its codes, one fragment),
+local steps at each ``--H`` (``tagc-local``'s outer optimizer in both), on each ``--rate``: an emulated link between the groups (network
 namespaces, tagc/train/netem.sh; needs root) or ``none`` (loopback).  Per run: the
 mean step, the mean sync (its first all-reduce call to its vote), the bytes per sync
 at the call, the final validation loss.
@@ -171,7 +171,8 @@ def fault(args: argparse.Namespace) -> str:
 
 
 def compare(args: argparse.Namespace) -> str:
-    """The ``compare`` command: torchft's fp32 DiLoCo and TAGC's at each rate and H."""
+    """The ``compare`` command: torchft's fp32 DiLoCo and TAGC's local steps at each
+    rate and H."""
     shaped = [r for r in args.rate if r != "none"]
     if shaped and os.geteuid() != 0:
         sys.exit("ft_runs.py compare: an emulated --rate needs root (network namespaces)")
@@ -195,8 +196,8 @@ def compare(args: argparse.Namespace) -> str:
                 netem(net, "down", check=False)
     (args.out / "results.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "runs": rows}, indent=1))
-    lines = [f"torchft's DiLoCo (fp32) and TAGC's all-reduce in it (`tagc-local`'s outer "
-             f"optimizer), 2 replica groups x 1 rank, {args.steps} steps (extra options: "
+    lines = [f"torchft's DiLoCo (fp32) and TAGC's local steps (FTLocalSteps; `tagc-local`'s "
+             f"outer optimizer in both), 2 replica groups x 1 rank, {args.steps} steps (extra options: "
              f"{' '.join(args.train_args) or 'none'})", "",
              "| link | H | all-reduce | mean step | mean sync | sent per sync (group 0) | "
              "final val loss (0 / 1) |", "|---|---|---|---|---|---|---|"]

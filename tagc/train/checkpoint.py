@@ -27,7 +27,7 @@ import shutil
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -180,7 +180,8 @@ def _prune(root: Path, keep: int, iter_num: int) -> None:
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    tagc_state: Any, iter_num: int, cfg: RunConfig, scope: str = "") -> Path:
+                    tagc_state: Any, iter_num: int, cfg: RunConfig, scope: str = "",
+                    rank_state: Optional[Dict[str, Any]] = None) -> Path:
     """Write a checkpoint atomically (all ranks call this) into ``path/step-<iter_num>``.
 
     Model, optimizer and TAGC state go through torch.distributed.checkpoint (each rank
@@ -196,6 +197,8 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         scope: the key this rank's part of the model lives under when the ranks hold
             different modules (``stage<s>`` of a pipeline); "" when every rank holds
             a shard or a replica of one model.
+        rank_state: this rank's own state beside TAGC's (torchft's replica group:
+            tagc/train/ft.py), saved with its RNG state in rank{r}.pt.
     Returns:
         the checkpoint's folder.
     """
@@ -217,7 +220,9 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             # a DCP Stateful: state_dict() now, per-rank rows
             state[_tagc_key(scope)] = tagc_state
         dcp.save(state, checkpoint_id=str(tmp))
-    torch.save({"rng": torch.get_rng_state(), "iter_num": iter_num}, tmp / f"rank{rank}.pt")
+    torch.save({"rng": torch.get_rng_state(), "iter_num": iter_num,
+                **({"rank_state": rank_state} if rank_state is not None else {})},
+               tmp / f"rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         (tmp / STATE).write_text(json.dumps(
@@ -235,7 +240,8 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     tagc_state: Any, cfg: RunConfig, scope: str = "",
-                    match: Sequence[str] = ()) -> int:
+                    match: Sequence[str] = (),
+                    rank_state: Optional[Dict[str, Any]] = None) -> int:
     """Restore what save_checkpoint wrote (with the same ``scope``); returns the
     iteration to continue from.
 
@@ -249,6 +255,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         scope: as for :func:`save_checkpoint`.
         match: config fields that must equal the saved run's (a pipeline's stage
             count and codes decide what each rank's part is).
+        rank_state: filled with what :func:`save_checkpoint` got as its
+            ``rank_state`` on this rank (an error if it got none).
 
     Raises:
         FileNotFoundError: no complete checkpoint at path.
@@ -293,6 +301,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                     meta["world_size"], meta["config"].get("fsdp"), world,
                     getattr(cfg, "fsdp", None))
     rng = folder / f"rank{dist.get_rank()}.pt"
-    if rng.exists():
-        torch.set_rng_state(torch.load(rng, weights_only=True)["rng"])
+    own = torch.load(rng, weights_only=True) if rng.exists() else {}
+    if rank_state is not None:
+        if "rank_state" not in own:
+            raise ValueError(f"{folder}: no state of this rank's replica group in "
+                             f"{rng.name} (written without --ft_lighthouse?)")
+        rank_state.update(own["rank_state"])
+    if "rng" in own:
+        torch.set_rng_state(own["rng"])
     return int(meta["iter_num"])

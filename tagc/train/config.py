@@ -197,9 +197,6 @@ class RunConfig:
                 raise ValueError("--ft_lighthouse needs --fsdp 2 and --replicas 1: each "
                                  "torchrun job is one replica group, torchft replicates "
                                  "across the jobs")
-            if self.init_from != "scratch":
-                raise ValueError("--ft_lighthouse: a (re)started replica group heals from a "
-                                 "live peer; --init_from resume is not supported with it")
         if self.ft_replica < 0 or self.ft_min_replicas < 1:
             raise ValueError("--ft_replica must be >= 0 and --ft_min_replicas >= 1, got "
                              f"{self.ft_replica} and {self.ft_min_replicas}")
@@ -397,6 +394,10 @@ def check_fsdp_needs(cfg: "RunConfig", tcfg: Any) -> None:
         # the gathers inside a group (FSDP2 runs plain there): each with the override
         # that lifts it
         fp32 = cfg.ft_allreduce == "torchft"
+        if fp32 and tcfg.outer_every and cfg.init_from == "resume":
+            raise ValueError(f"{via} --ft_allreduce torchft runs torchft's DiLoCo, whose "
+                             "outer state is not in the checkpoint: --init_from resume "
+                             "takes --ft_allreduce tagc")
         for key, bad, fix in (("outer_fragments", fp32 and tcfg.outer_fragments > 1, 1),
                               ("ef21", tcfg.ef21, "false"),
                               ("bypass_every", tcfg.bypass_every, 0),

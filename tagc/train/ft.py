@@ -329,6 +329,38 @@ class ReplicaGroup:
                 "ft_committed_by_replicas": {str(r): n for r, n in
                                              sorted(self.committed.items())}}
 
+    def checkpoint_state(self) -> Dict[str, Any]:
+        """This group's part of a checkpoint (between steps; tagc/train/checkpoint.py
+        saves it per rank): the manager's step, TAGC's feedback as of the last commit,
+        and the outer loop's anchor, momentum and counters (a sync in flight left
+        out: its fragment's next sync sends what it held)."""
+        out: Dict[str, Any] = {"manager": self.manager.state_dict()}
+        if self.sync is not None:
+            out["feedback"] = self.sync.state_dict()
+        if self.outer is not None:
+            out["outer"] = self.outer.state_dict(committed=True)
+        return out
+
+    def resume(self, sd: Dict[str, Any]) -> None:
+        """Load :meth:`checkpoint_state`'s output (``--init_from resume``), before the
+        first step.  A group that resumes behind a live peer heals from it at its first
+        quorum, as a restarted one does.
+
+        Raises:
+            ValueError: the checkpoint's mode differs (feedback or local steps).
+        """
+        for key, have in (("feedback", self.sync), ("outer", self.outer)):
+            if (key in sd) != (have is not None):
+                raise ValueError(f"--init_from resume: the checkpoint was written "
+                                 f"{'with' if key in sd else 'without'} TAGC's "
+                                 f"{'feedback' if key == 'feedback' else 'local steps'} "
+                                 "between groups, this run is not; resume with its --tagc")
+        self.manager.load_state_dict(sd["manager"])
+        if self.sync is not None:
+            self.sync.load_state_dict(sd["feedback"])
+        if self.outer is not None:
+            self.outer.load_state_dict(sd["outer"], healed=False)
+
     def _sync_s_mean(self) -> float:
         times = self.outer.sync_s if self.outer is not None else self.sync_s
         return sum(times) / len(times) if times else float("nan")

@@ -284,7 +284,11 @@ def run(cfg: RunConfig, env: Env, spec: ModelSpec, data: TokenData,
     iter_num = 0
     ckpt_path = out_dir / "ckpt"
     if cfg.init_from == "resume":
-        iter_num = load_checkpoint(ckpt_path, model, optimizer, tagc_state, cfg)
+        own: Optional[Dict[str, Any]] = {} if replica_group is not None else None
+        iter_num = load_checkpoint(ckpt_path, model, optimizer, tagc_state, cfg,
+                                   rank_state=own)
+        if replica_group is not None:
+            replica_group.resume(own)
         logger.info("resumed from %s at iter %d", ckpt_path, iter_num)
     metrics = MetricsLog(out_dir, env.master, cfg.tensorboard, cfg.init_from == "resume")
     if env.master:
@@ -371,7 +375,8 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
                 bar.set_postfix(val=f"{val_loss:.3f}")
             if cfg.ckpt_interval and iter_num % cfg.ckpt_interval == 0 and iter_num > 0 \
                     and iter_num < cfg.max_iters:
-                _save(cfg, model, optimizer, tagc_state, iter_num, ckpt_path, health, val_loss)
+                _save(cfg, model, optimizer, tagc_state, iter_num, ckpt_path, health, val_loss,
+                      replica_group)
             if iter_num >= cfg.max_iters:
                 break
 
@@ -395,7 +400,8 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
                 iter_num = replica_group.after_step(iter_num)
             bar.update(iter_num - start)
             if health.after_step(train_loss, iter_num):
-                _save(cfg, model, optimizer, tagc_state, iter_num, ckpt_path, health, val_loss)
+                _save(cfg, model, optimizer, tagc_state, iter_num, ckpt_path, health, val_loss,
+                      replica_group)
                 logger.warning("iter %d: SIGTERM, checkpoint saved; exiting", iter_num)
                 raise SystemExit(128 + signal.SIGTERM)
 
@@ -415,7 +421,8 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
                               train_s=sum(step_times))
                 bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}")
         if cfg.save_checkpoint:
-            _save(cfg, model, optimizer, tagc_state, iter_num, ckpt_path, health, val_loss)
+            _save(cfg, model, optimizer, tagc_state, iter_num, ckpt_path, health, val_loss,
+                  replica_group)
     finally:
         health.close()
         bar.close()
@@ -451,13 +458,16 @@ def train_loop(cfg: RunConfig, env: Env, spec: ModelSpec, model: nn.Module,
 
 def _save(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
           tagc_state: Any, iter_num: int, ckpt_path: Path, health: StepHealth,
-          val_loss: float) -> None:
+          val_loss: float, replica_group: Any = None) -> None:
     """Save unless the state is not finite: a checkpoint of a diverged run would push
-    the last good one out of the kept ones."""
+    the last good one out of the kept ones.  A torchft replica group adds its own
+    (:meth:`tagc.train.ft.ReplicaGroup.checkpoint_state`)."""
     measured = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
     if not health.finite or (measured and not math.isfinite(val_loss)):
         logger.warning("iter %d: not saved, the state is not finite (the newest checkpoint "
                        "is kept)", iter_num)
         return
-    save_checkpoint(ckpt_path, model, optimizer, tagc_state, iter_num, cfg)
+    save_checkpoint(ckpt_path, model, optimizer, tagc_state, iter_num, cfg,
+                    rank_state=replica_group.checkpoint_state()
+                    if replica_group is not None else None)
 
