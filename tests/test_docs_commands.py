@@ -76,9 +76,26 @@ def _commands() -> List[List[str]]:
         [[sys.executable, "-m", m, "--help"] for m in sorted(modules)]
 
 
+@pytest.fixture(scope="module")
+def helps(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+          ) -> Dict[Tuple[str, ...], "Future[subprocess.CompletedProcess]"]:
+    """Start the selected ``--help`` commands, two at a time, each in a folder of its own:
+    each mostly imports torch on one core while this process waits, so the second core
+    would sit idle one at a time."""
+    wanted = [tuple(item.callspec.params["cmd"]) for item in request.session.items
+              if getattr(item, "originalname", "") == "test_every_command_answers_help"]
+    pool = ThreadPoolExecutor(max_workers=2)
+    request.addfinalizer(lambda: pool.shutdown(wait=True, cancel_futures=True))
+    return {cmd: pool.submit(subprocess.run, list(cmd), cwd=tmp_path_factory.mktemp("help"),
+                             capture_output=True, text=True, timeout=120)
+            for cmd in dict.fromkeys(wanted)}
+
+
 @pytest.mark.parametrize("cmd", _commands(), ids=lambda c: c[-2] if c[1] != "-m" else c[2])
-def test_every_command_answers_help(cmd: List[str], tmp_path: Path) -> None:
-    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+def test_every_command_answers_help(
+        cmd: List[str],
+        helps: Dict[Tuple[str, ...], "Future[subprocess.CompletedProcess]"]) -> None:
+    r = helps[tuple(cmd)].result()
     assert r.returncode == 0, f"{' '.join(cmd)}: exit {r.returncode}\n{r.stderr[-2000:]}"
     assert "usage:" in r.stdout, f"{' '.join(cmd)} printed no usage:\n{r.stdout[:500]}"
 
