@@ -10,9 +10,10 @@ Each sync is one torchft step:
    outer state with the model and optimizer (:meth:`FTLocalSteps.state_dict`: every
    unit's anchor ``start``, momentum and step counters); the fragment to sync is then
    read again from the healed counters, so the healed replica syncs the peer's.
-2. **exchange**: each unit's pseudo-gradient through :class:`tagc.ft.FTAllReduce` (the
-   codec of TAGC's HSDP route, sized by the current quorum at every call; a leaver's
-   feedback dropped, a joiner's zero), averaged over the quorum's R.
+2. **exchange**: the fragment's pseudo-gradient (its units' end to end) through
+   :class:`tagc.ft.FTAllReduce` (the codec of TAGC's HSDP route, sized by the current
+   quorum at every call; a leaver's feedback dropped, a joiner's zero), averaged over
+   the quorum's R; its feedback state is keyed by the fragment.
 3. **vote** (at once, or after ``outer_overlap`` steps): the new (momentum, start) is
    computed first, its checksum compared over the quorum, then ``should_commit()``.
    Committed: applied, as without torchft.  Not committed (a peer failed anywhere in
@@ -134,9 +135,16 @@ class FTLocalSteps(LocalSteps):
         super()._launch(p, t)
 
     def _reduce(self, idx: List[int], deltas: List[torch.Tensor]) -> None:
-        # errors are reported to the manager, not raised: the vote fails everywhere
+        # one exchange per fragment, its units' pseudo-gradients end to end (a slow
+        # link pays its round trips once, as torchft's bucketed DiLoCo); errors are
+        # reported to the manager, not raised: the vote fails everywhere
+        flat = torch.cat(deltas) if len(deltas) > 1 else deltas[0]
+        self.ft.allreduce(flat, key=self.fragments.index(idx))
+        o = 0
         for i, d in zip(idx, deltas):
-            self.ft.allreduce(d, key=i)
+            if flat is not d:
+                d.copy_(flat[o:o + d.numel()])
+            o += d.numel()
             self.units[i].outer_avg = d
 
     def _merge(self, p: int, avgs: List[torch.Tensor]) -> bool:
