@@ -34,6 +34,22 @@ if BENCH.is_dir() and str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 
+@pytest.fixture(scope="session")
+def cuda_emu_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CUDA launchers compiled by g++ against the emulation (``tagc_bench.cuda_emu``),
+    built once per session: each module that runs them loads this file (a build takes
+    seconds on 2 cores and is the same for every module).  Skips without a C++ compiler;
+    a failed build fails."""
+    from tagc_bench import cuda_emu
+
+    try:
+        return cuda_emu.build(tmp_path_factory.mktemp("cuda_emu"))
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    except cuda_emu.BuildError as exc:
+        pytest.fail(str(exc))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--bench-size", default=str(1 << 20),
                      help="shard length (fp32 entries) of tests/test_bench_codec.py")

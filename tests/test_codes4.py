@@ -5,6 +5,7 @@ the C ops, bit for bit."""
 from __future__ import annotations
 
 import ctypes as C
+from pathlib import Path
 from typing import Optional, Tuple
 
 import numpy as np
@@ -356,13 +357,12 @@ FP4_SIGS = {
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
-    """The launchers compiled by g++ against the emulation (tagc_bench.cuda_emu)."""
+def lib(cuda_emu_library: Path) -> C.CDLL:
+    """The launchers compiled by g++ against the emulation (conftest's build), with the
+    fp4 launchers' signatures."""
     from tagc_bench import cuda_emu
-    try:
-        dll = cuda_emu.load(cuda_emu.build(tmp_path_factory.mktemp("cuda_emu_fp4")))
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+
+    dll = cuda_emu.load(cuda_emu_library)
     for name, (ret, args) in FP4_SIGS.items():
         fn = getattr(dll, name)
         fn.restype, fn.argtypes = ret, args

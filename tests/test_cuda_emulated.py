@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes as C
 import math
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -36,14 +37,9 @@ QFORMAT = cuda_emu.QFORMAT
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
-    """The launchers compiled by g++ against the emulation (tagc_bench.cuda_emu)."""
-    try:
-        return cuda_emu.load(cuda_emu.build(tmp_path_factory.mktemp("cuda_emu")))
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    except cuda_emu.BuildError as exc:
-        pytest.fail(str(exc))
+def lib(cuda_emu_library: Path) -> C.CDLL:
+    """The launchers compiled by g++ against the emulation (conftest's build)."""
+    return cuda_emu.load(cuda_emu_library)
 
 
 SIZES = [(1, 1), (9, 4), (300, 0), (300, 300), (4096, 40), (9000, 113)]
