@@ -84,7 +84,8 @@ class FTLocalSteps(LocalSteps):
         optimizer: the inner optimizer; a step post-hook counts its steps.
         key: the state dict key on the manager.
     Raises:
-        ValueError: ``outer_every`` is 0, or no units.
+        ValueError: ``outer_every`` is 0, no units, a unit without trained
+            parameters, or units that share parameters.
         NotImplementedError: as :class:`~tagc.ft.FTAllReduce`.
     """
 
@@ -100,11 +101,16 @@ class FTLocalSteps(LocalSteps):
         self.commits = self.failures = 0
         self._t0: Optional[float] = None
         self._healed = False
-        units = []
+        units, seen = [], set()
         for i, m in enumerate(mods):
             storage = self._storage(m)
             if not storage:
                 raise ValueError(f"FTLocalSteps: unit {i} has no trained parameters")
+            mine = {t.data_ptr() for t in storage}
+            if mine & seen:  # a parameter synced twice would take two outer steps
+                raise ValueError(f"FTLocalSteps: unit {i} shares parameters with an earlier "
+                                 "unit (pass disjoint modules, e.g. the leaves)")
+            seen |= mine
             units.append(OuterUnit(f"unit{i}", sum(t.numel() for t in storage),
                                    storage[0].device))
         self._setup(mods, units, cfg, optimizer)

@@ -207,3 +207,22 @@ def test_three_to_two_the_survivors_sync_over_the_new_quorum() -> None:
     assert same(a.outer_state(), c.outer_state()) and same(a.shards(), c.shards())
     st_a, st_c = a.ft.stats()[0], c.ft.stats()[0]
     assert (st_a["replicas"], st_a["rank"], st_c["rank"]) == (2, 0, 1)
+
+
+def test_bad_units_are_refused() -> None:
+    """No local steps in the config, no units, a unit without trained parameters, and
+    units that share parameters (the whole model beside one of its layers)."""
+    from ft_helpers import StubManager
+
+    cfg = cfg_for()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    m = StubManager(None)
+    with pytest.raises(ValueError, match="outer_every 0"):
+        FTLocalSteps([model], TAGCConfig(mode="quant"), m, None, opt)
+    with pytest.raises(ValueError, match="no units"):
+        FTLocalSteps([], cfg, m, None, opt)
+    with pytest.raises(ValueError, match="no trained parameters"):
+        FTLocalSteps([model[1]], cfg, m, None, opt)
+    with pytest.raises(ValueError, match="shares parameters"):
+        FTLocalSteps([model[0], model], cfg, m, None, opt)
