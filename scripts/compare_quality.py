@@ -252,7 +252,9 @@ def _cell_config(out: Path, method: str, theta: Optional[float]) -> Path:
 
 
 def _cell_name(method: str, theta: Optional[float]) -> str:
-    return method if theta is None else f"{method}@{theta:g}"
+    # a preset given as a path is named by its file (the cell's output folder)
+    name = method if method in METHODS or "/" not in method else Path(method).stem
+    return name if theta is None else f"{name}@{theta:g}"
 
 
 def run_grid(args: argparse.Namespace, extra: Sequence[str]) -> Dict[int, Dict[str, Any]]:
