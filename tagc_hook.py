@@ -71,9 +71,8 @@ from __future__ import annotations
 
 from tagc import __version__, presets, teardown
 from tagc.config import MODES, PAPER_THETA, QUANT_BITS, QUANT_FORMATS, TAGCConfig
-from tagc.ft import FTAllReduce, FTManager
+from tagc.ft import FTAllReduce, FTLocalSteps, FTManager
 from tagc.ft import register as register_ft
-from tagc.ft_local import FTLocalSteps
 from tagc.pipeline import PipelineConfig, pipeline_stage
 from tagc.selection import select_parameter
 from tagc.state import TAGCState, register

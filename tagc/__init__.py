@@ -15,7 +15,8 @@ and only ``tagc/codec.py`` imports the C module ``_tagc`` (``tests/test_layout.p
 * ``tagc/hsdp.py``        custom HSDP: the all-reduce between replicas, compressed
 * ``tagc/overlap.py``     custom HSDP on the CPU: that all-reduce beside the backward
 * ``tagc/local.py``       custom HSDP's local steps (DiLoCo): an outer step every H
-* ``tagc/ft.py``          that all-reduce over a torchft Manager's quorum (FTAllReduce)
+* ``tagc/ft.py``          that all-reduce and local steps over a torchft Manager's quorum
+                          (FTAllReduce, FTLocalSteps)
 * ``tagc/reducer.py``     UnitReducer: what FSDP holds per unit; one reduction
 * ``tagc/bypass.py``      the timing-based bypass (``bypass_every``): compress or not
 * ``tagc/memory.py``      what the feedback state keeps per rank: its layout and bytes

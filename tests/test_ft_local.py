@@ -1,4 +1,4 @@
-"""TAGC's local steps over a torchft quorum (tagc/ft_local.py, docs/TORCHFT.md).
+"""TAGC's local steps over a torchft quorum (tagc/ft.py, docs/TORCHFT.md).
 
 Replicas are threads of this process with torchft's gloo groups (tests/ft_helpers.py);
 each trains a small two-unit model whose inner steps fire :class:`FTLocalSteps` from
@@ -20,7 +20,7 @@ pytest.importorskip("torchft", reason="torchft not installed (pip install tagc[f
 from ft_helpers import Quorums, Replica  # noqa: E402
 
 from tagc.config import TAGCConfig  # noqa: E402
-from tagc.ft_local import FTLocalSteps  # noqa: E402
+from tagc.ft import FTLocalSteps  # noqa: E402
 
 pytestmark = pytest.mark.codec
 

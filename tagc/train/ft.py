@@ -4,7 +4,7 @@ replica group of a torchft run (docs/TORCHFT.md).
 Inside the group FSDP2 shards the model as usual; between groups a ``torchft.Manager``
 forms quorums, and the groups average over them every step (each unit's gradient shard:
 TAGC's :func:`tagc.ft.register`, or torchft's fp32 ``Manager.allreduce``) or every H
-steps (local steps: TAGC's :class:`tagc.ft_local.FTLocalSteps`, or torchft's ``DiLoCo``
+steps (local steps: TAGC's :class:`tagc.ft.FTLocalSteps`, or torchft's ``DiLoCo``
 with its fp32 all-reduce).  An exchange that failed (a peer died) is not committed:
 per step the optimizer does not step, TAGC's feedback state rolls back, and the step
 runs again with the next quorum; with local steps the fragment's shards go back to
@@ -167,7 +167,7 @@ class ReplicaGroup:
     gradient shard is averaged over the quorum after its reduce-scatter (TAGC's
     :func:`tagc.ft.register`, or torchft's fp32 all-reduce), one quorum and one vote a
     step.  Local steps (``outer_every`` H): TAGC's own outer loop over the quorum
-    (:class:`tagc.ft_local.FTLocalSteps`: a quorum and a vote per fragment's sync);
+    (:class:`tagc.ft.FTLocalSteps`: a quorum and a vote per fragment's sync);
     with ``--ft_allreduce torchft`` torchft's ``DiLoCo`` instead, fp32 (one fragment,
     Nesterov SGD with the preset's ``outer_lr`` / ``outer_momentum``,
     ``outer_overlap`` as its fragment delay, ``outer_mix`` as its merge): the
