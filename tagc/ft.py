@@ -26,9 +26,10 @@ non-finite skip, the agreement check), each fragment's sync one torchft step:
 3. **vote** (at once, or after ``outer_overlap`` steps): the new (momentum, start) is
    computed first, its checksum compared over the quorum, then ``should_commit()``.
    Committed: applied, as without torchft.  Not committed (a peer failed anywhere in
-   the sync): the outer state stays, the fragment's shards go back to their last
-   sync on every replica (torchft's DiLoCo does the same), and TAGC's feedback rolls
-   back with the step; the schedule goes on.
+   the sync): the sync is discarded on every replica, the outer state stays and TAGC's
+   feedback rolls back with the step; the shards keep their local steps, so the
+   fragment's next sync sends them with the next round's (torchft's DiLoCo drops
+   them instead); the schedule goes on.
 
 A replica alone in its quorum averages over itself (its own pseudo-gradient, nothing
 sent) and still takes the outer step.
@@ -645,11 +646,10 @@ class FTLocalSteps(LocalSteps):
             return new is not None
         self.failures += 1
         logger.warning("TAGC local steps over torchft: the sync of fragment %d was not "
-                       "committed (%s); its shards back at their last sync", p,
+                       "committed (%s); its next sync sends this round's steps too", p,
                        self.manager.errored() or "a peer failed")
         for i in idx:
             self.units[i].outer_avg = None
-            self._write(i, self.units[i].outer_start)
         return False
 
     def _gather(self, mine: torch.Tensor) -> List[torch.Tensor]:

@@ -151,7 +151,11 @@ def test_a_killed_replica_group_rejoins_heals_and_the_run_ends(tmp_path: Path,
     alone, together = sa["ft_committed_by_replicas"].get("1", 0), \
         sa["ft_committed_by_replicas"].get("2", 0)
     assert alone > 0 and together > 0, sa
-    assert (alone + together) * every + sa["ft_healed_steps"] == STEPS - uncovered, sa
+    # a sync that failed at the kill is not run again with local steps (the fragment's
+    # next sync sends its steps), and runs again per step
+    dropped = sa["ft_failed"] if every > 1 else 0
+    assert (alone + together + dropped) * every + sa["ft_healed_steps"] == \
+        STEPS - uncovered, sa
     assert sa["ft_failed"] <= 1 and sa["ft_healed_steps"] < kill_at and sb["ft_healed"] == 1
     # the restarted group: only exchanges with its peer, from the step it healed at
     assert set(sb["ft_committed_by_replicas"]) == {"2"}, sb

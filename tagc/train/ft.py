@@ -7,8 +7,8 @@ TAGC's :func:`tagc.ft.register`, or torchft's fp32 ``Manager.allreduce``) or eve
 steps (local steps: TAGC's :class:`tagc.ft.FTLocalSteps`, or torchft's ``DiLoCo``
 with its fp32 all-reduce).  An exchange that failed (a peer died) is not committed:
 per step the optimizer does not step, TAGC's feedback state rolls back, and the step
-runs again with the next quorum; with local steps the fragment's shards go back to
-their last sync.  A group that starts late or restarts heals from a live peer through
+runs again with the next quorum; with local steps the fragment's next sync sends
+that round's steps too.  A group that starts late or restarts heals from a live peer through
 torchft's recovery: the model, the optimizer and the step (:func:`local_state`; the
 outer loop adds its own).
 """
