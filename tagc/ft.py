@@ -634,8 +634,7 @@ class FTLocalSteps(LocalSteps):
         idx = self.fragments[p]
         new = self._outer(idx, avgs)
         if not self.manager.errored():
-            self._check_agree([self.units[i].outer_start for i in idx]
-                              if new is None else [start for _, start in new])
+            self._check_agree(self._starts(idx, new))
         ok = self.ft.should_commit()
         if self._t0 is not None:
             self.sync_s.append(time.perf_counter() - self._t0)

@@ -235,10 +235,17 @@ class LocalSteps:
         """Fragment p's outer step from its averaged pseudo-gradients (module doc)."""
         idx = self.fragments[p]
         new = self._outer(idx, avgs)
-        self._check_agree([u.outer_start for u in map(self.units.__getitem__, idx)]
-                          if new is None else [start for _, start in new])
+        self._check_agree(self._starts(idx, new))
         self._apply(p, new)
         return new is not None
+
+    def _starts(self, idx: List[int], new: Optional[List[Tuple[torch.Tensor, torch.Tensor]]]
+                ) -> List[torch.Tensor]:
+        """The starts the units ``idx`` have once :meth:`_apply` took ``new`` (None:
+        the ones they have)."""
+        if new is None:
+            return [self.units[i].outer_start for i in idx]
+        return [start for _, start in new]
 
     def _outer(self, idx: List[int], avgs: List[torch.Tensor]
                ) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
