@@ -1,11 +1,12 @@
 """Multi-process gloo harness for the hook tests (CPU, 127.0.0.1, strict timeouts).
 
-``run_dist(fn, world_size, *args)`` (tagc.train.launch) spawns ``world_size``
+``run_dist(fn, world_size, *args)`` (tagc.train.launch) starts ``world_size``
 processes that join one gloo process group, run ``fn(rank, world_size, *args)`` and
 send back its return value; a worker exception fails the test with the worker's
 traceback, a hang is killed after ``timeout`` seconds.  Several cases share one
-spawn by looping inside ``fn`` (:func:`run_cases`, :class:`SharedSpawn`): spawning
-costs seconds (each child imports torch), collectives cost milliseconds.
+spawn by looping inside ``fn`` (:func:`run_cases`, :class:`SharedSpawn`): a start
+costs a fraction of a second (each child is forked with torch imported), collectives
+cost milliseconds.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Modules, in reading order:
 * ``checkpoint``: save and bit-exact resume through torch.distributed.checkpoint;
 * ``loop``: process group, the training loop and :func:`main` (scripts/train_gpt2.py);
 * ``hf``: Hugging Face causal LMs (scripts/finetune_hf.py);
-* ``launch``: N gloo ranks in spawned processes (``run_dist``), for experiments;
+* ``launch``: N gloo ranks in new processes (``run_dist``), for experiments;
 * ``runs``: launching training runs as subprocesses, their provenance and reuse.
 
 The names below are imported lazily, so ``python -m tagc.train.data`` and the

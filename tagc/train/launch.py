@@ -1,12 +1,15 @@
-"""N gloo ranks on this machine, in spawned processes (CPU, 127.0.0.1, strict timeouts).
+"""N gloo ranks on this machine, in new processes (CPU, 127.0.0.1, strict timeouts).
 
-``run_dist(fn, world_size, *args)`` spawns ``world_size`` processes that join one
+``run_dist(fn, world_size, *args)`` starts ``world_size`` processes that join one
 gloo process group (FileStore rendezvous, no port to race for), run
 ``fn(rank, world_size, *args)`` and send back its (picklable, small) return
 value.  A worker exception is re-raised in the parent with the worker's
 traceback; a hang is killed after ``timeout`` seconds.
-Several cases share one spawn by looping inside ``fn``: spawning costs seconds
-(each child imports torch), collectives cost milliseconds.  Used by the tests
+The processes are forked from multiprocessing's fork server, which imports torch,
+FSDP and TAGC once (a fresh interpreter per rank would import them again: about 2 s
+of CPU each); they run with the caller's environment of the call.  Several cases
+still share one start by looping inside ``fn``: a start costs a fraction of a second,
+collectives cost milliseconds.  Used by the tests
 (tests/dist_helpers.py) and scripts/bench/measure_bytes.py.
 """
 from __future__ import annotations
@@ -25,8 +28,24 @@ import torch.multiprocessing as mp
 from tagc import teardown
 
 
+# What every rank imports, loaded once into multiprocessing's fork server: each rank is
+# forked from it instead of starting a fresh interpreter that imports torch and FSDP again
+# (about 2 s of CPU per rank, most of a short run's cost).  The server itself only
+# imports: it holds no process group, no OpenMP pool and no tensor for a child to inherit.
+_PRELOAD = ["torch", "torch.distributed.fsdp", "tagc_hook"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts
+    return ctx
+
+
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
-            args: tuple, out: Any) -> None:
+            args: tuple, out: Any, environ: dict) -> None:
+    # a forked rank inherits the fork server's environment, not the caller's of now
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -53,7 +72,7 @@ def run_dist(fn: Callable[..., Any], world_size: int, *args: Any,
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
     Args:
-        fn: a module-level function (spawned children import it by name).
+        fn: a module-level function (the children import it by name).
         world_size: number of processes.
         *args: extra picklable arguments.
         timeout: seconds before every worker is killed and the call fails.
@@ -63,11 +82,12 @@ def run_dist(fn: Callable[..., Any], world_size: int, *args: Any,
         AssertionError: a worker raised (its traceback is in the message),
             or the run timed out.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     tmp = tempfile.mkdtemp(prefix="tagc-dist-")
     store = os.path.join(tmp, "store")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, store, args, out),
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, store, args, out,
+                                                   dict(os.environ)),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
