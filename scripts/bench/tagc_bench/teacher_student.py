@@ -17,8 +17,9 @@ following the gradient shows up as a growing gap.
 * Each rank draws its own batch of ``N(0, I)`` inputs per step from ``(seed, step,
   rank)``; the validation loss is the MSE on a fixed held-out set of 4096 inputs.
 
-Run (2 gloo ranks on the CPU, spawned here; or under torchrun, which sets RANK), from
-any folder (``scripts/research/teacher_student.py`` takes the same arguments)::
+Run (2 gloo ranks on the CPU, started here by tagc.train.launch; or under torchrun,
+which sets RANK), from any folder (``scripts/research/teacher_student.py`` takes the
+same arguments)::
 
     python3 scripts/research/teacher_student.py plain tagc-lean tagc-balanced
     python3 scripts/research/teacher_student.py plain tagc-lean ternary ternary-res \\
@@ -39,11 +40,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
 import os
-import queue
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -53,6 +51,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tagc import presets, teardown
+from tagc.train.launch import run_dist
+
+# a whole launch of every variant (minutes on the suite's sizes); a hung rank is killed
+LAUNCH_TIMEOUT_S = 4 * 3600.0
 
 # Named configs that are not presets: the ternary and int4 codes with each kind of
 # feedback (every feedback knob explicit: TAGCConfig's defaults derive EF21 for quant).
@@ -234,21 +236,15 @@ def run_all(rank: int, world: int, args: argparse.Namespace) -> List[Dict[str, A
     return out
 
 
-def _worker(rank: int, world: int, store: str, args: argparse.Namespace, q: Any) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        res = run_all(rank, world, args)
-        if rank == 0:
-            q.put(res)
-    finally:
-        dist.destroy_process_group()
-
-
 def launch(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Run every variant on ``args.nproc`` gloo ranks: under torchrun in this process,
-    else in spawned processes.  Returns rank 0's results (None on other ranks)."""
+    else in new processes (``run_dist``).  Returns rank 0's results (None on other
+    ranks).
+
+    Raises:
+        SystemExit: a rank failed (its traceback in the message) or the launch ran
+            past :data:`LAUNCH_TIMEOUT_S`.
+    """
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
         try:
@@ -256,32 +252,10 @@ def launch(args: argparse.Namespace) -> List[Dict[str, Any]]:
         finally:
             dist.destroy_process_group()
         return res if int(os.environ["RANK"]) == 0 else None
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    store = os.path.join(tempfile.mkdtemp(prefix="teacher-student-"), "store")
-    procs = [ctx.Process(target=_worker, args=(r, args.nproc, store, args, q))
-             for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    res = None
-    # a rank that dies before rank 0 puts its results would leave a bare q.get() waiting
-    # forever: poll, and stop waiting once a rank has failed or every rank has ended
-    while res is None:
-        try:
-            res = q.get(timeout=1.0)
-        except queue.Empty:
-            if any(p.exitcode for p in procs) or all(p.exitcode is not None for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=None if res is not None else 30)
-        if p.is_alive():
-            p.terminate()
-            p.join()
-    if res is None or any(p.exitcode for p in procs):
-        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    return res
+    try:
+        return run_dist(run_all, args.nproc, args, timeout=LAUNCH_TIMEOUT_S)[0]
+    except AssertionError as exc:
+        raise SystemExit(f"a rank failed: {exc}") from exc
 
 
 def report(results: List[Dict[str, Any]], args: argparse.Namespace) -> str:
