@@ -23,6 +23,7 @@
 #error "the CUDA emulation needs C++ (it is used by the emulated .cu build only)"
 #endif
 
+#include <setjmp.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,15 +64,22 @@ static inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t
     return cudaSuccess;
 }
 
-/* A block's threads are fibers (ucontext) on the calling OS thread, run
- * round-robin: each runs until it reaches a barrier or returns, and a
- * barrier releases its waiters once every member has arrived.  Cheap and
- * deterministic; a barrier not reached by every thread is reported as a
- * deadlock (it would hang or be undefined on a GPU). */
+/* A block's threads are fibers on the calling OS thread, run round-robin:
+ * each runs until it reaches a barrier or returns, and a barrier releases its
+ * waiters once every member has arrived.  Cheap and deterministic; a barrier
+ * not reached by every thread is reported as a deadlock (it would hang or be
+ * undefined on a GPU).  A fiber's stack is set up by makecontext and entered
+ * once by setcontext; every later switch is _setjmp/_longjmp, which keep the
+ * signal mask alone: swapcontext's sigprocmask system call at each of the
+ * thousands of switches of a launch was a third of the emulated tests' time.
+ * (The build undefines _FORTIFY_SOURCE: its longjmp check refuses a jump to
+ * another stack.) */
 enum { TAGC_EMU_RUN, TAGC_EMU_BLOCK_WAIT, TAGC_EMU_WARP_WAIT, TAGC_EMU_DONE };
 
 struct tagc_emu_fiber {
-    ucontext_t ctx;
+    ucontext_t ctx; /* the first entry */
+    jmp_buf jb;     /* where it yielded */
+    int started;
     int state;
     uint64_t wait_gen;
 };
@@ -87,7 +95,7 @@ struct tagc_emu_block {
     std::vector<uint64_t> xch; /* one slot per thread (warp exchange) */
     unsigned cur = 0;
     const std::function<void()> *body = nullptr;
-    ucontext_t sched;
+    jmp_buf sched;
 };
 inline tagc_emu_block *tagc_emu_cur;
 inline std::vector<char *> tagc_emu_stacks; /* reused, never freed */
@@ -98,7 +106,7 @@ static inline void tagc_emu_fiber_main(void)
     tagc_emu_block *st = tagc_emu_cur;
     (*st->body)();
     st->fib[st->cur].state = TAGC_EMU_DONE;
-    /* returning resumes uc_link: the scheduler */
+    _longjmp(st->sched, 1); /* never returns: the stack is reused */
 }
 
 static inline void tagc_emu_yield(int state, uint64_t gen)
@@ -107,7 +115,21 @@ static inline void tagc_emu_yield(int state, uint64_t gen)
     tagc_emu_fiber &f = st->fib[st->cur];
     f.state = state;
     f.wait_gen = gen;
-    swapcontext(&f.ctx, &st->sched);
+    if (!_setjmp(f.jb))
+        _longjmp(st->sched, 1);
+}
+
+/* Runs fiber f until it yields or ends.  A function of its own: the jump back
+ * lands in this frame, whose variables do not change after the _setjmp. */
+__attribute__((noinline)) static void tagc_emu_enter(tagc_emu_block *st, tagc_emu_fiber &f)
+{
+    if (!_setjmp(st->sched)) {
+        if (!f.started) {
+            f.started = 1;
+            setcontext(&f.ctx);
+        }
+        _longjmp(f.jb, 1);
+    }
 }
 
 static inline void tagc_emu_run_block(tagc_emu_block *st, unsigned nthreads)
@@ -115,13 +137,16 @@ static inline void tagc_emu_run_block(tagc_emu_block *st, unsigned nthreads)
     while (tagc_emu_stacks.size() < nthreads)
         tagc_emu_stacks.push_back((char *)malloc(TAGC_EMU_STACK));
     st->fib.resize(nthreads);
+    ucontext_t proto;
+    getcontext(&proto);
     for (unsigned i = 0; i < nthreads; i++) {
         tagc_emu_fiber &f = st->fib[i];
-        getcontext(&f.ctx);
+        f.ctx = proto;
         f.ctx.uc_stack.ss_sp = tagc_emu_stacks[i];
         f.ctx.uc_stack.ss_size = TAGC_EMU_STACK;
-        f.ctx.uc_link = &st->sched;
+        f.ctx.uc_link = NULL;
         makecontext(&f.ctx, tagc_emu_fiber_main, 0);
+        f.started = 0;
         f.state = TAGC_EMU_RUN;
     }
     unsigned left = nthreads;
@@ -136,7 +161,7 @@ static inline void tagc_emu_run_block(tagc_emu_block *st, unsigned nthreads)
             st->cur = i;
             threadIdx = {i, 0, 0};
             f.state = TAGC_EMU_RUN;
-            swapcontext(&st->sched, &f.ctx);
+            tagc_emu_enter(st, f);
             ran = 1;
             if (f.state == TAGC_EMU_DONE)
                 left--;
