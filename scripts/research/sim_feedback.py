@@ -529,7 +529,8 @@ def table(results: List[Dict[str, Any]]) -> str:
         lines.append(f"| {r['method']} | {r['val_loss']:.5f} | "
                      f"{100 * (r['val_loss'] / base - 1):+.1f}% | "
                      f"{sum(r.get('resets', {}).values()) if 'resets' in r else '-'} |")
-    lines += ["", "| method | unit | est_err median (thirds) / p95 / max | out_err median / max | "
+    lines += ["", "| method | unit | est_err median (thirds) / p95 / max | "
+              "out_err median (thirds) / max | "
               "lam / rho2 median | alpha ternary med / p5 / min | alpha tl2 med / p5 / min | "
               "alpha int4 med / p5 / min |", "|---|---|---|---|---|---|---|---|"]
     for r in results[1:]:
@@ -540,7 +541,9 @@ def table(results: List[Dict[str, Any]]) -> str:
             damp = f"{u['lam']['median']:.3f} / {u['rho2']['median']:.3f}" if "lam" in u else "-"
             lines.append(f"| {r['method']} | {k} | {e['median']:.3f} "
                          f"({', '.join(f'{x:.2f}' for x in e['thirds_median'])}) / "
-                         f"{e['p95']:.2f} / {e['max']:.2f} | {o['median']:.3f} / {o['max']:.2f} | "
+                         f"{e['p95']:.2f} / {e['max']:.2f} | {o['median']:.3f} "
+                         f"({', '.join(f'{x:.2f}' for x in o['thirds_median'])}) / "
+                         f"{o['max']:.2f} | "
                          f"{damp} | " + " | ".join(al) + " |")
     return "\n".join(lines) + "\n"
 
