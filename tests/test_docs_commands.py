@@ -86,9 +86,17 @@ def helps(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
               if getattr(item, "originalname", "") == "test_every_command_answers_help"]
     pool = ThreadPoolExecutor(max_workers=2)
     request.addfinalizer(lambda: pool.shutdown(wait=True, cancel_futures=True))
-    return {cmd: pool.submit(subprocess.run, list(cmd), cwd=tmp_path_factory.mktemp("help"),
-                             capture_output=True, text=True, timeout=120)
+    return {cmd: pool.submit(_help, list(cmd), tmp_path_factory.mktemp("help"))
             for cmd in dict.fromkeys(wanted)}
+
+
+def _help(cmd: List[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``cmd`` run in ``cwd``; a start that fails with an OSError (seen once in CI: EFAULT
+    from the exec of two starts at once, before the command ran) is tried once more."""
+    try:
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+    except OSError:
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("cmd", _commands(), ids=lambda c: c[-2] if c[1] != "-m" else c[2])
