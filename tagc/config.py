@@ -452,6 +452,10 @@ def check_gather(cfg: "TAGCConfig") -> None:
     elif cfg.gather_rotate:
         raise ValueError(f"gather_rotate: rotates fp4 gather codes only, not "
                          f"gather={cfg.gather!r}")
+    _check_bool("gather_delta", cfg.gather_delta)
+    if cfg.gather_delta and cfg.gather not in ("int8", "int4"):
+        raise ValueError(f"gather_delta: codes the weights' change on int8 or int4 "
+                         f"gathers, not gather={cfg.gather!r}")
 
 
 def check_overlap(cfg: "TAGCConfig") -> None:
@@ -653,6 +657,15 @@ class TAGCConfig:
         "after decoding (the same seeded signs on every rank and call of a unit), which "
         "spreads a block's outliers (NVFP4 pretraining, QuaRot).",
         values="bool", reads="FSDP2 with gather: fp4")
+    gather_delta: bool = knob(
+        False, "gather",
+        "int8/int4 gathers code each weight's change since the last gathered weights "
+        "every rank holds (SDP4Bit's weight differences), not the weight: the error is "
+        "a fraction of one step's update. Memory: every rank keeps each unit's gathered "
+        "weights between calls (the unsharded model in the gather dtype) and its own "
+        "shard as last sent. A unit's first call, and the first after a TAGC state "
+        "load, gathers exactly.",
+        values="bool", reads="FSDP2 with gather: int8 | int4")
     fsdp_overlap: bool = knob(
         True, "overlap",
         "Run every unit's reduce-scatter and parameter all-gather on a worker thread while "

@@ -27,6 +27,20 @@ Protocol of one call (every rank runs the same steps on the same bytes):
    sentinel, every rank sees it in the same bytes, so all of them fall back to the
    exact all-gather of the unit for this call, with no extra agreement round.
 
+``gather_delta`` (int8/int4, SDP4Bit's weight differences): every rank keeps ``ref``,
+the unit's gathered weights as it reconstructed them, the same on every rank.  The
+owner codes ``shard - ref[own]`` instead of the shard and flags, in one byte after the
+codes, whether its shard differs from the one it coded last; each rank adds the decoded
+change of every flagged message to its ``ref`` (in the gather dtype, so the owner's
+mirror and every receiver round alike) and hands FSDP ``ref``.  The loop is closed: what
+one call's codes round away is part of the next call's change, so the weights trail
+the masters by a fraction of one step's update, not by a fraction of the weights.  An
+unflagged message leaves ``ref`` as it is, so the backward re-gather of a step hands
+FSDP the forward's weights bit for bit.  The unit's first call, and the first after
+:meth:`GatherComm.reset` (a TAGC state load), gather exactly and start ``ref`` there; a
+NaN/Inf fallback restarts it from that exact gather too.  On CUDA the flag is written
+and read on the device (no host synchronisation), so every message is decoded.
+
 What is never quantized: a call over another group than the unit's shard group
 (``reshard_after_forward=int`` re-gathers the post-forward shards over the smaller
 group: those shards are slices of an already dequantized output, so the exact
@@ -62,20 +76,21 @@ except ImportError:  # pragma: no cover - older torch without custom comms
 _QUANTIZABLE = (torch.float32, torch.bfloat16)
 
 
-def message_bytes(segments: Sequence[int], fmt: str, block: int) -> int:
+def message_bytes(segments: Sequence[int], fmt: str, block: int, delta: bool = False) -> int:
     """Bytes of one rank's shard on the gather codes: blocks never cross a segment.
 
     Args:
         segments: the shard's segment lengths (one per parameter).
         fmt: a gather format other than ``none``.
         block: values per scale.
+        delta: ``gather_delta``'s message (the codes and one flag byte).
     Returns:
         the message size, the same on every rank.
     """
     if fmt == "fp4":
         return sum(int(_tagc.fp4_bytes(int(n), block)) for n in segments)
     return int(_tagc.wq_bytes(torch.tensor([int(n) for n in segments], dtype=torch.int64),
-                              fmt, block))
+                              fmt, block)) + int(delta)
 
 
 # E8M0's NaN: a scale byte every fp4 decoder turns into NaN values
@@ -202,7 +217,13 @@ class GatherComm(_OrderedGather):
         self.shard_numel = sum(segments)
         self.quantize, self.stats, self.switch = quantize, stats, switch
         # one rank's message: its size depends on the segments alone, the same everywhere
-        self.message_bytes = message_bytes(segments, cfg.gather, cfg.gather_block)
+        self.message_bytes = message_bytes(segments, cfg.gather, cfg.gather_block,
+                                           cfg.gather_delta)
+        # gather_delta: the unit's weights as every rank reconstructed them, and this
+        # rank's shard as it last coded it; None until the first (exact) call
+        self.delta = cfg.gather_delta
+        self._ref: Optional[torch.Tensor] = None
+        self._sent: Optional[torch.Tensor] = None
         # fp4: each segment coded on its own, (values, bytes) spans of the shard and
         # message; one rotation seed per unit, from (config seed, unit): the forward
         # gather and the backward re-gather code the same masters to the same bytes
@@ -223,6 +244,17 @@ class GatherComm(_OrderedGather):
     def _exact_now(self) -> bool:
         return self.switch.exact
 
+    def reset(self) -> None:
+        """Forget ``gather_delta``'s reconstruction: the next call gathers exactly.
+        Call it on every rank alike (the ranks must agree on which calls are exact),
+        with no gather of the unit in flight."""
+        self._ref = self._sent = None
+
+    def held_bytes(self) -> int:
+        """Bytes ``gather_delta`` keeps between calls (0 before the first call)."""
+        return sum(t.numel() * t.element_size() for t in (self._ref, self._sent)
+                   if t is not None)
+
     def _gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                 group: Any, exact: bool) -> None:
         world = dist.get_world_size(group)
@@ -236,6 +268,11 @@ class GatherComm(_OrderedGather):
         self.stats.add("gather_default_wire_bytes", (world - 1) * nb)
         why = self._exact_reason(input_tensor, group)
         if why is None:
+            if self.delta and not self._holds(output_tensor, input_tensor):
+                # the reconstruction starts from the true weights, on every rank alike
+                self._exact(output_tensor, input_tensor, group, world, nb)
+                self._keep(output_tensor, input_tensor)
+                return
             try:
                 self._quantized(output_tensor, input_tensor, group, world)
                 return
@@ -244,7 +281,22 @@ class GatherComm(_OrderedGather):
                 self.stats.add("gather_nonfinite", 1)
                 logger.warning("TAGC unit %r: a parameter block holds NaN/Inf; this "
                                "gather is exact on every rank", self.name)
+            self._exact(output_tensor, input_tensor, group, world, nb)
+            if self.delta:
+                self._keep(output_tensor, input_tensor)
+            return
         self._exact(output_tensor, input_tensor, group, world, nb)
+
+    def _holds(self, out: torch.Tensor, inp: torch.Tensor) -> bool:
+        """Whether ``gather_delta``'s reconstruction fits this call."""
+        ref, sent = self._ref, self._sent
+        return ref is not None and sent is not None and ref.shape == out.shape and \
+            ref.dtype == out.dtype and ref.device == out.device and sent.dtype == inp.dtype
+
+    def _keep(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Start the reconstruction from an exact gather's output."""
+        self._ref = out.detach().clone()
+        self._sent = inp.detach().clone()
 
     def _exact_reason(self, inp: torch.Tensor, group: Any) -> Optional[str]:
         """Why this call is gathered exactly, or None when it is quantized."""
@@ -280,7 +332,9 @@ class GatherComm(_OrderedGather):
         mb = self.message_bytes
         recv = torch.empty(world, mb, dtype=torch.uint8, device=inp.device)
         rank = dist.get_rank(group)
-        if fmt == "fp4":
+        if self.delta:
+            self._delta_encode(recv[rank], inp, rank, segs, kw)
+        elif fmt == "fp4":
             self._fp4_encode(recv[rank], inp, kw)
         else:
             _tagc.wq_encode(recv[rank], inp, segs, fmt, block, **kw)
@@ -298,11 +352,55 @@ class GatherComm(_OrderedGather):
             # sees the same bytes.  CUDA: no host sync; NaN weights, as an exact gather
             # of NaN masters gives too
             raise _tagc.NonFiniteError("a parameter block holds NaN/Inf")
+        if self.delta:
+            self._delta_decode(out, recv, rank, segs, kw)
+            return
         for r in [r for r in range(world) if r != rank] + [rank]:  # own shard last
             if fmt == "fp4":
                 self._fp4_decode(out[r * n:(r + 1) * n], recv[r], kw)
             else:
                 _tagc.wq_decode(out[r * n:(r + 1) * n], recv[r], segs, fmt, block, **kw)
+
+    def _delta_encode(self, msg: torch.Tensor, inp: torch.Tensor, rank: int, segs: Any,
+                      kw: Any) -> None:
+        """``gather_delta``: the codes of ``shard - ref[own]`` and the changed flag."""
+        n, mb = inp.numel(), self.message_bytes - 1
+        own = self._ref[rank * n:(rank + 1) * n]
+        if inp.is_cuda:
+            msg[mb:].copy_((inp != self._sent).any().view(1))
+        elif torch.equal(inp, self._sent):
+            # the bytes still travel (the message size is fixed): zeros, not stale memory
+            msg.zero_()
+            return
+        else:
+            msg[mb] = 1
+        _tagc.wq_encode(msg[:mb], inp.float() - own.float(), segs, self.cfg.gather,
+                        self.cfg.gather_block, **kw)
+        self._sent.copy_(inp)
+
+    def _delta_decode(self, out: torch.Tensor, recv: torch.Tensor, rank: int, segs: Any,
+                      kw: Any) -> None:
+        """``gather_delta``: every flagged message's change into ``ref``; ``out = ref``.
+        A sentinel block raises NonFiniteError (CPU) with ``ref`` partly updated: the
+        caller's exact fallback restarts it."""
+        n, mb = out.numel() // recv.shape[0], self.message_bytes - 1
+        ref = self._ref
+        change = torch.empty(n, dtype=torch.float32, device=out.device)
+        for r in range(recv.shape[0]):
+            if not recv.is_cuda and not recv[r, mb]:
+                continue
+            held = ref[r * n:(r + 1) * n]
+            _tagc.wq_decode(change, recv[r, :mb], segs, self.cfg.gather,
+                            self.cfg.gather_block, **kw)
+            # added in fp32 and rounded to the gather dtype: the owner's mirror and every
+            # receiver round alike
+            if recv.is_cuda:
+                held.copy_(torch.where(recv[r, mb].bool(), held.float() + change, held))
+            elif held.dtype == torch.float32:
+                held.add_(change)
+            else:
+                held.copy_(change.add_(held.float()))
+        out.copy_(ref)
 
     def _fp4_encode(self, msg: torch.Tensor, inp: torch.Tensor, kw: Any) -> None:
         """This rank's message, segment by segment; NaN scales throughout if a block

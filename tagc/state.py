@@ -132,7 +132,9 @@ class TAGCState:
             parameters, every parameter FSDP manages) and
             ``feedback_bytes_per_param`` (steady / params; the preset's memory
             cost per parameter of the model, docs/USAGE.md); ``outer_bytes``, local
-            steps' outer state (``outer_every``: two fp32 shards per unit).
+            steps' outer state (``outer_every``: two fp32 shards per unit);
+            ``gather_held_bytes``, what ``gather_delta`` keeps between calls (each
+            unit's gathered weights and this rank's shard as last coded).
         """
         held = steady = params = outer = 0
         for u in self.units:
@@ -146,7 +148,8 @@ class TAGCState:
                     held += t.numel() * t.element_size()
         return {"feedback_bytes": held, "feedback_bytes_steady": steady, "params": params,
                 "feedback_bytes_per_param": steady / params if params else 0.0,
-                "outer_bytes": outer}
+                "outer_bytes": outer,
+                "gather_held_bytes": sum(g.held_bytes() for g in self.gathers)}
 
     def summary(self, name: Optional[str] = None) -> str:
         """One line of :meth:`stats` for a log: units compressed, bytes, feedback state.
@@ -273,6 +276,13 @@ class TAGCState:
                                    self.kind)
         self._join()  # the old state may still be in use on a codec stream or the worker
         checkpoint.restore(sd, self.units, rows)
+        self._restart_gathers()
+
+    def _restart_gathers(self) -> None:
+        # a load comes with the model's weights: gather_delta's reconstruction of the
+        # old ones would take the jump as one step's change
+        for g in self.gathers:
+            g.reset()
 
     def check_dcp(self, checkpoint_id: Any, key: str = "tagc") -> bool:
         """Check a ``torch.distributed.checkpoint`` checkpoint's TAGC state against this
@@ -337,6 +347,7 @@ class TAGCState:
                                 self.world_size, self.rank)
         self._join()
         checkpoint.restore(saved, self.units, rows)
+        self._restart_gathers()
         logger.info("TAGC: feedback state mapped from %s on %d ranks to %s on %d ranks",
                     saved["kind"], saved["world_size"], self.kind, self.world_size)
 

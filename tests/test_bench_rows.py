@@ -24,8 +24,9 @@ bench_step = load_script("bench_step")
 bench_report = load_script("bench_report")
 
 ROOT = Path(__file__).resolve().parent.parent
-ISSUE_42 = ["fsdp", "fsdp-bf16", "fsdp-noreshard", "balanced", "full", "full-bf16", "full-int4g",
-            "full-noreshard"]
+# issue 42's rows, and issue 56's tagc-full4
+PLAN_124M = ["fsdp", "fsdp-bf16", "fsdp-noreshard", "balanced", "full", "full-bf16", "full-int4g",
+             "full-noreshard", "full4"]
 
 
 def _parsed(monkeypatch: Any, argv: list) -> Any:
@@ -39,7 +40,7 @@ def _parsed(monkeypatch: Any, argv: list) -> Any:
 def test_gpt2_124m_plan_and_rows_parse(monkeypatch: Any) -> None:
     args = _parsed(monkeypatch, ["--model", "gpt2-124m", "--fsdp", "2", "--strategies",
                                  "FULL_SHARD", "--rate", "200mbit", "1gbit"])
-    assert args.configs == ISSUE_42 and args.rate == ["200mbit", "1gbit"]
+    assert args.configs == PLAN_124M and args.rate == ["200mbit", "1gbit"]
     sh = args.shape_obj
     assert (sh.n_layer, sh.n_embd, sh.vocab_size, sh.block_size, sh.batch) == (12, 768, 50257, 256, 1)
     plan = BENCH_MODELS["gpt2-124m"]

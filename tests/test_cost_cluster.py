@@ -137,6 +137,20 @@ def test_feedback_memory_by_hand_for_ef21_with_an_fp32_residual() -> None:
     assert want > 4 * s.params  # unsharded: more than 4 bytes per parameter on every GPU
 
 
+def test_gather_delta_memory_by_hand() -> None:
+    """tagc-full4 holds tagc-full's feedback plus, per unit of n over W GPUs, the
+    gathered weights and the own shard in bf16: 2 (W + 1) ceil(n/W), every unit."""
+    s = cl.shape("124m")
+    full, full4 = TAGCConfig.preset("tagc-full"), TAGCConfig.preset("tagc-full4")
+    model = s.layout(full4.layers, full4.min_numel)
+    w = 16
+    held = sum(2 * (w + 1) * math.ceil(u.numel / w) for u in model.units)
+    a = cl.Assumptions()
+    got = cl.memory_per_gpu(s, model, False, 2, 8, 80.0, 1024, a, full4).feedback
+    assert got == cl.memory_per_gpu(s, model, False, 2, 8, 80.0, 1024, a, full).feedback + held
+    assert held > 2 * s.params  # the unsharded model, not a shard of it
+
+
 def test_cells_follow_the_presets_as_loaded(capsys: pytest.CaptureFixture) -> None:
     """The feedback column is tagc.memory's figure for the shipped preset (whatever it
     holds now), and TAGC's HSDP route holds nothing at one node (no replicas)."""

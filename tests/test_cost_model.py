@@ -281,12 +281,13 @@ def test_size_rules_are_the_librarys() -> None:
     assert cm.gather_bytes(segs, "int8", 256) == _tagc.wq_bytes(segs, "int8", 256)
     # the compressions the model names are the hook's configs of the shipped presets
     for name, preset in (("balanced", "tagc-balanced"), ("lean", "tagc-lean"),
-                         ("full", "tagc-full"), ("sparse", "tagc-sparse"),
+                         ("full", "tagc-full"), ("full4", "tagc-full4"),
+                         ("sparse", "tagc-sparse"),
                          ("auto", "tagc-auto"), ("dense", "tagc-dense"),
                          ("local", "tagc-local")):
         mine, shipped = cm.PRESETS[name].library(), tagc.config.TAGCConfig.preset(preset)
         for knob in ("mode", "quant_format", "quant_block", "ef21", "gather", "gather_block",
-                     "value_dtype", "residual_code", "outer_every"):
+                     "value_dtype", "residual_code", "outer_every", "gather_delta"):
             assert getattr(mine, knob) == getattr(shipped, knob), (name, knob)
         if shipped.top_k:
             assert mine.theta == shipped.theta, name

@@ -574,6 +574,146 @@ def _case_checkpoint(rank: int, n: int) -> str:
     return "ok"
 
 
+def _padded_rows(full: Dict[str, torch.Tensor], names: List[str], world: int) -> torch.Tensor:
+    """The unit's gather output by the test's own layout: (world, shard) rows, row r
+    every parameter's dim-0 chunk r, zero padded to ``ceil(rows / world)`` rows."""
+    rows = []
+    for r in range(world):
+        segs = []
+        for nm in names:
+            w = full[nm]
+            c = math.ceil(w.shape[0] / world)
+            part = w[r * c:(r + 1) * c].reshape(-1)
+            pad = torch.zeros(c * w[0].numel(), dtype=w.dtype)
+            pad[:part.numel()] = part
+            segs.append(pad)
+        rows.append(torch.cat(segs))
+    return torch.stack(rows)
+
+
+def _segment_lengths(full: Dict[str, torch.Tensor], names: List[str], world: int) -> List[int]:
+    return [math.ceil(full[nm].shape[0] / world) * full[nm][0].numel() for nm in names]
+
+
+def _case_delta(rank: int, n: int, fmt: str = "int4", bf16: bool = False) -> Dict[str, Any]:
+    """``gather_delta`` against the test's own protocol: a unit's first call is the
+    exact gather; each later forward hands FSDP ``prev + dequant(masters' rows - prev)``
+    per rank and segment (the test's quantizer, in the gather dtype); the backward
+    re-gather of a step equals its forward bit for bit; every rank holds the same
+    weights; they trail the masters by less than a quarter of plain codes' error; the
+    bytes are the formula's (one flag byte per message); ``held`` memory is the
+    formula's; a TAGC state load restarts from an exact gather."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    cfg = _cfg(gather=fmt, gather_delta=True)
+    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if bf16 else {}
+    model = _build(cfg, reshard_after_forward=True, **mp)
+    state = tagc.register(model, cfg)
+    rec = Recorder(model, state)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    units = [(mod._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm.name, names)
+             for mod, names in unit_params(model)]
+    dt = torch.bfloat16 if bf16 else torch.float32
+    prev: Dict[str, torch.Tensor] = {}
+    worst = {"delta": 0.0, "plain": 0.0}
+    steps = 4
+    for step in range(steps):
+        full = {k: v.to(dt) for k, v in _full(model).items()}
+        for name, _ in units:
+            rec.calls.pop(name, None)
+        model(toy_batch(rank, step)).backward()
+        opt.step()
+        opt.zero_grad()
+        for name, names in units:
+            (fwd, w), (bwd, _) = rec.calls[name]
+            assert w == n and fwd.dtype == dt
+            assert torch.equal(fwd, bwd), (name, step)  # the re-gather flags no change
+            rows = _padded_rows(full, names, n)
+            got = fwd.view(n, -1)
+            if step == 0:
+                want = rows  # the first call is exact
+            else:
+                want = torch.empty_like(rows)
+                for r in range(n):
+                    o = 0
+                    for ln in _segment_lengths(full, names, n):
+                        held = prev[name][r, o:o + ln]
+                        change = ref_dequant(rows[r, o:o + ln].float() - held.float(), fmt,
+                                             BLOCK)
+                        want[r, o:o + ln] = (held.float() + change).to(dt)
+                        o += ln
+                plain = torch.cat([ref_dequant(rows[r], fmt, BLOCK) for r in range(n)])
+                worst["delta"] = max(worst["delta"], float((want.float() - rows.float()).abs().max()))
+                worst["plain"] = max(worst["plain"],
+                                     float((plain.float() - rows.reshape(-1).float()).abs().max()))
+            assert torch.equal(got, want), (name, step, float((got.float() - want.float()).abs().max()))
+            prev[name] = got.clone()
+    if not bf16:  # bf16's own rounding of the weights bounds both alike
+        assert worst["delta"] < worst["plain"] / 4, worst
+    mine = torch.cat([prev[name].reshape(-1) for name, _ in units]).float()
+    every = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(every, mine)
+    assert all(torch.equal(every[0], e) for e in every)
+    full = _full(model)
+    held = 0
+    for name, names in units:
+        st = state.stats()["units"][name]
+        msg = ref_message_bytes(full, names, n, fmt, BLOCK) + 1
+        shard = sum(_segment_lengths(full, names, n))
+        exact_bytes = (n - 1) * shard * (2 if bf16 else 4)
+        assert st["gather_exact_calls"] == 1 and st["gather_quantized_calls"] == 2 * steps - 1
+        assert st["gather_wire_bytes"] == exact_bytes + (2 * steps - 1) * (n - 1) * msg
+        held += (n + 1) * shard * (2 if bf16 else 4)
+    assert state.stats()["memory"]["gather_held_bytes"] == held
+    # a TAGC state load forgets the reconstruction: the next call of every unit is exact
+    state.load_state_dict(state.state_dict())
+    assert state.stats()["memory"]["gather_held_bytes"] == 0
+    model(toy_batch(rank, steps)).backward()
+    for name, _ in units:
+        st = state.stats()["units"][name]
+        assert st["gather_exact_calls"] == 2 and st["gather_quantized_calls"] == 2 * steps
+    return {"worst": worst}
+
+
+def _case_delta_nonfinite(rank: int, n: int) -> Dict[str, Any]:
+    """``gather_delta`` and a NaN in rank 0's masters after the first step: that call
+    falls back to the exact gather (the NaN where it is), and so does the next one once
+    the weight is finite again (the change from a NaN is NaN); then the unit is
+    quantized again and its weights are finite.  A fallback counts its quantized
+    attempt too."""
+    cfg = _cfg(gather="int8", gather_delta=True)
+    model = _build(cfg)
+    target = model.h[0].mlp[0]
+    state = tagc.register(model, cfg)
+    name = target._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm.name
+    rec = Recorder(model, state)
+    x = toy_batch(rank, 0)
+
+    def counts() -> Tuple[int, int, int]:
+        st = state.stats()["units"][name]
+        return st["gather_exact_calls"], st["gather_quantized_calls"], st["gather_nonfinite"]
+
+    with torch.no_grad():
+        model(x)
+        assert counts() == (1, 0, 0)
+        keep = target.weight.to_local()[0, 3].item()
+        if rank == 0:
+            target.weight.to_local()[0, 3] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(x)
+            assert counts() == (2, 1, 1)
+            assert int(torch.isnan(rec.calls[name][-1][0]).sum()) == 1
+            if rank == 0:
+                target.weight.to_local()[0, 3] = keep
+            model(x)
+        assert counts() == (3, 2, 2)
+        model(x)
+        assert counts() == (3, 3, 2)
+        assert bool(torch.isfinite(rec.calls[name][-1][0]).all())
+    return {"unit": name}
+
+
 def _case_hsdp(rank: int, n: int) -> Dict[str, Any]:
     """TAGC's custom HSDP, 2 replicas x 2 shards: the gathers (inside a node, over the
     shard group) are quantized as on FULL_SHARD with N=2, and the gradients equal those
@@ -615,7 +755,9 @@ def _case_bad_input(rank: int, n: int) -> List[str]:
                 dict(gather_block=65537), dict(gather_block=True),
                 dict(gather="fp4", gather_block=24), dict(gather="fp4", gather_block=512),
                 dict(gather="fp4", gather_block=1), dict(gather_rotate=True),
-                dict(gather="fp4", gather_block=32, gather_rotate=1)):
+                dict(gather="fp4", gather_block=32, gather_rotate=1),
+                dict(gather="fp4", gather_block=32, gather_delta=True),
+                dict(gather="none", gather_delta=True), dict(gather_delta=1)):
         with pytest.raises(ValueError, match="gather"):
             _cfg(**bad)
     return msgs
@@ -684,6 +826,10 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
         ("preset_block_int8", lambda r, w: _case_preset_block(r, w, "int8")),
         ("preset_block_int4", lambda r, w: _case_preset_block(r, w, "int4")),
         ("checkpoint", _case_checkpoint),
+        ("delta_int4", _case_delta),
+        ("delta_int8", lambda r, w: _case_delta(r, w, "int8")),
+        ("delta_bf16", lambda r, w: _case_delta(r, w, "int4", bf16=True)),
+        ("delta_nonfinite", _case_delta_nonfinite),
         ("bad_input", _case_bad_input),
         ("pair_exchange", _case_pair_exchange),
     ]
@@ -697,7 +843,8 @@ SPAWN = SharedSpawn(_suite, timeout=400)
 CASES = ["grads", "grads_int4", "grads_fp4", "grads_fp4_rotated", "nonfinite_fp4", "bf16_fp4",
          "no_reshard", "prefetch", "modes", "bf16", "nonfinite",
          "exact_switch", "exact_switch_kept", "regather", "preset_block_int8",
-         "preset_block_int4", "checkpoint", "bad_input", "pair_exchange"]
+         "preset_block_int4", "checkpoint", "delta_int4", "delta_int8", "delta_bf16",
+         "delta_nonfinite", "bad_input", "pair_exchange"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -369,7 +369,8 @@ def feedback_bytes(cfg: TAGCConfig, numel: int, world: int, replicas: int = 1) -
 
 def feedback_state(cfg: TAGCConfig, model: ModelSpec, world: int, replicas: int) -> int:
     """TAGC's persistent bytes per GPU: :func:`feedback_bytes` summed over the
-    compressed units, and with local steps ``tagc.memory.outer_bytes`` over every unit.
+    compressed units, with local steps ``tagc.memory.outer_bytes`` over every unit, and
+    with ``gather_delta`` the gathered weights every rank keeps.
 
     Args:
         cfg: the preset.
@@ -379,8 +380,13 @@ def feedback_state(cfg: TAGCConfig, model: ModelSpec, world: int, replicas: int)
     Returns:
         bytes.
     """
-    return sum(feedback_bytes(cfg, u.numel, world, replicas)
-               for u in model.units if u.compressed) + \
+    held = 0
+    if cfg.gather_delta:
+        # every rank keeps each unit's gathered weights (bf16, the table's parameter
+        # dtype) and its own shard between calls: tagc/gather.py
+        held = sum(2 * (world + 1) * math.ceil(u.numel / world) for u in model.units)
+    return held + sum(feedback_bytes(cfg, u.numel, world, replicas)
+                      for u in model.units if u.compressed) + \
         sum(memory.outer_bytes(cfg, u.numel, world, replicas) for u in model.units)
 
 
@@ -436,7 +442,8 @@ def compression_of(cfg: TAGCConfig) -> Compression:
     value_bytes = next(b for b, d in VALUE_DTYPES.items() if d == cfg.value_dtype)
     return Compression(cfg.mode, cfg.quant_format, cfg.quant_block, cfg.theta, value_bytes,
                        bool(cfg.ef21), cfg.gather, cfg.gather_block, cfg.hsdp_out_format,
-                       cfg.residual_code if cfg.feeds_back else "none", cfg.outer_every)
+                       cfg.residual_code if cfg.feeds_back else "none", cfg.outer_every,
+                       bool(cfg.gather_delta))
 
 
 def configuration(name: str, hsdp: bool, cfg: Optional[TAGCConfig]) -> Config:

@@ -64,7 +64,7 @@ def quant_bytes(n: int, fmt: str, block: int) -> int:
     return _tagc().quant_bytes(n, fmt, block)
 
 
-def gather_bytes(segments: Sequence[int], fmt: str, block: int) -> int:
+def gather_bytes(segments: Sequence[int], fmt: str, block: int, delta: bool = False) -> int:
     """Bytes of one rank's parameter shard on the weight-gather codes: the codec's
     ``wq_bytes`` or ``fp4_bytes`` (blocks never cross a segment).
 
@@ -72,6 +72,7 @@ def gather_bytes(segments: Sequence[int], fmt: str, block: int) -> int:
         segments: the shard's segment lengths (``Unit.segments``).
         fmt: ``int8``, ``int4`` or ``fp4``.
         block: values per scale.
+        delta: ``gather_delta``'s message (one flag byte more).
     Returns:
         the message size.
     """
@@ -80,8 +81,8 @@ def gather_bytes(segments: Sequence[int], fmt: str, block: int) -> int:
 
         return message_bytes(segments, fmt, block)
     if any(x > _CODEC_MAX_N for x in segments):
-        return sum(quant_bytes(x, fmt, block) for x in segments)
-    return _tagc().wq_bytes([int(x) for x in segments], fmt, block)
+        return sum(quant_bytes(x, fmt, block) for x in segments) + int(delta)
+    return _tagc().wq_bytes([int(x) for x in segments], fmt, block) + int(delta)
 
 
 def pairs_message(t: "Compression", s: int, eb: int) -> int:
@@ -124,6 +125,7 @@ class Compression:
             ``none`` (fp32 values) or a block code, decoded and coded again every call.
         outer_every: local steps (``outer_every``, HSDP only): the exchange between
             the replicas once every H steps, of the pseudo-gradient; 0: every step.
+        gather_delta: the gathers code the weights' change (``gather_delta``).
     """
 
     mode: str
@@ -137,6 +139,7 @@ class Compression:
     out_format: str = "auto"
     residual_code: str = "none"
     outer_every: int = 0
+    gather_delta: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.outer_every, bool) or not isinstance(self.outer_every, int) \
@@ -207,7 +210,7 @@ def _library_config(t: Compression, cross: str) -> TAGCConfig:
                       value_dtype=VALUE_DTYPES[t.value_bytes], error_feedback=True,
                       ef21=t.ef21, gather=t.gather, gather_block=t.gather_block,
                       residual_code=t.residual_code, outer_every=t.outer_every,
-                      hsdp_allreduce=HSDP_ALLREDUCE[cross], **kw)
+                      gather_delta=t.gather_delta, hsdp_allreduce=HSDP_ALLREDUCE[cross], **kw)
 
 
 # The presets in configs/ (same names as scripts/bench/bench_step.py's CONFIGS); a test
@@ -219,6 +222,9 @@ PRESETS: Dict[str, Compression] = {
     "balanced": Compression("quant", "int4", residual_code="int4"),    # tagc-balanced.yaml
     "lean": Compression("quant", "ternary"),                           # tagc-lean.yaml
     "full": Compression("quant", "int4", residual_code="int4", gather="int8"),  # tagc-full.yaml
+    # tagc-full4.yaml: the gathers on int4 codes of the weights' change
+    "full4": Compression("quant", "int4", residual_code="int4", gather="int4",
+                         gather_delta=True),
     # tagc-local.yaml: tagc-balanced's exchange of the pseudo-gradient, once every 32 steps
     "local": Compression("quant", "int4", residual_code="int4", outer_every=32),
     # the presets as the runs file's older rows ran them: tagc-lean with feedback,

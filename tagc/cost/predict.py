@@ -236,10 +236,15 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
         # kept gathered after forward: forward only)
         calls = 1 if (config.fsdp == 1 and u.root) or not config.reshard else 2
         if t is not None and t.gather != "none":
-            msg = gather_bytes(segs, t.gather, t.gather_block)
+            msg = gather_bytes(segs, t.gather, t.gather_block, t.gather_delta)
             st.ring("gather", group, g, "all_gather", msg, calls, calls * cnt, tagc=True)
             if g > 1:  # tagc/gather.py: encode the own shard, decode all g messages
                 p.codec_s += calls * (s / rates["wq_encode"] + g * s / rates["wq_decode"])
+                if t.gather_delta:
+                    # the change (s), its addition to the held weights (g s) and their
+                    # copy into FSDP's buffer (g s) on a changed call, the copy alone on
+                    # the unchanged re-gather: streaming passes, at the decoder's rate
+                    p.codec_s += (s + 2 * g * s + (calls - 1) * g * s) / rates["wq_decode"]
         else:
             st.ring("gather", group, g, "all_gather", s * eb, calls, calls * cnt)
         gather_s, spent = (p.comm_s + p.codec_s - spent) / calls, p.comm_s + p.codec_s

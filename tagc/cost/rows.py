@@ -59,6 +59,8 @@ ROWS: Dict[str, Row] = {
     "full-noreshard": Row("tagc-full", reshard=False),
     # tagc-full's parameter gathers on int4 codes instead of int8
     "full-int4g": Row("tagc-full", override=(("gather", "int4"),)),
+    # the gathers on int4 codes of the weights' change (gather_delta)
+    "full4": Row("tagc-full4"),
     # local steps on the HSDP route (--hsdp only): one outer sync every outer_every
     # steps, so time a multiple of it (--steps) for a step's average
     "local": Row("tagc-local"),

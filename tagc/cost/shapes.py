@@ -105,13 +105,13 @@ BENCH_MODELS: Dict[str, BenchModel] = {
                                  "full-bf16")),
     # GPT-2 small at the sizes users train: 5-7 s of compute per step on this
     # CPU and up to a minute on a 200 Mbit/s link, so one warm-up step, two timed steps
-    # and two shaped passes keep 8 rows at 3 link rates within about 40 minutes
+    # and two shaped passes keep 9 rows at 3 link rates within about 45 minutes
     # (cost_model.py's estimate from its predictions)
     "gpt2-124m": BenchModel(ModelShape(n_layer=12, n_head=12, n_embd=768, vocab_size=50257,
                                        block_size=256, batch=1), "gpt2-124m-c256",
                             warmup=1, steps=2, repeats=2, unshaped_repeats=1,
                             configs=("fsdp", "fsdp-bf16", "fsdp-noreshard", "balanced", "full",
-                                     "full-bf16", "full-int4g", "full-noreshard")),
+                                     "full-bf16", "full-int4g", "full-noreshard", "full4")),
 }
 
 
