@@ -26,7 +26,9 @@ scale differs) and ``tmax`` (ternary at s = max|x|).
     python3 scripts/research/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
 
 Methods ``FEEDBACK:q=Q[,store=S][,guard=R][,resp=zero][,damp=1[,cut=T]][,down=Q2[,downfb=F]]``:
-FEEDBACK is ``none``, ``res`` (residual) or ``ef21``; ``store=S`` keeps the residual
+FEEDBACK is ``none``, ``res`` (residual) or ``ef21``; ``beta=F`` feeds back F times the
+residual (``res``; 1 the default, 0 no feedback: the optimizer's per-step error is
+``F e_t - e_{t+1}`` and what the telescoping leaves ``(1 - F)`` of the errors' sum); ``store=S`` keeps the residual
 between calls as ``fp32`` (default), ``bf16``, ``int8`` or ``int4`` (block codes: the
 memory question of issue 42); ``q=int4sr`` is int4 with stochastic rounding; ``guard=R`` resets a unit through the exact path when its
 pooled ``est_err`` exceeds R (the hook's ``guard_ratio``), or with ``resp=zero``
@@ -233,8 +235,10 @@ class Exchange:
 
     def __init__(self, unit: Unit, feedback: str, q: str, guard: float,
                  response: str = "exact", damp: bool = False, down: str = "",
-                 down_fb: str = "", cut: float = 0.0, store: str = "fp32") -> None:
+                 down_fb: str = "", cut: float = 0.0, store: str = "fp32",
+                 beta: float = 1.0) -> None:
         self.unit, self.fb, self.qname, self.guard = unit, feedback, q, guard
+        self.beta = beta
         self.store = stored(store)
         self.cut = cut
         self.response, self.damp = response, damp
@@ -319,6 +323,8 @@ class Exchange:
                             self.alphas[c].append(block_alpha(v, cv))
                     if self.fb == "res":
                         self.state[i][r] = self.store(v - sent)
+                        if self.beta != 1.0:
+                            self.state[i][r] *= self.beta
                 if self.fb == "ef21":
                     self.state[i][r] += sent
                 out[r] += sent
@@ -451,6 +457,8 @@ def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
         raise SystemExit(f"{spec}: give q= one of {codes}")
     if "cut" in opts and (fb != "ef21" or opts.get("damp") != "1"):
         raise SystemExit(f"{spec}: cut= thresholds the damped EF21 (ef21:...,damp=1)")
+    if "beta" in opts and (fb != "res" or not 0.0 <= float(opts["beta"]) <= 1.0):
+        raise SystemExit(f"{spec}: beta= in [0, 1] scales the residual (res:...)")
     if "store" in opts:
         if fb != "res":
             raise SystemExit(f"{spec}: store= is how the residual is kept (res:...)")
@@ -472,7 +480,8 @@ def run(spec: str, task: Any, args: argparse.Namespace) -> Dict[str, Any]:
     ex = {name: Exchange(Unit(name, ps, n), fb, opts["q"], float(opts.get("guard", 0)),
                          opts.get("resp", "exact"), opts.get("damp") == "1",
                          opts.get("down", ""), opts.get("downfb", ""),
-                         float(opts.get("cut", 0)), opts.get("store", "fp32"))
+                         float(opts.get("cut", 0)), opts.get("store", "fp32"),
+                         float(opts.get("beta", 1.0)))
           for name, ps in units} if fb != "plain" else {}
     params = list(m.parameters())
     curve = []
