@@ -339,6 +339,11 @@ class UnitReducer:
     def _compressed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
         self.last_path = "compress"
         self._apply_damping()
+        f = self.cfg.residual_factor
+        if f != 1.0 and self.residual is not None and not self.cfg.ef21:
+            # partial feedback: the optimizer's error per call is f e - e' (e - e' with
+            # the whole residual, -e' without), the rounding bias left (1 - f) of it
+            self.residual.mul_(f)
         acc = dev.empty("acc", (out.numel(),), torch.float32, out.device)
         call = transports.Call(self.cfg, self.index, self.step,
                                self.residual if self.cfg.compresses else None,

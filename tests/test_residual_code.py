@@ -6,7 +6,8 @@ The recursion, for every rank ``i`` at once, written from the definition on
 ``tests/test_quant.py``'s numpy quantizer (nothing of the codec's):
 
 * ``e_i`` is the decoded residual, ``Q_r(e)`` coded on ``residual_code`` over the
-  whole unit (blocks of ``quant_block`` from its first entry, across shard edges);
+  whole unit (blocks of ``quant_block`` from its first entry, across shard edges),
+  times ``residual_factor`` when a compressed call uses it;
 * every other owner's shard of ``v = g_i + e_i`` goes as ``C(v)`` and leaves
   ``v - C(v)``; the own shard goes exact (its residual stays zero);
 * after the call ``e_i <- Q_r(e_i)``: what the storage rounds away is dropped;
@@ -70,6 +71,7 @@ class Reference:
         fmt, block, n = self.cfg.quant_format, self.cfg.quant_block, self.n
         deq = {}
         for i in range(n):
+            self.e[i] = self.e[i] * self.cfg.residual_factor
             for j in range(n):
                 if i == j:
                     continue
@@ -189,6 +191,7 @@ def _stats_memory(rank: int, n: int) -> Dict[str, Any]:
 
 
 CASES = {"int8": {}, "int4": {"residual_code": "int4"},
+         "int4-factor": {"residual_code": "int4", "residual_factor": 0.3},
          "ternary-int4": {"quant_format": "ternary", "residual_code": "int4"}}
 
 
