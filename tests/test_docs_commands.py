@@ -270,7 +270,7 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
     "scripts/tools/check_cuda.sh": [CiStep(
         "    bash scripts/tools/check_cuda.sh", "its own CI step where nvcc is installed")],
     "scripts/tools/sanitize.sh": [CiStep(
-        'bash scripts/tools/sanitize.sh >"$venv_dir/sanitize.log" 2>&1 &',
+        'setsid bash scripts/tools/sanitize.sh >"$venv_dir/sanitize.log" 2>&1 &',
         "its own CI step, beside the install, before the tests")],
     "scripts/train_gpt2.py": [Covered(
         "tests/test_train.py::test_torchrun_command_line", '"train_gpt2.py"',
