@@ -101,8 +101,9 @@ class TAGCState:
             parameter all-gathers (``cfg.gather``, FSDP2), apart from every
             gradient counter above: ``gather_calls`` (of which
             ``gather_quantized_calls`` and ``gather_exact_calls``, the latter
-            counting ``gather_nonfinite`` NaN/Inf fallbacks and the post-forward
-            re-gathers of ``reshard_after_forward=int``), ``gather_wire_bytes``
+            counting ``gather_nonfinite`` NaN/Inf fallbacks, the post-forward
+            re-gathers of ``reshard_after_forward=int`` and ``gather_delta``'s
+            first call of each unit), ``gather_wire_bytes``
             (ring all-gather: (N-1) x the message this rank sends),
             ``gather_default_wire_bytes`` (FSDP's exact gather of the same calls),
             ``gather_wire_ratio``; gathers inside :meth:`exact_gathers` (validation)
