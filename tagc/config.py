@@ -393,8 +393,11 @@ def check_feedback(cfg: "TAGCConfig") -> None:
         raise ValueError("ef21: needs a compressing mode, error_feedback=True, "
                          "residual_dtype float32 and residual_code 'none' (the ranks' "
                          "estimates must add up to the owner's exactly)")
-    cfg.residual_factor = _check_number(
-        "residual_factor", cfg.residual_factor, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+    f = cfg.residual_factor
+    if f is None:
+        f = 0.5 if cfg.mode == "quant" and cfg.error_feedback is True and not cfg.ef21 else 1.0
+    cfg.residual_factor = _check_number("residual_factor", f, lambda v: 0.0 <= v <= 1.0,
+                                        "None (derived) or a number in [0, 1]")
     if cfg.residual_factor != 1.0 and (cfg.ef21 or cfg.error_feedback is not True):
         raise ValueError("residual_factor: scales the residual feedback; it needs "
                          "error_feedback=True and no ef21 (EF21 damps itself: ef21_damping)")
@@ -591,13 +594,15 @@ class TAGCConfig:
         "Memory: tagc.memory.",
         values=" | ".join(RESIDUAL_CODES), reads="every compressing mode with feedback",
         derived="int4 in quant mode with the fp32 residual feedback, else none")
-    residual_factor: float = knob(
-        1.0, "feedback",
+    residual_factor: Optional[float] = knob(
+        None, "feedback",
         "The fraction of the residual a compressed call adds back (the rest is dropped): "
         "1 the classic error feedback, 0 none. Below 1 the optimizer's error per call is "
         "f e - e' instead of e - e', while (1 - f) of the rounding bias stays "
         "(docs/RESULTS.md, Feedback). The to-the-owner residual only.",
-        values="[0, 1]", reads="every compressing mode with the residual feedback")
+        values="[0, 1]", reads="every compressing mode with the residual feedback",
+        derived="0.5 in quant mode with the residual feedback (its residual is rounding "
+                "error), else 1 (top-k's holds the entries it did not send)")
     sketch_factor: float = knob(
         1.3, "codec",
         "Sketch buckets per possible union entry, m = ceil(sketch_factor * min(S, N*k)); "

@@ -32,7 +32,8 @@ def test_every_knob_names_a_group_and_its_doc_fits_five_lines() -> None:
 
 def test_derived_knobs_are_those_whose_default_follows_others() -> None:
     """DERIVED comes from the metadata: the knobs to_dict() writes as None when not given."""
-    assert set(config.DERIVED) == {"theta", "ratio", "ef21", "ef21_damping", "residual_code"}
+    assert set(config.DERIVED) == {"theta", "ratio", "ef21", "ef21_damping", "residual_code",
+                                   "residual_factor"}
     d = TAGCConfig().to_dict()
     assert all(d[n] is None for n in config.DERIVED)
     assert all(f.default is None for f in FIELDS if f.name in config.DERIVED)

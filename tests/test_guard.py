@@ -166,9 +166,11 @@ def _agree(rank: int, n: int, kind: str) -> Dict[str, Any]:
     Without the guard the same drift leaves EF21's invariant broken (so the checks
     can fail)."""
     out = {}
-    # EF21 with the default threshold; the residual feedback has none (explicit)
+    # EF21 with the default threshold; the residual feedback has none (explicit), and
+    # feeds all of its residual back (below 1 the dropped part breaks the mass balance)
     for name, cfg in (("ef21", _cfg(quant_format="ternary", ef21=True)),
-                      ("residual", _cfg(quant_format="ternary", guard_ratio=50.0))):
+                      ("residual", _cfg(quant_format="ternary", guard_ratio=50.0,
+                                        residual_factor=1.0))):
         thr = cfg.guard_threshold(CPU)
         r = _drift(rank, n, kind, cfg)
         every: List[Any] = [None] * n

@@ -643,9 +643,10 @@ CASES: List[Tuple[Any, ...]] = [
         r, n, k, _cfg("quant", quant_format="ternary", ef21=True)), (2, 3)),
     ("ef21_sparse", lambda r, n, k: _check_ef21(
         r, n, k, _cfg("sparse", theta=0.9, ef21=True)), (2, 3)),
-    # quant: error feedback of the rounding conserves mass, with accumulation
+    # quant: error feedback of the whole rounding conserves mass, with accumulation
     ("ef_quant", lambda r, n, k: _check_conservation(
-        r, n, k, _cfg("quant", quant_format="sign"), steps=10, accum=2), (2, 3)),
+        r, n, k, _cfg("quant", quant_format="sign", residual_factor=1.0), steps=10, accum=2),
+     (2, 3)),
     ("frozen", lambda r, n, k: _check_frozen(r, n), (2,), ("fsdp2",)),
     ("little_compressed_warns", _little_compressed_warns, (2,)),
     ("global_stats", _global_stats, (2, 4)),

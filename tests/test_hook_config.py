@@ -456,8 +456,13 @@ PRESETS_BEFORE = os.path.join(ROOT, "tests", "data", "presets_resolved_f1cb654.j
 # presets changed since that record, and why (each change named here, nothing silent):
 # tagc-balanced/-full moved from EF21 (4(1 + 1/N) bytes of state per parameter)
 # to the residual feedback on int4 codes (0.52), level on the suite (docs/SUITE.md)
-CHANGED_ON_PURPOSE = {name: {"ef21": False, "ef21_damping": False, "residual_code": "int4"}
+# and then to half of that residual fed back (residual_factor 0.5: docs/RESULTS.md, Feedback)
+CHANGED_ON_PURPOSE = {name: {"ef21": False, "ef21_damping": False, "residual_code": "int4",
+                             "residual_factor": 0.5}
                       for name in ("tagc-balanced", "tagc-full")}
+# tagc-local keeps the whole residual it was measured with (residual_factor 1), where
+# quant mode's residual now derives half (docs/RESULTS.md, Feedback)
+CHANGED_ON_PURPOSE["tagc-local"] = {"residual_factor": 1.0}
 # and brought the top-k presets' fp32 residual (3.1-3.3 bytes per parameter) to int8
 # codes (0.8): -3.5 to +1.5 points against it on the tiny GPT-2 (docs/SUITE.md)
 TOP_K_PRESETS = ("tagc-10x-1bit-warmup", "tagc-10x-1bit", "tagc-10x-4bit", "tagc-2x-1bit",

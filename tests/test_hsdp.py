@@ -500,14 +500,16 @@ CASES = [
     ("ef_exact", lambda r, n: _conservation(r, n, _cfg("exact", theta=0.9))),
     ("ef_sparse", lambda r, n: _conservation(r, n, _cfg("sparse", theta=0.9))),
     ("ef_auto", lambda r, n: _conservation(r, n, _cfg("auto", theta=0.9875))),
-    ("ef_quant", lambda r, n: _conservation(r, n, _cfg("quant", quant_format="ternary"))),
+    # the whole residual fed back (residual_factor 1): what is owed is conserved
+    ("ef_quant", lambda r, n: _conservation(
+        r, n, _cfg("quant", quant_format="ternary", residual_factor=1.0))),
     ("ef21_agrees", _ef21_agrees),
     ("nonfinite", _nonfinite),
     ("bad_mesh", _bad_mesh),
     ("bypass_gather", lambda r, n: _bypass(r, n, _cfg("auto", theta=0.9, bypass_every=2))),
     ("bypass_two_phase", lambda r, n: _bypass(
         r, n, _cfg("quant", quant_format="ternary", bypass_every=2,
-                   hsdp_allreduce="two_phase"))),
+                   hsdp_allreduce="two_phase", residual_factor=1.0))),
     # with feedback and lossy or peeled sums: what could differ between replicas
     ("replicas_agree_exact", lambda r, n: _replicas_agree(
         r, n, _cfg("exact", theta=0.5, sketch_factor=0.5))),
@@ -593,7 +595,7 @@ def _replica_cases(n: int) -> List[Tuple[str, Any]]:
         ("exact_reference", lambda r, w: _reference(
             r, w, _cfg("exact", theta=0.9, error_feedback=False), shape, "two_phase")),
         ("ef_quant", lambda r, w: _conservation(
-            r, w, _cfg("quant", quant_format="ternary"), shape)),
+            r, w, _cfg("quant", quant_format="ternary", residual_factor=1.0), shape)),
         ("ef_sparse", lambda r, w: _conservation(r, w, _cfg("sparse", theta=0.9), shape)),
         ("replicas_agree_quant_ef21", lambda r, w: _replicas_agree(
             r, w, _cfg("quant", quant_format="ternary", ef21=True), 3, shape)),

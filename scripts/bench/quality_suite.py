@@ -114,15 +114,18 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "tagc-full": ("tagc-full", {}),  # int8 gathers: FSDP2 tasks only
     "int4-nofb": ("tagc-balanced", {"error_feedback": False, "ef21": False}),
     "ternary-nofb": ("tagc-lean", {"error_feedback": False, "ef21": False}),
-    "int4-res": ("tagc-balanced", {"error_feedback": True, "ef21": False, "residual_code": "none"}),
-    "ternary-res": ("tagc-lean", {"error_feedback": True, "ef21": False, "residual_code": "none"}),
+    # the whole residual fed back (residual_factor 1; quant mode derives 0.5)
+    "int4-res": ("tagc-balanced", {"error_feedback": True, "ef21": False, "residual_code": "none",
+                                   "residual_factor": 1.0}),
+    "ternary-res": ("tagc-lean", {"error_feedback": True, "ef21": False, "residual_code": "none",
+                                  "residual_factor": 1.0}),
     # the residual kept as block codes (residual_code, issue 42's memory budget)
     "int4-res8": ("tagc-balanced", {"error_feedback": True, "ef21": False,
-                                    "residual_code": "int8"}),
+                                    "residual_code": "int8", "residual_factor": 1.0}),
     "int4-res4": ("tagc-balanced", {"error_feedback": True, "ef21": False,
-                                    "residual_code": "int4"}),
+                                    "residual_code": "int4", "residual_factor": 1.0}),
     "ternary-res4": ("tagc-lean", {"error_feedback": True, "ef21": False,
-                                   "residual_code": "int4"}),
+                                   "residual_code": "int4", "residual_factor": 1.0}),
     # half of the residual fed back (residual_factor, issue 56)
     "int4-res4-half": ("tagc-balanced", {"error_feedback": True, "ef21": False,
                                          "residual_code": "int4", "residual_factor": 0.5}),

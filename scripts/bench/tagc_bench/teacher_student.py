@@ -57,16 +57,16 @@ from tagc.train.launch import run_dist
 LAUNCH_TIMEOUT_S = 4 * 3600.0
 
 # Named configs that are not presets: the ternary and int4 codes with each kind of
-# feedback (every feedback knob explicit: TAGCConfig's defaults derive EF21 for quant).
+# feedback (every feedback knob explicit; the residual ones feed all of it back).
 ALIASES: Dict[str, Dict[str, Any]] = {
     "ternary": {"mode": "quant", "quant_format": "ternary", "error_feedback": False,
                 "ef21": False},
     "ternary-res": {"mode": "quant", "quant_format": "ternary", "error_feedback": True,
-                    "ef21": False},
+                    "ef21": False, "residual_factor": 1.0},
     "ternary-ef21": {"mode": "quant", "quant_format": "ternary", "error_feedback": True,
                      "ef21": True},
     "int4-res": {"mode": "quant", "quant_format": "int4", "error_feedback": True,
-                 "ef21": False},
+                 "ef21": False, "residual_factor": 1.0},
     "int4-ef21": {"mode": "quant", "quant_format": "int4", "error_feedback": True,
                   "ef21": True},
 }
