@@ -68,7 +68,8 @@ def test_two_replicas_dense_is_the_exact_mean_and_quant_conserves() -> None:
     assert torch.equal(outs[0], (a + b) / 2) and torch.equal(outs[1], outs[0])
     assert q.commit()
 
-    cfg = TAGCConfig(mode="quant", residual_code="none")
+    # the whole residual fed back (residual_factor 1): nothing owed is dropped
+    cfg = TAGCConfig(mode="quant", residual_code="none", residual_factor=1.0)
     reps = [Replica(cfg) for _ in range(2)]
     q.form(reps, 0)
     sent = torch.zeros(L)
@@ -95,7 +96,8 @@ def test_quorum_two_one_two_follows_and_the_joiner_starts_at_zero() -> None:
     own mean and the state waits untouched; the leaver comes back healed, its old
     residual dropped (zero), ranks swapped, so the survivor's state is carried to the
     new chunks; across it all, nothing owed is lost or counted twice."""
-    cfg = TAGCConfig(mode="quant", residual_code="none", hsdp_allreduce="two_phase")
+    cfg = TAGCConfig(mode="quant", residual_code="none", residual_factor=1.0,
+                     hsdp_allreduce="two_phase")
     a, b = Replica(cfg), Replica(cfg)
     q = Quorums()
     q.form([a, b], 0)
@@ -145,7 +147,8 @@ def test_quorum_three_to_two_drops_the_leaver_and_carries_the_survivors() -> Non
     leaves; the survivors' reducers are rebuilt for R = 2 with ranks 0 and 1, their
     owner-side state folded into their residuals at the old chunks, and after two more
     syncs nothing owed is lost or counted twice but what the leaver owed."""
-    cfg = TAGCConfig(mode="quant", residual_code="none", hsdp_allreduce="two_phase")
+    cfg = TAGCConfig(mode="quant", residual_code="none", residual_factor=1.0,
+                     hsdp_allreduce="two_phase")
     a, b, c = (Replica(cfg) for _ in range(3))
     q = Quorums()
     q.form([a, b, c], 0)
@@ -180,7 +183,7 @@ def test_failed_sync_leaves_every_state_bit_identical() -> None:
     is bit for bit what it was; the next quorum trains on."""
     # fp32 residuals: the encoder updates them in place before the send that fails
     # (coded ones are only coded back after a call that finished)
-    cfg = TAGCConfig(mode="quant", residual_code="none")
+    cfg = TAGCConfig(mode="quant", residual_code="none", residual_factor=1.0)
     reps = [Replica(cfg, pg_timeout=3.0) for _ in range(2)]
     q = Quorums()
     q.form(reps, 0)
@@ -300,7 +303,7 @@ def test_with_torchft_manager_a_replica_leaves_and_rejoins() -> None:
 
     lh = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100,
                           heartbeat_timeout_ms=400)
-    cfg = TAGCConfig(mode="quant", residual_code="none")
+    cfg = TAGCConfig(mode="quant", residual_code="none", residual_factor=1.0)
     start = threading.Barrier(2, timeout=20)
     left, alone, back = threading.Event(), threading.Event(), threading.Event()
 
@@ -353,7 +356,7 @@ def test_every_form_over_torchft_groups(mode: str, replicas: int, form: str) -> 
     """Each transport over torchft's groups (ring steps, list all-gather, the reduce
     as an all-reduce): bit-equal on every replica, and the outputs times R plus what
     each replica owes equal every input summed."""
-    cfg = TAGCConfig(mode=mode, residual_code="none") if mode == "quant" else \
+    cfg = TAGCConfig(mode=mode, residual_code="none", residual_factor=1.0) if mode == "quant" else \
         TAGCConfig(mode=mode)
     reps = [Replica(cfg) for _ in range(replicas)]
     q = Quorums()
