@@ -26,10 +26,11 @@ pytest.importorskip("torchft", reason="torchft not installed (pip install tagc[f
 from tagc.train.config import parse_config  # noqa: E402
 from tagc.train.runs import free_port, kill_tree  # noqa: E402
 
+LOG_INTERVAL = 5
 # a small GPT-2: about 25 ms a step alone on 2 cores
 SMALL = ["--fsdp=2", "--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=32",
          "--batch_size=4", "--tokenizer=byte", "--threads=1", "--progress=false",
-         "--eval_iters=2", "--eval_interval=100000", "--log_interval=5",
+         "--eval_iters=2", "--eval_interval=100000", f"--log_interval={LOG_INTERVAL}",
          "--warmup_iters=10", "--tensorboard=false", "--timeout=20"]
 # steps of the run: the survivor must still be training alone when the restarted
 # group (imported before the kill, tests/ft_gate.py) has built its model and joined,
@@ -128,8 +129,17 @@ def test_a_killed_replica_group_rejoins_heals_and_the_run_ends(tmp_path: Path,
         kill_tree(b.pid)
         b.wait(10)
         procs.remove(b)
-        # the survivor goes on alone (the dead group's heartbeats stopped)
-        _wait_for(r"torchft: 1 replicas", a_log, [a], 60)
+        # the survivor goes on alone (the dead group's heartbeats stopped); the sync the
+        # kill broke reports one replica too, uncommitted, so wait until a whole sync
+        # period and a log line more have passed alone: one exchange committed alone
+        alone = r"^iter (\d+): .*torchft: 1 replicas"
+        since = int(_wait_for(alone, a_log, [a], 60).group(1))
+        deadline = time.monotonic() + 60
+        while max(int(m.group(1)) for m in re.finditer(alone, a_log.read_text(), re.M)) < \
+                since + 2 * every + LOG_INTERVAL:
+            assert a.poll() is None and time.monotonic() < deadline, \
+                a_log.read_text(errors="replace")[-3000:]
+            time.sleep(0.05)
         gate.touch()
         # per step the first quorum heals it; with local steps the first sync, after
         # its first round of inner steps (and that sync commits with the peer)
