@@ -63,6 +63,7 @@ size_t tagc_dtype_size(tagc_dtype d);
  *                               0 <= k <= INT64_MAX/8, d a tagc_dtype
  *   tagc_quant_bytes(n, f, b)   see the block quantization section below
  *   tagc_wq_bytes(seg, ns, f, b) see the quantized weight gather section
+ *   tagc_wq_delta_bytes(...)    see the weights' change section
  *   tagc_fp4_bytes(n, b)        see the 4-bit codes section
  */
 int64_t tagc_bitmap_bytes(int64_t n);
@@ -409,6 +410,65 @@ tagc_status tagc_wq_decode(void *out, tagc_dtype out_dtype, int64_t n,
                            const uint8_t *src, int64_t src_bytes,
                            const int64_t *seg, int64_t nseg,
                            tagc_qformat format, int64_t block);
+
+/*
+ * The weights' change (SDP4Bit's weight differences as a closed loop, the
+ * `gather_delta` of tagc/gather.py): every rank holds `ref`, the unit's
+ * weights as all ranks reconstructed them (the same bytes everywhere), and
+ * the owner of a shard also holds `sent`, the shard it last coded.  A delta
+ * message is a wq message of the change src - ref[own] (fp32 differences of
+ * the dtype's values), then one flag byte: 1 when the shard changed since
+ * `sent` (the codes follow the wq layout above), 0 when it did not (every
+ * byte of the message is 0 then, and receivers leave their `ref` as it is).
+ * A receiver adds the decoded change to its `ref` in fp32 and rounds the sum
+ * to the dtype once, as the owner does for its own slice, so every rank's
+ * `ref` stays the same bytes.  The unchanged message is what lets FSDP's
+ * backward re-gather hand back the forward's weights bit for bit.
+ */
+
+/*
+ * tagc_wq_delta_bytes - exact size of a delta message: tagc_wq_bytes() + 1
+ *   (the flag byte, last).  -1 when tagc_wq_bytes() is -1.
+ */
+int64_t tagc_wq_delta_bytes(const int64_t *seg, int64_t nseg, tagc_qformat format,
+                            int64_t block);
+
+/*
+ * tagc_wq_delta_encode - the owner's side.  If src[0..n) has the bit
+ *   pattern of sent[0..n) (a memcmp: -0 and +0 differ, a NaN equals itself)
+ *   writes 0 to every byte of dst[0..tagc_wq_delta_bytes()) and touches
+ *   nothing else.  Otherwise writes the wq records of d_i = src_i - base_i
+ *   (both read in dtype, subtracted in fp32; a block whose d holds NaN/Inf
+ *   gets the TAGC_WQ_NONFINITE record), then the flag byte 1, and copies
+ *   src into sent.  src, sent and base are n values of `dtype` (fp32 or
+ *   bf16) and overlap neither each other nor dst.
+ *   Bounds: as tagc_wq_encode.  Errors: ARG (NULL), DTYPE, RANGE, CAPACITY
+ *   (dst_capacity < tagc_wq_delta_bytes()); nothing is written on an error.
+ */
+tagc_status tagc_wq_delta_encode(uint8_t *dst, int64_t dst_capacity,
+                                 const void *src, void *sent, const void *base,
+                                 tagc_dtype dtype, int64_t n,
+                                 const int64_t *seg, int64_t nseg,
+                                 tagc_qformat format, int64_t block);
+
+/*
+ * tagc_wq_delta_decode - a receiver's side (the owner's too, for its own
+ *   slice): flag byte 0: out[0..n) = ref[0..n), the codes are not read.
+ *   Flag 1: the whole message is checked as tagc_wq_decode checks it, then
+ *   ref_i = dtype(ref_i + q_i * s) (the fp32 product, then the fp32 sum,
+ *   rounded to nearest even once when dtype is bf16) and out_i = ref_i.
+ *   out may be ref itself (the change is added in place); otherwise the two
+ *   do not overlap.  A flag other than 0 or 1 is CORRUPT.
+ *   Bounds: n == sum of seg, src_bytes == tagc_wq_delta_bytes() (else
+ *   RANGE), as tagc_wq_bytes otherwise.
+ *   Errors: ARG, DTYPE, RANGE, CORRUPT (a flag, code or scale no encoder
+ *   writes), NONFINITE (a TAGC_WQ_NONFINITE record); out and ref are
+ *   untouched on every error.
+ */
+tagc_status tagc_wq_delta_decode(void *out, void *ref, tagc_dtype dtype, int64_t n,
+                                 const uint8_t *src, int64_t src_bytes,
+                                 const int64_t *seg, int64_t nseg,
+                                 tagc_qformat format, int64_t block);
 
 /*
  * 4-bit codes (MXFP4-style): each value is one E2M1 code, a 4-bit float of

@@ -5,127 +5,7 @@
  * digits, what a receiver accepts as a scale) is tagc_portable.h's, shared
  * with cuda/wq.cu, so both write the same bytes.
  */
-#include "tagc_checks.h"
-#include "tagc_internal.h"
-
-/* The blocks of a message in wire order: segment by segment, blocks of
- * `block` values, the last one of a segment possibly shorter, empty
- * segments skipped.  Per-segment work, so the per-value loops see plain
- * (offset, length) pairs. */
-typedef struct {
-    const int64_t *seg;
-    int64_t nseg, next_seg, o, end, block;
-} blocks_t;
-
-TAGC_AI blocks_t blocks_start(const int64_t *seg, int64_t nseg, int64_t block)
-{
-    blocks_t it = {seg, nseg, 0, 0, 0, block};
-    return it;
-}
-
-/* The next block [*o, *o + *len); 0 after the last one. */
-TAGC_AI int blocks_next(blocks_t *it, int64_t *o, int64_t *len)
-{
-    while (it->o == it->end) {
-        if (it->next_seg == it->nseg)
-            return 0;
-        it->end += it->seg[it->next_seg++];
-    }
-    *o = it->o;
-    *len = it->end - it->o < it->block ? it->end - it->o : it->block;
-    it->o += *len;
-    return 1;
-}
-
-/* Magnitude pattern of value i (< TAGC_WQ_INF_BITS iff finite), read as an
- * integer: an integer max vectorizes where a float one needs fast-math. */
-TAGC_AI int32_t mag_at(const void *src, int sd, int64_t i)
-{
-    uint32_t u;
-    if (sd == TAGC_F32)
-        memcpy(&u, (const float *)src + i, 4);
-    else
-        u = (uint32_t)((const uint16_t *)src)[i] << 16;
-    return (int32_t)(u & 0x7fffffffu);
-}
-
-TAGC_AI uint32_t block_max_bits(const void *src, int sd, int64_t o, int64_t len)
-{
-    int32_t m = 0;
-    for (int64_t i = 0; i < len; i++) {
-        int32_t a = mag_at(src, sd, o + i);
-        m = a > m ? a : m;
-    }
-    return (uint32_t)m;
-}
-
-/* Digit of value i's code under inv = 1 / s. */
-TAGC_AI unsigned digit_at(const void *src, int sd, int64_t i, float inv, int format)
-{
-    return tagc_q_digit(format, tagc_wq_code(ld_val(src, sd, i), inv));
-}
-
-/* The packed codes of the block [o, o + len) under inv; a last byte's unused
- * nibble gets the pad digit (the code of 0). */
-TAGC_AI void block_codes(uint8_t *codes, const void *src, int sd, int64_t o, int64_t len,
-                         float inv, int format)
-{
-    const int per = tagc_q_per_byte(format);
-    int64_t full = len / per, b = 0;
-    for (; b < full; b++) {
-        unsigned byte = 0;
-        for (int j = 0; j < per; j++)
-            byte += digit_at(src, sd, o + b * per + j, inv, format) * tagc_q_weight(format, j);
-        codes[b] = (uint8_t)byte;
-    }
-    if (b * per < len) /* int4, odd len: one value and a pad nibble */
-        codes[b] = (uint8_t)(digit_at(src, sd, o + b * per, inv, format) +
-                             tagc_q_pad_digit(format) * tagc_q_weight(format, 1));
-}
-
-/* One record: a max pass for the scale (or the sentinel), then the codes. */
-TAGC_AI void encode_block(uint8_t *rec, const void *src, int sd, int64_t o, int64_t len,
-                          int format)
-{
-    uint32_t bits = tagc_wq_scale_bits(format, block_max_bits(src, sd, o, len));
-    float s;
-    memcpy(rec, &bits, 4); /* little-endian hosts: the wire layout */
-    if (bits == TAGC_WQ_NONFINITE) {
-        memset(rec + 4, tagc_wq_zero_byte(format), (size_t)(tagc_q_record_bytes(len, format) - 4));
-        return;
-    }
-    memcpy(&s, &bits, 4);
-    block_codes(rec + 4, src, sd, o, len, tagc_q_inv(s), format);
-}
-
-TAGC_AI void encode_pass(uint8_t *dst, const void *src, int sd, const int64_t *seg,
-                         int64_t nseg, int format, int64_t block)
-{
-    int64_t o, len;
-    for (blocks_t it = blocks_start(seg, nseg, block); blocks_next(&it, &o, &len);) {
-        encode_block(dst, src, sd, o, len, format);
-        dst += tagc_q_record_bytes(len, format);
-    }
-}
-
-/* The whole message before anything is written: -1 corrupt (a bad scale or
- * code anywhere), 1 valid but holding the sentinel, 0 valid. */
-TAGC_AI int check_pass(const uint8_t *src, const int64_t *seg, int64_t nseg, int format,
-                       int64_t block)
-{
-    int64_t o, len;
-    int sentinel = 0;
-    for (blocks_t it = blocks_start(seg, nseg, block); blocks_next(&it, &o, &len);) {
-        uint32_t bits;
-        memcpy(&bits, src, 4);
-        int kind = tagc_wq_scale_kind(format, bits);
-        if (kind < 0 || !q_codes_valid(src + 4, len, format))
-            return -1;
-        sentinel |= kind;
-        src += tagc_q_record_bytes(len, format);
-    }
-    return sentinel;
-}
+#include "wq_blocks.h"
 
 TAGC_AI void write_pass(void *out, int od, const uint8_t *src, const int64_t *seg,
                         int64_t nseg, int format, int64_t block)
@@ -137,27 +17,13 @@ TAGC_AI void write_pass(void *out, int od, const uint8_t *src, const int64_t *se
     }
 }
 
-/* One instance of `call` per (format, dtype) pair, both constants in it (F, D). */
-#define BY_WQ(format, dtype, call)                                                     \
-    do {                                                                               \
-        if ((format) == TAGC_Q_INT8 && (dtype) == TAGC_F32) {                          \
-            enum { F = TAGC_Q_INT8, D = TAGC_F32 }; call;                              \
-        } else if ((format) == TAGC_Q_INT8) {                                          \
-            enum { F = TAGC_Q_INT8, D = TAGC_BF16 }; call;                             \
-        } else if ((dtype) == TAGC_F32) {                                              \
-            enum { F = TAGC_Q_INT4, D = TAGC_F32 }; call;                              \
-        } else {                                                                       \
-            enum { F = TAGC_Q_INT4, D = TAGC_BF16 }; call;                             \
-        }                                                                              \
-    } while (0)
-
 /* The passes over the shard, dispatched once per call (AVX2 clones: the
  * code pass is compute-bound with SSE2). */
 TAGC_HOT_CLONES static void encode_all(uint8_t *dst, const void *src, int sd,
                                        const int64_t *seg, int64_t nseg, int format,
                                        int64_t block)
 {
-    BY_WQ(format, sd, encode_pass(dst, src, D, seg, nseg, F, block));
+    BY_WQ(format, sd, encode_pass(dst, src, NULL, NULL, D, seg, nseg, F, block));
 }
 
 TAGC_HOT_CLONES static int check_all(const uint8_t *src, const int64_t *seg, int64_t nseg,

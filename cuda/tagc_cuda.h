@@ -271,7 +271,7 @@ tagc_status tagc_cuda_quant_decode_add(float *out, int64_t n,
  *   decoded) and TAGC_ERR_NONFINITE is stored in *dev_status, so on CUDA a
  *   non-finite weight makes the forward NaN, loudly, instead of the CPU's
  *   exact re-gather (deciding that would need a host sync).
- *   Workspace: three int64 tables of nseg + 1 entries and three flags.
+ *   Workspace: three int64 tables of nseg + 1 entries and four flags.
  */
 size_t tagc_cuda_wq_encode_workspace_size(int64_t nseg);
 tagc_status tagc_cuda_wq_encode(uint8_t *dst, int64_t dst_capacity,
@@ -289,6 +289,52 @@ tagc_status tagc_cuda_wq_decode(void *out, tagc_dtype out_dtype, int64_t n,
                                 int32_t *dev_status,
                                 void *workspace, size_t workspace_bytes,
                                 cudaStream_t stream);
+
+/*
+ * tagc_cuda_wq_delta_encode / tagc_cuda_wq_delta_decode - as
+ *   tagc_wq_delta_encode / tagc_wq_delta_decode, the same bytes and values,
+ *   on tagc_cuda_wq_*'s device segment table, prefix kernel and records
+ *   (see there; seg is a DEVICE array, table errors go to *dev_status and
+ *   nothing is written).  src, sent, base, out and ref are device arrays of
+ *   n values of dtype.  nseg == 0 is decided on the host (n must be 0): the
+ *   message is the flag byte alone.
+ *   Encode: a compare kernel tests src against sent bit for bit into a
+ *   device flag; the encode kernel then writes either the records of
+ *   d = src - base (fp32) and copies src into sent, or zeros over the whole
+ *   message, and the flag byte 1 or 0.  CAPACITY (dst_capacity below
+ *   tagc_wq_delta_bytes()) is a table error: in *dev_status.
+ *   Decode: src_bytes != tagc_wq_delta_bytes() is RANGE in *dev_status.  The
+ *   check kernel reads the flag byte: 0 means out = ref (no code read), a
+ *   value above 1 is CORRUPT, 1 validates every record as
+ *   tagc_cuda_wq_decode; CORRUPT leaves out and ref untouched.  Then
+ *   ref = dtype(ref + q * s) and out = ref (out may be ref).  As in
+ *   tagc_cuda_wq_decode and unlike the C op, a TAGC_WQ_NONFINITE record does
+ *   not leave out and ref untouched: its block is written as NaN into both
+ *   (every other block gets its change) and TAGC_ERR_NONFINITE is stored in
+ *   *dev_status, so the non-finite change reaches the forward loudly.
+ *   Synchronous errors as the C op's (ARG, DTYPE, RANGE) where the host can
+ *   decide them (a NULL pointer with an invalid device table is ARG here,
+ *   RANGE in the C op), plus ARG / CAPACITY (workspace) and CUDA.  A NaN
+ *   written into ref stays there, so every later change adds to it until
+ *   the caller rebuilds ref (an exact gather).  Workspace: as tagc_cuda_wq_*.
+ */
+size_t tagc_cuda_wq_delta_encode_workspace_size(int64_t nseg);
+tagc_status tagc_cuda_wq_delta_encode(uint8_t *dst, int64_t dst_capacity,
+                                      const void *src, void *sent, const void *base,
+                                      tagc_dtype dtype, int64_t n,
+                                      const int64_t *seg, int64_t nseg,
+                                      tagc_qformat format, int64_t block,
+                                      int32_t *dev_status,
+                                      void *workspace, size_t workspace_bytes,
+                                      cudaStream_t stream);
+size_t tagc_cuda_wq_delta_decode_workspace_size(int64_t nseg);
+tagc_status tagc_cuda_wq_delta_decode(void *out, void *ref, tagc_dtype dtype, int64_t n,
+                                      const uint8_t *src, int64_t src_bytes,
+                                      const int64_t *seg, int64_t nseg,
+                                      tagc_qformat format, int64_t block,
+                                      int32_t *dev_status,
+                                      void *workspace, size_t workspace_bytes,
+                                      cudaStream_t stream);
 
 /*
  * tagc_cuda_fp4_encode / tagc_cuda_fp4_decode_add / tagc_cuda_rht - as

@@ -2,7 +2,8 @@
  * fuzz_decoder.c - libFuzzer target over what a decoder reads from other
  * machines: peel_decode (sketch + union bitmap), lanes_unpack (SUM-reduced
  * lanes), sparse_unpack (received pairs), pairs_unpack_add (coded pairs: Elias-Fano,
- * bitmap, dense), wq_decode (quantized weights), fp4_decode_add (4-bit
+ * bitmap, dense), wq_decode and wq_delta_decode (quantized weights and their
+ * change), fp4_decode_add (4-bit
  * codes), plus fp4_encode, sketch_encode,
  * sparsify and wq_encode on hostile values.  Every buffer is allocated at
  * exactly the size the call is told, so ASan flags any read or write past it.
@@ -411,12 +412,62 @@ static void fuzz_wq(input_t *in)
     free(dec);
 }
 
+/* A received delta message (any bytes, flag byte included): decoded into
+ * ref and out, or refused (CORRUPT, NONFINITE) with both untouched; a flag
+ * of 0 copies ref.  In place (out == ref) gives the same ref. */
+static void fuzz_wq_delta(input_t *in)
+{
+    uint32_t a = take_u32(in), b = take_u32(in);
+    tagc_qformat fmt = a & 1 ? TAGC_Q_INT4 : TAGC_Q_INT8;
+    tagc_dtype dt = (a >> 1) & 1 ? TAGC_BF16 : TAGC_F32;
+    int64_t nseg = (a >> 3) % 9, block = 1 + (int64_t)(b % 700), seg[8], n = 0;
+    for (int64_t k = 0; k < nseg; k++) {
+        uint32_t c = take_u32(in);
+        seg[k] = c & 1 ? 0 : (int64_t)((c >> 1) % 700);
+        n += seg[k];
+    }
+    int64_t bytes = tagc_wq_delta_bytes(seg, nseg, fmt, block);
+    REQUIRE(bytes == tagc_wq_bytes(seg, nseg, fmt, block) + 1);
+    size_t vb = (size_t)n * tagc_dtype_size(dt);
+    uint8_t *msg = take_buf(in, (size_t)bytes), *ref = take_buf(in, vb);
+    uint8_t *ref0 = malloc(vb ? vb : 1), *out = malloc(vb ? vb : 1), *out0 = malloc(vb ? vb : 1),
+            *ref2 = malloc(vb ? vb : 1);
+    REQUIRE(ref0 != NULL && out != NULL && out0 != NULL && ref2 != NULL);
+    if ((a >> 2) & 1) /* a valid flag half of the time */
+        msg[bytes - 1] &= 1;
+    memcpy(ref0, ref, vb);
+    memcpy(ref2, ref, vb);
+    memset(out, 0x5a, vb);
+    memcpy(out0, out, vb);
+    tagc_status st = tagc_wq_delta_decode(out, ref, dt, n, msg, bytes, seg, nseg, fmt, block);
+    REQUIRE(st == TAGC_OK || st == TAGC_ERR_CORRUPT || st == TAGC_ERR_NONFINITE);
+    REQUIRE(st != TAGC_OK || msg[bytes - 1] <= 1);
+    if (st != TAGC_OK) {
+        REQUIRE(memcmp(out, out0, vb) == 0 && memcmp(ref, ref0, vb) == 0);
+    } else {
+        REQUIRE(memcmp(out, ref, vb) == 0);
+        if (msg[bytes - 1] == 0)
+            REQUIRE(memcmp(ref, ref0, vb) == 0);
+    }
+    tagc_status st2 = tagc_wq_delta_decode(ref2, ref2, dt, n, msg, bytes, seg, nseg, fmt, block);
+    REQUIRE(st2 == st);
+    REQUIRE(memcmp(ref2, ref, vb) == 0);
+    REQUIRE(tagc_wq_delta_decode(out, ref, dt, n, msg, bytes - 1, seg, nseg, fmt, block) ==
+            TAGC_ERR_RANGE);
+    free(msg);
+    free(ref);
+    free(ref0);
+    free(ref2);
+    free(out);
+    free(out0);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
     input_t in = {data + 1, size - 1};
-    switch (data[0] % 9) {
+    switch (data[0] % 10) {
     case 0: fuzz_peel(&in); break;
     case 1: fuzz_lanes(&in); break;
     case 2: fuzz_sparse(&in); break;
@@ -425,6 +476,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     case 5: fuzz_pairs(&in); break;
     case 6: fuzz_wq(&in); break;
     case 7: fuzz_fp4(&in); break;
+    case 8: fuzz_wq_delta(&in); break;
     default: fuzz_sparsify(&in); break;
     }
     return 0;

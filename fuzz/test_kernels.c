@@ -383,6 +383,49 @@ static void test_wq(void)
     CHECK(tagc_wq_decode(out, TAGC_F32, 4, buf, 11, seg3, 1, TAGC_Q_INT8, 2) == TAGC_ERR_RANGE);
 }
 
+/* Hand-checked delta messages: the change coded, the flag, sent remembered,
+ * an unchanged shard sent as zeros, ref += change, refusals untouched. */
+static void test_wq_delta(void)
+{
+    const int64_t seg[1] = {2};
+    float src[2] = {1.5f, -2.0f}, sent[2] = {0}, base[2] = {1.0f, -1.0f};
+    uint8_t buf[7];
+    /* int8, one block: d = (0.5, -1), s = 1/127, q = 64 (63.5 half to even), -127 */
+    CHECK(tagc_wq_delta_bytes(seg, 1, TAGC_Q_INT8, 2) == 7);
+    CHECK(tagc_wq_delta_encode(buf, 6, src, sent, base, TAGC_F32, 2, seg, 1, TAGC_Q_INT8, 2) ==
+          TAGC_ERR_CAPACITY);
+    CHECK(sent[0] == 0.0f);
+    CHECK(tagc_wq_delta_encode(buf, 7, src, sent, base, TAGC_F32, 2, seg, 1, TAGC_Q_INT8, 2) ==
+          TAGC_OK);
+    float s = 1.0f / 127.0f;
+    CHECK(memcmp(buf, &s, 4) == 0 && buf[4] == 64 && buf[5] == 0x81 && buf[6] == 1);
+    CHECK(sent[0] == 1.5f && sent[1] == -2.0f);
+    float ref[2] = {1.0f, -1.0f}, out[2] = {0};
+    CHECK(tagc_wq_delta_decode(out, ref, TAGC_F32, 2, buf, 7, seg, 1, TAGC_Q_INT8, 2) ==
+          TAGC_OK);
+    CHECK(ref[0] == 1.0f + 64.0f * s && ref[1] == -2.0f && out[0] == ref[0] && out[1] == ref[1]);
+    buf[6] = 2; /* no encoder writes this flag */
+    CHECK(tagc_wq_delta_decode(out, ref, TAGC_F32, 2, buf, 7, seg, 1, TAGC_Q_INT8, 2) ==
+          TAGC_ERR_CORRUPT);
+    CHECK(ref[1] == -2.0f);
+    CHECK(tagc_wq_delta_encode(buf, 7, src, sent, base, TAGC_F32, 2, seg, 1, TAGC_Q_INT8, 2) ==
+          TAGC_OK);
+    for (int i = 0; i < 7; i++)
+        CHECK(buf[i] == 0);
+    out[0] = 9.0f;
+    CHECK(tagc_wq_delta_decode(out, ref, TAGC_F32, 2, buf, 7, seg, 1, TAGC_Q_INT8, 2) ==
+          TAGC_OK);
+    CHECK(out[0] == ref[0] && ref[1] == -2.0f);
+    CHECK(tagc_wq_delta_decode(out, ref, TAGC_F32, 2, buf, 6, seg, 1, TAGC_Q_INT8, 2) ==
+          TAGC_ERR_RANGE);
+    CHECK(tagc_wq_delta_decode(out, NULL, TAGC_F32, 2, buf, 7, seg, 1, TAGC_Q_INT8, 2) ==
+          TAGC_ERR_ARG);
+    CHECK(tagc_wq_delta_encode(NULL, 1, NULL, NULL, NULL, TAGC_F32, 0, NULL, 0, TAGC_Q_INT8,
+                               2) == TAGC_ERR_ARG);
+    CHECK(tagc_wq_delta_encode(buf, 1, NULL, NULL, NULL, TAGC_F32, 0, NULL, 0, TAGC_Q_INT8,
+                               2) == TAGC_OK && buf[0] == 0);
+}
+
 static void test_misc(void)
 {
     uint8_t src[6] = {1, 2, 4, 8, 16, 32}, dst[3] = {0};
@@ -406,6 +449,7 @@ int main(void)
     test_pairs();
     test_quant();
     test_wq();
+    test_wq_delta();
     test_misc();
     if (failures) {
         fprintf(stderr, "test_kernels: %d failure(s)\n", failures);

@@ -425,6 +425,10 @@ def cop() -> C.CDLL:
     dll.tagc_wq_encode.argtypes = [VP, I64, VP, INT, I64, VP, I64, INT, I64]
     dll.tagc_wq_decode.restype = INT
     dll.tagc_wq_decode.argtypes = [VP, INT, I64, VP, I64, VP, I64, INT, I64]
+    dll.tagc_wq_delta_encode.restype = INT
+    dll.tagc_wq_delta_encode.argtypes = [VP, I64, VP, VP, VP, INT, I64, VP, I64, INT, I64]
+    dll.tagc_wq_delta_decode.restype = INT
+    dll.tagc_wq_delta_decode.argtypes = [VP, VP, INT, I64, VP, I64, VP, I64, INT, I64]
     return dll
 
 
@@ -826,3 +830,268 @@ def test_wq_argument_errors_match_c(lib: C.CDLL, cop: C.CDLL) -> None:
     assert lib.tagc_cuda_wq_decode(P(x), F32, 10, P(buf), 14, P(seg), 1, 8, 32, None, P(w),
                                    w.numel() - 1, None) == 3  # CAPACITY
     assert lib.tagc_cuda_wq_decode_workspace_size(10 ** 6) > w.numel()
+
+
+# ----------------------------------------------------------------------------- weights' change
+def wq_delta_encode(lib: C.CDLL, src: torch.Tensor, sent: torch.Tensor, base: torch.Tensor,
+                    segs: torch.Tensor, fmt: str, block: int, nbytes: int,
+                    status: Optional[torch.Tensor] = None,
+                    capacity: Optional[int] = None) -> torch.Tensor:
+    """The emulated delta encoder's bytes (sent updated in place), written at
+    byte 1 of a larger buffer of 0xEE whose guard bytes must survive."""
+    buf = torch.full((nbytes + 2,), 0xEE, dtype=torch.uint8)
+    w = ws(lib.tagc_cuda_wq_delta_encode_workspace_size(segs.numel()))
+    assert lib.tagc_cuda_wq_delta_encode(
+        P(buf[1:]), nbytes if capacity is None else capacity, P(src), P(sent), P(base),
+        DT[src.dtype], src.numel(), P(segs), segs.numel(), WQ_FORMAT[fmt], block, P(status),
+        P(w), w.numel(), None) == 0
+    assert buf[0] == 0xEE and buf[-1] == 0xEE
+    return buf[1:-1].clone()
+
+
+def wq_delta_decode(lib: C.CDLL, out: torch.Tensor, ref: torch.Tensor, msg: torch.Tensor,
+                    segs: torch.Tensor, fmt: str, block: int,
+                    status: Optional[torch.Tensor] = None,
+                    nbytes: Optional[int] = None) -> None:
+    """The emulated delta decode of msg, read from byte 3 of a larger buffer
+    (out may be ref)."""
+    src = torch.cat([torch.zeros(3, dtype=torch.uint8), msg])[3:]
+    w = ws(lib.tagc_cuda_wq_delta_decode_workspace_size(segs.numel()))
+    assert lib.tagc_cuda_wq_delta_decode(
+        P(out), P(ref), DT[ref.dtype], ref.numel(), P(src),
+        msg.numel() if nbytes is None else nbytes, P(segs), segs.numel(), WQ_FORMAT[fmt],
+        block, P(status), P(w), w.numel(), None) == 0
+
+
+def delta_inputs(n: int, dtype: torch.dtype, seed: int):
+    """(base, src, sent): src is base with about half its values moved (the rest
+    give d = 0), sent is src but for one 0.0 sent as -0.0 (equal as numbers,
+    not as bits: the compare is bitwise)."""
+    g = torch.Generator().manual_seed(seed)
+    base = gradient(n, dtype, False, seed=seed)
+    moved = torch.rand(n, generator=g) < 0.5
+    src = torch.where(moved, base + (torch.randn(n, generator=g) / 64).to(dtype), base)
+    src[n // 2] = 0.0
+    sent = src.clone()
+    sent[n // 2] = -0.0
+    return base, src, sent
+
+
+def c_delta_decode(out: Optional[torch.Tensor], ref: torch.Tensor, msg: torch.Tensor,
+                   segs: torch.Tensor, fmt: str, block: int) -> None:
+    _tagc.wq_delta_decode(out, ref, msg, segs, fmt, block)
+
+
+@pytest.mark.parametrize("fmt", list(WQ_FORMAT))
+@pytest.mark.parametrize("si", range(len(WQ_SEGS)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wq_delta_encode_decode(lib: C.CDLL, fmt: str, si: int, dtype: torch.dtype) -> None:
+    """A changed shard: the C op's bytes and sent; every receiver's ref and out
+    bit for bit, in place or not.  Then the same shard again: all zeros, sent
+    untouched (a NaN equals itself), and a decode that only copies ref."""
+    segs = torch.tensor(WQ_SEGS[si], dtype=torch.int64)
+    n, block = int(segs.sum()), (7, 64)[si % 2]
+    in_place = (si + (dtype == torch.bfloat16)) % 2 == 0
+    nb = _tagc.wq_delta_bytes(segs, fmt, block)
+    assert nb == _tagc.wq_bytes(segs, fmt, block) + 1
+    base, src, sent = delta_inputs(n, dtype, seed=si + 10 * n)
+    c_sent, e_sent = sent.clone(), sent.clone()
+    c_buf = torch.empty(nb, dtype=torch.uint8)
+    _tagc.wq_delta_encode(c_buf, src, c_sent, base, segs, fmt, block)
+    status = torch.zeros(1, dtype=torch.int32)
+    e_buf = wq_delta_encode(lib, src, e_sent, base, segs, fmt, block, nb, status)
+    assert int(status) == 0 and int(c_buf[-1]) == 1
+    assert torch.equal(e_buf, c_buf)
+    assert same_bits(e_sent, c_sent) and same_bits(e_sent, src)
+
+    ref0 = gradient(n, dtype, True, seed=n)
+    c_ref, e_ref = ref0.clone(), ref0.clone()
+    c_out = None if in_place else torch.full((n,), 3.0, dtype=dtype)
+    e_out = e_ref if in_place else torch.full((n,), 3.0, dtype=dtype)
+    c_delta_decode(c_out, c_ref, c_buf, segs, fmt, block)
+    wq_delta_decode(lib, e_out, e_ref, e_buf, segs, fmt, block, status)
+    assert int(status) == 0 and same_bits(e_ref, c_ref)
+    assert same_bits(e_out, c_ref)
+
+    src[n - 1] = c_sent[n - 1] = e_sent[n - 1] = float("nan")
+    _tagc.wq_delta_encode(c_buf, src, c_sent, base, segs, fmt, block)
+    e_buf = wq_delta_encode(lib, src, e_sent, base, segs, fmt, block, nb, status)
+    assert int(status) == 0 and not c_buf.any() and not e_buf.any()
+    assert same_bits(e_sent, c_sent)
+    e_out = e_ref if in_place else torch.full((n,), 3.0, dtype=dtype)
+    before = e_ref.clone()
+    wq_delta_decode(lib, e_out, e_ref, e_buf, segs, fmt, block, status)
+    assert int(status) == 0 and same_bits(e_ref, before) and same_bits(e_out, before)
+
+
+@pytest.mark.parametrize("fmt", list(WQ_FORMAT))
+def test_wq_delta_decode_corrupt_leaves_out_and_ref_untouched(lib: C.CDLL, fmt: str) -> None:
+    """A flag byte other than 0 or 1, or a bad code or scale under flag 1:
+    CORRUPT, nothing written.  Under flag 0 the codes are not read, so a bad
+    one there still gives out = ref, as the C op."""
+    segs = torch.tensor([90, 0, 50], dtype=torch.int64)
+    base, src, sent = delta_inputs(140, torch.float32, seed=5)
+    clean = torch.empty(_tagc.wq_delta_bytes(segs, fmt, 32), dtype=torch.uint8)
+    _tagc.wq_delta_encode(clean, src, sent, base, segs, fmt, 32)
+    rec = 4 + 32 // (2 if fmt == "int4" else 1)
+    bad_code = 0x80 if fmt == "int8" else 0xF7
+    cases = []
+    for flag in (2, 255):
+        b = clean.clone()
+        b[-1] = flag
+        cases.append(b)
+    b = clean.clone()
+    b[2 * rec + 4 + 5] = bad_code  # a code of the third record
+    cases.append(b)
+    b = clean.clone()
+    b[rec:rec + 4] = torch.tensor(list((0xBF800000).to_bytes(4, "little")), dtype=torch.uint8)
+    cases.append(b)  # scale -1
+    ref0 = gradient(140, torch.float32, False, seed=6)
+    for b in cases:
+        with pytest.raises(ValueError):
+            _tagc.wq_delta_decode(torch.zeros(140), ref0.clone(), b, segs, fmt, 32)
+        for in_place in (False, True):
+            ref = ref0.clone()
+            out = ref if in_place else torch.full((140,), 3.0)
+            status = torch.zeros(1, dtype=torch.int32)
+            wq_delta_decode(lib, out, ref, b, segs, fmt, 32, status)
+            assert int(status) == ERR_CORRUPT
+            assert same_bits(ref, ref0) and (in_place or bool((out == 3.0).all()))
+    b = torch.zeros_like(clean)
+    b[2 * rec + 4 + 5] = bad_code
+    c_out = torch.zeros(140)
+    _tagc.wq_delta_decode(c_out, ref0.clone(), b, segs, fmt, 32)
+    out, ref = torch.zeros(140), ref0.clone()
+    status = torch.zeros(1, dtype=torch.int32)
+    wq_delta_decode(lib, out, ref, b, segs, fmt, 32, status)
+    assert int(status) == 0 and same_bits(out, c_out) and same_bits(ref, ref0)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("int4", torch.bfloat16), ("int8", torch.float32)])
+def test_wq_delta_nonfinite_blocks_decode_to_nan(lib: C.CDLL, fmt: str,
+                                                 dtype: torch.dtype) -> None:
+    """A change with NaN/Inf: the sentinel record, as the C op; the CUDA decode
+    writes NaN over those blocks of ref and out, adds the others' change and
+    reports NONFINITE (the C op raises NonFiniteError, everything untouched)."""
+    segs = torch.tensor([100, 0, 130], dtype=torch.int64)
+    base, src, sent = delta_inputs(230, dtype, seed=7)
+    src[[10, 205]] = torch.tensor([float("nan"), float("inf")], dtype=dtype)
+    nb = _tagc.wq_delta_bytes(segs, fmt, 64)
+    c_buf = torch.empty(nb, dtype=torch.uint8)
+    _tagc.wq_delta_encode(c_buf, src, sent.clone(), base, segs, fmt, 64)
+    e_sent = sent.clone()
+    e_buf = wq_delta_encode(lib, src, e_sent, base, segs, fmt, 64, nb)
+    assert torch.equal(e_buf, c_buf) and same_bits(e_sent, src)
+    ref0 = gradient(230, dtype, False, seed=8)
+    ref = ref0.clone()
+    with pytest.raises(_tagc.NonFiniteError):
+        _tagc.wq_delta_decode(None, ref, c_buf, segs, fmt, 64)
+    assert same_bits(ref, ref0)
+    out = torch.zeros(230, dtype=dtype)
+    status = torch.zeros(1, dtype=torch.int32)
+    wq_delta_decode(lib, out, ref, e_buf, segs, fmt, 64, status)
+    assert int(status) == ERR_NONFINITE
+    bad = torch.zeros(230, dtype=torch.bool)
+    bad[:64] = bad[164:228] = True  # blocks [0, 64), [164, 228)
+    assert torch.isnan(ref[bad]).all() and same_bits(out, ref)
+    clean = src.clone()
+    clean[[10, 205]] = base[[10, 205]]
+    c_ref = ref0.clone()
+    msg = torch.empty(nb, dtype=torch.uint8)
+    _tagc.wq_delta_encode(msg, clean, sent.clone(), base, segs, fmt, 64)
+    _tagc.wq_delta_decode(None, c_ref, msg, segs, fmt, 64)
+    assert same_bits(ref[~bad], c_ref[~bad])
+
+
+def test_wq_delta_bad_sizes_are_reported_on_the_device(lib: C.CDLL, cop: C.CDLL) -> None:
+    """A capacity below the message, a message of the wrong size, a table not
+    matching n: the C op's status in status_out, nothing written (dst, sent,
+    out, ref)."""
+    x = gradient(100, torch.float32, False, seed=2)
+    base, sent = x / 2, x.clone()
+    sent[3] += 1.0
+    nb = _tagc.wq_delta_bytes([60, 40], "int8", 32)
+    for segs, cap in (([60, 40], nb - 1), ([60, 40], 0), ([60, 41], nb), ([61, 40, -1], nb)):
+        seg_t = torch.tensor(segs, dtype=torch.int64)
+        dst, c_sent = torch.full((nb + 8,), 0xEE, dtype=torch.uint8), sent.clone()
+        want = cop.tagc_wq_delta_encode(P(dst), cap, P(x), P(c_sent), P(base), F32, 100,
+                                        P(seg_t), len(segs), 8, 32)
+        assert want in (ERR_RANGE, ERR_CAPACITY) and bool((dst == 0xEE).all())
+        status, e_sent = torch.zeros(1, dtype=torch.int32), sent.clone()
+        w = ws(lib.tagc_cuda_wq_delta_encode_workspace_size(len(segs)))
+        assert lib.tagc_cuda_wq_delta_encode(P(dst), cap, P(x), P(e_sent), P(base), F32, 100,
+                                             P(seg_t), len(segs), 8, 32, P(status), P(w),
+                                             w.numel(), None) == 0
+        assert int(status) == want and bool((dst == 0xEE).all()) and same_bits(e_sent, sent)
+    msg = torch.empty(nb, dtype=torch.uint8)
+    _tagc.wq_delta_encode(msg, x, sent.clone(), base, torch.tensor([60, 40]), "int8", 32)
+    for segs, nbytes in (([60, 40], nb - 1), ([60, 40], nb + 1), ([60, 39], nb)):
+        seg_t = torch.tensor(segs, dtype=torch.int64)
+        out, ref = torch.full((100,), 3.0), base.clone()
+        want = cop.tagc_wq_delta_decode(P(out), P(ref), F32, 100, P(msg), nbytes, P(seg_t),
+                                        len(segs), 8, 32)
+        assert want == ERR_RANGE
+        status = torch.zeros(1, dtype=torch.int32)
+        wq_delta_decode(lib, out, ref, msg, seg_t, "int8", 32, status, nbytes=nbytes)
+        assert int(status) == ERR_RANGE
+        assert bool((out == 3.0).all()) and same_bits(ref, base)
+
+
+def test_wq_delta_argument_errors_match_c(lib: C.CDLL, cop: C.CDLL) -> None:
+    """Synchronous errors as the C op's; an empty table is decided on the host,
+    its message the flag byte alone (a receiver still refuses a flag of 2)."""
+    x, seg = torch.zeros(10), torch.tensor([10], dtype=torch.int64)
+    sent, base = torch.ones(10), torch.zeros(10)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    w = ws(lib.tagc_cuda_wq_delta_encode_workspace_size(1))
+    encodes = [  # dst, capacity, src, sent, base, dtype, n, seg, nseg, format, block
+        (None, 64, x, sent, base, F32, 10, seg, 1, 8, 32),
+        (buf, 64, None, sent, base, F32, 10, seg, 1, 8, 32),
+        (buf, 64, x, None, base, F32, 10, seg, 1, 8, 32),
+        (buf, 64, x, sent, None, F32, 10, seg, 1, 8, 32),
+        (buf, 64, x, sent, base, 2, 10, seg, 1, 8, 32),
+        (buf, 64, x, sent, base, F32, 10, seg, 1, 2, 32),
+        (buf, 64, x, sent, base, F32, 10, seg, 1, 8, 0),
+        (buf, 64, x, sent, base, F32, 10, None, 1, 8, 32),
+        (buf, 64, x, sent, base, F32, 10, seg, 0, 8, 32),
+        (buf, 64, x, None, None, F32, 10, seg, 0, 8, 32),
+        (buf, 0, None, None, None, F32, 0, None, 0, 8, 32),
+        (None, 1, None, None, None, F32, 0, None, 0, 8, 32),
+    ]
+    for d, cap, src, st, bs, dt, n, sg, ns, f, b in encodes:
+        want = cop.tagc_wq_delta_encode(P(d), cap, P(src), P(st), P(bs), dt, n, P(sg), ns, f, b)
+        got = lib.tagc_cuda_wq_delta_encode(P(d), cap, P(src), P(st), P(bs), dt, n, P(sg), ns,
+                                            f, b, None, P(w), w.numel(), None)
+        assert want != 0 and got == want, (cap, n, ns, f, b, got, want)
+    assert not buf.any() and same_bits(sent, torch.ones(10))
+    buf[:2] = 0xEE  # an empty table: the flag byte 0, alone
+    assert cop.tagc_wq_delta_encode(P(buf), 1, None, None, None, F32, 0, None, 0, 8, 32) == 0
+    assert buf[0] == 0 and buf[1] == 0xEE
+    buf[0] = 0xEE
+    assert lib.tagc_cuda_wq_delta_encode(P(buf), 1, None, None, None, F32, 0, None, 0, 8, 32,
+                                         None, P(w), w.numel(), None) == 0
+    assert buf[0] == 0 and buf[1] == 0xEE
+    nb = _tagc.wq_delta_bytes(seg, "int8", 32)
+    decodes = [  # out, ref, dtype, n, src, src bytes, seg, nseg, format, block
+        (None, base, F32, 10, buf, nb, seg, 1, 8, 32), (x, None, F32, 10, buf, nb, seg, 1, 8, 32),
+        (x, base, F32, 10, None, nb, seg, 1, 8, 32), (x, base, 3, 10, buf, nb, seg, 1, 8, 32),
+        (x, base, F32, 10, buf, nb, seg, 1, 4, 65537), (x, base, F32, 10, buf, nb, seg, 0, 8, 32),
+        (x, base, F32, 0, buf, 0, seg, 0, 8, 32), (x, base, F32, 0, buf, 2, seg, 0, 8, 32),
+        (None, None, F32, 0, None, 1, None, 0, 4, 32),
+    ]
+    for o, r, dt, n, src, nbytes, sg, ns, f, b in decodes:
+        want = cop.tagc_wq_delta_decode(P(o), P(r), dt, n, P(src), nbytes, P(sg), ns, f, b)
+        got = lib.tagc_cuda_wq_delta_decode(P(o), P(r), dt, n, P(src), nbytes, P(sg), ns, f, b,
+                                            None, P(w), w.numel(), None)
+        assert want != 0 and got == want, (n, nbytes, ns, f, b, got, want)
+    assert not x.any()
+    for flag, want in ((0, 0), (1, 0), (2, ERR_CORRUPT)):
+        buf[0] = flag
+        assert cop.tagc_wq_delta_decode(None, None, F32, 0, P(buf), 1, None, 0, 8, 32) == want
+        status = torch.zeros(1, dtype=torch.int32)
+        assert lib.tagc_cuda_wq_delta_decode(None, None, F32, 0, P(buf), 1, None, 0, 8, 32,
+                                             P(status), P(w), w.numel(), None) == 0
+        assert int(status) == want
+    assert lib.tagc_cuda_wq_delta_encode(P(buf), 64, P(x), P(sent), P(base), F32, 10, P(seg), 1,
+                                         8, 32, None, None, 0, None) == 1  # ARG: no workspace
+    assert lib.tagc_cuda_wq_delta_decode_workspace_size(10 ** 6) > w.numel()

@@ -850,9 +850,10 @@ SIZE_RULE(pairs_bytes, tagc_pairs_bytes(a->n, a->k, a->vd, a->coding))
 SIZE_RULE(pairs_cheapest, (int64_t)tagc_pairs_cheapest(a->n, a->k, a->vd))
 SIZE_RULE(wq_bytes, tagc_wq_bytes(a->segs.len, a->segs.n, a->fmt, a->block))
 SIZE_RULE(fp4_bytes, tagc_fp4_bytes(a->n, a->block))
+SIZE_RULE(wq_delta_bytes, tagc_wq_delta_bytes(a->segs.len, a->segs.n, a->fmt, a->block))
 
 enum { SZ_BITMAP, SZ_LANES, SZ_SKETCH, SZ_SPARSE, SZ_QUANT, SZ_PAIRS, SZ_CHEAPEST, SZ_WQ,
-       SZ_FP4 };
+       SZ_FP4, SZ_WQ_DELTA };
 
 static const size_fn SIZE_FNS[] = {
     [SZ_BITMAP] = {"_tagc.bitmap_bytes", size_bitmap_bytes, 0, 1, {SA_N}},
@@ -867,6 +868,8 @@ static const size_fn SIZE_FNS[] = {
                      {SA_N, SA_K_OF_N, SA_VDTYPE}},
     [SZ_WQ] = {"_tagc.wq_bytes", size_wq_bytes, 0, 3, {SA_SEGS, SA_WQFORMAT, SA_BLOCK}},
     [SZ_FP4] = {"_tagc.fp4_bytes", size_fp4_bytes, 0, 2, {SA_N, SA_FP4BLOCK}},
+    [SZ_WQ_DELTA] = {"_tagc.wq_delta_bytes", size_wq_delta_bytes, 0, 3,
+                     {SA_SEGS, SA_WQFORMAT, SA_BLOCK}},
 };
 
 /* Checks one argument of a scalar kind into *a. */
@@ -967,6 +970,7 @@ SIZE_ENTRY(pairs_bytes, SZ_PAIRS)
 SIZE_ENTRY(pairs_cheapest, SZ_CHEAPEST)
 SIZE_ENTRY(wq_bytes, SZ_WQ)
 SIZE_ENTRY(fp4_bytes, SZ_FP4)
+SIZE_ENTRY(wq_delta_bytes, SZ_WQ_DELTA)
 
 /* What a refused message means for the caller. */
 static const char *wq_detail(tagc_status st)
@@ -1038,6 +1042,97 @@ static PyObject *py_wq_encode(PyObject *m, PyObject *args, PyObject *kw)
 static PyObject *py_wq_decode(PyObject *m, PyObject *args, PyObject *kw)
 {
     return wq_common(m, args, kw, 1);
+}
+
+/* The tensors of one delta op hold the same dtype (the codec reads them as
+ * one dtype) and the same number of values. */
+static int need_like(tagc_py_views *vs, const tagc_py_view *v, const tagc_py_view *like)
+{
+    if (v->kind != like->kind) {
+        PyErr_Format(PyExc_TypeError, "%s: '%s' and '%s' must have the same dtype", vs->fn,
+                     v->name, like->name);
+        return -1;
+    }
+    return tagc_py_need_size(vs, v, like->numel, 1, like->name);
+}
+
+static PyObject *py_wq_delta_encode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"buf", "src", "sent", "base", "segs", "format", "block", "stream",
+                          "status_out", NULL};
+    PyObject *obuf, *osrc, *osent, *obase, *osegs, *ofmt, *oblock, *ostream = NULL,
+             *ostatus = NULL;
+    TAGC_BEGIN("wq_delta_encode");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOO|$OO", kwl, &obuf, &osrc, &osent, &obase,
+                                     &osegs, &ofmt, &oblock, &ostream, &ostatus))
+        return NULL;
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    tagc_qformat fmt;
+    int64_t block;
+    segs_t segs;
+    TAGC_CHECK(arg_quant(fn, ofmt, oblock, 1, &fmt, &block));
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE(src, osrc, "src", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(sent, osent, "sent", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(base, obase, "base", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_CHECK(arg_segs(&vs_, osegs, &segs));
+    TAGC_TAKE_STATUS(ostatus);
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, src));
+    TAGC_CHECK(need_like(&vs_, sent, src));
+    TAGC_CHECK(need_like(&vs_, base, src));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    TAGC_CHECK(segs_for(&vs_, &segs, dev, src));
+    if (dev != TAGC_DEV_CUDA)
+        TAGC_CHECK(tagc_py_need_size(&vs_, buf,
+                                     tagc_wq_delta_bytes(segs.len, segs.n, fmt, block), 1,
+                                     "wq_delta_bytes(segs, format, block)"));
+    /* CUDA: a table not matching the tensors or the buffer: in status_out */
+    TAGC_RUN_BOTH(dev, src, tagc_cuda_wq_delta_encode_workspace_size(segs.n), wq_delta_encode,
+                  (buf->data, buf->numel, src->data, sent->data, base->data,
+                   tagc_py_codec_dtype(src->kind), src->numel, segs.len, segs.n, fmt, block),
+                  has_status ? status->data : NULL, ws_, wsb_, strm_);
+    TAGC_END_NONE(TAGC_OK, NULL);
+}
+
+static PyObject *py_wq_delta_decode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"out", "ref", "buf", "segs", "format", "block", "stream",
+                          "status_out", NULL};
+    PyObject *oout, *oref, *obuf, *osegs, *ofmt, *oblock, *ostream = NULL, *ostatus = NULL;
+    TAGC_BEGIN("wq_delta_decode");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|$OO", kwl, &oout, &oref, &obuf, &osegs,
+                                     &ofmt, &oblock, &ostream, &ostatus))
+        return NULL;
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    tagc_qformat fmt;
+    int64_t block;
+    segs_t segs;
+    TAGC_CHECK(arg_quant(fn, ofmt, oblock, 1, &fmt, &block));
+    /* out=None: the change is added to ref in place (no other view may
+     * share ref's memory) */
+    TAGC_TAKE_OPT(out, has_out, oout, "out", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(ref, oref, "ref", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_CHECK(arg_segs(&vs_, osegs, &segs));
+    TAGC_TAKE_STATUS(ostatus);
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, ref));
+    if (has_out)
+        TAGC_CHECK(need_like(&vs_, out, ref));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    TAGC_CHECK(segs_for(&vs_, &segs, dev, ref));
+    if (dev != TAGC_DEV_CUDA)
+        TAGC_CHECK(tagc_py_need_size(&vs_, buf,
+                                     tagc_wq_delta_bytes(segs.len, segs.n, fmt, block), 1,
+                                     "wq_delta_bytes(segs, format, block)"));
+    void *dst = has_out ? out->data : ref->data;
+    /* CORRUPT: out and ref untouched; NONFINITE (CUDA): NaN blocks */
+    TAGC_RUN_BOTH(dev, ref, tagc_cuda_wq_delta_decode_workspace_size(segs.n), wq_delta_decode,
+                  (dst, ref->data, tagc_py_codec_dtype(ref->kind), ref->numel, buf->data,
+                   buf->numel, segs.len, segs.n, fmt, block),
+                  has_status ? status->data : NULL, ws_, wsb_, strm_);
+    TAGC_END_NONE(st, wq_detail(st));
 }
 
 static PyObject *py_cuda_available(PyObject *m, PyObject *unused)
@@ -1117,6 +1212,17 @@ static PyMethodDef methods[] = {
     KW(wq_decode, SIG(wq_decode, "out, buf, segs, format, block, *, stream=0, status_out=None",
                       "out = the weights of one wq message (raises NonFiniteError for a "
                       "flagged block).")),
+    KW(wq_delta_bytes, SIG(wq_delta_bytes, "segs, format, block",
+                           "Wire size of a gather_delta message: wq_bytes + 1 flag byte.")),
+    KW(wq_delta_encode, SIG(wq_delta_encode,
+                            "buf, src, sent, base, segs, format, block, *, stream=0, "
+                            "status_out=None",
+                            "The codes of src - base and the changed flag (all zeros when "
+                            "src == sent); sent = src.")),
+    KW(wq_delta_decode, SIG(wq_delta_decode,
+                            "out, ref, buf, segs, format, block, *, stream=0, status_out=None",
+                            "ref += the decoded change of a flagged message; out = ref "
+                            "(out=None: in place).")),
     KW(fp4_bytes, SIG(fp4_bytes, "n, block",
                       "Wire size of n 4-bit coded values: ceil(n / 2) + ceil(n / block).")),
     KW(fp4_encode, SIG(fp4_encode, "buf, residual, grad, block, *, seed=0, rotate=False, "

@@ -68,6 +68,12 @@ SIGS = {
     "tagc_cuda_wq_encode": (INT, [VP, I64, VP, INT, I64, VP, I64, INT, I64, VP, VP, SZ, VP]),
     "tagc_cuda_wq_decode_workspace_size": (SZ, [I64]),
     "tagc_cuda_wq_decode": (INT, [VP, INT, I64, VP, I64, VP, I64, INT, I64, VP, VP, SZ, VP]),
+    "tagc_cuda_wq_delta_encode_workspace_size": (SZ, [I64]),
+    "tagc_cuda_wq_delta_encode": (INT, [VP, I64, VP, VP, VP, INT, I64, VP, I64, INT, I64, VP,
+                                        VP, SZ, VP]),
+    "tagc_cuda_wq_delta_decode_workspace_size": (SZ, [I64]),
+    "tagc_cuda_wq_delta_decode": (INT, [VP, VP, INT, I64, VP, I64, VP, I64, INT, I64, VP, VP,
+                                        SZ, VP]),
 }
 LIB_NAME = "libtagc_cuda_emu.so"
 
@@ -289,3 +295,22 @@ class EmuOps:
         self._run("tagc_cuda_wq_decode", P(out), DT[out.dtype], out.numel(), P(buf), buf.numel(),
                   P(seg), seg.numel(), QFORMAT[format], block, P(status_out), P(w), w.numel(),
                   None)
+
+    def wq_delta_encode(self, buf: torch.Tensor, src: torch.Tensor, sent: torch.Tensor,
+                        base: torch.Tensor, segs: Union[torch.Tensor, Sequence[int]],
+                        format: str, block: int, *, stream: int = 0,
+                        status_out: Optional[torch.Tensor] = None) -> None:
+        seg = self._segs(segs)
+        w = ws(self.lib.tagc_cuda_wq_delta_encode_workspace_size(seg.numel()))
+        self._run("tagc_cuda_wq_delta_encode", P(buf), buf.numel(), P(src), P(sent), P(base),
+                  DT[src.dtype], src.numel(), P(seg), seg.numel(), QFORMAT[format], block,
+                  P(status_out), P(w), w.numel(), None)
+
+    def wq_delta_decode(self, out: Optional[torch.Tensor], ref: torch.Tensor, buf: torch.Tensor,
+                        segs: Union[torch.Tensor, Sequence[int]], format: str, block: int, *,
+                        stream: int = 0, status_out: Optional[torch.Tensor] = None) -> None:
+        seg = self._segs(segs)
+        w = ws(self.lib.tagc_cuda_wq_delta_decode_workspace_size(seg.numel()))
+        self._run("tagc_cuda_wq_delta_decode", P(ref if out is None else out), P(ref),
+                  DT[ref.dtype], ref.numel(), P(buf), buf.numel(), P(seg), seg.numel(),
+                  QFORMAT[format], block, P(status_out), P(w), w.numel(), None)
