@@ -38,8 +38,10 @@ the masters by a fraction of one step's update, not by a fraction of the weights
 unflagged message leaves ``ref`` as it is, so the backward re-gather of a step hands
 FSDP the forward's weights bit for bit.  The unit's first call, and the first after
 :meth:`GatherComm.reset` (a TAGC state load), gather exactly and start ``ref`` there; a
-NaN/Inf fallback restarts it from that exact gather too.  On CUDA the flag is written
-and read on the device (no host synchronisation), so every message is decoded.
+NaN/Inf fallback restarts it from that exact gather too.  Each side is one codec call
+(``wq_delta_encode``: compare, code and remember the shard; ``wq_delta_decode``: add the
+change and write FSDP's slice); on CUDA the kernels write and read the flag on the
+device (no host synchronisation).
 
 What is never quantized: a call over another group than the unit's shard group
 (``reshard_after_forward=int`` re-gathers the post-forward shards over the smaller
@@ -83,14 +85,14 @@ def message_bytes(segments: Sequence[int], fmt: str, block: int, delta: bool = F
         segments: the shard's segment lengths (one per parameter).
         fmt: a gather format other than ``none``.
         block: values per scale.
-        delta: ``gather_delta``'s message (the codes and one flag byte).
+        delta: ``gather_delta``'s message (``wq_delta_bytes``: the codes and a flag byte).
     Returns:
         the message size, the same on every rank.
     """
     if fmt == "fp4":
         return sum(int(_tagc.fp4_bytes(int(n), block)) for n in segments)
-    return int(_tagc.wq_bytes(torch.tensor([int(n) for n in segments], dtype=torch.int64),
-                              fmt, block)) + int(delta)
+    size = _tagc.wq_delta_bytes if delta else _tagc.wq_bytes
+    return int(size(torch.tensor([int(n) for n in segments], dtype=torch.int64), fmt, block))
 
 
 # E8M0's NaN: a scale byte every fp4 decoder turns into NaN values
@@ -363,44 +365,23 @@ class GatherComm(_OrderedGather):
 
     def _delta_encode(self, msg: torch.Tensor, inp: torch.Tensor, rank: int, segs: Any,
                       kw: Any) -> None:
-        """``gather_delta``: the codes of ``shard - ref[own]`` and the changed flag."""
-        n, mb = inp.numel(), self.message_bytes - 1
-        own = self._ref[rank * n:(rank + 1) * n]
-        if inp.is_cuda:
-            msg[mb:].copy_((inp != self._sent).any().view(1))
-        elif torch.equal(inp, self._sent):
-            # the bytes still travel (the message size is fixed): zeros, not stale memory
-            msg.zero_()
-            return
-        else:
-            msg[mb] = 1
-        _tagc.wq_encode(msg[:mb], inp.float() - own.float(), segs, self.cfg.gather,
-                        self.cfg.gather_block, **kw)
-        self._sent.copy_(inp)
+        """``gather_delta``: the codes of ``shard - ref[own]`` and the changed flag, in
+        one codec pass (all zeros when the shard is bit for bit the one last sent)."""
+        n = inp.numel()
+        _tagc.wq_delta_encode(msg, inp, self._sent, self._ref[rank * n:(rank + 1) * n], segs,
+                              self.cfg.gather, self.cfg.gather_block, **kw)
 
     def _delta_decode(self, out: torch.Tensor, recv: torch.Tensor, rank: int, segs: Any,
                       kw: Any) -> None:
-        """``gather_delta``: every flagged message's change into ``ref``; ``out = ref``.
-        A sentinel block raises NonFiniteError (CPU) with ``ref`` partly updated: the
+        """``gather_delta``: every flagged message's change into ``ref`` and each slice
+        of ``ref`` into ``out``, one codec pass per message.  The change is added in fp32
+        and rounded to the gather dtype, the same on the owner and every receiver.  A
+        sentinel block raises NonFiniteError (CPU) with ``ref`` partly updated: the
         caller's exact fallback restarts it."""
-        n, mb = out.numel() // recv.shape[0], self.message_bytes - 1
-        ref = self._ref
-        change = torch.empty(n, dtype=torch.float32, device=out.device)
+        n = out.numel() // recv.shape[0]
         for r in range(recv.shape[0]):
-            if not recv.is_cuda and not recv[r, mb]:
-                continue
-            held = ref[r * n:(r + 1) * n]
-            _tagc.wq_decode(change, recv[r, :mb], segs, self.cfg.gather,
-                            self.cfg.gather_block, **kw)
-            # added in fp32 and rounded to the gather dtype: the owner's mirror and every
-            # receiver round alike
-            if recv.is_cuda:
-                held.copy_(torch.where(recv[r, mb].bool(), held.float() + change, held))
-            elif held.dtype == torch.float32:
-                held.add_(change)
-            else:
-                held.copy_(change.add_(held.float()))
-        out.copy_(ref)
+            _tagc.wq_delta_decode(out[r * n:(r + 1) * n], self._ref[r * n:(r + 1) * n],
+                                  recv[r], segs, self.cfg.gather, self.cfg.gather_block, **kw)
 
     def _fp4_encode(self, msg: torch.Tensor, inp: torch.Tensor, kw: Any) -> None:
         """This rank's message, segment by segment; NaN scales throughout if a block

@@ -72,7 +72,7 @@ def gather_bytes(segments: Sequence[int], fmt: str, block: int, delta: bool = Fa
         segments: the shard's segment lengths (``Unit.segments``).
         fmt: ``int8``, ``int4`` or ``fp4``.
         block: values per scale.
-        delta: ``gather_delta``'s message (one flag byte more).
+        delta: ``gather_delta``'s message (``wq_delta_bytes``: one flag byte more).
     Returns:
         the message size.
     """
@@ -82,7 +82,8 @@ def gather_bytes(segments: Sequence[int], fmt: str, block: int, delta: bool = Fa
         return message_bytes(segments, fmt, block)
     if any(x > _CODEC_MAX_N for x in segments):
         return sum(quant_bytes(x, fmt, block) for x in segments) + int(delta)
-    return _tagc().wq_bytes([int(x) for x in segments], fmt, block) + int(delta)
+    size = _tagc().wq_delta_bytes if delta else _tagc().wq_bytes
+    return size([int(x) for x in segments], fmt, block)
 
 
 def pairs_message(t: "Compression", s: int, eb: int) -> int:
