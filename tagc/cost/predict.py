@@ -241,10 +241,11 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
             if g > 1:  # tagc/gather.py: encode the own shard, decode all g messages
                 p.codec_s += calls * (s / rates["wq_encode"] + g * s / rates["wq_decode"])
                 if t.gather_delta:
-                    # the change (s), its addition to the held weights (g s) and their
-                    # copy into FSDP's buffer (g s) on a changed call, the copy alone on
-                    # the unchanged re-gather: streaming passes, at the decoder's rate
-                    p.codec_s += (s + 2 * g * s + (calls - 1) * g * s) / rates["wq_decode"]
+                    # csrc/wq_delta.c on the changed call: the own shard compared and
+                    # remembered (s), the held weights read and written beside the
+                    # decode (g s); the unchanged re-gather's compare and copy cost about
+                    # a plain call's codec: streaming passes, at the decoder's rate
+                    p.codec_s += (s + g * s) / rates["wq_decode"]
         else:
             st.ring("gather", group, g, "all_gather", s * eb, calls, calls * cnt)
         gather_s, spent = (p.comm_s + p.codec_s - spent) / calls, p.comm_s + p.codec_s
