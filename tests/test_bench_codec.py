@@ -278,6 +278,41 @@ def test_wq(benchmark: Callable, size: int, dtype: torch.dtype, op: str) -> None
     assert bool(((out.float() - w.float()).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("op", ("encode", "decode"))
+def test_wq_delta(benchmark: Callable, size: int, op: str) -> None:
+    """``gather_delta``'s int4 message of one rank, a changed shard (1000 segments): the
+    owner's compare, code and remember; a receiver's add to the held weights and copy
+    into FSDP's slice."""
+    import _tagc
+
+    gen = torch.Generator().manual_seed(size)
+    w = _grad(size, 31)
+    held = w + 1e-3 * _grad(size, 32)
+    cuts = sorted(torch.randint(0, size + 1, (999,), generator=gen).tolist())
+    segs = torch.tensor([b - a for a, b in zip([0] + cuts, cuts + [size])], dtype=torch.int64)
+    buf = torch.empty(_tagc.wq_delta_bytes(segs, "int4", 256), dtype=torch.uint8)
+    sent = torch.zeros(size)
+    out = torch.empty(size)
+
+    def changed() -> None:
+        sent[0] += 1.0  # a shard that differs from the last sent, as every step's first call
+        _tagc.wq_delta_encode(buf, w, sent, held, segs, "int4", 256)
+
+    if op == "encode":
+        benchmark(changed)
+    else:
+        changed()
+        ref = held.clone()
+        benchmark(_tagc.wq_delta_decode, out, ref, buf, segs, "int4", 256)
+    assert torch.equal(sent, w) and buf[-1].item() == 1
+    change = torch.empty(size)
+    _tagc.wq_decode(change, buf[:-1], segs, "int4", 256)
+    _tagc.wq_delta_decode(out, held, buf, segs, "int4", 256)
+    assert torch.equal(out, held)
+    # the change codes w - held to within half an int4 step of its largest block
+    assert (held - w).abs().max().item() <= (w - (held - change)).abs().max().item() / 14 * 1.01
+
+
 def test_memcpy_end(benchmark: Callable, size: int) -> None:
     """The yardstick again, last: with the first, how far the load moved."""
     _memcpy(benchmark, size)
