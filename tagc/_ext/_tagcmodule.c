@@ -1013,24 +1013,19 @@ static PyObject *wq_common(PyObject *m, PyObject *args, PyObject *kw, int decode
     TAGC_CHECK(dev);
     TAGC_CHECK(segs_for(&vs_, &segs, dev, data));
     tagc_dtype dt = tagc_py_codec_dtype(data->kind);
-    if (dev == TAGC_DEV_CUDA && decode) { /* CORRUPT: out untouched; NONFINITE: NaN blocks */
-        TAGC_RUN_CUDA(data, tagc_cuda_wq_decode_workspace_size(segs.n),
-                      tagc_cuda_wq_decode(data->data, dt, data->numel, buf->data, buf->numel,
-                                          segs.len, segs.n, fmt, block,
-                                          has_status ? status->data : NULL, ws_, wsb_, strm_));
-    } else if (dev == TAGC_DEV_CUDA) { /* a table not matching the tensors: in status_out */
-        TAGC_RUN_CUDA(data, tagc_cuda_wq_encode_workspace_size(segs.n),
-                      tagc_cuda_wq_encode(buf->data, buf->numel, data->data, dt, data->numel,
-                                          segs.len, segs.n, fmt, block,
-                                          has_status ? status->data : NULL, ws_, wsb_, strm_));
-    } else {
+    if (dev != TAGC_DEV_CUDA) /* CUDA: a table not matching the tensors: in status_out */
         TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_wq_bytes(segs.len, segs.n, fmt, block), 1,
                                      "wq_bytes(segs, format, block)"));
-        TAGC_RUN(decode ? tagc_wq_decode(data->data, dt, data->numel, buf->data, buf->numel,
-                                         segs.len, segs.n, fmt, block)
-                   : tagc_wq_encode(buf->data, buf->numel, data->data, dt, data->numel,
-                                    segs.len, segs.n, fmt, block));
-    }
+    if (decode) /* CORRUPT: out untouched; NONFINITE (CUDA): NaN blocks */
+        TAGC_RUN_BOTH(dev, data, tagc_cuda_wq_decode_workspace_size(segs.n), wq_decode,
+                      (data->data, dt, data->numel, buf->data, buf->numel, segs.len, segs.n,
+                       fmt, block),
+                      has_status ? status->data : NULL, ws_, wsb_, strm_);
+    else
+        TAGC_RUN_BOTH(dev, data, tagc_cuda_wq_encode_workspace_size(segs.n), wq_encode,
+                      (buf->data, buf->numel, data->data, dt, data->numel, segs.len, segs.n,
+                       fmt, block),
+                      has_status ? status->data : NULL, ws_, wsb_, strm_);
     TAGC_END_NONE(st, wq_detail(st));
 }
 
