@@ -258,6 +258,9 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
     "scripts/gpu_check.sh": [Covered(
         "tests/test_gpu_check.py::test_dry_run_passes_and_reports_every_part", '"--dry-run"',
         "--dry-run: every part on the CPU paths and the CUDA emulation")],
+    "scripts/research/lean_family.py": [Run(
+        ("--steps", "2", "--seeds", "10", "--members", "w128-b8-n0.5", "--out_dir",
+         "{out}/lf", "tagc-lean"), expect=("lf/family.md",), seconds=12)],
     "scripts/research/sim_ablation.py": [Run(
         ("--steps", "2", "--eval_interval", "1", "--out", "{out}/ablation.jsonl", "dense",
          "quant:fmt=int4"), expect=("ablation.jsonl",), seconds=11)],

@@ -122,7 +122,12 @@ class Task:
         """Rank ``rank``'s batch of step ``step``: the same in every variant and run."""
         g = torch.Generator().manual_seed(self.args.seed * 1_000_003 + step * 64 + rank + 7)
         x = torch.randn(self.args.batch, self.args.d_in, generator=g)
-        return x, self.target(x)
+        y = self.target(x)
+        if self.args.noise > 0:
+            # label noise of the training targets only: the held-out loss stays the
+            # fraction of the clean target's variance missed
+            y = y + self.args.noise * torch.randn(y.shape, generator=g)
+        return x, y
 
 
 def parse_variant(spec: str) -> Optional[Dict[str, Any]]:
@@ -310,6 +315,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=256, help="student hidden width")
     p.add_argument("--depth", type=int, default=3, help="student hidden layers")
     p.add_argument("--teacher_width", type=int, default=64)
+    p.add_argument("--noise", type=float, default=0.0,
+                   help="std of Gaussian noise added to the training targets (unit "
+                        "variance); validation uses the clean targets")
     p.add_argument("--min_numel", type=int, default=1024,
                    help="TAGC's min_numel for every variant (layers: all)")
     p.add_argument("--eval_every", type=int, default=10)
@@ -323,6 +331,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not args.lr > 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if not args.noise >= 0:
+        p.error(f"--noise must be >= 0, got {args.noise}")
     for v in args.variants:
         parse_variant(v)  # fail before spawning
     return args
