@@ -18,6 +18,7 @@ Run (2 gloo ranks on the CPU; about 40 launches, 20-30 minutes for four variants
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -107,8 +108,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     for name, width, batch, noise in [m for m in FAMILY if m[0] in names]:
         losses[name] = {}
         for seed in seeds:
-            tag = f"{args.steps}-" + "+".join(args.variants).replace("/", "_")
-            folder = out / name / str(seed) / tag
+            # one folder per (steps, variants): a short digest names it, summary.json
+            # lists the variants
+            digest = hashlib.sha1("\n".join(args.variants).encode()).hexdigest()[:10]
+            folder = out / name / str(seed) / f"{args.steps}-{digest}"
             losses[name][seed] = run_member(width, batch, noise, seed, args.steps,
                                             args.variants, folder)
             print(f"{name} seed {seed}: " + ", ".join(
