@@ -37,36 +37,21 @@ static __global__ void wq_encode_kernel(uint8_t *dst, wq_ws w, wq_values v, int6
     }
 }
 
+/* out[i] = x in dtype od. */
+struct wq_store {
+    void *out;
+    int od;
+    __device__ void operator()(int64_t i, float x) const { tagc_st(out, od, i, x); }
+};
+
 /* Decode step 2: out = q * s, NaN over a sentinel block; nothing at all when
  * the table or the message is invalid.  The first block reports the verdict. */
 static __global__ void wq_decode_kernel(void *out, int od, wq_ws w, const uint8_t *src,
                                         int64_t nseg, int format, int64_t block,
                                         int32_t *dev_status)
 {
-    int32_t err = *w.err, corrupt = *w.corrupt;
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-        tagc_dev_fail(dev_status, err != 0 ? err
-                                  : corrupt ? TAGC_ERR_CORRUPT
-                                  : *w.sentinel ? TAGC_ERR_NONFINITE : 0);
-    if (err != 0 || corrupt)
-        return;
-    int64_t nb = w.blk[nseg];
-    int64_t stride = (int64_t)gridDim.x * WQ_WARPS;
-    int per = tagc_q_per_byte(format);
-    for (int64_t b = (int64_t)blockIdx.x * WQ_WARPS + (threadIdx.x >> 5); b < nb;
-         b += stride) {
-        int64_t o, len;
-        const uint8_t *p = src + wq_locate(w, nseg, b, format, block, &o, &len);
-        uint32_t bits = (uint32_t)tagc_ld_le(p, 4);
-        float s = __uint_as_float(bits);
-        int ignored = 0;
-        for (int64_t i = threadIdx.x & 31u; i < len; i += 32) {
-            int q = tagc_q_decode(format, p[4 + i / per], (int)(i % per), &ignored);
-            tagc_st(out, od, o + i,
-                    bits == TAGC_WQ_NONFINITE ? __uint_as_float(0x7fc00000u)
-                                              : __fmul_rn((float)q, s));
-        }
-    }
+    if (wq_decode_verdict(w, dev_status))
+        wq_decode_records(w, src, nseg, format, block, wq_store{out, od});
 }
 
 extern "C" size_t tagc_cuda_wq_encode_workspace_size(int64_t nseg)

@@ -209,6 +209,46 @@ static __global__ void wq_check_kernel(wq_ws w, const uint8_t *src, int64_t nseg
         *w.sentinel = 1;
 }
 
+/* A decode kernel's start, after wq_check_kernel: the first block reports
+ * the verdict (the table's error, CORRUPT, else NONFINITE when a record holds
+ * the sentinel); whether the kernel may write (not when the table or the
+ * message is invalid). */
+static __device__ __forceinline__ int wq_decode_verdict(const wq_ws &w, int32_t *dev_status)
+{
+    int32_t err = *w.err, corrupt = *w.corrupt;
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        tagc_dev_fail(dev_status, err != 0 ? err
+                                  : corrupt ? TAGC_ERR_CORRUPT
+                                  : *w.sentinel ? TAGC_ERR_NONFINITE : 0);
+    return err == 0 && !corrupt;
+}
+
+/* Every value of a checked message, one warp per block: put(i, x) with x the
+ * fp32 product q * s of value i, or NaN (0x7fc00000) over a sentinel block,
+ * the only NaN it passes (a valid scale is finite). */
+template <class Put>
+static __device__ __forceinline__ void wq_decode_records(const wq_ws &w, const uint8_t *src,
+                                                         int64_t nseg, int format,
+                                                         int64_t block, Put put)
+{
+    int64_t nb = w.blk[nseg];
+    int64_t stride = (int64_t)gridDim.x * WQ_WARPS;
+    int per = tagc_q_per_byte(format);
+    for (int64_t b = (int64_t)blockIdx.x * WQ_WARPS + (threadIdx.x >> 5); b < nb;
+         b += stride) {
+        int64_t o, len;
+        const uint8_t *p = src + wq_locate(w, nseg, b, format, block, &o, &len);
+        uint32_t bits = (uint32_t)tagc_ld_le(p, 4);
+        float s = __uint_as_float(bits);
+        int ignored = 0;
+        for (int64_t i = threadIdx.x & 31u; i < len; i += 32) {
+            int q = tagc_q_decode(format, p[4 + i / per], (int)(i % per), &ignored);
+            put(o + i, bits == TAGC_WQ_NONFINITE ? __uint_as_float(0x7fc00000u)
+                                                 : __fmul_rn((float)q, s));
+        }
+    }
+}
+
 static inline size_t wq_workspace_size(int64_t nseg)
 {
     tagc_carver c = {NULL, 0};

@@ -78,6 +78,20 @@ static __global__ void wq_delta_encode_kernel(uint8_t *dst, wq_ws w, wq_change v
     }
 }
 
+/* ref[i] = dtype(ref[i] + x) (NaN over a sentinel block) and out[i] = ref[i]:
+ * stored once per array, tagc_st rounds to the dtype, as the C op. */
+struct wq_add {
+    void *out, *ref;
+    int d;
+    __device__ void operator()(int64_t i, float x) const
+    {
+        float r = x != x ? x : __fadd_rn(tagc_ld(ref, d, i), x);
+        tagc_st(ref, d, i, r);
+        if (out != ref)
+            tagc_st(out, d, i, r);
+    }
+};
+
 /* Decode step 2 (step 1 is wq_check_kernel with its delta flag): nothing
  * when the table or the message is invalid; flag 0: out = ref; flag 1:
  * ref = dtype(ref + q * s) and out = ref, NaN over a sentinel block.  The
@@ -86,12 +100,7 @@ static __global__ void wq_delta_decode_kernel(void *out, void *ref, int d, wq_ws
                                               const uint8_t *src, int64_t nseg, int format,
                                               int64_t block, int32_t *dev_status)
 {
-    int32_t err = *w.err, corrupt = *w.corrupt;
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-        tagc_dev_fail(dev_status, err != 0 ? err
-                                  : corrupt ? TAGC_ERR_CORRUPT
-                                  : *w.sentinel ? TAGC_ERR_NONFINITE : 0);
-    if (err != 0 || corrupt)
+    if (!wq_decode_verdict(w, dev_status))
         return;
     if (src[w.byte[nseg]] == 0) { /* the check kernel let only 0 and 1 through */
         if (out == ref)
@@ -105,27 +114,7 @@ static __global__ void wq_delta_decode_kernel(void *out, void *ref, int d, wq_ws
         }
         return;
     }
-    int64_t nb = w.blk[nseg];
-    int64_t stride = (int64_t)gridDim.x * WQ_WARPS;
-    int per = tagc_q_per_byte(format);
-    for (int64_t b = (int64_t)blockIdx.x * WQ_WARPS + (threadIdx.x >> 5); b < nb;
-         b += stride) {
-        int64_t o, len;
-        const uint8_t *p = src + wq_locate(w, nseg, b, format, block, &o, &len);
-        uint32_t bits = (uint32_t)tagc_ld_le(p, 4);
-        float s = __uint_as_float(bits);
-        int ignored = 0;
-        for (int64_t i = threadIdx.x & 31u; i < len; i += 32) {
-            int q = tagc_q_decode(format, p[4 + i / per], (int)(i % per), &ignored);
-            /* stored once per array: tagc_st rounds to the dtype, as the C op */
-            float r = bits == TAGC_WQ_NONFINITE
-                          ? __uint_as_float(0x7fc00000u)
-                          : __fadd_rn(tagc_ld(ref, d, o + i), __fmul_rn((float)q, s));
-            tagc_st(ref, d, o + i, r);
-            if (out != ref)
-                tagc_st(out, d, o + i, r);
-        }
-    }
+    wq_decode_records(w, src, nseg, format, block, wq_add{out, ref, d});
 }
 
 /* An empty table (nseg == 0): the message is the flag byte alone, which a
