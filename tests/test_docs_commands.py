@@ -260,7 +260,9 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
         "--dry-run: every part on the CPU paths and the CUDA emulation")],
     "scripts/research/lean_family.py": [Run(
         ("--steps", "2", "--seeds", "10", "--members", "w128-b8-n0.5", "--out_dir",
-         "{out}/lf", "tagc-lean"), expect=("lf/family.md",), seconds=12)],
+         "{out}/lf", "tagc-lean"), expect=("lf/family.md",), seconds=12), Run(
+        ("--sim", "--steps", "2", "--seeds", "10", "--members", "w128-b8-n0.5", "--out_dir",
+         "{out}/lfs", "none:q=tlog64"), expect=("lfs/family.md",), seconds=6, label="sim")],
     "scripts/research/sim_ablation.py": [Run(
         ("--steps", "2", "--eval_interval", "1", "--out", "{out}/ablation.jsonl", "dense",
          "quant:fmt=int4"), expect=("ablation.jsonl",), seconds=11)],

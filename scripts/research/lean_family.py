@@ -13,12 +13,20 @@ Run (2 gloo ranks on the CPU; about 40 launches, 20-30 minutes for four variants
 
     python3 scripts/research/lean_family.py tagc-lean ternary-res "ternary-res,residual_factor=0.5"
 
-``--help`` lists the options; variants are ``teacher_student.py``'s.
+``--help`` lists the options; variants are ``teacher_student.py``'s.  With ``--sim`` the
+variants are ``sim_feedback.py`` methods instead (``none:q=tlog64``): the same members,
+seeds and batches with the exchange simulated in one process, about a minute a variant
+(for ``tagc-lean``'s code, ``none:q=ternary``, it gives the launches' losses to every
+printed digit)::
+
+    python3 scripts/research/lean_family.py --sim none:q=ternary none:q=tlog64
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import statistics
 import sys
@@ -59,6 +67,30 @@ def run_member(width: int, batch: int, noise: float, seed: int, steps: int,
     return {r["variant"]: r["val_loss"] for r in runs}
 
 
+def run_member_sim(width: int, batch: int, noise: float, seed: int, steps: int,
+                   methods: Sequence[str], out_dir: Path) -> Dict[str, float]:
+    """:func:`run_member` with ``sim_feedback.py``'s one-process exchange.
+
+    Args:
+        width, batch, noise, seed, steps: as :func:`run_member`.
+        methods: ``sim_feedback.py`` methods (plain runs first).
+        out_dir: this launch's folder (results.jsonl).
+    Returns:
+        method -> final validation loss, plain included.
+    """
+    import sim_feedback as sf  # scripts/research, this script's folder
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "results.jsonl"
+    jsonl.unlink(missing_ok=True)  # sf.main appends; a rerun replaces
+    with contextlib.redirect_stdout(io.StringIO()):  # its per-launch tables
+        res = sf.main(["--task", "ts", "--steps", str(steps), "--batch", str(batch),
+                   "--seed", str(seed), "--alpha_every", "0", "--eval_every", str(steps),
+                       "--out", str(jsonl), *methods,
+                       "--task_args", "--width", str(width), "--noise", str(noise)])
+    return {r["method"]: r["val_loss"] for r in res}
+
+
 def table(losses: Dict[str, Dict[int, Dict[str, float]]], variants: Sequence[str]) -> str:
     """Per member run and variant: mean change vs plain over the seeds, and the range."""
     lines = ["| member (width, batch/rank, noise) | plain loss (mean) | " +
@@ -83,6 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     """Runs the family for the variants, prints and writes the table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("variants", nargs="+", help="teacher_student.py variants (not plain)")
+    p.add_argument("--sim", action="store_true",
+                   help="variants are sim_feedback.py methods, run in one process")
     p.add_argument("--out_dir", default="out/lean_family")
     # a smoke run only: the family's figures are its defaults
     p.add_argument("--members", default="", help="comma list of member names (default all)")
@@ -101,8 +135,15 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         p.error("at least one seed and one step")
     if "plain" in args.variants:
         p.error("plain runs in every launch; name only the variants")
-    for v in args.variants:
-        ts.parse_variant(v)
+    if args.sim:
+        import sim_feedback as sf  # scripts/research, this script's folder
+
+        for v in args.variants:
+            sf.parse_method(v)
+    else:
+        for v in args.variants:
+            ts.parse_variant(v)
+    member = run_member_sim if args.sim else run_member
     out = Path(args.out_dir)
     losses: Dict[str, Dict[int, Dict[str, float]]] = {}
     for name, width, batch, noise in [m for m in FAMILY if m[0] in names]:
@@ -111,8 +152,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
             # one folder per (steps, variants): a short digest names it, summary.json
             # lists the variants
             digest = hashlib.sha1("\n".join(args.variants).encode()).hexdigest()[:10]
-            folder = out / name / str(seed) / f"{args.steps}-{digest}"
-            losses[name][seed] = run_member(width, batch, noise, seed, args.steps,
+            folder = out / name / str(seed) / f"{'sim-' if args.sim else ''}{args.steps}-{digest}"
+            losses[name][seed] = member(width, batch, noise, seed, args.steps,
                                             args.variants, folder)
             print(f"{name} seed {seed}: " + ", ".join(
                 f"{v} {loss:.5f}" for v, loss in losses[name][seed].items()), flush=True)

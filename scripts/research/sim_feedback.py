@@ -20,7 +20,12 @@ Quantizers (``q=``): the codec's ``sign``, ``ternary``, ``int4``, ``int8``
 (``_tagc.quant_encode`` itself), and pure-torch prototypes: ``tl2`` (the L2-optimal
 ternary per block: for |x| sorted descending with prefix sums c_m, keep the m entries
 maximising c_m^2 / m at s = c_m / m; the same wire format as ``ternary``, only the
-scale differs) and ``tmax`` (ternary at s = max|x|).
+scale differs), ``tmax`` (ternary at s = max|x|), ``trot`` (ternary of blocks rotated by
+``_tagc.rht``, a new seed per call, unrotated after decoding), ``tsr`` / ``tsrmax``
+(stochastic ternary at the codec's scale / at max|x|), ``tzZ`` (ternary with a dead zone
+of Z/100 mean|x| and the L2-optimal scale of what it keeps, Z in :data:`ZONES`),
+``ternaryB`` (the codec's ternary at block B, fp32 scales) and ``tlogB`` (the same with
+8-bit scales: a block costs 1.75 bits per value at B = 64, as ``ternary`` at 256).
 
     python3 scripts/research/sim_feedback.py --task ts ef21:q=ternary ef21:q=tl2 res:q=ternary
     python3 scripts/research/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
@@ -72,6 +77,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 BLOCK = 256
 CODEC_FORMATS = ("sign", "ternary", "int4", "int8")
 ALPHA_CODES = ("ternary", "tl2", "int4")  # measured on every coded block
+ZONES = (0, 25, 50, 75, 100, 125, 150)  # tzZ: ternary_zone at Z / 100 mean|x|
+BLOCKS = (16, 32, 64, 128)  # ternaryB: the codec's ternary at block B
 GUARD_GRID = (2, 4, 8, 16, 32, 64, 128, 256)  # thresholds whose exceedances are counted
 
 
@@ -133,6 +140,73 @@ def int4_stochastic(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     return out[:x.numel()] if pad else out
 
 
+_ROT_CALLS = [0]
+
+
+def ternary_rotated(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """The codec's ternary code of the rotated blocks (``_tagc.rht``: a seeded block
+    Hadamard, a new seed per call as a (seed, unit, step) hash would give), decoded
+    and unrotated: a block's dropped entries become an error spread over the block
+    in a basis that changes every step instead of the same entries dropped again."""
+    import _tagc
+
+    _ROT_CALLS[0] += 1
+    seed = _tagc.seed_derive(7, 0, _ROT_CALLS[0])
+    n = x.numel()
+    y = torch.empty_like(x)
+    _tagc.rht(y, x.contiguous(), block, seed)
+    c = codec("ternary", y, block)
+    out = torch.empty_like(c)
+    _tagc.rht(out, c, block, seed, inverse=True)
+    return out[:n]
+
+
+def ternary_stochastic(x: torch.Tensor, block: int = BLOCK, top: str = "codec") -> torch.Tensor:
+    """Ternary with stochastic rounding (TernGrad's code): per block s as the codec's
+    (``top=codec``: min(2.5 mean|x|, max|x|)) or max|x| (``top=max``: unbiased), and
+    |x| < s sent as s with probability |x|/s, else 0 (torch's global generator)."""
+    b, pad = _blocks(x, block)
+    a = b.abs()
+    s = a.amax(dim=1, keepdim=True)
+    if top == "codec":
+        s = torch.minimum(s, 2.5 * a.mean(dim=1, keepdim=True))
+    keep = (a / s.clamp_min(1e-38) >= torch.rand_like(a)).to(b.dtype)
+    out = torch.where(s > 0, torch.sign(b) * keep * s, torch.zeros_like(b)).reshape(-1)
+    return out[:x.numel()] if pad else out
+
+
+def ternary_zone(x: torch.Tensor, zone: float, block: int = BLOCK) -> torch.Tensor:
+    """Ternary with a dead zone of ``zone`` mean|x| per block: entries above it are
+    sent as +-s at s = their mean |x| (the L2-optimal scale for that set), the rest
+    0; the codec's wire format, only the encoder's choice of codes and scale differs
+    (the codec's own: zone 1.25, s = min(2.5 mean|x|, max|x|))."""
+    b, pad = _blocks(x, block)
+    a = b.abs()
+    keep = a > zone * a.mean(dim=1, keepdim=True)
+    cnt = keep.sum(dim=1, keepdim=True).clamp_min(1)
+    s = (a * keep).sum(dim=1, keepdim=True) / cnt
+    out = (torch.sign(b) * keep * s).reshape(-1)
+    return out[:x.numel()] if pad else out
+
+
+def ternary_log8(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """The codec's ternary (s = min(2.5 mean|x|, max|x|) per block) with each block's
+    scale on 8 bits: s = S 2^(-k/16), S the message's largest block scale (fp32, sent
+    once), k in [0, 254] rounded in the log domain (at most 2.2% off), 255 a zero
+    block; the codes are those of the coded scale."""
+    b, pad = _blocks(x, block)
+    a = b.abs()
+    s = torch.minimum(a.amax(dim=1, keepdim=True), 2.5 * a.mean(dim=1, keepdim=True))
+    big = float(s.max())
+    if big == 0:
+        return torch.zeros_like(x)
+    k = torch.round(-16 * torch.log2(s.clamp_min(1e-38) / big)).clamp(0, 255)
+    sq = torch.where((k < 255) & (s > 0), big * torch.exp2(-k / 16), torch.zeros_like(s))
+    q = torch.where(sq > 0, torch.round(b / sq.clamp_min(1e-38)).clamp(-1, 1), torch.zeros_like(b))
+    out = (q * sq).reshape(-1)
+    return out[:x.numel()] if pad else out
+
+
 def stored(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """How a residual is kept between calls (``store=``): ``fp32`` as is, ``bf16``
     rounded to bfloat16, or a codec format (``int8``, ``int4``: block codes with
@@ -162,7 +236,12 @@ def quantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The code ``C`` of a quantizer name (see the module docstring)."""
     if name in CODEC_FORMATS:
         return lambda x: codec(name, x)
-    return {"tl2": ternary_l2, "tmax": ternary_max, "int4sr": int4_stochastic}[name]
+    return {"tl2": ternary_l2, "tmax": ternary_max, "int4sr": int4_stochastic,
+            "trot": ternary_rotated, "tsr": ternary_stochastic,
+            "tsrmax": lambda x: ternary_stochastic(x, top="max"),
+            **{f"tz{z}": (lambda x, z=z: ternary_zone(x, z / 100)) for z in ZONES},
+            **{f"ternary{b}": (lambda x, b=b: codec("ternary", x, b)) for b in BLOCKS},
+            **{f"tlog{b}": (lambda x, b=b: ternary_log8(x, b)) for b in BLOCKS}}[name]
 
 
 def lam_of(gh: float, hh: float) -> float:
@@ -452,7 +531,9 @@ def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
     opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
     if fb not in ("plain", "none", "res", "ef21"):
         raise SystemExit(f"unknown feedback {fb!r}")
-    codes = CODEC_FORMATS + ("tl2", "tmax", "int4sr")
+    codes = CODEC_FORMATS + ("tl2", "tmax", "int4sr", "trot", "tsr", "tsrmax") + tuple(
+        f"tz{z}" for z in ZONES) + tuple(f"ternary{b}" for b in BLOCKS) + tuple(
+        f"tlog{b}" for b in BLOCKS)
     if fb != "plain" and opts.get("q") not in codes:
         raise SystemExit(f"{spec}: give q= one of {codes}")
     if "cut" in opts and (fb != "ef21" or opts.get("damp") != "1"):
