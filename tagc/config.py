@@ -681,7 +681,8 @@ class TAGCConfig:
         "a fraction of one step's update. Memory: every rank keeps each unit's gathered "
         "weights between calls (the unsharded model in the gather dtype) and its own "
         "shard as last sent. A unit's first call, and the first after a TAGC state "
-        "load, gathers exactly.",
+        "load, gathers exactly. On CPU tensors FSDP's backward re-gather sends the "
+        "ranks' changed flags first and the codes only if a shard moved.",
         values="bool", reads="FSDP2 with gather: int8 | int4")
     fsdp_overlap: bool = knob(
         True, "overlap",

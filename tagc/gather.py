@@ -41,7 +41,13 @@ FSDP the forward's weights bit for bit.  The unit's first call, and the first af
 NaN/Inf fallback restarts it from that exact gather too.  Each side is one codec call
 (``wq_delta_encode``: compare, code and remember the shard; ``wq_delta_decode``: add the
 change and write FSDP's slice); on CUDA the kernels write and read the flag on the
-device (no host synchronisation).
+device (no host synchronisation).  On the CPU a call inside a backward (FSDP's
+re-gather of what the forward gathered: the masters have not moved since, on every
+rank) first all-gathers the flag bytes alone; when no rank's shard changed, every rank
+hands FSDP ``ref`` and the messages are never sent (what decoding N unchanged messages
+gives), so a step's re-gathers cost N - 1 bytes per rank instead of a message each.
+Any changed shard sends every message, as in the forward.  Every rank takes the same
+branch: the calls are the same on every rank, and so are the flags they all read.
 
 What is never quantized: a call over another group than the unit's shard group
 (``reshard_after_forward=int`` re-gathers the post-forward shards over the smaller
@@ -165,21 +171,25 @@ class _OrderedGather(_AGBase):  # type: ignore[misc,valid-type]
         for the worker's job (``fsdp_overlap``).
         """
         exact = self._exact_now()  # now: the switch may flip before the job runs
+        backward = in_backward()  # on this thread: the worker runs no backward
         ov = self.overlap
         if ov is None or output_tensor.is_cuda:
-            self._gather(output_tensor, input_tensor, group, exact)
+            self._gather(output_tensor, input_tensor, group, exact, backward)
             return None
-        if self.order is not None and not in_backward():
+        if self.order is not None and not backward:
             self.order.seen(self.index)
-        return ov.run(lambda: self._gather(output_tensor, input_tensor, group, exact),
-                      "parameter all-gather")
+        return ov.run(
+            lambda: self._gather(output_tensor, input_tensor, group, exact, backward),
+            "parameter all-gather")
 
     def _exact_now(self) -> bool:
         """Whether this call gathers exactly (read when FSDP calls, not when it runs)."""
         return True
 
-    def _gather(self, out: torch.Tensor, inp: torch.Tensor, group: Any, exact: bool) -> None:
-        """The exchange itself (each subclass's own), on whichever thread runs it."""
+    def _gather(self, out: torch.Tensor, inp: torch.Tensor, group: Any, exact: bool,
+                backward: bool) -> None:
+        """The exchange itself (each subclass's own), on whichever thread runs it;
+        ``backward``: FSDP called from inside a backward."""
         raise NotImplementedError
 
 
@@ -189,7 +199,8 @@ class OrderedGatherComm(_OrderedGather):
     the gathers keep their place in the worker's order beside the reduce-scatters
     (tagc/overlap.py); counts nothing."""
 
-    def _gather(self, out: torch.Tensor, inp: torch.Tensor, group: Any, exact: bool) -> None:
+    def _gather(self, out: torch.Tensor, inp: torch.Tensor, group: Any, exact: bool,
+                backward: bool) -> None:
         comm.flat_all_gather()[1](out, inp, group=group)
 
 
@@ -258,7 +269,7 @@ class GatherComm(_OrderedGather):
                    if t is not None)
 
     def _gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                group: Any, exact: bool) -> None:
+                group: Any, exact: bool, backward: bool) -> None:
         world = dist.get_world_size(group)
         nb = input_tensor.numel() * input_tensor.element_size()
         if exact:
@@ -276,7 +287,7 @@ class GatherComm(_OrderedGather):
                 self._keep(output_tensor, input_tensor)
                 return
             try:
-                self._quantized(output_tensor, input_tensor, group, world)
+                self._quantized(output_tensor, input_tensor, group, world, backward)
                 return
             except _tagc.NonFiniteError:
                 # every rank decoded the same bytes and is here too
@@ -327,7 +338,7 @@ class GatherComm(_OrderedGather):
         return self._seg_dev
 
     def _quantized(self, out: torch.Tensor, inp: torch.Tensor, group: Any,
-                   world: int) -> None:
+                   world: int, backward: bool) -> None:
         fmt, block = self.cfg.gather, self.cfg.gather_block
         segs = self._segs(inp.device)
         kw = Exec(inp).kw  # the codec on the current stream (CUDA), as every transport
@@ -336,6 +347,9 @@ class GatherComm(_OrderedGather):
         rank = dist.get_rank(group)
         if self.delta:
             self._delta_encode(recv[rank], inp, rank, segs, kw)
+            if backward and not inp.is_cuda and self._unchanged(recv[rank], rank, group, world):
+                out.copy_(self._ref)
+                return
         elif fmt == "fp4":
             self._fp4_encode(recv[rank], inp, kw)
         else:
@@ -370,6 +384,19 @@ class GatherComm(_OrderedGather):
         n = inp.numel()
         _tagc.wq_delta_encode(msg, inp, self._sent, self._ref[rank * n:(rank + 1) * n], segs,
                               self.cfg.gather, self.cfg.gather_block, **kw)
+
+    def _unchanged(self, msg: torch.Tensor, rank: int, group: Any, world: int) -> bool:
+        """``gather_delta`` in a backward: all-gather every rank's flag byte (the
+        message's last); True when no rank's shard changed since it last coded it."""
+        flags = torch.empty(world, dtype=torch.uint8)
+        flags[rank] = msg[-1]
+        self.stats.add("gather_wire_bytes", world - 1)
+        _all_gather(flags, flags[rank:rank + 1], group, world)
+        if bool(flags.any()):
+            return False
+        self.stats.add("gather_quantized_calls", 1)
+        self.stats.add("gather_unchanged_calls", 1)
+        return True
 
     def _delta_decode(self, out: torch.Tensor, recv: torch.Tensor, rank: int, segs: Any,
                       kw: Any) -> None:

@@ -103,8 +103,11 @@ class TAGCState:
             ``gather_quantized_calls`` and ``gather_exact_calls``, the latter
             counting ``gather_nonfinite`` NaN/Inf fallbacks, the post-forward
             re-gathers of ``reshard_after_forward=int`` and ``gather_delta``'s
-            first call of each unit), ``gather_wire_bytes``
-            (ring all-gather: (N-1) x the message this rank sends),
+            first call of each unit; ``gather_unchanged_calls``: quantized calls
+            of ``gather_delta`` in a backward where no rank's shard had changed,
+            which sent the flag bytes only), ``gather_wire_bytes``
+            (ring all-gather: (N-1) x the message this rank sends, plus (N-1)
+            flag bytes for each ``gather_delta`` call in a backward),
             ``gather_default_wire_bytes`` (FSDP's exact gather of the same calls),
             ``gather_wire_ratio``; gathers inside :meth:`exact_gathers` (validation)
             are not counted.  On CUDA the data-dependent counters are

@@ -24,7 +24,8 @@ COUNTERS = ("calls", "compressed_calls", "bypassed_calls", "guard_resets", "plai
             "coded_ef", "coded_bitmap", "coded_dense",
             # parameter all-gathers (TAGCConfig.gather), apart from the gradient's bytes
             "gather_calls", "gather_quantized_calls", "gather_exact_calls",
-            "gather_nonfinite", "gather_wire_bytes", "gather_default_wire_bytes")
+            "gather_unchanged_calls", "gather_nonfinite", "gather_wire_bytes",
+            "gather_default_wire_bytes")
 
 
 class UnitStats:

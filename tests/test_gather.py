@@ -595,14 +595,30 @@ def _segment_lengths(full: Dict[str, torch.Tensor], names: List[str], world: int
     return [math.ceil(full[nm].shape[0] / world) * full[nm][0].numel() for nm in names]
 
 
+def _delta_want(held: torch.Tensor, rows: torch.Tensor, lengths: List[int],
+                fmt: str) -> torch.Tensor:
+    """The test's protocol of one ``gather_delta`` call: per rank row and segment,
+    ``held + dequant(rows - held)`` in fp32, rounded to the gather dtype."""
+    want = torch.empty_like(rows)
+    for r in range(rows.shape[0]):
+        o = 0
+        for ln in lengths:
+            h = held[r, o:o + ln].float()
+            change = ref_dequant(rows[r, o:o + ln].float() - h, fmt, BLOCK)
+            want[r, o:o + ln] = (h + change).to(rows.dtype)
+            o += ln
+    return want
+
+
 def _case_delta(rank: int, n: int, fmt: str = "int4", bf16: bool = False) -> Dict[str, Any]:
     """``gather_delta`` against the test's own protocol: a unit's first call is the
     exact gather; each later forward hands FSDP ``prev + dequant(masters' rows - prev)``
     per rank and segment (the test's quantizer, in the gather dtype); the backward
-    re-gather of a step equals its forward bit for bit; every rank holds the same
-    weights; they trail the masters by less than a quarter of plain codes' error; the
-    bytes are the formula's (one flag byte per message); ``held`` memory is the
-    formula's; a TAGC state load restarts from an exact gather."""
+    re-gather of a step equals its forward bit for bit and sends the flag bytes only;
+    every rank holds the same weights; they trail the masters by less than a quarter of
+    plain codes' error; the bytes are the formula's (one flag byte per message, N - 1
+    per re-gather); ``held`` memory is the formula's; a TAGC state load restarts from
+    an exact gather."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     cfg = _cfg(gather=fmt, gather_delta=True)
@@ -633,15 +649,7 @@ def _case_delta(rank: int, n: int, fmt: str = "int4", bf16: bool = False) -> Dic
             if step == 0:
                 want = rows  # the first call is exact
             else:
-                want = torch.empty_like(rows)
-                for r in range(n):
-                    o = 0
-                    for ln in _segment_lengths(full, names, n):
-                        held = prev[name][r, o:o + ln]
-                        change = ref_dequant(rows[r, o:o + ln].float() - held.float(), fmt,
-                                             BLOCK)
-                        want[r, o:o + ln] = (held.float() + change).to(dt)
-                        o += ln
+                want = _delta_want(prev[name], rows, _segment_lengths(full, names, n), fmt)
                 plain = torch.cat([ref_dequant(rows[r], fmt, BLOCK) for r in range(n)])
                 worst["delta"] = max(worst["delta"], float((want.float() - rows.float()).abs().max()))
                 worst["plain"] = max(worst["plain"],
@@ -662,7 +670,9 @@ def _case_delta(rank: int, n: int, fmt: str = "int4", bf16: bool = False) -> Dic
         shard = sum(_segment_lengths(full, names, n))
         exact_bytes = (n - 1) * shard * (2 if bf16 else 4)
         assert st["gather_exact_calls"] == 1 and st["gather_quantized_calls"] == 2 * steps - 1
-        assert st["gather_wire_bytes"] == exact_bytes + (2 * steps - 1) * (n - 1) * msg
+        assert st["gather_unchanged_calls"] == steps  # every backward re-gather
+        assert st["gather_wire_bytes"] == \
+            exact_bytes + (steps - 1) * (n - 1) * msg + steps * (n - 1)
         held += (n + 1) * shard * (2 if bf16 else 4)
     assert state.stats()["memory"]["gather_held_bytes"] == held
     # a TAGC state load forgets the reconstruction: the next call of every unit is exact
@@ -673,6 +683,48 @@ def _case_delta(rank: int, n: int, fmt: str = "int4", bf16: bool = False) -> Dic
         st = state.stats()["units"][name]
         assert st["gather_exact_calls"] == 2 and st["gather_quantized_calls"] == 2 * steps
     return {"worst": worst}
+
+
+def _case_delta_moved(rank: int, n: int) -> Dict[str, Any]:
+    """``gather_delta`` when one rank's master moves between a forward and its backward
+    (rank 0 writes into its shard): the flag round sees it, so that unit's backward
+    re-gather sends every message and hands FSDP the protocol's weights on every rank
+    (the forward's, plus rank 0's coded change); the other units send flags only."""
+    cfg = _cfg(gather="int8", gather_delta=True)
+    model = _build(cfg, reshard_after_forward=True)
+    target = model.h[0].mlp[0]
+    state = tagc.register(model, cfg)
+    rec = Recorder(model, state)
+    units = {mod._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm.name: names
+             for mod, names in unit_params(model)}
+    name = target._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm.name
+    model(toy_batch(rank, 0)).backward()  # the first calls: exact, then flags
+    before = {u: dict(s) for u, s in state.stats()["units"].items()}
+    rec.calls.clear()
+    loss = model(toy_batch(rank, 1))
+    with torch.no_grad():
+        if rank == 0:
+            target.weight.to_local()[0, :5] += 0.25
+    loss.backward()
+    full = _full(model)
+    for u, names in units.items():
+        (fwd, _), (bwd, _) = rec.calls[u]
+        st, was = state.stats()["units"][u], before[u]
+        flags_only = st["gather_unchanged_calls"] - was["gather_unchanged_calls"]
+        if u != name:
+            assert torch.equal(fwd, bwd) and flags_only == 1, u
+            continue
+        assert flags_only == 0
+        rows = _padded_rows(full, names, n)
+        want = _delta_want(fwd.view(n, -1), rows, _segment_lengths(full, names, n), "int8")
+        assert torch.equal(bwd.view(n, -1), want)
+        assert not torch.equal(bwd, fwd) and torch.equal(bwd.view(n, -1)[1:], fwd.view(n, -1)[1:])
+        msg = ref_message_bytes(full, names, n, "int8", BLOCK) + 1
+        assert st["gather_wire_bytes"] - was["gather_wire_bytes"] == (n - 1) * (2 * msg + 1)
+    every = [torch.empty_like(rec.calls[name][1][0]) for _ in range(n)]
+    dist.all_gather(every, rec.calls[name][1][0])
+    assert all(torch.equal(every[0], e) for e in every)
+    return {"unit": name}
 
 
 def _case_delta_nonfinite(rank: int, n: int) -> Dict[str, Any]:
@@ -830,6 +882,7 @@ def _suite(rank: int, n: int) -> Dict[str, Any]:
         ("delta_int8", lambda r, w: _case_delta(r, w, "int8")),
         ("delta_bf16", lambda r, w: _case_delta(r, w, "int4", bf16=True)),
         ("delta_nonfinite", _case_delta_nonfinite),
+        ("delta_moved", _case_delta_moved),
         ("bad_input", _case_bad_input),
         ("pair_exchange", _case_pair_exchange),
     ]
@@ -844,7 +897,7 @@ CASES = ["grads", "grads_int4", "grads_fp4", "grads_fp4_rotated", "nonfinite_fp4
          "no_reshard", "prefetch", "modes", "bf16", "nonfinite",
          "exact_switch", "exact_switch_kept", "regather", "preset_block_int8",
          "preset_block_int4", "checkpoint", "delta_int4", "delta_int8", "delta_bf16",
-         "delta_nonfinite", "bad_input", "pair_exchange"]
+         "delta_nonfinite", "delta_moved", "bad_input", "pair_exchange"]
 
 
 @pytest.mark.parametrize("case", CASES)

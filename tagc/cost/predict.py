@@ -235,20 +235,34 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
         # -- parameter all-gathers: forward and backward (FSDP1's root and every unit
         # kept gathered after forward: forward only)
         calls = 1 if (config.fsdp == 1 and u.root) or not config.reshard else 2
+        regather_s: Optional[float] = None
         if t is not None and t.gather != "none":
             msg = gather_bytes(segs, t.gather, t.gather_block, t.gather_delta)
-            st.ring("gather", group, g, "all_gather", msg, calls, calls * cnt, tagc=True)
+            # gather_delta on gloo (tagc/gather.py): the backward's re-gather of what the
+            # forward gathered all-gathers the flag bytes alone
+            flags = t.gather_delta and calls == 2 and cluster.backend == "gloo"
+            coded = 1 if flags else calls
+            st.ring("gather", group, g, "all_gather", msg, coded, coded * cnt, tagc=True)
             if g > 1:  # tagc/gather.py: encode the own shard, decode all g messages
-                p.codec_s += calls * (s / rates["wq_encode"] + g * s / rates["wq_decode"])
+                p.codec_s += coded * (s / rates["wq_encode"] + g * s / rates["wq_decode"])
                 if t.gather_delta:
                     # csrc/wq_delta.c on the changed call: the own shard compared and
                     # remembered (s), the held weights read and written beside the
                     # decode (g s); the unchanged re-gather's compare and copy cost about
                     # a plain call's codec: streaming passes, at the decoder's rate
                     p.codec_s += (s + g * s) / rates["wq_decode"]
+            if flags:
+                fwd_end = p.comm_s + p.codec_s
+                st.ring("gather", group, g, "all_gather", 1, 1, cnt, tagc=True)
+                if g > 1:  # the own shard compared, the held weights copied out
+                    p.codec_s += (s + g * s) / rates["wq_decode"]
+                regather_s = (p.comm_s + p.codec_s - fwd_end) / cnt
         else:
             st.ring("gather", group, g, "all_gather", s * eb, calls, calls * cnt)
-        gather_s, spent = (p.comm_s + p.codec_s - spent) / calls, p.comm_s + p.codec_s
+        # one call's seconds for cnt units (the forward's, when the re-gather differs)
+        gather_s = (p.comm_s + p.codec_s - spent) / calls if regather_s is None else \
+            p.comm_s + p.codec_s - spent - regather_s * cnt
+        spent = p.comm_s + p.codec_s
         # -- gradient over the reduce-scatter group (every rank, or the node's)
         compressed = t is not None and u.compressed
         if compressed and not hsdp and g > 1:
@@ -257,7 +271,7 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
             st.ring("grad", group, g, "reduce_scatter", g * s * eb, 1, cnt)
         if worker:  # an entry standing for cnt units: cnt equal units
             jobs += [UnitJobs(u.root, u.numel / total, gather_s / cnt,
-                              (p.comm_s + p.codec_s - spent) / cnt)] * cnt
+                              (p.comm_s + p.codec_s - spent) / cnt, regather_s)] * cnt
         # -- HSDP: each rank's shard over the R replicas
         if hsdp and cluster.nodes > 1:
             if compressed:

@@ -18,7 +18,7 @@ compute do not slow each other down.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 # the forward's share of a step's compute: backward = 2 x forward (two matmuls per
 # forward matmul, for the input's and the weight's gradients)
@@ -34,17 +34,27 @@ class UnitJobs:
         share: its fraction of the step's compute, in [0, 1].
         gather_s: one parameter all-gather on the worker (collective and codec).
         grad_s: its gradient exchange on the worker (collective and codec).
+        regather_s: its backward re-gather (None: as ``gather_s``; ``gather_delta``
+            on gloo sends only the flags there).
     """
 
     root: bool
     share: float
     gather_s: float
     grad_s: float
+    regather_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         for k in ("share", "gather_s", "grad_s"):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)!r}")
+        if self.regather_s is not None and not self.regather_s >= 0:
+            raise ValueError(f"regather_s must be >= 0 or None, got {self.regather_s!r}")
+
+    @property
+    def back_gather_s(self) -> float:
+        """The backward re-gather's seconds."""
+        return self.gather_s if self.regather_s is None else self.regather_s
 
 
 class _Clocks:
@@ -104,14 +114,14 @@ def worker_step_s(units: Sequence[UnitJobs], compute_s: float, reshard: bool = T
     # pre-backward hook), computed, its exchange queued after that prefetch
     jobs: List[int] = []
     if reshard:
-        c.wait(c.submit(units[0].gather_s))
-        nxt = c.submit(units[n - 1].gather_s) if n > 1 else -1
+        c.wait(c.submit(units[0].back_gather_s))
+        nxt = c.submit(units[n - 1].back_gather_s) if n > 1 else -1
     c.compute(bwd[0])
     for i in range(n - 1, 0, -1):
         if reshard:
             c.wait(nxt)
             if i > 1:
-                nxt = c.submit(units[i - 1].gather_s)
+                nxt = c.submit(units[i - 1].back_gather_s)
         c.compute(bwd[i])
         jobs.append(c.submit(units[i].grad_s))
         if not deferred:
