@@ -139,6 +139,32 @@ int main(void)
                                ws_small, 0, s), TAGC_ERR_CAPACITY);
     EXPECT(tagc_cuda_wq_decode(tau, TAGC_F32, 0, NULL, 0, NULL, 0, TAGC_Q_INT8, 64, NULL, d,
                                sw, s), TAGC_OK); /* nothing to enqueue */
+    /* wq_delta: wq's checks, and the pointers it adds (sent, base; ref) */
+    size_t se = tagc_cuda_wq_delta_encode_workspace_size(1);
+    size_t sd = tagc_cuda_wq_delta_decode_workspace_size(1);
+    EXPECT(se >= 24 && sd >= 24, 1);
+    EXPECT(tagc_cuda_wq_delta_encode(bm, 59, d, d, d, TAGC_F32, 100, segs, 1, TAGC_Q_TERNARY,
+                                     64, NULL, d, se, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_wq_delta_encode(bm, 59, d, NULL, d, TAGC_F32, 100, segs, 1, TAGC_Q_INT4,
+                                     64, NULL, d, se, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_wq_delta_encode(bm, 59, d, d, NULL, TAGC_F32, 100, segs, 1, TAGC_Q_INT4,
+                                     64, NULL, d, se, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_wq_delta_encode(NULL, 1, NULL, NULL, NULL, TAGC_F32, 0, NULL, 0,
+                                     TAGC_Q_INT4, 64, NULL, d, se, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_wq_delta_encode(bm, 59, d, d, d, (tagc_dtype)2, 100, segs, 1, TAGC_Q_INT4,
+                                     64, NULL, d, se, s), TAGC_ERR_DTYPE);
+    EXPECT(tagc_cuda_wq_delta_encode(bm, 59, d, d, d, TAGC_F32, 100, segs, 0, TAGC_Q_INT4, 64,
+                                     NULL, d, se, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_wq_delta_encode(bm, 59, d, d, d, TAGC_F32, 100, segs, 1, TAGC_Q_INT4, 64,
+                                     NULL, ws_small, 0, s), TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_wq_delta_decode(tau, NULL, TAGC_F32, 100, bm, 59, segs, 1, TAGC_Q_INT4,
+                                     64, NULL, d, sd, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_wq_delta_decode(tau, tau, TAGC_F32, 0, NULL, 1, NULL, 0, TAGC_Q_INT4, 64,
+                                     NULL, d, sd, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_wq_delta_decode(tau, tau, TAGC_F32, 100, bm, 59, segs, 1, TAGC_Q_INT8, 0,
+                                     NULL, d, sd, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_wq_delta_decode(tau, tau, TAGC_F32, 100, bm, 59, segs, 1, TAGC_Q_INT4,
+                                     64, NULL, ws_small, 0, s), TAGC_ERR_CAPACITY);
     /* 2 coded pairs of 10: EF (l = 2) 1 + 1 + 8 bytes, bitmap 2 + 8 */
     EXPECT(tagc_cuda_pairs_pack_workspace_size(), 0);
     size_t pu = tagc_cuda_pairs_unpack_add_workspace_size(10, 2);
@@ -195,6 +221,10 @@ int main(void)
                                     TAGC_FP4_ROTATE, 1, d, sf, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_fp4_decode_add(tau, 100, bm, 54, 32, 0, 1, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_rht(tau, 100, tau, 100, 32, 1, 0, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_wq_delta_encode(bm, 59, d, d, d, TAGC_F32, 100, segs, 1, TAGC_Q_INT4,
+                                         64, NULL, d, se, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_wq_delta_decode(tau, tau, TAGC_F32, 0, bm, 1, NULL, 0, TAGC_Q_INT4,
+                                         64, NULL, d, sd, s), TAGC_ERR_CUDA);
     } else {
         printf("host_check: %d CUDA device(s) present, no-GPU checks skipped\n",
                devices);

@@ -7,9 +7,10 @@ scalar outputs in device tensors, as the hook calls it) or, without a GPU, the k
 own code under the CPU emulation (:class:`tagc_bench.cuda_emu.EmuOps`).
 
 The contract (``cuda/tagc_cuda.h``): selection, sparsification, lanes, bitmaps, pair
-packing, block quantization and weight quantization agree bit for bit; sketch buckets and
-peeled values agree up to fp32 summation order (the GPU adds with atomics), so those rows
-pass within that tolerance and say whether they happened to match bit for bit too.
+packing, block quantization, weight quantization and the weights' change agree bit for
+bit; sketch buckets and peeled values agree up to fp32 summation order (the GPU adds with
+atomics), so those rows pass within that tolerance and say whether they happened to match
+bit for bit too.
 
 The input builders and comparisons here are shared with ``tests/test_cuda_ops.py``,
 ``tests/test_cuda_emulated.py`` (through ``tests/cuda_helpers.py``).
@@ -586,11 +587,54 @@ def check_wq(side: Side, n: int, dt: torch.dtype) -> Dict[str, Outcome]:
     return out
 
 
+def check_wq_delta(side: Side, n: int, dt: torch.dtype) -> Dict[str, Outcome]:
+    """The weights' change, both messages of a step: a changed shard (the codes of
+    ``src - base``, ``sent`` updated; decoded into ``ref`` and ``out``), then the same
+    shard again (all zeros; ``out = ref``)."""
+    out: Dict[str, Outcome] = {}
+    segs = torch.tensor([n // 3, 0, n - n // 3], dtype=torch.int64)
+    d_segs = side.to(segs)
+    src = gradient(n, dt, False, seed=n + 7)
+    base = (src.float() + gradient(n, torch.float32, False, seed=n + 8) / 64).to(dt)
+    d_src, d_base = side.to(src), side.to(base)
+    for fmt in WQ_FORMATS:
+        nb = _tagc.wq_delta_bytes(segs, fmt, BLOCK)
+        c_sent, c_ref, c_out = base.clone(), base.clone(), torch.full((n,), 3.0, dtype=dt)
+        d_sent, d_ref, d_out = side.to(c_sent), side.to(c_ref), side.to(c_out)
+        for step in ("changed", "unchanged"):
+            c_buf = torch.full((nb,), 0xEE, dtype=torch.uint8)
+            d_buf = side.to(c_buf)
+
+            def c_enc(c_buf: torch.Tensor = c_buf) -> None:
+                _tagc.wq_delta_encode(c_buf, src, c_sent, base, segs, fmt, BLOCK)
+
+            def d_enc(d_buf: torch.Tensor = d_buf) -> None:
+                with side.stream() as st:
+                    side.ops.wq_delta_encode(d_buf, d_src, d_sent, d_base, d_segs, fmt, BLOCK,
+                                             stream=st)
+
+            out[f"wq_delta_encode {fmt} {step}"] = pair(
+                c_enc, d_enc, lambda c_buf=c_buf, d_buf=d_buf: [
+                    ("buf", d_buf, c_buf), ("sent", d_sent, c_sent)])
+
+            def c_dec(c_buf: torch.Tensor = c_buf) -> None:
+                _tagc.wq_delta_decode(c_out, c_ref, c_buf, segs, fmt, BLOCK)
+
+            def d_dec(c_buf: torch.Tensor = c_buf) -> None:
+                with side.stream() as st:
+                    side.ops.wq_delta_decode(d_out, d_ref, side.to(c_buf), d_segs, fmt, BLOCK,
+                                             stream=st)
+
+            out[f"wq_delta_decode {fmt} {step}"] = pair(
+                c_dec, d_dec, lambda: [("out", d_out, c_out), ("ref", d_ref, c_ref)])
+    return out
+
+
 # (check, whether its data has a dtype: ops on bitmaps run once per size, dtype "u8")
 CHECKS: List[Tuple[Callable[[Side, int, torch.dtype], Dict[str, Outcome]], bool]] = [
     (check_select_kth, True), (check_sparsify, True), (check_lanes_bitmaps, False),
     (check_sketch_encode, True), (check_peel_decode, True), (check_sparse, True),
-    (check_quant, True), (check_pairs, True), (check_wq, True),
+    (check_quant, True), (check_pairs, True), (check_wq, True), (check_wq_delta, True),
 ]
 # the ops whose contract is fp32 summation order, not bits
 ORDER_CONTRACT = ("sketch_encode", "peel_decode")
