@@ -24,8 +24,9 @@ scale differs), ``tmax`` (ternary at s = max|x|), ``trot`` (ternary of blocks ro
 ``_tagc.rht``, a new seed per call, unrotated after decoding), ``tsr`` / ``tsrmax``
 (stochastic ternary at the codec's scale / at max|x|), ``tzZ`` (ternary with a dead zone
 of Z/100 mean|x| and the L2-optimal scale of what it keeps, Z in :data:`ZONES`),
-``ternaryB`` (the codec's ternary at block B, fp32 scales) and ``tlogB`` (the same with
-8-bit scales: a block costs 1.75 bits per value at B = 64, as ``ternary`` at 256).
+``ternaryB`` / ``int4bB`` (the codec's ternary / int4 at block B, fp32 scales) and
+``tlogB`` (ternary with 8-bit scales: a block costs 1.75 bits per value at B = 64, as
+``ternary`` at 256).
 
     python3 scripts/research/sim_feedback.py --task ts ef21:q=ternary ef21:q=tl2 res:q=ternary
     python3 scripts/research/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
@@ -241,7 +242,8 @@ def quantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
             "tsrmax": lambda x: ternary_stochastic(x, top="max"),
             **{f"tz{z}": (lambda x, z=z: ternary_zone(x, z / 100)) for z in ZONES},
             **{f"ternary{b}": (lambda x, b=b: codec("ternary", x, b)) for b in BLOCKS},
-            **{f"tlog{b}": (lambda x, b=b: ternary_log8(x, b)) for b in BLOCKS}}[name]
+            **{f"tlog{b}": (lambda x, b=b: ternary_log8(x, b)) for b in BLOCKS},
+            **{f"int4b{b}": (lambda x, b=b: codec("int4", x, b)) for b in BLOCKS}}[name]
 
 
 def lam_of(gh: float, hh: float) -> float:
@@ -533,7 +535,7 @@ def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
         raise SystemExit(f"unknown feedback {fb!r}")
     codes = CODEC_FORMATS + ("tl2", "tmax", "int4sr", "trot", "tsr", "tsrmax") + tuple(
         f"tz{z}" for z in ZONES) + tuple(f"ternary{b}" for b in BLOCKS) + tuple(
-        f"tlog{b}" for b in BLOCKS)
+        f"tlog{b}" for b in BLOCKS) + tuple(f"int4b{b}" for b in BLOCKS)
     if fb != "plain" and opts.get("q") not in codes:
         raise SystemExit(f"{spec}: give q= one of {codes}")
     if "cut" in opts and (fb != "ef21" or opts.get("damp") != "1"):
