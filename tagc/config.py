@@ -676,13 +676,11 @@ class TAGCConfig:
         values="bool", reads="FSDP2 with gather: fp4")
     gather_delta: bool = knob(
         False, "gather",
-        "int8/int4 gathers code each weight's change since the last gathered weights "
-        "every rank holds (SDP4Bit's weight differences), not the weight: the error is "
-        "a fraction of one step's update. Memory: every rank keeps each unit's gathered "
-        "weights between calls (the unsharded model in the gather dtype) and its own "
-        "shard as last sent. A unit's first call, and the first after a TAGC state "
-        "load, gathers exactly. On CPU tensors FSDP's backward re-gather sends the "
-        "ranks' changed flags first and the codes only if a shard moved.",
+        "int8/int4 gathers code each weight's change since the gathered weights every "
+        "rank holds (SDP4Bit), an error of a fraction of one step's update. Memory: every "
+        "rank keeps the unsharded model in the gather dtype and its shard as last sent. "
+        "First calls and those after a TAGC state load are exact; on CPU tensors a "
+        "backward re-gather sends the changed flags, codes only if a shard moved.",
         values="bool", reads="FSDP2 with gather: int8 | int4")
     fsdp_overlap: bool = knob(
         True, "overlap",

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # every _tagc function with a CUDA form (a ``stream=`` keyword): docs/module-api.md
 CUDA_OPS = {"select_kth", "sparsify", "lanes_pack", "lanes_unpack", "bitmap_or", "popcount",
             "sketch_encode", "peel_decode", "sparse_pack", "sparse_unpack", "quant_encode",
-            "quant_decode_add", "pairs_pack", "pairs_unpack_add", "wq_encode", "wq_decode"}
+            "quant_decode_add", "pairs_pack", "pairs_unpack_add", "wq_encode", "wq_decode",
+            "wq_delta_encode", "wq_delta_decode"}
 
 
 @pytest.mark.slow

@@ -129,6 +129,10 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     # half of the residual fed back (residual_factor, issue 56)
     "int4-res4-half": ("tagc-balanced", {"error_feedback": True, "ef21": False,
                                          "residual_code": "int4", "residual_factor": 0.5}),
+    # the same on blocks of 64 (4.5 bits per value; issue 56 item 4's candidate)
+    "int4b64-res4-half": ("tagc-balanced", {"quant_block": 64, "error_feedback": True,
+                                            "ef21": False, "residual_code": "int4",
+                                            "residual_factor": 0.5}),
     # a top-k preset, and with its residual on codes
     "tagc-sparse": ("tagc-sparse", {}),
     "sparse-res8": ("tagc-sparse", {"residual_code": "int8"}),
@@ -144,7 +148,7 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
 NO_FEEDBACK = {"tagc-balanced": "int4-nofb", "ternary-ef21": "ternary-nofb",
                "int4-res": "int4-nofb", "ternary-res": "ternary-nofb",
                "int4-res8": "int4-nofb", "int4-res4": "int4-nofb",
-               "int4-res4-half": "int4-nofb",
+               "int4-res4-half": "int4-nofb", "int4b64-res4-half": "int4-nofb",
                "ternary-res4": "ternary-nofb", "int4-ef21": "int4-nofb",
                "sparse-res8": "tagc-sparse", "sparse-res4": "tagc-sparse"}
 

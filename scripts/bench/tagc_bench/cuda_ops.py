@@ -613,7 +613,7 @@ def check_wq_delta(side: Side, n: int, dt: torch.dtype) -> Dict[str, Outcome]:
                     side.ops.wq_delta_encode(d_buf, d_src, d_sent, d_base, d_segs, fmt, BLOCK,
                                              stream=st)
 
-            out[f"wq_delta_encode {fmt} {step}"] = pair(
+            out[f"wq_delta_encode {fmt}-{step}"] = pair(
                 c_enc, d_enc, lambda c_buf=c_buf, d_buf=d_buf: [
                     ("buf", d_buf, c_buf), ("sent", d_sent, c_sent)])
 
@@ -625,7 +625,7 @@ def check_wq_delta(side: Side, n: int, dt: torch.dtype) -> Dict[str, Outcome]:
                     side.ops.wq_delta_decode(d_out, d_ref, side.to(c_buf), d_segs, fmt, BLOCK,
                                              stream=st)
 
-            out[f"wq_delta_decode {fmt} {step}"] = pair(
+            out[f"wq_delta_decode {fmt}-{step}"] = pair(
                 c_dec, d_dec, lambda: [("out", d_out, c_out), ("ref", d_ref, c_ref)])
     return out
 
