@@ -85,7 +85,7 @@ def run_member_sim(width: int, batch: int, noise: float, seed: int, steps: int,
     jsonl.unlink(missing_ok=True)  # sf.main appends; a rerun replaces
     with contextlib.redirect_stdout(io.StringIO()):  # its per-launch tables
         res = sf.main(["--task", "ts", "--steps", str(steps), "--batch", str(batch),
-                   "--seed", str(seed), "--alpha_every", "0", "--eval_every", str(steps),
+                       "--seed", str(seed), "--alpha_every", "0", "--eval_every", str(steps),
                        "--out", str(jsonl), *methods,
                        "--task_args", "--width", str(width), "--noise", str(noise)])
     return {r["method"]: r["val_loss"] for r in res}
@@ -154,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
             digest = hashlib.sha1("\n".join(args.variants).encode()).hexdigest()[:10]
             folder = out / name / str(seed) / f"{'sim-' if args.sim else ''}{args.steps}-{digest}"
             losses[name][seed] = member(width, batch, noise, seed, args.steps,
-                                            args.variants, folder)
+                                        args.variants, folder)
             print(f"{name} seed {seed}: " + ", ".join(
                 f"{v} {loss:.5f}" for v, loss in losses[name][seed].items()), flush=True)
     md = table(losses, args.variants)

@@ -153,13 +153,18 @@ def ternary_rotated(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 
     _ROT_CALLS[0] += 1
     seed = _tagc.seed_derive(7, 0, _ROT_CALLS[0])
-    n = x.numel()
     y = torch.empty_like(x)
     _tagc.rht(y, x.contiguous(), block, seed)
     c = codec("ternary", y, block)
     out = torch.empty_like(c)
     _tagc.rht(out, c, block, seed, inverse=True)
-    return out[:n]
+    return out
+
+
+def _ternary_scale(a: torch.Tensor) -> torch.Tensor:
+    """The codec's ternary scale of each row of block magnitudes ``a``:
+    min(2.5 mean|x|, max|x|) (csrc/quant.c)."""
+    return torch.minimum(a.amax(dim=1, keepdim=True), 2.5 * a.mean(dim=1, keepdim=True))
 
 
 def ternary_stochastic(x: torch.Tensor, block: int = BLOCK, top: str = "codec") -> torch.Tensor:
@@ -168,9 +173,7 @@ def ternary_stochastic(x: torch.Tensor, block: int = BLOCK, top: str = "codec") 
     |x| < s sent as s with probability |x|/s, else 0 (torch's global generator)."""
     b, pad = _blocks(x, block)
     a = b.abs()
-    s = a.amax(dim=1, keepdim=True)
-    if top == "codec":
-        s = torch.minimum(s, 2.5 * a.mean(dim=1, keepdim=True))
+    s = _ternary_scale(a) if top == "codec" else a.amax(dim=1, keepdim=True)
     keep = (a / s.clamp_min(1e-38) >= torch.rand_like(a)).to(b.dtype)
     out = torch.where(s > 0, torch.sign(b) * keep * s, torch.zeros_like(b)).reshape(-1)
     return out[:x.numel()] if pad else out
@@ -196,8 +199,7 @@ def ternary_log8(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     once), k in [0, 254] rounded in the log domain (at most 2.2% off), 255 a zero
     block; the codes are those of the coded scale."""
     b, pad = _blocks(x, block)
-    a = b.abs()
-    s = torch.minimum(a.amax(dim=1, keepdim=True), 2.5 * a.mean(dim=1, keepdim=True))
+    s = _ternary_scale(b.abs())
     big = float(s.max())
     if big == 0:
         return torch.zeros_like(x)
@@ -233,17 +235,22 @@ def codec(fmt: str, x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     return out
 
 
+# every quantizer name (see the module docstring) -> its code C
+QUANTIZERS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    **{f: (lambda x, f=f: codec(f, x)) for f in CODEC_FORMATS},
+    "tl2": ternary_l2, "tmax": ternary_max, "int4sr": int4_stochastic,
+    "trot": ternary_rotated, "tsr": ternary_stochastic,
+    "tsrmax": lambda x: ternary_stochastic(x, top="max"),
+    **{f"tz{z}": (lambda x, z=z: ternary_zone(x, z / 100)) for z in ZONES},
+    **{f"ternary{b}": (lambda x, b=b: codec("ternary", x, b)) for b in BLOCKS},
+    **{f"tlog{b}": (lambda x, b=b: ternary_log8(x, b)) for b in BLOCKS},
+    **{f"int4b{b}": (lambda x, b=b: codec("int4", x, b)) for b in BLOCKS},
+}
+
+
 def quantizer(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The code ``C`` of a quantizer name (see the module docstring)."""
-    if name in CODEC_FORMATS:
-        return lambda x: codec(name, x)
-    return {"tl2": ternary_l2, "tmax": ternary_max, "int4sr": int4_stochastic,
-            "trot": ternary_rotated, "tsr": ternary_stochastic,
-            "tsrmax": lambda x: ternary_stochastic(x, top="max"),
-            **{f"tz{z}": (lambda x, z=z: ternary_zone(x, z / 100)) for z in ZONES},
-            **{f"ternary{b}": (lambda x, b=b: codec("ternary", x, b)) for b in BLOCKS},
-            **{f"tlog{b}": (lambda x, b=b: ternary_log8(x, b)) for b in BLOCKS},
-            **{f"int4b{b}": (lambda x, b=b: codec("int4", x, b)) for b in BLOCKS}}[name]
+    return QUANTIZERS[name]
 
 
 def lam_of(gh: float, hh: float) -> float:
@@ -533,9 +540,7 @@ def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
     opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
     if fb not in ("plain", "none", "res", "ef21"):
         raise SystemExit(f"unknown feedback {fb!r}")
-    codes = CODEC_FORMATS + ("tl2", "tmax", "int4sr", "trot", "tsr", "tsrmax") + tuple(
-        f"tz{z}" for z in ZONES) + tuple(f"ternary{b}" for b in BLOCKS) + tuple(
-        f"tlog{b}" for b in BLOCKS) + tuple(f"int4b{b}" for b in BLOCKS)
+    codes = tuple(QUANTIZERS)
     if fb != "plain" and opts.get("q") not in codes:
         raise SystemExit(f"{spec}: give q= one of {codes}")
     if "cut" in opts and (fb != "ef21" or opts.get("damp") != "1"):

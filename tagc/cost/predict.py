@@ -236,6 +236,7 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
         # kept gathered after forward: forward only)
         calls = 1 if (config.fsdp == 1 and u.root) or not config.reshard else 2
         regather_s: Optional[float] = None
+        fwd_end: Optional[float] = None  # set when the re-gather is timed apart
         if t is not None and t.gather != "none":
             msg = gather_bytes(segs, t.gather, t.gather_block, t.gather_delta)
             # gather_delta on gloo (tagc/gather.py): the backward's re-gather of what the
@@ -260,8 +261,8 @@ def predict(model: ModelSpec, cluster: Cluster, config: Config, compute_s: float
         else:
             st.ring("gather", group, g, "all_gather", s * eb, calls, calls * cnt)
         # one call's seconds for cnt units (the forward's, when the re-gather differs)
-        gather_s = (p.comm_s + p.codec_s - spent) / calls if regather_s is None else \
-            p.comm_s + p.codec_s - spent - regather_s * cnt
+        gather_s = (p.comm_s + p.codec_s - spent) / calls if fwd_end is None else \
+            fwd_end - spent
         spent = p.comm_s + p.codec_s
         # -- gradient over the reduce-scatter group (every rank, or the node's)
         compressed = t is not None and u.compressed
