@@ -157,15 +157,9 @@ TAGC_AI int encode_all(uint8_t *dst, const void *g, int gd, void *r, int rd, int
     return sb >= 0;
 }
 
-/* One test per (grad, residual) dtype pair, each case inlining the loops
- * for the dtypes (the block stays a variable: constant blocks as well made
- * this file most of a build's time and the encoder no faster). */
-#define FP4_DT_CASE(g0, r0, call) \
-    if (gd == (g0) && rd == (r0)) { enum { G = g0, R = r0 }; call; }
-#define FP4_BY_DTYPES(call)                                                        \
-    FP4_DT_CASE(TAGC_F32, DT_NONE, call) FP4_DT_CASE(TAGC_F32, TAGC_F32, call)     \
-    FP4_DT_CASE(TAGC_F32, TAGC_BF16, call) FP4_DT_CASE(TAGC_BF16, DT_NONE, call)   \
-    FP4_DT_CASE(TAGC_BF16, TAGC_F32, call) FP4_DT_CASE(TAGC_BF16, TAGC_BF16, call)
+/* The encoder is inlined per dtype pair (BY_DTYPES); the block stays a
+ * variable: constant blocks as well made this file most of a build's time and
+ * the encoder no faster. */
 /* The decoder's common blocks as constants (the inverse rotation's
  * butterflies unrolled: twice the speed at 32). */
 #define FP4_BY_LOG2(l, call)                     \
@@ -178,7 +172,7 @@ TAGC_AI int encode_all(uint8_t *dst, const void *g, int gd, void *r, int rd, int
 TAGC_HOT_CLONES static int encode_dispatch(uint8_t *dst, const void *g, int gd, void *r, int rd,
                                            int64_t n, int l, unsigned flags, uint64_t seed)
 {
-    FP4_BY_DTYPES(return encode_all(dst, g, G, r, R, n, l, flags, seed));
+    BY_DTYPES(return encode_all(dst, g, G, r, R, n, l, flags, seed));
     return 0; /* unreachable: the dtypes were checked */
 }
 

@@ -65,6 +65,7 @@ size_t tagc_dtype_size(tagc_dtype d);
  *   tagc_wq_bytes(seg, ns, f, b) see the quantized weight gather section
  *   tagc_wq_delta_bytes(...)    see the weights' change section
  *   tagc_fp4_bytes(n, b)        see the 4-bit codes section
+ *   tagc_tls_bytes(n)           see the two-level ternary section
  */
 int64_t tagc_bitmap_bytes(int64_t n);
 int64_t tagc_lanes_bytes(int64_t n, int bits);
@@ -557,6 +558,68 @@ tagc_status tagc_fp4_decode_add(float *out, int64_t n,
  */
 tagc_status tagc_rht(float *dst, int64_t dst_capacity, const float *src, int64_t n,
                      int64_t block, uint64_t seed, int inverse);
+
+/*
+ * Ternary codes with two-level log scales (the `tls` code: the sub-1-bit
+ * gradient code of issue 56).  Blocks of TAGC_TLS_BLOCK values, groups of
+ * TAGC_TLS_GROUP blocks, the last of each possibly shorter.  A block's raw
+ * scale r is the ternary format's (min(2.5 mean |v|, max |v|), its sum of
+ * |v| in tagc_quant_encode's order, 0 below FLT_MIN).  The message sends
+ * S, the largest r, as fp32; each group one byte g, its largest r as the
+ * nearest (in log2) of S 2^(-g/16), g in [0, 254] (255: a zero group);
+ * each block one nibble b, its r as the nearest of M 2^(-b/3), b in
+ * [0, 14] clamped (15: a zero block), M its group's decoded scale.  The
+ * decoded scales are fp32 products of S and constants (tls.h), rounded
+ * once, then exact powers of two; a scale below FLT_MIN is 0.  A value's
+ * code is tagc_quant_encode's ternary code under its block's decoded
+ * scale s (q = round-half-even of v / s clamped to -1..1), and it decodes
+ * to q * s.  Why two levels: a gradient's neighbouring rows (a layer's
+ * neurons) differ by orders of magnitude; a scale per 256 values zeroes
+ * the small rows, a byte of scale per 32 costs 0.25 bits more per value.
+ *
+ * Wire layout (tagc_tls_bytes): S (fp32, little endian), then one byte per
+ * group, then the block nibbles (block i in byte i/2, the low nibble for
+ * even i; an odd count's last high nibble 0), then the codes as ternary
+ * digits q + 1, five per byte across the whole message (value i at weight
+ * 3^(i % 5) of byte i / 5; padding digits encode 0): 1.6 + 4/32 + 8/512 =
+ * 1.74 bits per value, plus 32 per message.
+ */
+#define TAGC_TLS_BLOCK 32 /* values per block scale */
+#define TAGC_TLS_GROUP 16 /* blocks per group scale */
+
+/*
+ * tagc_tls_bytes - exact size in bytes of tagc_tls_encode's output for n
+ *   values: 4 + ceil(nb/16) + ceil(nb/2) + ceil(n/5), nb = ceil(n/32); 0
+ *   for n == 0, -1 for n outside [0, TAGC_MAX_N].
+ */
+int64_t tagc_tls_bytes(int64_t n);
+
+/*
+ * tagc_tls_encode - fused error feedback + the tls code, one shard.
+ *   v = grad + residual (residual may be NULL: no error feedback; fp32
+ *   sum).  Writes dst[0..tagc_tls_bytes(n)) (layout above) and, if
+ *   residual is not NULL, residual = v - q s in place: exactly what
+ *   tagc_tls_decode_add does not add.  Deterministic: the same v always
+ *   gives the same bytes, on the CPU and the GPU.
+ *   Bounds: as tagc_tls_bytes.  Errors: ARG, DTYPE, RANGE, CAPACITY;
+ *   NONFINITE when v holds NaN/Inf: the residual is then untouched and dst
+ *   holds unspecified bytes.
+ */
+tagc_status tagc_tls_encode(uint8_t *dst, int64_t dst_capacity,
+                            void *residual, tagc_dtype residual_dtype,
+                            const void *grad, tagc_dtype grad_dtype, int64_t n);
+
+/*
+ * tagc_tls_decode_add - owner side: out[i] += q_i s_i for the n values of
+ *   src (tagc_tls_encode's output, any alignment).  The whole message is
+ *   checked first: a code byte >= 243 or a message scale that is negative,
+ *   -0 or infinite returns CORRUPT with out untouched.  A NaN message scale
+ *   is data (how a CUDA encoder marks NaN/Inf input): every out[i] += NaN.
+ *   Bounds: src_bytes == tagc_tls_bytes(n), else RANGE.
+ *   Errors: ARG, RANGE, CORRUPT.
+ */
+tagc_status tagc_tls_decode_add(float *out, int64_t n,
+                                const uint8_t *src, int64_t src_bytes);
 
 #ifdef __cplusplus
 }

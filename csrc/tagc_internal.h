@@ -109,6 +109,16 @@ TAGC_AI uint64_t load_le(const uint8_t *p, int64_t len)
     default: { enum { F = TAGC_Q_INT8 }; call; } break;                \
     }
 
+/* One test per (grad, residual) dtype pair of an encoder (gd, rd in scope):
+ * each case inlines `call` for constant dtypes G and R, as BY_QFORMAT does
+ * for the format. */
+#define DT_CASE(g0, r0, call) \
+    if (gd == (g0) && rd == (r0)) { enum { G = g0, R = r0 }; call; }
+#define BY_DTYPES(call)                                                  \
+    DT_CASE(TAGC_F32, DT_NONE, call) DT_CASE(TAGC_F32, TAGC_F32, call)   \
+    DT_CASE(TAGC_F32, TAGC_BF16, call) DT_CASE(TAGC_BF16, DT_NONE, call) \
+    DT_CASE(TAGC_BF16, TAGC_F32, call) DT_CASE(TAGC_BF16, TAGC_BF16, call)
+
 /* Whether the len codes of one record are valid (reads only).  Byte by byte
  * with the position in the byte a constant once the loop unrolls; the
  * verdict is gathered in a byte, so the vectorized loop compares 32 code

@@ -198,6 +198,39 @@ int main(void)
            TAGC_ERR_RANGE);
     EXPECT(tagc_cuda_rht(tau, 99, tau, 100, 32, 1, 0, s), TAGC_ERR_CAPACITY);
     EXPECT(tagc_cuda_rht(NULL, 100, tau, 100, 32, 1, 0, s), TAGC_ERR_ARG);
+    /* tls: 100 values are 4 blocks in 1 group, 4 + 1 + 2 + 20 = 27 bytes */
+    size_t st = tagc_cuda_tls_encode_workspace_size(100);
+    size_t sl = tagc_cuda_tls_decode_add_workspace_size();
+    EXPECT(st >= 8 + 4 * 4 && sl >= 4, 1);
+    EXPECT(tagc_cuda_tls_encode_workspace_size(1 << 20) >= 8 + ((size_t)1 << 15) * 4, 1);
+    EXPECT(tagc_cuda_tls_encode(bm, 26, NULL, TAGC_F32, d, TAGC_F32, 100, d, st, s),
+           TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_tls_encode(bm, 27, NULL, TAGC_F32, d, (tagc_dtype)5, 100, d, st, s),
+           TAGC_ERR_DTYPE);
+    EXPECT(tagc_cuda_tls_encode(bm, 27, d, (tagc_dtype)3, d, TAGC_F32, 100, d, st, s),
+           TAGC_ERR_DTYPE);
+    EXPECT(tagc_cuda_tls_encode(NULL, 27, NULL, TAGC_F32, d, TAGC_F32, 100, d, st, s),
+           TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_tls_encode(bm, 27, NULL, TAGC_F32, NULL, TAGC_F32, 100, d, st, s),
+           TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_tls_encode(bm, INT64_MAX, NULL, TAGC_F32, d, TAGC_F32, TAGC_MAX_N + 1,
+                                d, st, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_tls_encode(bm, 27, NULL, TAGC_F32, d, TAGC_F32, -1, d, st, s),
+           TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_tls_encode(bm, 27, NULL, TAGC_F32, d, TAGC_F32, 100, ws_small, 0, s),
+           TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_tls_encode(bm, 27, NULL, TAGC_F32, d, TAGC_F32, 100, NULL, st, s),
+           TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_tls_encode(NULL, 0, NULL, TAGC_F32, NULL, TAGC_F32, 0, d, st, s),
+           TAGC_OK); /* nothing to enqueue */
+    EXPECT(tagc_cuda_tls_decode_add(tau, 100, bm, 26, NULL, d, sl, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_tls_decode_add(tau, 100, bm, 28, NULL, d, sl, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_tls_decode_add(NULL, 100, bm, 27, NULL, d, sl, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_tls_decode_add(tau, 100, NULL, 27, NULL, d, sl, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_tls_decode_add(tau, 100, bm, 27, NULL, ws_small, 0, s),
+           TAGC_ERR_CAPACITY);
+    EXPECT(tagc_cuda_tls_decode_add(tau, 100, bm, 27, NULL, NULL, 0, s), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_tls_decode_add(NULL, 0, NULL, 0, NULL, d, sl, s), TAGC_OK);
 
     /* No usable GPU: a valid call must fail cleanly in its first CUDA call. */
     int devices = 0;
@@ -221,6 +254,9 @@ int main(void)
                                     TAGC_FP4_ROTATE, 1, d, sf, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_fp4_decode_add(tau, 100, bm, 54, 32, 0, 1, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_rht(tau, 100, tau, 100, 32, 1, 0, s), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_tls_encode(bm, 27, d, TAGC_BF16, d, TAGC_F32, 100, d, st, s),
+               TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_tls_decode_add(tau, 100, bm, 27, NULL, d, sl, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_wq_delta_encode(bm, 59, d, d, d, TAGC_F32, 100, segs, 1, TAGC_Q_INT4,
                                          64, NULL, d, se, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_wq_delta_decode(tau, tau, TAGC_F32, 0, bm, 1, NULL, 0, TAGC_Q_INT4,

@@ -361,6 +361,38 @@ tagc_status tagc_cuda_fp4_decode_add(float *out, int64_t n,
 tagc_status tagc_cuda_rht(float *dst, int64_t dst_capacity, const float *src, int64_t n,
                           int64_t block, uint64_t seed, int inverse, cudaStream_t stream);
 
+/*
+ * tagc_cuda_tls_encode / tagc_cuda_tls_decode_add - as tagc_tls_encode and
+ *   tagc_tls_decode_add: the same bytes, residual and values bit for bit
+ *   (one warp per block of 32 for the raw scales, summed in the C op's
+ *   order; the scale codes and their decoded scales are csrc/tls.h's).
+ *   Encode: NaN/Inf in v (the C op's NONFINITE) sets a flag in the
+ *   workspace; the message is then a NaN scale (0x7fc00000) over zero
+ *   codes (every group 255, every block 15, every value 0) and the residual
+ *   is left untouched, so the NaN reaches the owner's decoded shard (the C
+ *   decoder and this one add NaN to every value).  Workspace: one float
+ *   per block of 32 and two words.
+ *   Decode: a first kernel checks the message scale's bits and every code
+ *   byte; a corrupt message (the C op's CORRUPT) leaves out untouched and
+ *   stores TAGC_ERR_CORRUPT in *dev_status (if not NULL).  A NaN message
+ *   scale adds NaN to every value (a device NaN: its bits may differ from
+ *   the C op's).  Workspace: one flag.
+ *   Synchronous errors as the C ops' (ARG, DTYPE, RANGE, CAPACITY), plus
+ *   ARG / CAPACITY (workspace) and CUDA.
+ */
+size_t tagc_cuda_tls_encode_workspace_size(int64_t n);
+tagc_status tagc_cuda_tls_encode(uint8_t *dst, int64_t dst_capacity,
+                                 void *residual, tagc_dtype residual_dtype,
+                                 const void *grad, tagc_dtype grad_dtype, int64_t n,
+                                 void *workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
+size_t tagc_cuda_tls_decode_add_workspace_size(void);
+tagc_status tagc_cuda_tls_decode_add(float *out, int64_t n,
+                                     const uint8_t *src, int64_t src_bytes,
+                                     int32_t *dev_status,
+                                     void *workspace, size_t workspace_bytes,
+                                     cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

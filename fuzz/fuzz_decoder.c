@@ -3,8 +3,8 @@
  * machines: peel_decode (sketch + union bitmap), lanes_unpack (SUM-reduced
  * lanes), sparse_unpack (received pairs), pairs_unpack_add (coded pairs: Elias-Fano,
  * bitmap, dense), wq_decode and wq_delta_decode (quantized weights and their
- * change), fp4_decode_add (4-bit
- * codes), plus fp4_encode, sketch_encode,
+ * change), fp4_decode_add (4-bit codes), tls_decode_add (ternary codes
+ * under two-level scales), plus fp4_encode, tls_encode, sketch_encode,
  * sparsify and wq_encode on hostile values.  Every buffer is allocated at
  * exactly the size the call is told, so ASan flags any read or write past it.
  * The first input byte picks the operation; the next bytes are its
@@ -323,6 +323,54 @@ static void fuzz_fp4(input_t *in)
     free(enc);
 }
 
+/* A received tls message (any bytes): decoded, or refused as CORRUPT with out
+ * untouched; then encoding hostile values: OK (decoded values and residual
+ * finite, decoded + residual the input to fp32 rounding) or NONFINITE with the
+ * residual untouched. */
+static void fuzz_tls(input_t *in)
+{
+    uint32_t a = take_u32(in);
+    int64_t n = (a >> 1) % 3000;
+    int64_t bytes = tagc_tls_bytes(n);
+    REQUIRE(bytes >= 0);
+    uint8_t *msg = take_buf(in, (size_t)bytes);
+    float *out = calloc((size_t)(n ? n : 1), 4);
+    REQUIRE(out != NULL);
+    tagc_status st = tagc_tls_decode_add(out, n, msg, bytes);
+    REQUIRE(st == TAGC_OK || st == TAGC_ERR_CORRUPT);
+    if (st == TAGC_ERR_CORRUPT)
+        for (int64_t i = 0; i < n; i++)
+            REQUIRE(out[i] == 0.0f);
+    REQUIRE(tagc_tls_decode_add(out, n, msg, bytes + 1) == TAGC_ERR_RANGE);
+
+    tagc_dtype gd = a & 1 ? TAGC_BF16 : TAGC_F32;
+    uint8_t *grad = take_buf(in, (size_t)n * tagc_dtype_size(gd));
+    float *res = (float *)take_buf(in, (size_t)n * 4);
+    float *res0 = malloc((size_t)(n ? n : 1) * 4);
+    uint8_t *enc = malloc((size_t)(bytes ? bytes : 1));
+    REQUIRE(res0 != NULL && enc != NULL);
+    memcpy(res0, res, (size_t)n * 4);
+    st = tagc_tls_encode(enc, bytes, res, TAGC_F32, grad, gd, n);
+    REQUIRE(st == TAGC_OK || st == TAGC_ERR_NONFINITE);
+    if (st == TAGC_ERR_NONFINITE) {
+        REQUIRE(memcmp(res, res0, (size_t)n * 4) == 0);
+    } else {
+        memset(out, 0, (size_t)(n ? n : 1) * 4);
+        REQUIRE(tagc_tls_decode_add(out, n, enc, bytes) == TAGC_OK);
+        for (int64_t i = 0; i < n; i++)
+            REQUIRE(isfinite(out[i]) && isfinite(res[i]));
+    }
+    if (n > 0)
+        REQUIRE(tagc_tls_encode(enc, bytes - 1, res, TAGC_F32, grad, gd, n) ==
+                TAGC_ERR_CAPACITY);
+    free(msg);
+    free(out);
+    free(grad);
+    free(res);
+    free(res0);
+    free(enc);
+}
+
 /* Value i of a buffer of dtype d, as fp32. */
 static float value_at(const uint8_t *p, tagc_dtype d, int64_t i)
 {
@@ -467,7 +515,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (size < 1)
         return 0;
     input_t in = {data + 1, size - 1};
-    switch (data[0] % 10) {
+    switch (data[0] % 11) {
     case 0: fuzz_peel(&in); break;
     case 1: fuzz_lanes(&in); break;
     case 2: fuzz_sparse(&in); break;
@@ -477,6 +525,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     case 6: fuzz_wq(&in); break;
     case 7: fuzz_fp4(&in); break;
     case 8: fuzz_wq_delta(&in); break;
+    case 9: fuzz_tls(&in); break;
     default: fuzz_sparsify(&in); break;
     }
     return 0;

@@ -254,6 +254,33 @@ def test_quant(benchmark: Callable, size: int, fmt: str, op: str) -> None:
 
 
 @pytest.mark.parametrize("op", ("encode", "decode"))
+def test_tls(benchmark: Callable, size: int, op: str) -> None:
+    """The sub-1-bit gradient code ``tls`` (ternary under two-level log scales): encode
+    with fused error feedback, and the owner's decode-add."""
+    import _tagc
+
+    grad = _grad(size, 22)
+    residual0 = _grad(size, 23) * 0.01
+    residual = residual0.clone()
+    buf = torch.empty(_tagc.tls_bytes(size), dtype=torch.uint8)
+    out = torch.zeros(size)
+    if op == "encode":
+        benchmark(_tagc.tls_encode, buf, residual, grad)
+        residual.copy_(residual0)
+        _tagc.tls_encode(buf, residual, grad)
+    else:
+        _tagc.tls_encode(buf, residual, grad)
+        benchmark(_tagc.tls_decode_add, out, buf)
+        out.zero_()
+    _tagc.tls_decode_add(out, buf)
+    v = grad + residual0
+    assert (residual - (v - out)).abs().max().item() <= 1e-6 * v.abs().max().item()
+    # ternary: each block of 32 decodes to at most the values -s, 0 and s
+    whole = out[:size - size % 32].view(-1, 32).abs()
+    assert bool((whole == whole.amax(dim=1, keepdim=True)).logical_or(whole == 0).all())
+
+
+@pytest.mark.parametrize("op", ("encode", "decode"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 def test_wq(benchmark: Callable, size: int, dtype: torch.dtype, op: str) -> None:
     """The weight all-gather's int8 message of one rank (1000 parameter segments)."""

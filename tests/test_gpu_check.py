@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA_OPS = {"select_kth", "sparsify", "lanes_pack", "lanes_unpack", "bitmap_or", "popcount",
             "sketch_encode", "peel_decode", "sparse_pack", "sparse_unpack", "quant_encode",
             "quant_decode_add", "pairs_pack", "pairs_unpack_add", "wq_encode", "wq_decode",
-            "wq_delta_encode", "wq_delta_decode"}
+            "wq_delta_encode", "wq_delta_decode", "tls_encode", "tls_decode_add"}
 
 
 @pytest.mark.slow

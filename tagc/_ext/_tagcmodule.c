@@ -664,6 +664,61 @@ static PyObject *py_fp4_decode_add(PyObject *m, PyObject *args, PyObject *kw)
     TAGC_END_NONE(TAGC_OK, NULL);
 }
 
+/* ---- ternary codes with two-level log scales (tls) ------------------------ */
+
+static PyObject *py_tls_encode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"buf", "residual", "grad", "stream", NULL};
+    PyObject *obuf, *ores, *ograd, *ostream = NULL;
+    TAGC_BEGIN("tls_encode");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$O", kwl, &obuf, &ores, &ograd, &ostream))
+        return NULL;
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE_OPT(res, has_res, ores, "residual", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(grad, ograd, "grad", TAGC_K_F32 | TAGC_K_BF16);
+    int64_t n = grad->numel;
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, grad));
+    if (has_res)
+        TAGC_CHECK(tagc_py_need_size(&vs_, res, n, 1, "grad.numel()"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_tls_bytes(n), 0, "tls_bytes(grad.numel())"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    /* CUDA: NaN/Inf: a NaN message scale, residual untouched */
+    TAGC_RUN_BOTH(dev, grad, tagc_cuda_tls_encode_workspace_size(n), tls_encode,
+                  (buf->data, buf->numel, has_res ? res->data : NULL,
+                   tagc_py_codec_dtype(res->kind), grad->data, tagc_py_codec_dtype(grad->kind),
+                   n),
+                  ws_, wsb_, strm_);
+    TAGC_END_NONE(TAGC_ERR_NONFINITE, "grad + residual holds NaN or Inf (residual untouched)");
+}
+
+static PyObject *py_tls_decode_add(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"out", "buf", "stream", "status_out", NULL};
+    PyObject *oout, *obuf, *ostream = NULL, *ostatus = NULL;
+    TAGC_BEGIN("tls_decode_add");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO", kwl, &oout, &obuf, &ostream,
+                                     &ostatus))
+        return NULL;
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    TAGC_TAKE(out, oout, "out", TAGC_K_F32);
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE_STATUS(ostatus);
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, out));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, tagc_tls_bytes(out->numel), 1,
+                                 "tls_bytes(out.numel())"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    /* CUDA: an invalid message: out untouched, CORRUPT in status_out */
+    TAGC_RUN_BOTH(dev, out, tagc_cuda_tls_decode_add_workspace_size(), tls_decode_add,
+                  (out->data, out->numel, buf->data, buf->numel),
+                  has_status ? status->data : NULL, ws_, wsb_, strm_);
+    TAGC_END_NONE(TAGC_ERR_CORRUPT,
+                  "buf holds a code byte >= 243 or a negative, -0 or infinite message scale "
+                  "(out untouched)");
+}
+
 static PyObject *py_rht(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"dst", "src", "block", "seed", "inverse", "stream", NULL};
@@ -850,10 +905,11 @@ SIZE_RULE(pairs_bytes, tagc_pairs_bytes(a->n, a->k, a->vd, a->coding))
 SIZE_RULE(pairs_cheapest, (int64_t)tagc_pairs_cheapest(a->n, a->k, a->vd))
 SIZE_RULE(wq_bytes, tagc_wq_bytes(a->segs.len, a->segs.n, a->fmt, a->block))
 SIZE_RULE(fp4_bytes, tagc_fp4_bytes(a->n, a->block))
+SIZE_RULE(tls_bytes, tagc_tls_bytes(a->n))
 SIZE_RULE(wq_delta_bytes, tagc_wq_delta_bytes(a->segs.len, a->segs.n, a->fmt, a->block))
 
 enum { SZ_BITMAP, SZ_LANES, SZ_SKETCH, SZ_SPARSE, SZ_QUANT, SZ_PAIRS, SZ_CHEAPEST, SZ_WQ,
-       SZ_FP4, SZ_WQ_DELTA };
+       SZ_FP4, SZ_WQ_DELTA, SZ_TLS };
 
 static const size_fn SIZE_FNS[] = {
     [SZ_BITMAP] = {"_tagc.bitmap_bytes", size_bitmap_bytes, 0, 1, {SA_N}},
@@ -870,6 +926,7 @@ static const size_fn SIZE_FNS[] = {
     [SZ_FP4] = {"_tagc.fp4_bytes", size_fp4_bytes, 0, 2, {SA_N, SA_FP4BLOCK}},
     [SZ_WQ_DELTA] = {"_tagc.wq_delta_bytes", size_wq_delta_bytes, 0, 3,
                      {SA_SEGS, SA_WQFORMAT, SA_BLOCK}},
+    [SZ_TLS] = {"_tagc.tls_bytes", size_tls_bytes, 0, 1, {SA_N}},
 };
 
 /* Checks one argument of a scalar kind into *a. */
@@ -971,6 +1028,7 @@ SIZE_ENTRY(pairs_cheapest, SZ_CHEAPEST)
 SIZE_ENTRY(wq_bytes, SZ_WQ)
 SIZE_ENTRY(fp4_bytes, SZ_FP4)
 SIZE_ENTRY(wq_delta_bytes, SZ_WQ_DELTA)
+SIZE_ENTRY(tls_bytes, SZ_TLS)
 
 /* What a refused message means for the caller. */
 static const char *wq_detail(tagc_status st)
@@ -1226,6 +1284,13 @@ static PyMethodDef methods[] = {
                        "optionally rotated.")),
     KW(fp4_decode_add, SIG(fp4_decode_add, "out, buf, block, *, seed=0, rotate=False, stream=0",
                            "out += the decoded values of one fp4 shard.")),
+    KW(tls_bytes, SIG(tls_bytes, "n",
+                      "Wire size of n values as ternary codes with two-level log scales.")),
+    KW(tls_encode, SIG(tls_encode, "buf, residual, grad, *, stream=0",
+                       "Error feedback + ternary codes under block scales of 32 coded on "
+                       "4 bits below group scales of 512 coded on 8.")),
+    KW(tls_decode_add, SIG(tls_decode_add, "out, buf, *, stream=0, status_out=None",
+                           "out += the decoded values of one tls shard.")),
     KW(rht, SIG(rht, "dst, src, block, seed, *, inverse=False, stream=0",
                 "dst = the seeded block Hadamard rotation of src (or its inverse).")),
     {"cuda_available", py_cuda_available, METH_NOARGS,

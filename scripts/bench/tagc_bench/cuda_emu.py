@@ -74,6 +74,10 @@ SIGS = {
     "tagc_cuda_wq_delta_decode_workspace_size": (SZ, [I64]),
     "tagc_cuda_wq_delta_decode": (INT, [VP, VP, INT, I64, VP, I64, VP, I64, INT, I64, VP, VP,
                                         SZ, VP]),
+    "tagc_cuda_tls_encode_workspace_size": (SZ, [I64]),
+    "tagc_cuda_tls_encode": (INT, [VP, I64, VP, INT, VP, INT, I64, VP, SZ, VP]),
+    "tagc_cuda_tls_decode_add_workspace_size": (SZ, []),
+    "tagc_cuda_tls_decode_add": (INT, [VP, I64, VP, I64, VP, VP, SZ, VP]),
 }
 LIB_NAME = "libtagc_cuda_emu.so"
 
@@ -314,3 +318,17 @@ class EmuOps:
         self._run("tagc_cuda_wq_delta_decode", P(ref if out is None else out), P(ref),
                   DT[ref.dtype], ref.numel(), P(buf), buf.numel(), P(seg), seg.numel(),
                   QFORMAT[format], block, P(status_out), P(w), w.numel(), None)
+
+    def tls_encode(self, buf: torch.Tensor, residual: Optional[torch.Tensor],
+                   grad: torch.Tensor, *, stream: int = 0) -> None:
+        n = grad.numel()
+        w = ws(self.lib.tagc_cuda_tls_encode_workspace_size(n))
+        rd = F32 if residual is None else DT[residual.dtype]
+        self._run("tagc_cuda_tls_encode", P(buf), buf.numel(), P(residual), rd, P(grad),
+                  DT[grad.dtype], n, P(w), w.numel(), None)
+
+    def tls_decode_add(self, out: torch.Tensor, buf: torch.Tensor, *, stream: int = 0,
+                       status_out: Optional[torch.Tensor] = None) -> None:
+        w = ws(self.lib.tagc_cuda_tls_decode_add_workspace_size())
+        self._run("tagc_cuda_tls_decode_add", P(out), out.numel(), P(buf), buf.numel(),
+                  P(status_out), P(w), w.numel(), None)

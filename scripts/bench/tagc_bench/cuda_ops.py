@@ -7,10 +7,10 @@ scalar outputs in device tensors, as the hook calls it) or, without a GPU, the k
 own code under the CPU emulation (:class:`tagc_bench.cuda_emu.EmuOps`).
 
 The contract (``cuda/tagc_cuda.h``): selection, sparsification, lanes, bitmaps, pair
-packing, block quantization, weight quantization and the weights' change agree bit for
-bit; sketch buckets and peeled values agree up to fp32 summation order (the GPU adds with
-atomics), so those rows pass within that tolerance and say whether they happened to match
-bit for bit too.
+packing, block quantization, the tls code, weight quantization and the weights' change
+agree bit for bit; sketch buckets and peeled values agree up to fp32 summation order (the
+GPU adds with atomics), so those rows pass within that tolerance and say whether they
+happened to match bit for bit too.
 
 The input builders and comparisons here are shared with ``tests/test_cuda_ops.py``,
 ``tests/test_cuda_emulated.py`` (through ``tests/cuda_helpers.py``).
@@ -548,6 +548,52 @@ def check_quant(side: Side, n: int, dt: torch.dtype) -> Dict[str, Outcome]:
     return out
 
 
+def tls_gradient(n: int, dt: torch.dtype, seed: int) -> torch.Tensor:
+    """A gradient whose scales vary as the tls code's two levels do: each group of 512
+    values under a scale in 2^-16..2^0 (many group codes), each of its blocks of 32 under
+    a further 2^-5..2^0 (past the block codes' 14/3 octaves, so some clamp), the second
+    block and the third group all zero (codes 15 and 255).  Normal values under one scale
+    would use a few codes only.
+
+    Args:
+        n: length.
+        dt: its dtype.
+        seed: generator seed.
+    Returns:
+        a CPU tensor.
+    """
+    g = torch.Generator().manual_seed(seed)
+    nb = (n + 31) // 32
+    octave = (-16 * torch.rand((nb + 15) // 16, generator=g)).repeat_interleave(16)[:nb]
+    scale = torch.exp2(octave - 5 * torch.rand(nb, generator=g))
+    scale[1:2] = 0.0  # slices: a short shard has fewer blocks
+    scale[32:48] = 0.0
+    x = torch.randn(n, generator=g) * scale.repeat_interleave(32)[:n]
+    return x.to(dt)
+
+
+def check_tls(side: Side, n: int, dt: torch.dtype) -> Dict[str, Outcome]:
+    """The tls code with error feedback (a residual in ``dt``, updated in place) and
+    without, each message decoded."""
+    out: Dict[str, Outcome] = {}
+    grad = tls_gradient(n, dt, seed=n + 11)
+    res = (tls_gradient(n, torch.float32, seed=n + 12) * 0.3).to(dt)
+    base = gradient(n, torch.float32, False, seed=n + 13)
+    d_grad = side.to(grad)
+    for variant, r in (("residual", res), ("no-residual", None)):
+        c_res, d_res = (None if r is None else r.clone()), side.to(r)
+        c_out, d_out = base.clone(), side.to(base)
+        out.update(_encode_decode(
+            side, f"tls_encode/tls_decode_add {variant}",
+            lambda buf: _tagc.tls_encode(buf, c_res, grad),
+            lambda buf, s: side.ops.tls_encode(buf, d_res, d_grad, stream=s),
+            _tagc.tls_bytes(n), [] if r is None else [("residual", d_res, c_res)],
+            lambda buf: _tagc.tls_decode_add(c_out, buf),
+            lambda buf, s: side.ops.tls_decode_add(d_out, buf, stream=s),
+            (d_out, c_out)))
+    return out
+
+
 def check_pairs(side: Side, n: int, dt: torch.dtype) -> Dict[str, Outcome]:
     out: Dict[str, Outcome] = {}
     k = kth(n)
@@ -634,7 +680,8 @@ def check_wq_delta(side: Side, n: int, dt: torch.dtype) -> Dict[str, Outcome]:
 CHECKS: List[Tuple[Callable[[Side, int, torch.dtype], Dict[str, Outcome]], bool]] = [
     (check_select_kth, True), (check_sparsify, True), (check_lanes_bitmaps, False),
     (check_sketch_encode, True), (check_peel_decode, True), (check_sparse, True),
-    (check_quant, True), (check_pairs, True), (check_wq, True), (check_wq_delta, True),
+    (check_quant, True), (check_tls, True), (check_pairs, True), (check_wq, True),
+    (check_wq_delta, True),
 ]
 # the ops whose contract is fp32 summation order, not bits
 ORDER_CONTRACT = ("sketch_encode", "peel_decode")
