@@ -8,7 +8,10 @@ says how to build it.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     import _tagc
@@ -25,3 +28,62 @@ def require_codec() -> None:
         raise ImportError(
             "the TAGC codec module `_tagc` is not built; run `pip install -e .` in the "
             f"repository (import failed with: {IMPORT_ERROR})")
+
+
+# Quant formats with a layout of their own instead of ``_tagc.quant_*``'s block records:
+# the format's size, encode and decode-add functions of the extension.  Their blocks are
+# the format's own (tls: scales per 32 under scales per 512), so ``block`` does not
+# apply to them; it still sizes the other codes of a config (residual, HSDP owners').
+_OWN_LAYOUT = {"tls": ("tls_bytes", "tls_encode", "tls_decode_add")}
+# values per period of those formats' scales (tls: a group of 16 blocks of 32), what
+# their bits per value are taken over
+OWN_PERIOD = {"tls": 512}
+
+
+def quant_bytes(n: int, fmt: str, block: int) -> int:
+    """Wire size of ``n`` values on the quant code ``fmt``.
+
+    Args:
+        n: values.
+        fmt: a quant format (``tagc.config.QUANT_FORMATS``).
+        block: values per scale of the block formats (not read by ``tls``).
+    Returns:
+        the bytes of one shard's message.
+    """
+    if fmt in _OWN_LAYOUT:
+        return int(getattr(_tagc, _OWN_LAYOUT[fmt][0])(n))
+    return int(_tagc.quant_bytes(n, fmt, block))
+
+
+def quant_encode(buf: torch.Tensor, residual: Optional[torch.Tensor],
+                 grad: torch.Tensor, fmt: str, block: int, **kw: Any) -> None:
+    """``buf`` = the codes of ``grad + residual`` on ``fmt``; the residual keeps what they
+    drop (error feedback; None: none).
+
+    Args:
+        buf: uint8, at least :func:`quant_bytes` long.
+        residual: fp32/bf16 like grad, updated in place, or None.
+        grad: fp32/bf16 values.
+        fmt, block: as :func:`quant_bytes`.
+        **kw: the extension's keywords (``stream``).
+    """
+    if fmt in _OWN_LAYOUT:
+        getattr(_tagc, _OWN_LAYOUT[fmt][1])(buf, residual, grad, **kw)
+    else:
+        _tagc.quant_encode(buf, residual, grad, fmt, block, **kw)
+
+
+def quant_decode_add(out: torch.Tensor, buf: torch.Tensor, fmt: str, block: int,
+                     **kw: Any) -> None:
+    """``out`` += the decoded values of one message on ``fmt``.
+
+    Args:
+        out: fp32, the message's length.
+        buf: :func:`quant_encode`'s bytes.
+        fmt, block: as :func:`quant_bytes`.
+        **kw: the extension's keywords (``stream``, ``status_out``).
+    """
+    if fmt in _OWN_LAYOUT:
+        getattr(_tagc, _OWN_LAYOUT[fmt][2])(out, buf, **kw)
+    else:
+        _tagc.quant_decode_add(out, buf, fmt, block, **kw)

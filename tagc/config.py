@@ -24,8 +24,9 @@ import torch
 import torch.nn as nn
 
 MODES = ("paper", "exact", "sparse", "auto", "quant", "dense")
-QUANT_FORMATS = ("sign", "ternary", "int4", "int8")
-# Code density of each quant format, bits per value (scales excluded): ternary packs
+QUANT_FORMATS = ("sign", "ternary", "int4", "int8", "tls")
+# Code density of each block-record quant format, bits per value (scales excluded; tls,
+# ternary codes under two-level scales, has a layout of its own): ternary packs
 # 5 codes per byte.  Each block's codes start on a fresh byte, so the wire cost per
 # value depends on the block (ternary: 1.625 at 256, since 256 codes take 52 bytes);
 # the exact size of a shard is `_tagc.quant_bytes(n, format, block)`, which every
@@ -134,7 +135,7 @@ def code_bits(fmt: str, block: int, gather: bool = False) -> float:
     Raises:
         ImportError: the ``_tagc`` codec is not built.
     """
-    from .codec import _tagc, require_codec
+    from .codec import OWN_PERIOD, _tagc, quant_bytes, require_codec
 
     require_codec()
     if gather and fmt == "fp4":
@@ -142,7 +143,9 @@ def code_bits(fmt: str, block: int, gather: bool = False) -> float:
     elif gather:
         nbytes = _tagc.wq_bytes(torch.tensor([block], dtype=torch.int64), fmt, block)
     else:
-        nbytes = _tagc.quant_bytes(block, fmt, block)
+        # a format with blocks of its own: one period of its scales, whatever `block` says
+        block = OWN_PERIOD.get(fmt, block)
+        nbytes = quant_bytes(block, fmt, block)
     return 8.0 * int(nbytes) / block
 
 
@@ -626,9 +629,10 @@ class TAGCConfig:
     quant_format: str = knob(
         "int4", "codec",
         "Code per value (csrc/tagc.h): int8 (255 levels), int4 (15), ternary (5 codes per "
-        "byte, byte-aligned: 1.625 bits at ``quant_block`` 256) or sign (1 bit). Sent per "
-        "parameter and rank at N=2, block 256, int4: 2.06; ternary: 0.88 bits, scales "
-        "included (_tagc.quant_bytes).",
+        "byte, byte-aligned: 1.625 bits at ``quant_block`` 256), sign (1 bit) or tls "
+        "(ternary, a 4-bit log scale per 32 under an 8-bit one per 512: 1.74 bits, any "
+        "quant_block). Sent per parameter and rank at N=2, block 256, int4: 2.06; "
+        "ternary: 0.88; tls: 0.87 bits, scales included (tagc.codec.quant_bytes).",
         values=" | ".join(QUANT_FORMATS), reads="quant")
     quant_block: int = knob(
         256, "codec",
@@ -807,11 +811,11 @@ class TAGCConfig:
 
     def out_format(self) -> str:
         """The quant code of two-phase HSDP's to-everyone phase (``hsdp_out_format``
-        resolved): ``"auto"`` is ``int4`` after ``sign``/``ternary``, else
+        resolved): ``"auto"`` is ``int4`` after ``sign``/``ternary``/``tls``, else
         ``quant_format``."""
         if self.hsdp_out_format != "auto":
             return self.hsdp_out_format
-        return "int4" if self.quant_format in ("sign", "ternary") else self.quant_format
+        return "int4" if self.quant_format in ("sign", "ternary", "tls") else self.quant_format
 
     def guard_threshold(self, device: torch.device) -> float:
         """The feedback guard's threshold for a unit reduced on ``device`` (0: off).

@@ -84,10 +84,9 @@ def allreduce_form(cfg: TAGCConfig, replicas: int, compressed: bool,
         if not cfg.compresses or replicas <= 2:
             return "two_phase" if cfg.sketched else "gather"
         if cfg.quantizes:
-            from .codec import _tagc, require_codec
+            from .codec import quant_bytes as size, require_codec
 
             require_codec()
-            size = _tagc.quant_bytes
             chunk = math.ceil(shard_numel / replicas)
             two = size(chunk, cfg.quant_format, cfg.quant_block) \
                 + size(chunk, cfg.out_format(), cfg.quant_block)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
+from . import codec
 from .codec import _tagc
 from .comm import Comm
 from .config import TAGCConfig
@@ -214,18 +215,18 @@ def quant(call: Call, inp: torch.Tensor, acc: torch.Tensor) -> None:
     the own shard is added exact (it never leaves the rank)."""
     n, s, rank, kw = call.world, acc.numel(), call.rank, call.dev.kw
     fmt, block = call.cfg.quant_format, call.cfg.quant_block
-    nb = _tagc.quant_bytes(s, fmt, block)
+    nb = codec.quant_bytes(s, fmt, block)
     buf = call.dev.empty("quant_send", (n, nb), torch.uint8, inp.device)
     recv = call.dev.empty("quant_recv", (n, nb), torch.uint8, inp.device)
     works = call.comm.post_recvs(recv)
     for r in call.comm.ring()[:-1]:
-        _tagc.quant_encode(buf[r], call.res(r, s), inp[r * s:(r + 1) * s], fmt, block, **kw)
+        codec.quant_encode(buf[r], call.res(r, s), inp[r * s:(r + 1) * s], fmt, block, **kw)
         call.comm.post_send(works, buf, recv, r)
     call.comm.wait(works)
     acc.zero_()
     for r in range(n):  # rank order: the same sum on every run
         if r != rank:
-            _tagc.quant_decode_add(acc, recv[r], fmt, block, **kw)
+            codec.quant_decode_add(acc, recv[r], fmt, block, **kw)
             continue
         acc.add_(inp[r * s:(r + 1) * s])
         if call.cfg.ef21:
@@ -398,13 +399,13 @@ def spread_quant(call: Call, x: torch.Tensor, out: torch.Tensor, place: bool) ->
     rank must hold the same values)."""
     fmt = call.cfg.out_format() if place else call.cfg.quant_format
     block, kw = call.cfg.quant_block, call.dev.kw
-    nb = _tagc.quant_bytes(x.numel(), fmt, block)
+    nb = codec.quant_bytes(x.numel(), fmt, block)
     mine = call.dev.empty("spread_mine", (nb,), torch.uint8, x.device)
-    _tagc.quant_encode(mine, call.residual, x, fmt, block, **kw)
+    codec.quant_encode(mine, call.residual, x, fmt, block, **kw)
     every = call.dev.empty("spread_every", (call.world, nb), torch.uint8, x.device)
     call.comm.all_gather(every, mine)
     for j, row in enumerate(_rows(out, place, call.world)):  # rank order: one sum
-        _tagc.quant_decode_add(row, every[j], fmt, block, **kw)
+        codec.quant_decode_add(row, every[j], fmt, block, **kw)
     if not place:
         call.add("union_size", x.numel())
         call.add("shard_slots", x.numel())

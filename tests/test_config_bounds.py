@@ -18,6 +18,7 @@ import torch
 
 import tagc.config
 from tagc import presets
+from tagc.codec import OWN_PERIOD
 from tagc.config import GATHER_FORMATS, QUANT_FORMATS, RESIDUAL_CODES, TAGCConfig
 
 pytestmark = pytest.mark.codec
@@ -30,7 +31,11 @@ SHARD_BLOCKS = 64
 
 
 def _bits(fmt: str, block: int, gather: bool = False) -> float:
-    """Bits per value of a shard of SHARD_BLOCKS full blocks, by the codec's size rule."""
+    """Bits per value of a shard of SHARD_BLOCKS full blocks, by the codec's size rule
+    (a format with blocks of its own, tls: SHARD_BLOCKS of its periods, any block)."""
+    if fmt in OWN_PERIOD:
+        n = SHARD_BLOCKS * OWN_PERIOD[fmt]
+        return 8.0 * _tagc.tls_bytes(n) / n
     n = SHARD_BLOCKS * block
     if gather:
         nbytes = _tagc.wq_bytes(torch.tensor([n], dtype=torch.int64), fmt, block)
@@ -135,7 +140,7 @@ def test_knobs_not_in_use_are_not_checked() -> None:
                          quant_block=1)) == "accept"
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("fmt", [f for f in QUANT_FORMATS if f not in OWN_PERIOD])
 def test_the_refusal_names_the_bound_and_the_smallest_good_block(fmt: str) -> None:
     """quant_block=1 (40 bits everywhere) is refused; the message gives 32 and the
     smallest block whose codes take fewer than 16 bits."""
@@ -198,3 +203,12 @@ def test_every_shipped_preset_passes_silently() -> None:
             used |= {u[0] for u in tagc.config.coded_pairs(cfg)}
     # the presets exercise every checked knob, so passing here means something
     assert used == {"quant_format", "hsdp_out_format", "residual_code", "gather"}, used
+
+
+def test_tls_takes_no_block() -> None:
+    """tls codes have blocks of their own: quant_block 1 costs it nothing (the owners'
+    int4 code after it is what a small block refuses)."""
+    assert _outcome(dict(mode="quant", quant_format="tls", hsdp_out_format="tls",
+                         quant_block=1, error_feedback=False)) == "accept"
+    with pytest.raises(ValueError, match="hsdp_out_format"):
+        TAGCConfig(mode="quant", quant_format="tls", quant_block=1, error_feedback=False)

@@ -268,6 +268,7 @@ def test_size_rules_are_the_librarys() -> None:
     """The model's byte counts are the library's own functions, not copies of them."""
     import _tagc
 
+    import tagc.codec
     import tagc.config
     import tagc.hsdp
     from tagc.cost import configs
@@ -276,7 +277,10 @@ def test_size_rules_are_the_librarys() -> None:
     assert configs.allreduce_form is tagc.hsdp.allreduce_form
     for n in (1, 255, 256, 257, 1000, 4213248):
         for fmt in tagc.config.QUANT_FORMATS:
-            assert cm.quant_bytes(n, fmt, 256) == _tagc.quant_bytes(n, fmt, 256)
+            assert cm.quant_bytes(n, fmt, 256) == tagc.codec.quant_bytes(n, fmt, 256)
+        assert cm.quant_bytes(n, "tls", 256) == _tagc.tls_bytes(n)
+    # past the codec's int32 counts, tagc.h's layout: header, 2^24 groups, 2^28 nibbles
+    assert cm.quant_bytes(2 ** 33, "tls", 256) == 4 + 2 ** 24 + 2 ** 27 + -(-2 ** 33 // 5)
     segs = [300, 44, 65536]
     assert cm.gather_bytes(segs, "int8", 256) == _tagc.wq_bytes(segs, "int8", 256)
     # the compressions the model names are the hook's configs of the shipped presets

@@ -254,11 +254,20 @@ def _check_frozen(rank: int, n: int) -> None:
 
 def _check_quant(rank: int, n: int, kind: str, fmt: str) -> Dict[str, Any]:
     """quant mode's first call of every compressed unit (no residual yet) against
-    the independent reference of tests/test_quant.py: the owner's output is
-    (own shard exact + every other rank's shard quantized, in rank order) /
-    divisor, bit for bit; the isend bytes are exactly (N-1) messages of
+    the independent reference of tests/test_quant.py (tls: tests/test_tls.py): the
+    owner's output is (own shard exact + every other rank's shard quantized, in rank
+    order) / divisor, bit for bit; the isend bytes are exactly (N-1) messages of
     quant_bytes(shard) per call."""
+    import test_tls
     from test_quant import bytes_ref, encode_ref
+
+    def coded(x: torch.Tensor) -> torch.Tensor:
+        if fmt == "tls":
+            return torch.from_numpy(test_tls.reference(x, None)[2])
+        return torch.from_numpy(encode_ref(x.numpy(), fmt, 16)[1])
+
+    def nbytes(s: int) -> int:
+        return test_tls.size(s) if fmt == "tls" else bytes_ref(s, fmt, 16)
 
     cfg = _cfg("quant", quant_format=fmt, quant_block=16)
     mod = build_fsdp(kind, cfg)
@@ -283,10 +292,10 @@ def _check_quant(rank: int, n: int, kind: str, fmt: str) -> Dict[str, Any]:
         acc = torch.zeros(s)
         for r in range(n):
             mine = every[r][rank * s:(rank + 1) * s]
-            acc += mine if r == rank else torch.from_numpy(encode_ref(mine.numpy(), fmt, 16)[1])
+            acc += mine if r == rank else coded(mine)
         want = acc / div if div != 1 else acc
         assert torch.equal(out, want), (kind, fmt, u.name, float((out - want).abs().max()))
-        msgs += (n - 1) * bytes_ref(s, fmt, 16)
+        msgs += (n - 1) * nbytes(s)
     st = state.stats()["compressed_total"]
     assert st["collectives"]["isend"]["bytes"] == msgs, (st["collectives"], msgs)
     assert st["density"] == 1.0 and st["compressed_calls"] == st["calls"]
@@ -615,7 +624,8 @@ def _stepped(rank: int, n: int, kind: str) -> Dict[str, Any]:
 
 def _quant_formats(rank: int, n: int, kind: str) -> Dict[str, Any]:
     return {fmt: _check_quant(rank, n, kind, fmt)
-            for fmt in (("ternary", "int4") if n != 3 else ("int8",))}
+            for fmt in (("ternary", "int4", "tls") if n == 2 else ("ternary", "int4") if n == 4
+                        else ("int8", "tls"))}
 
 
 # (name, function(rank, n, kind), the world sizes it runs at[, the kinds]); a case runs

@@ -133,6 +133,8 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "int4b64-res4-half": ("tagc-balanced", {"quant_block": 64, "error_feedback": True,
                                             "ef21": False, "residual_code": "int4",
                                             "residual_factor": 0.5}),
+    # ternary under two-level log scales (tls, 1.74 bits; issue 56 item 3's candidate)
+    "tls": ("tagc-lean", {"quant_format": "tls"}),
     # a top-k preset, and with its residual on codes
     "tagc-sparse": ("tagc-sparse", {}),
     "sparse-res8": ("tagc-sparse", {"residual_code": "int8"}),

@@ -16,17 +16,19 @@ from the row's start; EF21's per-rank ``h`` and the owner's estimate), and measu
   ``1 - ||C(x) - x||^2 / ||x||^2`` of several codes on the *same* blocks (median,
   5th percentile, minimum over every block of every sampled step).
 
-Quantizers (``q=``): the codec's ``sign``, ``ternary``, ``int4``, ``int8``
-(``_tagc.quant_encode`` itself), and pure-torch prototypes: ``tl2`` (the L2-optimal
+Quantizers (``q=``): the codec's ``sign``, ``ternary``, ``int4``, ``int8``, ``tls``
+(``tagc.codec.quant_encode`` itself), and pure-torch prototypes: ``tl2`` (the L2-optimal
 ternary per block: for |x| sorted descending with prefix sums c_m, keep the m entries
 maximising c_m^2 / m at s = c_m / m; the same wire format as ``ternary``, only the
 scale differs), ``tmax`` (ternary at s = max|x|), ``trot`` (ternary of blocks rotated by
 ``_tagc.rht``, a new seed per call, unrotated after decoding), ``tsr`` / ``tsrmax``
 (stochastic ternary at the codec's scale / at max|x|), ``tzZ`` (ternary with a dead zone
 of Z/100 mean|x| and the L2-optimal scale of what it keeps, Z in :data:`ZONES`),
-``ternaryB`` / ``int4bB`` (the codec's ternary / int4 at block B, fp32 scales) and
+``ternaryB`` / ``int4bB`` (the codec's ternary / int4 at block B, fp32 scales),
 ``tlogB`` (ternary with 8-bit scales: a block costs 1.75 bits per value at B = 64, as
-``ternary`` at 256).
+``ternary`` at 256) and ``tsubBrR`` (ternary with two-level scales: a 4-bit log scale per
+B values, R steps per octave, below each 512's largest; the prototype of the codec's
+``tls``, whose group scale is coded on 8 bits where this keeps it exact).
 
     python3 scripts/research/sim_feedback.py --task ts ef21:q=ternary ef21:q=tl2 res:q=ternary
     python3 scripts/research/sim_feedback.py --task gpt2 --steps 300 ef21:q=ternary ef21:q=int4
@@ -76,7 +78,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 BLOCK = 256
-CODEC_FORMATS = ("sign", "ternary", "int4", "int8")
+CODEC_FORMATS = ("sign", "ternary", "int4", "int8", "tls")
 ALPHA_CODES = ("ternary", "tl2", "int4")  # measured on every coded block
 ZONES = (0, 25, 50, 75, 100, 125, 150)  # tzZ: ternary_zone at Z / 100 mean|x|
 BLOCKS = (16, 32, 64, 128)  # ternaryB: the codec's ternary at block B
@@ -210,6 +212,24 @@ def ternary_log8(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     return out[:x.numel()] if pad else out
 
 
+def ternary_sub(x: torch.Tensor, block: int = 32, group: int = 512, steps: int = 3) -> torch.Tensor:
+    """Ternary with two-level scales: each ``block`` has the codec's ternary scale on 4
+    bits relative to its ``group``'s largest, s = M 2^(-k/steps), k in [0, 14] rounded
+    in the log domain (clamped at 14: a block more than 14/steps octaves below the
+    group's largest gets that scale, 15 a zero block), M on 8 bits as ``tlogB``'s
+    (its 2.2% ignored here).  With the codes packed 5 per byte across the message,
+    block 32 and group 512 cost 1.6 + 4/32 + 8/512 = 1.74 bits per value."""
+    b, pad = _blocks(x, block)
+    s = _ternary_scale(b.abs())
+    g, gpad = _blocks(s.reshape(-1), group // block)
+    m = g.amax(dim=1, keepdim=True).expand_as(g).reshape(-1)[:s.numel()].view_as(s)
+    k = torch.round(-steps * torch.log2(s.clamp_min(1e-38) / m.clamp_min(1e-38))).clamp(0, 14)
+    sq = torch.where(s > 0, m * torch.exp2(-k / steps), torch.zeros_like(s))
+    q = torch.where(sq > 0, torch.round(b / sq.clamp_min(1e-38)).clamp(-1, 1), torch.zeros_like(b))
+    out = (q * sq).reshape(-1)
+    return out[:x.numel()] if pad else out
+
+
 def stored(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """How a residual is kept between calls (``store=``): ``fp32`` as is, ``bf16``
     rounded to bfloat16, or a codec format (``int8``, ``int4``: block codes with
@@ -224,14 +244,15 @@ def stored(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def codec(fmt: str, x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """The codec's code of ``x`` (``_tagc.quant_encode`` then ``quant_decode_add``)."""
-    import _tagc
+    """The codec's code of ``x`` (``tagc.codec.quant_encode`` then ``quant_decode_add``,
+    the hook's own calls)."""
+    from tagc import codec as tc
 
     x = x.contiguous()
-    buf = torch.empty(_tagc.quant_bytes(x.numel(), fmt, block), dtype=torch.uint8)
-    _tagc.quant_encode(buf, None, x, fmt, block)
+    buf = torch.empty(tc.quant_bytes(x.numel(), fmt, block), dtype=torch.uint8)
+    tc.quant_encode(buf, None, x, fmt, block)
     out = torch.zeros_like(x)
-    _tagc.quant_decode_add(out, buf, fmt, block)
+    tc.quant_decode_add(out, buf, fmt, block)
     return out
 
 
@@ -245,6 +266,8 @@ QUANTIZERS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     **{f"ternary{b}": (lambda x, b=b: codec("ternary", x, b)) for b in BLOCKS},
     **{f"tlog{b}": (lambda x, b=b: ternary_log8(x, b)) for b in BLOCKS},
     **{f"int4b{b}": (lambda x, b=b: codec("int4", x, b)) for b in BLOCKS},
+    **{f"tsub{b}r{r}": (lambda x, b=b, r=r: ternary_sub(x, b, steps=r))
+       for b in (16, 32) for r in (2, 3, 4)},
 }
 
 

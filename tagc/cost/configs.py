@@ -51,13 +51,19 @@ def quant_bytes(n: int, fmt: str, block: int) -> int:
 
     Args:
         n: values (>= 0).
-        fmt: ``sign``, ``ternary``, ``int4`` or ``int8``.
-        block: values per fp32 scale.
+        fmt: ``sign``, ``ternary``, ``int4``, ``int8`` or ``tls``.
+        block: values per fp32 scale (not read by ``tls``).
     Returns:
         the exact message size.
     Raises:
         ValueError: a bad format, count or block (the codec's message).
     """
+    if fmt in codec.OWN_PERIOD:
+        if n > _CODEC_MAX_N:  # tagc.h's rule for tls, past the codec's int32 counts
+            nb = -(-n // 32)
+            return 4 + -(-nb // 16) + (nb + 1) // 2 + -(-n // 5)
+        _tagc()
+        return codec.quant_bytes(n, fmt, block)
     if n > _CODEC_MAX_N and block >= 1:
         head = _CODEC_MAX_N // block * block
         return _tagc().quant_bytes(head, fmt, block) + quant_bytes(n - head, fmt, block)
@@ -113,7 +119,7 @@ class Compression:
     Args:
         mode: ``dense``, ``sparse``, ``auto`` or ``quant`` (``exact`` and ``paper``
             are not modelled: their bytes depend on the data).
-        quant_format: ``int4``, ``ternary``, ``int8`` or ``sign``.
+        quant_format: ``int4``, ``ternary``, ``int8``, ``sign`` or ``tls``.
         quant_block: values per fp32 scale.
         theta: sparsity of the top-k modes.
         value_bytes: bytes of a kept value (``value_dtype``; 4 = float32).
