@@ -560,8 +560,8 @@ tagc_status tagc_rht(float *dst, int64_t dst_capacity, const float *src, int64_t
                      int64_t block, uint64_t seed, int inverse);
 
 /*
- * Ternary codes with two-level log scales (the `tls` code: the sub-1-bit
- * gradient code of issue 56).  Blocks of TAGC_TLS_BLOCK values, groups of
+ * Ternary codes with two-level log scales (the `tls` code, a sub-1-bit
+ * gradient code at N = 2).  Blocks of TAGC_TLS_BLOCK values, groups of
  * TAGC_TLS_GROUP blocks, the last of each possibly shorter.  A block's raw
  * scale r is the ternary format's (min(2.5 mean |v|, max |v|), its sum of
  * |v| in tagc_quant_encode's order, 0 below FLT_MIN).  The message sends
