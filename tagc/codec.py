@@ -1,9 +1,11 @@
 """The handle on the C codec: the one module that imports the extension ``_tagc``.
 
-Everything else in ``tagc/`` takes the handle from here (``from .codec import _tagc``).
-Importing never fails: without a build ``_tagc`` is None, ``dense`` mode and config
-handling still work, and :func:`require_codec` (``register``, a compressing reduction)
-says how to build it.
+Everything else in ``tagc/`` takes the handle from here (``from .codec import _tagc``),
+and codes gradients on a quant format through :func:`quant_bytes`, :func:`quant_encode`
+and :func:`quant_decode_add`, which pick the format's functions (the block records of
+``_tagc.quant_*`` or a layout of its own, ``tls``).  Importing never fails: without a
+build ``_tagc`` is None, ``dense`` mode and config handling still work, and
+:func:`require_codec` (``register``, a compressing reduction) says how to build it.
 """
 
 from __future__ import annotations

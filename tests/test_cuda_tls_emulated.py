@@ -44,14 +44,14 @@ def lib(cuda_emu_library: Path) -> C.CDLL:
     return cuda_emu.load(cuda_emu_library)
 
 
-@pytest.fixture(scope="module")
-def cop(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
-    """The C op, csrc/tls.c alone (its helpers are header-only) in a shared library."""
+def build_c_op(folder: Path, *defines: str) -> C.CDLL:
+    """The C op, csrc/tls.c alone (its helpers are header-only), in a shared library
+    built with setup.py's flags and ``defines``."""
     cc = shutil.which(os.environ.get("CC", "gcc"))
     if cc is None:
         pytest.skip("no C compiler to build csrc/tls.c")
-    so = tmp_path_factory.mktemp("tls_c") / "libtls.so"
-    subprocess.run([cc, "-std=c11", "-O3", "-fno-trapping-math", "-fPIC", "-shared",
+    so = folder / "libtls.so"
+    subprocess.run([cc, "-std=c11", "-O3", "-fno-trapping-math", "-fPIC", "-shared", *defines,
                     "-I", str(ROOT / "csrc"), str(ROOT / "csrc" / "tls.c"), "-o", str(so), "-lm"],
                    check=True)
     dll = C.CDLL(str(so))
@@ -59,6 +59,18 @@ def cop(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
         fn = getattr(dll, name)
         fn.restype, fn.argtypes = ret, args
     return dll
+
+
+@pytest.fixture(scope="module")
+def cop(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
+    """The C op as the extension builds it (its AVX2 encoder where the CPU has one)."""
+    return build_c_op(tmp_path_factory.mktemp("tls_c"))
+
+
+@pytest.fixture(scope="module")
+def cop_generic(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
+    """The C op with its generic loops only (what a CPU without AVX2 runs)."""
+    return build_c_op(tmp_path_factory.mktemp("tls_generic"), "-DTAGC_QUANT_NO_AVX2")
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -187,6 +199,23 @@ def test_twin_matches_c(lib: C.CDLL, cop: C.CDLL, n: int, gd: torch.dtype,
                         rd: Optional[torch.dtype]) -> None:
     grad, res = inputs(n, gd, rd, seed=n)
     check_twin(lib, cop, grad, res, seed=n + 5)
+
+
+@pytest.mark.parametrize("kind", ["rows", "zeros", "wide", "tiny", "huge"])
+@pytest.mark.parametrize("gd,rd", DTYPES)
+def test_generic_loops_match_the_avx2_ones(cop: C.CDLL, cop_generic: C.CDLL, kind: str,
+                                           gd: torch.dtype, rd: Optional[torch.dtype]) -> None:
+    """The encoder's two builds write the same bytes and residual (the C op is one
+    contract whichever loops a CPU runs)."""
+    for n in (1, 33, 159, 160, 161, 1000, 100003):
+        grad, res = inputs(n, gd, rd, seed=7 * n + 3, kind=kind)
+        r1 = None if res is None else res.clone()
+        r2 = None if res is None else res.clone()
+        st1, b1 = c_encode(cop, grad, r1)
+        st2, b2 = c_encode(cop_generic, grad, r2)
+        assert st1 == st2 == OK and torch.equal(b1, b2), (kind, n)
+        if res is not None:
+            assert np.array_equal(bits(r1), bits(r2)), (kind, n)
 
 
 @pytest.mark.parametrize("kind", ["zeros", "wide", "tiny", "huge"])
