@@ -4,7 +4,7 @@ and validated by that group's check.
 ``TAGCConfig()`` is the recommended preset, ``tagc-balanced`` (mode ``quant``, int4
 codes on every layer, the residual feedback kept on int4 codes); the other shipped
 presets load by name: ``TAGCConfig.preset("full")`` (int8 parameter gathers too,
-FSDP2), ``TAGCConfig.preset("lean")`` (ternary codes, no feedback state), ...
+FSDP2), ``TAGCConfig.preset("lean")`` (ternary ``tls`` codes, no feedback state), ...
 ``TAGCConfig.describe()`` lists the knobs by group; docs/USAGE.md's knob reference is
 generated from it (:func:`write_knobs_doc`), and docs/RESULTS.md has the measurements.
 """

@@ -30,7 +30,7 @@ PURPOSES: Dict[str, str] = {
     "tagc-balanced": "recommended: int4 gradients with feedback, ~8x fewer gradient bytes",
     "tagc-full": "tagc-balanced plus int8 parameter all-gathers (needs --fsdp 2)",
     "tagc-full4": "tagc-full with int4 gathers of the weights' change (needs --fsdp 2)",
-    "tagc-lean": "ternary gradients without feedback state, ~18x fewer gradient bytes",
+    "tagc-lean": "ternary gradients (tls: scales per 32), no feedback, ~18x fewer gradient bytes",
     "tagc-local": "local steps between nodes, DiLoCo (needs --fsdp 2 --replicas R)",
     "tagc-auto": "lossless top-k, each message in its smallest coding",
     "tagc-exact": "lossless top-k (bitmap + sketch), the paper's 10x sparsity",

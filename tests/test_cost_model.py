@@ -123,7 +123,7 @@ def test_default_hsdp_form_follows_the_hooks_auto() -> None:
         ["all-gather", "all-gather", "two-phase", "two-phase", "two-phase"]
     assert [cm.hsdp_form("auto", lean, r, s) for r in (2, 3, 4, 1024)] == \
         ["all-gather", "all-gather", "two-phase", "two-phase"]
-    for preset, fmt in (("balanced", "int4"), ("lean", "ternary")):
+    for preset, fmt in (("balanced", "int4"), ("lean", "tls")):
         for r in (2, 3, 4, 5, 16, 1024):
             for n in (1, 1000, s, 3 * s + 7):
                 mine = cm.hsdp_form("auto", cm.PRESETS[preset], r, n)

@@ -93,7 +93,7 @@ def test_quant_mode_sends_every_entry():
 
 def _quant_bits_per_param(fmt: str, block: int, ranks: int = 2) -> float:
     """Bits a rank sends per parameter of a compressed quant unit, scales included,
-    from the codec's own size rule (``_tagc.quant_bytes``) on a shard of whole blocks.
+    from the codec's own size rule (``tagc.codec.quant_bytes``) on a shard of whole blocks.
 
     Args:
         fmt: quant format.
@@ -102,9 +102,11 @@ def _quant_bits_per_param(fmt: str, block: int, ranks: int = 2) -> float:
     Returns:
         ``(N-1)/N * 8 * quant_bytes(S) / S``.
     """
-    _tagc = pytest.importorskip("_tagc", reason="the _tagc codec is not built")
+    pytest.importorskip("_tagc", reason="the _tagc codec is not built")
+    from tagc import codec
+
     s = 1024 * block
-    return (ranks - 1) / ranks * 8 * _tagc.quant_bytes(s, fmt, block) / s
+    return (ranks - 1) / ranks * 8 * codec.quant_bytes(s, fmt, block) / s
 
 
 def _figure_matches(quoted: str, computed: float) -> bool:
@@ -116,9 +118,9 @@ def _figure_matches(quoted: str, computed: float) -> bool:
 def test_recommended_presets():
     """tagc-balanced / tagc-lean / tagc-full: quant mode on every layer (attention
     inputs included: block quantization does not hurt them, RESULTS.md), residual
-    feedback kept on int4 codes for int4 and no feedback on ternary (it did not earn
+    feedback kept on int4 codes for int4 and no feedback on ternary tls (it did not earn
     its memory there, SUITE.md), no warm-up to size, bits/param per rank at N=2
-    (``_tagc.quant_bytes``) within their budgets (2.6 and 1.0), and at most one byte
+    (``tagc.codec.quant_bytes``) within their budgets (2.6 and 1.0), and at most one byte
     of feedback state per parameter and rank at any N."""
     from tagc import memory
 
@@ -470,6 +472,10 @@ TOP_K_PRESETS = ("tagc-10x-1bit-warmup", "tagc-10x-1bit", "tagc-10x-4bit", "tagc
                  "tagc-exact-warmup", "tagc-exact", "tagc-sparse-t90-warmup",
                  "tagc-sparse-warmup", "tagc-sparse")
 CHANGED_ON_PURPOSE.update({name: {"residual_code": "int8"} for name in TOP_K_PRESETS})
+# and moved tagc-lean's ternary codes to two-level scales (tls, 1.74 bits per value as
+# one scale per 256 costs 1.75): its worst regression-family member +1.35% instead of
+# +3.34% (docs/RESULTS.md, "Two-level scales")
+CHANGED_ON_PURPOSE["tagc-lean"] = {"quant_format": "tls"}
 
 
 def test_defaults_are_the_recommended_preset():

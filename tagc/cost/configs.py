@@ -227,16 +227,18 @@ PRESETS: Dict[str, Compression] = {
     "sparse": Compression("sparse", theta=0.9875, residual_code="int8"),  # tagc-sparse.yaml
     "auto": Compression("auto", theta=0.9875, residual_code="int8"),      # tagc-auto.yaml
     "balanced": Compression("quant", "int4", residual_code="int4"),    # tagc-balanced.yaml
-    "lean": Compression("quant", "ternary"),                           # tagc-lean.yaml
+    "lean": Compression("quant", "tls"),                               # tagc-lean.yaml
     "full": Compression("quant", "int4", residual_code="int4", gather="int8"),  # tagc-full.yaml
     # tagc-full4.yaml: the gathers on int4 codes of the weights' change
     "full4": Compression("quant", "int4", residual_code="int4", gather="int4",
                          gather_delta=True),
     # tagc-local.yaml: tagc-balanced's exchange of the pseudo-gradient, once every 32 steps
     "local": Compression("quant", "int4", residual_code="int4", outer_every=32),
-    # the presets as the runs file's older rows ran them: tagc-lean with feedback,
+    # the presets as the runs file's older rows ran them: tagc-lean (ternary) with feedback,
     # tagc-balanced / tagc-full with EF21 (a 32-byte vote)
     "lean-ef21": Compression("quant", "ternary", ef21=True),
+    # tagc-lean until its codes became tls (one ternary scale per 256)
+    "lean-ternary": Compression("quant", "ternary"),
     "balanced-ef21": Compression("quant", "int4", ef21=True),
     "full-ef21": Compression("quant", "int4", ef21=True, gather="int8"),
     # and tagc-sparse / tagc-auto with an fp32 residual (now on int8 codes)
