@@ -5,6 +5,8 @@
 #ifndef TAGC_INTERNAL_H
 #define TAGC_INTERNAL_H
 
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -118,6 +120,80 @@ TAGC_AI uint64_t load_le(const uint8_t *p, int64_t len)
     DT_CASE(TAGC_F32, DT_NONE, call) DT_CASE(TAGC_F32, TAGC_F32, call)   \
     DT_CASE(TAGC_F32, TAGC_BF16, call) DT_CASE(TAGC_BF16, DT_NONE, call) \
     DT_CASE(TAGC_BF16, TAGC_F32, call) DT_CASE(TAGC_BF16, TAGC_BF16, call)
+
+/* The block codes' generic encoder pieces (quant.c's, and tls.c's under its own
+ * scales; quant_avx2.h has their AVX2 forms). */
+/* Scale of the block [o, o + len) of v; returns 0 when v holds NaN/Inf there.
+ * The sum of |v| runs in 32 strided partial sums (double), then a pairwise
+ * tree: what a warp does with one lane per partial sum and shuffles.  (The
+ * inner loop over 32 lanes vectorizes.) */
+TAGC_AI int block_scale(float *scale, const void *g, int gd, const void *r, int rd,
+                        int64_t o, int64_t len, int format)
+{
+    double lane[32] = {0};
+    float m = 0.0f;
+    int finite = 1;
+    int64_t i = 0;
+    for (; i + 32 <= len; i += 32) {
+        for (int j = 0; j < 32; j++) {
+            float a = fabsf(load_v(g, gd, r, rd, o + i + j));
+            finite &= a <= FLT_MAX; /* false for NaN too */
+            m = a > m ? a : m;
+            if (tagc_q_uses_sum(format))
+                lane[j] += (double)a;
+        }
+    }
+    for (; i < len; i++) {
+        float a = fabsf(load_v(g, gd, r, rd, o + i));
+        finite &= a <= FLT_MAX;
+        m = a > m ? a : m;
+        if (tagc_q_uses_sum(format))
+            lane[i & 31] += (double)a;
+    }
+    if (!finite)
+        return 0;
+    for (int off = 16; off > 0; off >>= 1)
+        for (int j = 0; j < off; j++)
+            lane[j] += lane[j + off];
+    *scale = tagc_q_scale(format, lane[0], m, len);
+    return 1;
+}
+
+/* Codes of the n values [o, o + n) under scale s (inv = tagc_q_inv(s)) as
+ * digits (tagc_q_digit) into d, and the residual v - q * s (what the owner
+ * does not get) back in place.  Elementwise: the loop vectorizes. */
+TAGC_AI void encode_digits(uint8_t *d, float s, float inv, const void *g, int gd, void *r,
+                           int rd, int64_t o, int n, int format)
+{
+    for (int i = 0; i < n; i++) {
+        float v = load_v(g, gd, r, rd, o + i);
+        int qi = tagc_q_code(format, v, inv);
+        d[i] = (uint8_t)tagc_q_digit(format, qi);
+        if (rd != DT_NONE)
+            st_val(r, rd, o + i, v - (float)qi * s);
+    }
+}
+
+/* The bytes of n digits into out (the first digit starts a byte), the last
+ * byte's unused positions padded. */
+TAGC_AI void pack_digits(uint8_t *out, const uint8_t *d, int n, int format)
+{
+    const int per = tagc_q_per_byte(format);
+    int full = n / per, b = 0;
+    for (; b < full; b++) {
+        unsigned byte = 0;
+        for (int j = 0; j < per; j++)
+            byte += d[b * per + j] * tagc_q_weight(format, j);
+        out[b] = (uint8_t)byte;
+    }
+    if (b * per < n) {
+        unsigned byte = 0;
+        for (int j = 0; j < per; j++)
+            byte += (b * per + j < n ? d[b * per + j] : tagc_q_pad_digit(format)) *
+                    tagc_q_weight(format, j);
+        out[b] = (uint8_t)byte;
+    }
+}
 
 /* Whether the len codes of one record are valid (reads only).  Byte by byte
  * with the position in the byte a constant once the loop unrolls; the

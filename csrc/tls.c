@@ -1,42 +1,16 @@
 /*
  * tls.c - ternary codes with two-level log scales, with error feedback
  * (tagc.h, tagc_tls_*).  The scale arithmetic is tls.h's, shared with
- * cuda/tls.cu; a block's sum of |v| is taken in tagc_quant_encode's order
- * (32 lanes in double, a pairwise tree), so both write the same bytes.
+ * cuda/tls.cu; a block's raw scale is tagc_quant_encode's ternary block scale
+ * and its codes are that encoder's digits (block_scale, encode_digits and
+ * pack_digits of tagc_internal.h), so both write the same bytes.
  */
-#include <float.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "quant_avx2.h"
 #include "tls.h"
 #include "tagc_internal.h"
-
-/* Raw scale of the block [o, o + len) of v (len <= TAGC_TLS_BLOCK) into *r;
- * 0 when v holds NaN/Inf there. */
-TAGC_AI int raw_scale(float *r, const void *g, int gd, const void *res, int rd, int64_t o,
-                      int len)
-{
-    double lane[TAGC_TLS_BLOCK];
-    float m = 0.0f;
-    int finite = 1;
-    for (int j = 0; j < len; j++) {
-        float a = fabsf(load_v(g, gd, res, rd, o + j));
-        finite &= a <= FLT_MAX; /* false for NaN too */
-        m = a > m ? a : m;
-        lane[j] = (double)a;
-    }
-    for (int j = len; j < TAGC_TLS_BLOCK; j++)
-        lane[j] = 0.0;
-    if (!finite)
-        return 0;
-    for (int off = TAGC_TLS_BLOCK / 2; off > 0; off >>= 1)
-        for (int j = 0; j < off; j++)
-            lane[j] += lane[j + off];
-    *r = tagc_q_scale(TAGC_Q_TERNARY, lane[0], m, len);
-    return 1;
-}
 
 /* Pass 1: every block's raw scale into sc[0..nb) and the largest into *S;
  * 0 on NaN/Inf (nothing else written). */
@@ -48,7 +22,7 @@ TAGC_AI int raw_scales(float *sc, float *S, const void *g, int gd, const void *r
     for (int64_t j = 0; j < nb; j++) {
         int64_t o = j * TAGC_TLS_BLOCK;
         int len = n - o < TAGC_TLS_BLOCK ? (int)(n - o) : TAGC_TLS_BLOCK;
-        if (!raw_scale(&sc[j], g, gd, res, rd, o, len))
+        if (!block_scale(&sc[j], g, gd, res, rd, o, len, TAGC_Q_TERNARY))
             return 0;
         big = sc[j] > big ? sc[j] : big;
     }
@@ -92,24 +66,15 @@ TAGC_AI void scale_codes(uint8_t *dst, float *sc, float S, int64_t n)
 TAGC_AI void chunk_codes(uint8_t *trits, const float *sc, const void *g, int gd, void *res,
                          int rd, int64_t o, int len)
 {
-    uint8_t d[CHUNK + 4];
+    uint8_t d[CHUNK];
     for (int b = 0; b * TAGC_TLS_BLOCK < len; b++) {
-        const float s = sc[o / TAGC_TLS_BLOCK + b], inv = tagc_q_inv(s);
+        const float s = sc[o / TAGC_TLS_BLOCK + b];
         const int j0 = b * TAGC_TLS_BLOCK;
         const int j1 = len < j0 + TAGC_TLS_BLOCK ? len : j0 + TAGC_TLS_BLOCK;
-        for (int j = j0; j < j1; j++) {
-            float v = load_v(g, gd, res, rd, o + j);
-            int q = tagc_q_code(TAGC_Q_TERNARY, v, inv);
-            d[j] = (uint8_t)(q + 1);
-            if (rd != DT_NONE)
-                st_val(res, rd, o + j, v - (float)q * s);
-        }
+        encode_digits(d + j0, s, tagc_q_inv(s), g, gd, res, rd, o + j0, j1 - j0,
+                      TAGC_Q_TERNARY);
     }
-    for (int j = len; j < len + 4; j++)
-        d[j] = 1; /* padding digits: code 0 */
-    for (int k = 0; 5 * k < len; k++)
-        trits[k] = (uint8_t)(d[5 * k] + 3 * d[5 * k + 1] + 9 * d[5 * k + 2] +
-                             27 * d[5 * k + 3] + 81 * d[5 * k + 4]);
+    pack_digits(trits, d, len, TAGC_Q_TERNARY);
 }
 
 TAGC_AI void value_codes(uint8_t *trits, const float *sc, const void *g, int gd, void *res,
