@@ -171,6 +171,15 @@ def config_difference(saved: Dict[str, Any], cfg: TAGCConfig) -> Optional[str]:
     return "; ".join(diff) if diff else None
 
 
+def restoring_overrides(saved: Dict[str, Any], cfg: TAGCConfig) -> str:
+    """The ``--tagc_set`` that gives ``cfg`` the saved values of the knobs both have
+    (values as JSON, which ``--tagc_set``'s YAML reads back)."""
+    then, now = _comparable(_saved_config(saved, cfg)), _comparable(cfg.resolved_dict())
+    pairs = [f"{k}={json.dumps(then[k])}" for k in sorted(now)
+             if k in then and then[k] != now[k]]
+    return "--tagc_set=" + ",".join(pairs)
+
+
 def check_saved(saved: Dict[str, Any], reducers: List[UnitReducer], cfg: TAGCConfig,
                 kind: str, world: int) -> bool:
     """Every check of a saved TAGC state against this run, before anything changes.
@@ -191,8 +200,10 @@ def check_saved(saved: Dict[str, Any], reducers: List[UnitReducer], cfg: TAGCCon
     diff = config_difference(saved["config"], cfg)
     if diff is not None:
         raise ValueError(f"TAGC checkpoint: written with another TAGC config ({diff}); "
-                         "resume with the same preset and overrides (--tagc_set), or start "
-                         "a new run from the model and optimizer alone")
+                         "resume with the same preset and overrides (a preset's values can "
+                         "change between TAGC versions: "
+                         f"{restoring_overrides(saved['config'], cfg)} restores these), or "
+                         "start a new run from the model and optimizer alone")
     names = [u.name for u in reducers]
     if sorted(saved["units"]) != sorted(names):
         raise ValueError(f"TAGC checkpoint: unit layout differs: saved "

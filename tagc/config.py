@@ -631,14 +631,15 @@ class TAGCConfig:
         "Code per value (csrc/tagc.h): int8 (255 levels), int4 (15), ternary (5 codes per "
         "byte, byte-aligned: 1.625 bits at ``quant_block`` 256), sign (1 bit) or tls "
         "(ternary, a 4-bit log scale per 32 under an 8-bit one per 512: 1.74 bits, any "
-        "quant_block). Sent per parameter and rank at N=2, block 256, int4: 2.06; "
-        "ternary: 0.88; tls: 0.87 bits, scales included (tagc.codec.quant_bytes).",
+        "quant_block). Sent per parameter and rank at N=2, int4: 2.25 at block 64, 2.06 "
+        "at 256; ternary: 0.88 at 256; tls: 0.87, scales included (tagc.codec.quant_bytes).",
         values=" | ".join(QUANT_FORMATS), reads="quant")
     quant_block: int = knob(
-        256, "codec",
-        "Entries per fp32 scale of quant's codes, the HSDP owners' and residual_code's. A "
-        "block at which a code in use takes 32 bits or more per value is refused, 16 or "
-        "more warned about (check_block_codes).",
+        64, "codec",
+        "Entries per fp32 scale of quant's codes, the HSDP owners' and residual_code's: "
+        "64 keeps the gap to plain level with training length where 256's grew (RESULTS). "
+        "A block at which a code in use takes 32 bits or more per value is refused, 16 "
+        "or more warned about (check_block_codes).",
         values="[1, 65536]", reads="quant; residual_code")
     ef21: Optional[bool] = knob(
         None, "feedback",

@@ -162,7 +162,7 @@ class TAGCState:
             name: what to call the config (the preset's name); default its mode.
         Returns:
             e.g. ``"TAGC tagc-balanced: 12/14 units compressed (97% of params), sent
-            4.3 MB of 33.6 MB (87.1% saved), feedback 0.52 B/param"``: this rank's
+            4.7 MB of 33.6 MB (85.9% saved), feedback 0.56 B/param"``: this rank's
             gradient bytes against FSDP's plain reduce-scatter of the same calls, and
             with ``cfg.gather`` the parameter all-gathers' bytes likewise.
         """

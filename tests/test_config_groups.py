@@ -54,7 +54,7 @@ def test_help_and_describe_show_every_knob_under_its_group() -> None:
         assert titles[group] < doc.index(f"\n    {f.name} (default "), f.name
         assert group + 1 == len(titles) or doc.index(f"\n    {f.name} (default ") < \
             titles[group + 1], f.name
-    assert "    quant_block (default 256;" in doc and "    mode (default 'quant';" in doc
+    assert "    quant_block (default 64;" in doc and "    mode (default 'quant';" in doc
     assert "    ef21 (default derived: False;" in doc
 
 
@@ -67,7 +67,7 @@ def test_usage_knob_reference_is_the_generated_one(tmp_path) -> None:
     with open(USAGE) as fh:
         text = fh.read()
     stale = tmp_path / "USAGE.md"
-    stale.write_text(text.replace("`quant_block` (default 256;", "`quant_block` (default 512;"))
+    stale.write_text(text.replace("`quant_block` (default 64;", "`quant_block` (default 512;"))
     assert not config.write_knobs_doc(str(stale), check=True)
     assert "default 512" in stale.read_text()  # check=True writes nothing
     assert not config.write_knobs_doc(str(stale))

@@ -566,8 +566,9 @@ def _bytes(rank: int, n: int) -> Dict[str, float]:
         s = math.ceil(u.shard_numel / n)
         # two-phase: chunks to their owners on quant_format, the owner's sum on its
         # code (int4 after ternary)
-        want = (n - 1) * (_tagc.quant_bytes(s, fmt, 256) + _tagc.quant_bytes(s, "int4", 256)) \
-            if form == "two_phase" else (n - 1) * _tagc.quant_bytes(u.shard_numel, fmt, 256)
+        b = cfg.quant_block
+        want = (n - 1) * (_tagc.quant_bytes(s, fmt, b) + _tagc.quant_bytes(s, "int4", b)) \
+            if form == "two_phase" else (n - 1) * _tagc.quant_bytes(u.shard_numel, fmt, b)
         assert data == want, (form, fmt, data, want)
         got[f"{form}_{fmt}"] = data
     return got

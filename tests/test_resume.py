@@ -159,7 +159,8 @@ def test_kept_checksummed_and_refused_by_name(tmp_path: Path, cache_dir: Path) -
     assert isinstance(previous, dict) and previous["iters"] == 5, previous
     assert isinstance(lean, str) and "another TAGC config" in lean and "Missing key" not in lean
     assert "error_feedback" in lean or "quant_format" in lean or "mode" in lean, lean
-    assert isinstance(block, str) and "quant_block: saved 256, now 128" in block, block
+    assert isinstance(block, str) and "quant_block: saved 64, now 128" in block, block
+    assert "--tagc_set=quant_block=64 restores" in block, block  # the way back, named
     # a truncated train_state.json names the file
     newest = choose(root, "latest")
     (newest / "train_state.json").write_text('{"iter_num": 5, "wor')
@@ -195,8 +196,9 @@ def test_a_checkpoint_written_before_checksums_loads(tmp_path: Path, cache_dir: 
     (no layout stored), naming why."""
     run = tmp_path / "legacy"
     shutil.copytree(REPO / "tests" / "data" / "ckpt-v2-fsdp1", run / "ckpt")
-    args = ["--fsdp=1", "--tagc=tagc-balanced", "--tagc_set=min_numel=1024", "--n_layer=1",
-            "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+    # written when tagc-balanced's codes took a scale per 256 values
+    args = ["--fsdp=1", "--tagc=tagc-balanced", "--tagc_set=min_numel=1024,quant_block=256",
+            "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
             "--init_from=resume"]
     res = run_dist(_legacy, 2, _run(tmp_path, cache_dir, "legacy", *args, "--max_iters=3"),
                    timeout=240)

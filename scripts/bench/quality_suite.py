@@ -114,22 +114,25 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "tagc-full": ("tagc-full", {}),  # int8 gathers: FSDP2 tasks only
     "int4-nofb": ("tagc-balanced", {"error_feedback": False, "ef21": False}),
     "ternary-nofb": ("tagc-lean", {"error_feedback": False, "ef21": False}),
+    # the int4 ablations below keep the block they were measured at, the presets' 256
+    # until tagc-balanced took 64 (int4b64-res4-half)
     # the whole residual fed back (residual_factor 1; quant mode derives 0.5)
-    "int4-res": ("tagc-balanced", {"error_feedback": True, "ef21": False, "residual_code": "none",
-                                   "residual_factor": 1.0}),
+    "int4-res": ("tagc-balanced", {"quant_block": 256, "error_feedback": True, "ef21": False,
+                                   "residual_code": "none", "residual_factor": 1.0}),
     "ternary-res": ("tagc-lean", {"error_feedback": True, "ef21": False, "residual_code": "none",
                                   "residual_factor": 1.0}),
     # the residual kept as block codes (residual_code, issue 42's memory budget)
-    "int4-res8": ("tagc-balanced", {"error_feedback": True, "ef21": False,
+    "int4-res8": ("tagc-balanced", {"quant_block": 256, "error_feedback": True, "ef21": False,
                                     "residual_code": "int8", "residual_factor": 1.0}),
-    "int4-res4": ("tagc-balanced", {"error_feedback": True, "ef21": False,
+    "int4-res4": ("tagc-balanced", {"quant_block": 256, "error_feedback": True, "ef21": False,
                                     "residual_code": "int4", "residual_factor": 1.0}),
     "ternary-res4": ("tagc-lean", {"error_feedback": True, "ef21": False,
                                    "residual_code": "int4", "residual_factor": 1.0}),
     # half of the residual fed back (residual_factor, issue 56)
-    "int4-res4-half": ("tagc-balanced", {"error_feedback": True, "ef21": False,
-                                         "residual_code": "int4", "residual_factor": 0.5}),
-    # the same on blocks of 64 (4.5 bits per value; issue 56 item 4's candidate)
+    "int4-res4-half": ("tagc-balanced", {"quant_block": 256, "error_feedback": True,
+                                         "ef21": False, "residual_code": "int4",
+                                         "residual_factor": 0.5}),
+    # the same on blocks of 64 (4.5 bits per value): tagc-balanced since issue 56 item 4
     "int4b64-res4-half": ("tagc-balanced", {"quant_block": 64, "error_feedback": True,
                                             "ef21": False, "residual_code": "int4",
                                             "residual_factor": 0.5}),
@@ -140,7 +143,7 @@ METHODS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "sparse-res8": ("tagc-sparse", {"residual_code": "int8"}),
     "sparse-res4": ("tagc-sparse", {"residual_code": "int4"}),
     # tagc-balanced until issue 42: int4 + damped EF21 on an fp32 residual
-    "int4-ef21": ("tagc-balanced", {"error_feedback": True, "ef21": True,
+    "int4-ef21": ("tagc-balanced", {"quant_block": 256, "error_feedback": True, "ef21": True,
                                     "residual_code": "none"}),
     # tagc-lean before it dropped its feedback (SUITE.md): ternary + damped EF21
     "ternary-ef21": ("tagc-lean", {"error_feedback": True, "ef21": True,

@@ -118,6 +118,8 @@ def load_runs(path: str) -> Dict[str, Any]:
         if st["model"] not in RUN_MODELS:
             raise ValueError(f"runs file {path}: setup {name!r}: unknown model "
                              f"{st['model']!r}; known: {sorted(RUN_MODELS)}")
+        if not isinstance(st.get("quant_block", 1), int) or isinstance(st.get("quant_block"), bool):
+            raise ValueError(f"runs file {path}: setup {name!r}: quant_block must be an int")
         c = st.get("compute", {"rest_s": None})  # none: its step times are not checked
         if "rest_s" not in c and not ("plain_fast_step_s" in c and "fast_mbit" in c):
             raise ValueError(f"runs file {path}: setup {name!r}: compute needs rest_s, or "
@@ -176,12 +178,17 @@ def _setup_cluster(st: Dict[str, Any], inter_mbit: float, intra_mbit: Optional[f
 def _run_config(st: Dict[str, Any], name: str) -> Config:
     """A runs-file row's configuration: ``fsdp`` is the setup's plain layout; on
     FULL_SHARD a step benchmark row (``tagc.cost.rows``: ``fsdp-bf16``,
-    ``full-noreshard``, ...) as the benchmark ran it."""
+    ``full-noreshard``, ...) as the benchmark ran it; a setup's ``quant_block`` is the
+    presets' block when it ran."""
     if st["layout"] != "hsdp" and name in ROWS:
-        return row_config(name, st["dtype"], st["fsdp"])
-    layout = "hsdp" if st["layout"] == "hsdp" else "fsdp"
-    full = layout if name == "fsdp" else f"{layout}+{name}"
-    return make_config(full, st["dtype"], st["fsdp"])
+        cfg = row_config(name, st["dtype"], st["fsdp"])
+    else:
+        layout = "hsdp" if st["layout"] == "hsdp" else "fsdp"
+        full = layout if name == "fsdp" else f"{layout}+{name}"
+        cfg = make_config(full, st["dtype"], st["fsdp"])
+    if "quant_block" in st and cfg.tagc is not None:
+        cfg = replace(cfg, tagc=replace(cfg.tagc, quant_block=st["quant_block"]))
+    return cfg
 
 
 def _setup_state(st: Dict[str, Any], model: ModelSpec, codec: Optional[Dict[str, float]],

@@ -226,11 +226,13 @@ PRESETS: Dict[str, Compression] = {
     "dense": Compression("dense"),                                     # tagc-dense.yaml
     "sparse": Compression("sparse", theta=0.9875, residual_code="int8"),  # tagc-sparse.yaml
     "auto": Compression("auto", theta=0.9875, residual_code="int8"),      # tagc-auto.yaml
-    "balanced": Compression("quant", "int4", residual_code="int4"),    # tagc-balanced.yaml
+    "balanced": Compression("quant", "int4", quant_block=64,
+                            residual_code="int4"),                     # tagc-balanced.yaml
     "lean": Compression("quant", "tls"),                               # tagc-lean.yaml
-    "full": Compression("quant", "int4", residual_code="int4", gather="int8"),  # tagc-full.yaml
+    "full": Compression("quant", "int4", quant_block=64, residual_code="int4",
+                        gather="int8"),                                # tagc-full.yaml
     # tagc-full4.yaml: the gathers on int4 codes of the weights' change
-    "full4": Compression("quant", "int4", residual_code="int4", gather="int4",
+    "full4": Compression("quant", "int4", quant_block=64, residual_code="int4", gather="int4",
                          gather_delta=True),
     # tagc-local.yaml: tagc-balanced's exchange of the pseudo-gradient, once every 32 steps
     "local": Compression("quant", "int4", residual_code="int4", outer_every=32),
