@@ -347,6 +347,33 @@ def test_wq_delta(benchmark: Callable, size: int, op: str) -> None:
     assert (held - w).abs().max().item() <= (w - (held - change)).abs().max().item() / 14 * 1.01
 
 
+@pytest.mark.parametrize("op", ("encode", "decode"))
+@pytest.mark.parametrize("rotate", (False, True), ids=("plain", "rotated"))
+def test_fp4(benchmark: Callable, size: int, op: str, rotate: bool) -> None:
+    """``fp4`` (E2M1 codes, a power-of-two scale per 32 values) with an fp32 residual,
+    with or without the seeded block Hadamard rotation: encode, and the decode-add."""
+    import _tagc
+
+    grad = _grad(size, 24)
+    residual0 = _grad(size, 25) * 0.01
+    residual = residual0.clone()
+    buf = torch.empty(_tagc.fp4_bytes(size, 32), dtype=torch.uint8)
+    out = torch.zeros(size)
+    if op == "encode":
+        benchmark(_tagc.fp4_encode, buf, residual, grad, 32, seed=3, rotate=rotate)
+        residual.copy_(residual0)
+        _tagc.fp4_encode(buf, residual, grad, 32, seed=3, rotate=rotate)
+    else:
+        _tagc.fp4_encode(buf, residual, grad, 32, seed=3, rotate=rotate)
+        benchmark(_tagc.fp4_decode_add, out, buf, 32, seed=3, rotate=rotate)
+        out.zero_()
+    _tagc.fp4_decode_add(out, buf, 32, seed=3, rotate=rotate)
+    v = grad + residual0
+    # what was not sent stays in the residual; E2M1 keeps about a ninth of |v|'s norm
+    assert (residual - (v - out)).abs().max().item() <= 1e-6 * v.abs().max().item()
+    assert (out - v).norm().item() <= 0.2 * v.norm().item()
+
+
 def test_memcpy_end(benchmark: Callable, size: int) -> None:
     """The yardstick again, last: with the first, how far the load moved."""
     _memcpy(benchmark, size)
