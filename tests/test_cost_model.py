@@ -720,6 +720,27 @@ def test_bad_runs_file_raises(tmp_path: Path) -> None:
         cm.load_runs(str(bad))
 
 
+def test_a_setup_keeps_the_block_its_runs_ran_with(tmp_path: Path) -> None:
+    """A setup's ``quant_block`` gives every TAGC row of it the presets' block when it
+    ran (the presets moved from 256 to 64): its bytes predicted at that block; a bad
+    value is refused."""
+    from tagc.cost.check import _run_config
+
+    data = cm.load_runs(str(RUNS))
+    name, st = next((n, s) for n, s in data["setups"].items() if s.get("quant_block") == 256)
+    then = _run_config(st, "balanced")
+    assert then.tagc.quant_block == 256
+    assert _run_config({**st, "quant_block": 64}, "balanced").tagc == cm.PRESETS["balanced"]
+    assert _run_config(st, "fsdp").tagc is None
+    good = json.loads(RUNS.read_text())
+    for value in ("64", 0, True):
+        good["setups"][name]["quant_block"] = value
+        bad = tmp_path / "runs.json"
+        bad.write_text(json.dumps(good))
+        with pytest.raises(ValueError, match="quant_block must be an int"):
+            cm.load_runs(str(bad))
+
+
 def test_cli_runs_from_any_folder(tmp_path: Path) -> None:
     """The command line needs no checkout-relative path: run from another folder."""
     r = subprocess.run([sys.executable, str(script_path("cost_model")), "--model", "tiny",

@@ -118,8 +118,10 @@ def load_runs(path: str) -> Dict[str, Any]:
         if st["model"] not in RUN_MODELS:
             raise ValueError(f"runs file {path}: setup {name!r}: unknown model "
                              f"{st['model']!r}; known: {sorted(RUN_MODELS)}")
-        if not isinstance(st.get("quant_block", 1), int) or isinstance(st.get("quant_block"), bool):
-            raise ValueError(f"runs file {path}: setup {name!r}: quant_block must be an int")
+        block = st.get("quant_block", 1)
+        if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 65536:
+            raise ValueError(f"runs file {path}: setup {name!r}: quant_block must be an int "
+                             f"in 1..65536, got {block!r}")
         c = st.get("compute", {"rest_s": None})  # none: its step times are not checked
         if "rest_s" not in c and not ("plain_fast_step_s" in c and "fast_mbit" in c):
             raise ValueError(f"runs file {path}: setup {name!r}: compute needs rest_s, or "
