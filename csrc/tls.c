@@ -264,10 +264,10 @@ TAGC_AVX2 __m256i codes8(__m256 r, __m256 M, __m256 *s)
         _mm256_and_si256(zb, _mm256_set1_epi32(0x7fffff)), _mm256_set1_epi32(0x3f800000)));
     /* each comparison true is -1: b = -3 e - (number of midpoints at or below y) */
     __m256i c = _mm256_add_epi32(
-        _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(0x1.1f59acp+0f), _CMP_GE_OQ)),
-        _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(0x1.6a09e6p+0f), _CMP_GE_OQ)));
+        _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(TAGC_TLS_BMID0), _CMP_GE_OQ)),
+        _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(TAGC_TLS_BMID1), _CMP_GE_OQ)));
     c = _mm256_add_epi32(
-        c, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(0x1.c823e0p+0f), _CMP_GE_OQ)));
+        c, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(TAGC_TLS_BMID2), _CMP_GE_OQ)));
     __m256i b = _mm256_add_epi32(_mm256_mullo_epi32(e, _mm256_set1_epi32(-3)), c);
     b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(14));
     b = _mm256_blendv_epi8(b, _mm256_set1_epi32(14),
@@ -277,7 +277,7 @@ TAGC_AVX2 __m256i codes8(__m256 r, __m256 M, __m256 *s)
     /* b / 3 as (11 b) >> 5 (exact for b <= 15) and the step within the octave */
     __m256i sh = _mm256_srli_epi32(_mm256_mullo_epi32(b, _mm256_set1_epi32(11)), 5);
     __m256i st = _mm256_sub_epi32(b, _mm256_mullo_epi32(sh, _mm256_set1_epi32(3)));
-    __m256 t = _mm256_blendv_ps(_mm256_set1_ps(0x1.428a30p-1f), _mm256_set1_ps(0x1.965feap-1f),
+    __m256 t = _mm256_blendv_ps(_mm256_set1_ps(TAGC_TLS_BSTEP2), _mm256_set1_ps(TAGC_TLS_BSTEP1),
                                 _mm256_castsi256_ps(_mm256_cmpeq_epi32(st, one)));
     t = _mm256_blendv_ps(t, _mm256_set1_ps(1.0f),
                          _mm256_castsi256_ps(_mm256_cmpeq_epi32(st, _mm256_setzero_si256())));
@@ -309,16 +309,12 @@ TAGC_AVX2 void scale_codes_avx2(uint8_t *dst, float *sc, float *inv, float S, in
         }
         _mm256_storeu_ps(x, s0);
         _mm256_storeu_ps(x + 8, s1);
-        /* nibble pairs: block 2i's code | block 2i + 1's << 4 */
-        __m256i pr = _mm256_packus_epi32(_mm256_or_si256(b0, _mm256_srli_epi64(b0, 28)),
-                                         _mm256_or_si256(b1, _mm256_srli_epi64(b1, 28)));
-        uint16_t w[16];
-        _mm256_storeu_si256((__m256i *)w, pr);
+        int32_t bc[TAGC_TLS_GROUP];
+        _mm256_storeu_si256((__m256i *)bc, b0);
+        _mm256_storeu_si256((__m256i *)(bc + 8), b1);
         uint8_t *out = bcodes + k * TAGC_TLS_GROUP / 2;
-        /* packus interleaves per 128-bit half: b0 lo, b1 lo | b0 hi, b1 hi */
-        const int at[8] = {0, 2, 8, 10, 4, 6, 12, 14};
-        for (int i = 0; i < 8; i++)
-            out[i] = (uint8_t)w[at[i]];
+        for (int i = 0; i < TAGC_TLS_GROUP / 2; i++)
+            out[i] = (uint8_t)(bc[2 * i] | bc[2 * i + 1] << 4);
     }
     scale_codes(dst, sc, S, n, full);
     int64_t j = 0;

@@ -26,6 +26,14 @@
      : (k) == 12 ? 0x1.306fep-1f : (k) == 13 ? 0x1.2387a6p-1f : (k) == 14 ? 0x1.172b84p-1f \
      : 0x1.0b5586p-1f)
 
+/* The block codes' constants: the midpoints float(2^((k + 0.5)/3)) of an
+ * octave's three steps (k = 0, 1, 2) and the steps float(2^(-k/3)) (k = 1, 2). */
+#define TAGC_TLS_BMID0 0x1.1f59acp+0f
+#define TAGC_TLS_BMID1 0x1.6a09e6p+0f
+#define TAGC_TLS_BMID2 0x1.c823e0p+0f
+#define TAGC_TLS_BSTEP1 0x1.965feap-1f
+#define TAGC_TLS_BSTEP2 0x1.428a30p-1f
+
 /* x = y 2^e for x >= 0: returns e (the exponent field less 127; below -126
  * for 0 and subnormals) and sets y in [1, 2) (x's significand). */
 TAGC_HD int tagc_tls_octave(float x, float *y)
@@ -69,7 +77,7 @@ TAGC_HD int tagc_tls_block_code(float z)
     int e = tagc_tls_octave(z, &y);
     if (e < -126)
         return 14;
-    int c = (y >= 0x1.1f59acp+0f) + (y >= 0x1.6a09e6p+0f) + (y >= 0x1.c823e0p+0f);
+    int c = (y >= TAGC_TLS_BMID0) + (y >= TAGC_TLS_BMID1) + (y >= TAGC_TLS_BMID2);
     int b = -3 * e - c;
     return b < 0 ? 0 : b > 14 ? 14 : b;
 }
@@ -107,7 +115,7 @@ TAGC_HD float tagc_tls_block_scale(float M, int b)
 {
     if (b >= 15)
         return 0.0f;
-    const float t = b % 3 == 0 ? 1.0f : b % 3 == 1 ? 0x1.965feap-1f : 0x1.428a30p-1f;
+    const float t = b % 3 == 0 ? 1.0f : b % 3 == 1 ? TAGC_TLS_BSTEP1 : TAGC_TLS_BSTEP2;
 #if defined(__CUDA_ARCH__)
     float m = __fmul_rn(M, t);
 #else
