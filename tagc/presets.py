@@ -27,7 +27,7 @@ PIPELINE_PREFIX = "tagc-pp-"
 # What each shipped preset is for, in one line (``train_gpt2.py --help`` lists them);
 # the files' own comments say how.
 PURPOSES: Dict[str, str] = {
-    "tagc-balanced": "recommended: int4 gradients with feedback, ~8x fewer gradient bytes",
+    "tagc-balanced": "recommended: int4 gradients with feedback, ~7x fewer gradient bytes",
     "tagc-full": "tagc-balanced plus int8 parameter all-gathers (needs --fsdp 2)",
     "tagc-full4": "tagc-full with int4 gathers of the weights' change (needs --fsdp 2)",
     "tagc-lean": "ternary gradients (tls: scales per 32), no feedback, ~18x fewer gradient bytes",

@@ -733,7 +733,7 @@ def test_a_setup_keeps_the_block_its_runs_ran_with(tmp_path: Path) -> None:
     assert _run_config({**st, "quant_block": 64}, "balanced").tagc == cm.PRESETS["balanced"]
     assert _run_config(st, "fsdp").tagc is None
     good = json.loads(RUNS.read_text())
-    for value in ("64", 0, True):
+    for value in ("64", 0, True, None):
         good["setups"][name]["quant_block"] = value
         bad = tmp_path / "runs.json"
         bad.write_text(json.dumps(good))

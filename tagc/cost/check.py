@@ -118,8 +118,9 @@ def load_runs(path: str) -> Dict[str, Any]:
         if st["model"] not in RUN_MODELS:
             raise ValueError(f"runs file {path}: setup {name!r}: unknown model "
                              f"{st['model']!r}; known: {sorted(RUN_MODELS)}")
-        block = st.get("quant_block", 1)
-        if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 65536:
+        block = st.get("quant_block")  # absent: each preset's block as the model has it
+        if "quant_block" in st and (not isinstance(block, int) or isinstance(block, bool)
+                                    or not 1 <= block <= 65536):
             raise ValueError(f"runs file {path}: setup {name!r}: quant_block must be an int "
                              f"in 1..65536, got {block!r}")
         c = st.get("compute", {"rest_s": None})  # none: its step times are not checked

@@ -234,7 +234,8 @@ PRESETS: Dict[str, Compression] = {
     # tagc-full4.yaml: the gathers on int4 codes of the weights' change
     "full4": Compression("quant", "int4", quant_block=64, residual_code="int4", gather="int4",
                          gather_delta=True),
-    # tagc-local.yaml: tagc-balanced's exchange of the pseudo-gradient, once every 32 steps
+    # tagc-local.yaml: tagc-balanced's exchange at a scale per 256 of the pseudo-gradient,
+    # once every 32 steps
     "local": Compression("quant", "int4", residual_code="int4", outer_every=32),
     # the presets as the runs file's older rows ran them: tagc-lean (ternary) with feedback,
     # tagc-balanced / tagc-full with EF21 (a 32-byte vote)
