@@ -16,7 +16,7 @@ from the row's start; EF21's per-rank ``h`` and the owner's estimate), and measu
   ``1 - ||C(x) - x||^2 / ||x||^2`` of several codes on the *same* blocks (median,
   5th percentile, minimum over every block of every sampled step).
 
-Quantizers (``q=``): the codec's ``sign``, ``ternary``, ``int4``, ``int8``, ``tls``
+Quantizers (``q=``): ``exact`` (no code: the control of an exchange's own rule), the codec's ``sign``, ``ternary``, ``int4``, ``int8``, ``tls``
 (``tagc.codec.quant_encode`` itself), and pure-torch prototypes: ``tl2`` (the L2-optimal
 ternary per block: for |x| sorted descending with prefix sums c_m, keep the m entries
 maximising c_m^2 / m at s = c_m / m; the same wire format as ``ternary``, only the
@@ -51,7 +51,20 @@ nothing); with ``cut=T`` lam is 0 (no feedback this call) when rho2 < T.
 exchange every owner codes its row of the sum on ``Q2`` again, with ``downfb`` ``ef21``
 (the default with EF21: the change of an estimate every replica holds, damped by the
 ranks' lam), ``ef21d`` (the owner's own lam for its row), ``res`` or ``none``; what the
-optimizer gets is every owner's decoded row (DESIGN section 9).  ``--layers all``
+optimizer gets is every owner's decoded row (DESIGN section 9).
+
+``mom:q=Q[,warm=W][,v=frozen]``: error-compensated momentum in the spirit of 1-bit Adam
+(Tang et al. 2021): every rank keeps a local momentum ``m_i = b m_i + (1 - b) g_i`` (b the
+optimizer's beta1) and codes ``m_i + e_i`` with residual feedback ``e_i`` instead of its
+gradient; the owner's sum of the decoded momenta ``M_t`` is what the optimizer's momentum
+must be, so the optimizer is handed ``(M_t - b M_{t-1}) / (1 - b)``, whose AdamW
+momentum is ``M_t`` exactly (its second moment sees that reconstruction).  ``warm=W``:
+the first W steps exact (the momenta still kept), as 1-bit Adam's warm-up; ``v=frozen``:
+from step W on, AdamW's second moment frozen at its bias-corrected value (1-bit Adam's
+own rule; needs W >= 1); ``floor=F``: each frozen denominator at least F times its
+tensor's mean (a coordinate the warm-up saw no gradient on has ``eps`` and would step
+lr m / eps once it gets one).  Teacher-student task only (the GPT-2 task clips gradients,
+which would scale the momentum the ranks coded).  ``--layers all``
 takes the presets' selection for the gpt2 task.  ``plain`` (exact averaging) is
 always run first, unless ``--plain_loss`` gives its loss from an earlier run.  Prints
 the final validation loss of each and its change vs plain, then the mechanism table;
@@ -259,6 +272,7 @@ def codec(fmt: str, x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 # every quantizer name (see the module docstring) -> its code C
 QUANTIZERS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     **{f: (lambda x, f=f: codec(f, x)) for f in CODEC_FORMATS},
+    "exact": lambda x: x.clone(),  # no code: a control that isolates an exchange's rule
     "tl2": ternary_l2, "tmax": ternary_max, "int4sr": int4_stochastic,
     "trot": ternary_rotated, "tsr": ternary_stochastic,
     "tsrmax": lambda x: ternary_stochastic(x, top="max"),
@@ -347,9 +361,13 @@ class Exchange:
     def __init__(self, unit: Unit, feedback: str, q: str, guard: float,
                  response: str = "exact", damp: bool = False, down: str = "",
                  down_fb: str = "", cut: float = 0.0, store: str = "fp32",
-                 beta: float = 1.0) -> None:
+                 beta: float = 1.0, momentum: float = 0.9) -> None:
         self.unit, self.fb, self.qname, self.guard = unit, feedback, q, guard
         self.beta = beta
+        # mom: the ranks' local momenta, the owners' previous sum of decoded momenta,
+        # and whether this call is exact (the warm-up)
+        self.momentum = momentum
+        self.exact = False
         self.store = stored(store)
         self.cut = cut
         self.response, self.damp = response, damp
@@ -358,6 +376,8 @@ class Exchange:
         # EF21: h (per rank, all rows) and the owners' estimates; res: the residuals
         self.state = torch.zeros(n, n, s)
         self.est = torch.zeros(n, s)
+        self.mom = torch.zeros(n, n, s) if feedback == "mom" else None
+        self.prev = torch.zeros(n, s)
         # HSDP two-phase's to-everyone phase: each owner's row of the sum coded again
         # (``down``) with EF21 (est_out, held alike by every replica) or residual
         # feedback (res_out, the owner's)
@@ -371,6 +391,8 @@ class Exchange:
 
     def reduce(self, g: torch.Tensor, measure_alpha: bool) -> torch.Tensor:
         """``g`` (N ranks, N rows, S): the (N, S) mean the optimizer gets."""
+        if self.fb == "mom":
+            return self._reduce_momentum(g)
         n = self.unit.n
         true = g.sum(0)
         den = float(g.pow(2).sum())
@@ -444,6 +466,37 @@ class Exchange:
             out = self.est.clone()
         if self.down is not None:
             out = self._down(out)
+        self.log["out_err"].append(float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30))
+        return out / n
+
+    def _reduce_momentum(self, g: torch.Tensor) -> torch.Tensor:
+        """``mom``'s call: code the ranks' momenta with residual feedback; hand the
+        optimizer the gradient whose momentum is the owners' sum of what arrived."""
+        n, b = self.unit.n, self.momentum
+        true = g.sum(0)
+        self.mom.mul_(b).add_(g, alpha=1.0 - b)
+        if self.exact:
+            # the warm-up: exact gradients, the momenta kept so the switch is seamless
+            self.prev = self.mom.sum(0)
+            self.log["est_err"].append(0.0)
+            self.log["out_err"].append(0.0)
+            return true / n
+        den = float(self.mom.pow(2).sum())
+        self.log["est_err"].append(float(self.state.pow(2).sum()) / den if den > 0 else 0.0)
+        total = torch.zeros_like(true)
+        for i in range(n):
+            v_all = self.mom[i] + self.state[i]
+            for r in range(n):
+                if r == i:  # the own row never leaves the rank: exact, no residual
+                    sent = self.mom[i][r]
+                else:
+                    sent = self.C(v_all[r])
+                    self.state[i][r] = v_all[r] - sent
+                total[r] += sent
+        # AdamW's momentum is linear in what it is handed: (M_t - b M_{t-1}) / (1 - b)
+        # makes it M_t (both start from zero)
+        out = (total - b * self.prev) / (1.0 - b)
+        self.prev = total
         self.log["out_err"].append(float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30))
         return out / n
 
@@ -561,8 +614,21 @@ def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
     """``FEEDBACK:q=Q[,guard=R]`` -> (feedback, options)."""
     fb, _, rest = spec.partition(":")
     opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
-    if fb not in ("plain", "none", "res", "ef21"):
+    if fb not in ("plain", "none", "res", "ef21", "mom"):
         raise SystemExit(f"unknown feedback {fb!r}")
+    if ("warm" in opts or "v" in opts) and fb != "mom":
+        raise SystemExit(f"{spec}: warm= and v= are the momentum exchange's (mom:...)")
+    if fb == "mom":
+        if not opts.get("warm", "0").isdigit():
+            raise SystemExit(f"{spec}: warm= is a step count")
+        if opts.get("v", "adam") not in ("adam", "frozen"):
+            raise SystemExit(f"{spec}: v= is adam or frozen")
+        if opts.get("v") == "frozen" and int(opts.get("warm", 0)) < 1:
+            raise SystemExit(f"{spec}: v=frozen freezes what the warm-up measured: give warm=W >= 1")
+        if "floor" in opts and opts.get("v") != "frozen":
+            raise SystemExit(f"{spec}: floor= bounds the frozen second moment (v=frozen)")
+        if set(opts) - {"q", "warm", "v", "floor"}:
+            raise SystemExit(f"{spec}: mom takes q=, warm=, v= and floor= only")
     codes = tuple(QUANTIZERS)
     if fb != "plain" and opts.get("q") not in codes:
         raise SystemExit(f"{spec}: give q= one of {codes}")
@@ -582,17 +648,57 @@ def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
     return fb, opts
 
 
+@torch.no_grad()
+def frozen_adamw_step(opt: torch.optim.Optimizer, frozen: Dict[int, torch.Tensor]) -> None:
+    """torch's AdamW step with each parameter's bias-corrected second moment fixed at
+    ``frozen`` (1-bit Adam's rule after its warm-up); momentum, weight decay and the
+    first moment's bias correction as torch's.
+
+    Args:
+        opt: a torch AdamW (no amsgrad, not maximizing) that has taken a step.
+        frozen: ``id(param)`` -> its frozen ``sqrt(v / (1 - beta2^t)) + eps``.
+    """
+    for gr in opt.param_groups:
+        b1 = gr["betas"][0]
+        for p in gr["params"]:
+            if p.grad is None:
+                continue
+            st = opt.state[p]
+            st["step"] += 1
+            t = float(st["step"])
+            p.mul_(1.0 - gr["lr"] * gr["weight_decay"])
+            st["exp_avg"].lerp_(p.grad, 1.0 - b1)
+            p.addcdiv_(st["exp_avg"], frozen[id(p)], value=-gr["lr"] / (1.0 - b1 ** t))
+
+
+def freeze_second_moment(opt: torch.optim.Optimizer, floor: float = 0.0) -> Dict[int, torch.Tensor]:
+    """Every parameter's ``sqrt(v / (1 - beta2^t)) + eps`` now, for :func:`frozen_adamw_step`,
+    at least ``floor`` times its tensor's mean."""
+    out = {}
+    for gr in opt.param_groups:
+        b2 = gr["betas"][1]
+        for p in gr["params"]:
+            st = opt.state[p]
+            d = (st["exp_avg_sq"] / (1.0 - b2 ** float(st["step"]))).sqrt() + gr["eps"]
+            out[id(p)] = d.clamp_min(floor * float(d.mean())) if floor > 0 else d
+    return out
+
+
 def run(spec: str, task: Any, args: argparse.Namespace) -> Dict[str, Any]:
     """Train once; returns the loss and the mechanism measurements."""
     fb, opts = parse_method(spec)
+    if fb == "mom" and not isinstance(task, TeacherStudent):
+        raise SystemExit(f"{spec}: the momentum exchange runs on the teacher-student task only")
     m, units = task.model()
     opt = task.optimizer(m)
     n = args.ranks
+    warm, frozen_v = int(opts.get("warm", 0)), opts.get("v") == "frozen"
+    frozen: Optional[Dict[int, torch.Tensor]] = None
     ex = {name: Exchange(Unit(name, ps, n), fb, opts["q"], float(opts.get("guard", 0)),
                          opts.get("resp", "exact"), opts.get("damp") == "1",
                          opts.get("down", ""), opts.get("downfb", ""),
                          float(opts.get("cut", 0)), opts.get("store", "fp32"),
-                         float(opts.get("beta", 1.0)))
+                         float(opts.get("beta", 1.0)), opt.param_groups[0]["betas"][0])
           for name, ps in units} if fb != "plain" else {}
     params = list(m.parameters())
     curve = []
@@ -602,17 +708,27 @@ def run(spec: str, task: Any, args: argparse.Namespace) -> Dict[str, Any]:
             m.zero_grad(set_to_none=True)
             task.loss(m, step, r).backward()
             grads.append([p.grad.detach().clone() for p in params])
+        if not all(bool(torch.isfinite(g).all()) for gr in grads for g in gr):
+            # diverged: the run's loss is inf from here (the codes refuse NaN anyway)
+            curve.append((step + 1, float("inf")))
+            break
         index = {id(p): j for j, p in enumerate(params)}
         for j, p in enumerate(params):
             p.grad = sum(g[j] for g in grads) / n
         measure = args.alpha_every > 0 and step % args.alpha_every == 0
         for name, e in ex.items():
+            e.exact = step < warm
             g = torch.stack([e.unit.rows([grads[r][index[id(p)]] for p in e.unit.params])
                              for r in range(n)])
             for p, gp in zip(e.unit.params, e.unit.unrows(e.reduce(g, measure))):
                 p.grad = gp.clone()
         task.before_step(m, opt, step)
-        opt.step()
+        if frozen_v and step >= warm:
+            frozen = frozen if frozen is not None else \
+                freeze_second_moment(opt, float(opts.get("floor", 0)))
+            frozen_adamw_step(opt, frozen)
+        else:
+            opt.step()
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curve.append((step + 1, task.evaluate(m)))
     res: Dict[str, Any] = {"method": spec, "task": args.task, "steps": args.steps,
