@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "fp4.h"
+#include "quant_avx2.h"
 #include "tagc_internal.h"
 
 /* The fast Walsh-Hadamard transform of x[0..len), len a power of two:
@@ -133,29 +134,134 @@ TAGC_AI int encode_block(uint8_t *codes, const void *g, int gd, void *r, int rd,
     return (int)sb;
 }
 
-/* The encoding for constant dtypes (G, R) and block 1 << L (L == 0: any,
- * from l); 0 when v is refused.  With a residual, pass 1 checks all of v
- * before pass 2 writes anything; without one, a single pass checks each
- * block as it goes (dst is unspecified after a refusal). */
-TAGC_AI int encode_all(uint8_t *dst, const void *g, int gd, void *r, int rd, int64_t n,
-                       int l, unsigned flags, uint64_t seed)
+/* The encoding for constant dtypes (G, R); 0 when v is refused.  With a
+ * residual, pass 1 checks all of v before pass 2 writes anything; without
+ * one, a single pass checks each block as it goes (dst is unspecified after
+ * a refusal).  Defined once with the generic loops and once with the AVX2
+ * ones below (S: the suffix of all_below and encode_block for the whole
+ * blocks, FN: the attributes); a last partial block takes the generic code. */
+#define DEFINE_ENCODE_ALL(S, FN)                                                                 \
+    FN int encode_all##S(uint8_t *dst, const void *g, int gd, void *r, int rd, int64_t n, int l, \
+                         unsigned flags, uint64_t seed)                                          \
+    {                                                                                            \
+        const uint32_t limit = TAGC_FP4_MAX_BITS;                                                \
+        if (rd != DT_NONE && !all_below##S(g, gd, r, rd, n, limit))                              \
+            return 0;                                                                            \
+        const int64_t block = (int64_t)1 << l, code_bytes = (n + 1) / 2;                         \
+        int64_t o = 0, b = 0;                                                                    \
+        int sb = 0;                                                                              \
+        for (; o + block <= n && sb >= 0; o += block, b++) {                                     \
+            sb = encode_block##S(dst + (o >> 1), g, gd, r, rd, o, 1 << l, l, flags, seed, limit); \
+            dst[code_bytes + b] = (uint8_t)sb;                                                   \
+        }                                                                                        \
+        if (o < n && sb >= 0) {                                                                  \
+            sb = encode_block(dst + (o >> 1), g, gd, r, rd, o, (int)(n - o), l, flags, seed,     \
+                              limit);                                                            \
+            dst[code_bytes + b] = (uint8_t)sb;                                                   \
+        }                                                                                        \
+        return sb >= 0;                                                                          \
+    }
+
+DEFINE_ENCODE_ALL(, TAGC_AI)
+
+#ifdef TAGC_Q_AVX2
+/*
+ * The plain code (no rotation, no stochastic rounding) of blocks of 32 or
+ * more with AVX2, picked at run time when the CPU has it (as quant.c's
+ * encoder; -DTAGC_QUANT_NO_AVX2 builds the generic loops only).  The generic
+ * loops' arithmetic in their order, eight values a vector, so the bytes and
+ * the residual are theirs bit for bit: the max of the magnitude patterns as
+ * integers, the code's index as the count of the thresholds of
+ * tagc_fp4_code that y = |v| * inv passes (exact: inv is a power of two),
+ * the decoded value as the index's E2M1 magnitude times the scale with the
+ * code's sign (the generic multiplies the signed magnitude by s: the same
+ * product), the residual v - w stored by st8.  Rotated or stochastic codes,
+ * blocks under 32 and a last partial block take the generic loops.
+ */
+
+/* all_below with AVX2. */
+TAGC_AVX2 int all_below_avx2(const void *g, int gd, const void *r, int rd, int64_t n,
+                             uint32_t limit)
 {
-    const uint32_t limit = TAGC_FP4_MAX_BITS;
-    if (rd != DT_NONE && !all_below(g, gd, r, rd, n, limit))
-        return 0;
-    const int64_t block = (int64_t)1 << l, code_bytes = (n + 1) / 2;
-    int64_t o = 0, b = 0;
-    int sb = 0;
-    for (; o + block <= n && sb >= 0; o += block, b++) {
-        sb = encode_block(dst + (o >> 1), g, gd, r, rd, o, 1 << l, l, flags, seed, limit);
-        dst[code_bytes + b] = (uint8_t)sb;
+    __m256i mx = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++)
+            mx = _mm256_max_epu32(mx, mag8(ldv8(g, gd, r, rd, i + 8 * k)));
+    uint32_t m = hmax8(mx);
+    for (; i < n; i++) {
+        uint32_t a = f2u(load_v(g, gd, r, rd, i)) & 0x7fffffffu;
+        m = a > m ? a : m;
     }
-    if (o < n && sb >= 0) {
-        sb = encode_block(dst + (o >> 1), g, gd, r, rd, o, (int)(n - o), l, flags, seed, limit);
-        dst[code_bytes + b] = (uint8_t)sb;
-    }
-    return sb >= 0;
+    return m <= limit;
 }
+
+/* encode_block for a block of len values (a multiple of 32, at most
+ * TAGC_FP4_BLOCK_MAX) and no flags (l, flags and seed unused). */
+TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, int rd,
+                                int64_t o, int len, int l, unsigned flags, uint64_t seed,
+                                uint32_t limit)
+{
+    (void)l, (void)flags, (void)seed;
+    __m256 v[TAGC_FP4_BLOCK_MAX / 8];
+    __m256i mx = _mm256_setzero_si256();
+    for (int k = 0; k < len / 8; k++) {
+        v[k] = ldv8(g, gd, r, rd, o + 8 * k);
+        mx = _mm256_max_epu32(mx, mag8(v[k]));
+    }
+    uint32_t m = hmax8(mx);
+    if (m > limit)
+        return -1;
+    const uint32_t sb = tagc_fp4_scale_byte(m);
+    const __m256 inv = _mm256_set1_ps(tagc_fp4_inv(sb)), s = _mm256_set1_ps(tagc_fp4_scale(sb));
+    const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    for (int k = 0; k < len / 8; k += 4) {
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) {
+            __m256 x = v[k + j];
+            __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(mag8(x)), inv);
+            /* each passed threshold's mask is -1: the index is minus their sum */
+            __m256i t = _mm256_add_epi32(
+                _mm256_add_epi32(
+                    _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(0.25f), _CMP_GT_OQ)),
+                    _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(0.75f), _CMP_GE_OQ))),
+                _mm256_add_epi32(
+                    _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(1.25f), _CMP_GT_OQ)),
+                    _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(1.75f), _CMP_GE_OQ))));
+            t = _mm256_add_epi32(
+                t, _mm256_add_epi32(
+                       _mm256_add_epi32(
+                           _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(2.5f), _CMP_GT_OQ)),
+                           _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(3.5f), _CMP_GE_OQ))),
+                       _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(5.0f), _CMP_GT_OQ))));
+            __m256i idx = _mm256_sub_epi32(_mm256_setzero_si256(), t);
+            /* the sign bit where v < 0 and the index is not 0 (never -0) */
+            __m256i neg = _mm256_andnot_si256(_mm256_cmpeq_epi32(idx, _mm256_setzero_si256()),
+                                              _mm256_castps_si256(_mm256_cmp_ps(x, zero,
+                                                                                _CMP_LT_OQ)));
+            q[j] = _mm256_or_si256(idx, _mm256_and_si256(neg, _mm256_set1_epi32(8)));
+            if (rd != DT_NONE) {
+                __m256 w = _mm256_mul_ps(_mm256_permutevar8x32_ps(mag, idx), s);
+                w = _mm256_xor_ps(w, _mm256_and_ps(_mm256_castsi256_ps(neg), sign));
+                st8(r, rd, o + 8 * (k + j), _mm256_sub_ps(x, w));
+            }
+        }
+        _mm_storeu_si128((__m128i *)(codes + 4 * k), nibbles16(bytes32(q[0], q[1], q[2], q[3])));
+    }
+    return (int)sb;
+}
+
+DEFINE_ENCODE_ALL(_avx2, TAGC_AVX2)
+
+__attribute__((target("avx2"))) static int encode_dtypes_avx2(uint8_t *dst, const void *g,
+                                                              int gd, void *r, int rd,
+                                                              int64_t n, int l)
+{
+    BY_DTYPES(return encode_all_avx2(dst, g, G, r, R, n, l, 0, 0));
+    return 0; /* unreachable: the dtypes were checked */
+}
+#endif
 
 /* The encoder is inlined per dtype pair (BY_DTYPES); the block stays a
  * variable: constant blocks as well made this file most of a build's time and
@@ -169,11 +275,22 @@ TAGC_AI int encode_all(uint8_t *dst, const void *g, int gd, void *r, int rd, int
     default: { const int L = l; call; } break;   \
     }
 
-TAGC_HOT_CLONES static int encode_dispatch(uint8_t *dst, const void *g, int gd, void *r, int rd,
-                                           int64_t n, int l, unsigned flags, uint64_t seed)
+TAGC_HOT_CLONES static int encode_dtypes(uint8_t *dst, const void *g, int gd, void *r, int rd,
+                                         int64_t n, int l, unsigned flags, uint64_t seed)
 {
     BY_DTYPES(return encode_all(dst, g, G, r, R, n, l, flags, seed));
     return 0; /* unreachable: the dtypes were checked */
+}
+
+/* The encoder for the flags, block and dtypes at hand and this CPU. */
+static int encode_dispatch(uint8_t *dst, const void *g, int gd, void *r, int rd, int64_t n,
+                           int l, unsigned flags, uint64_t seed)
+{
+#ifdef TAGC_Q_AVX2
+    if (flags == 0 && l >= 5 && __builtin_cpu_supports("avx2"))
+        return encode_dtypes_avx2(dst, g, gd, r, rd, n, l);
+#endif
+    return encode_dtypes(dst, g, gd, r, rd, n, l, flags, seed);
 }
 
 int64_t tagc_fp4_bytes(int64_t n, int64_t block)

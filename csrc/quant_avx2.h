@@ -1,12 +1,12 @@
 /*
- * quant_avx2.h - the AVX2 pieces of the block codes' encoders (quant.c's and
- * tls.c's): loads and stores of eight values in either dtype, a block's
- * scale statistics in block_scale's order, tagc_q_code of eight values, the
- * ternary digits' packing and the codes and residual of 32 values under one
- * scale.  Each is the generic loops' arithmetic in the same order, so both
+ * quant_avx2.h - the AVX2 pieces of the block codes' encoders (quant.c's,
+ * tls.c's and wq_blocks.h's): loads and stores of eight values in either
+ * dtype, a block's scale statistics in block_scale's order, tagc_q_code of
+ * eight values, the ternary digits' packing and the codes and residual of
+ * 32 values under one scale.  Each is the generic loops' arithmetic in the same order, so both
  * paths write the same bits (quant.c's comment before its AVX2 encoder says
  * how).  TAGC_Q_AVX2 is defined where they exist (GCC/clang on x86-64,
- * unless -DTAGC_QUANT_NO_AVX2).  Internal: included by the two .c files only.
+ * unless -DTAGC_QUANT_NO_AVX2).  Internal: included by those files only.
  */
 #ifndef TAGC_QUANT_AVX2_H
 #define TAGC_QUANT_AVX2_H
@@ -56,6 +56,22 @@ TAGC_AVX2 void st8(void *p, int d, int64_t i, __m256 v)
     _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
 }
 
+/* |v|'s pattern of eight values: for finite values their order as integers
+ * is the order of |v|, and a pattern above FLT_MAX's is NaN or Inf. */
+TAGC_AVX2 __m256i mag8(__m256 v)
+{
+    return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+}
+
+/* The largest of eight patterns. */
+TAGC_AVX2 uint32_t hmax8(__m256i mx)
+{
+    __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4e));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xb1));
+    return (uint32_t)_mm_cvtsi128_si32(m4);
+}
+
 /* Values ahead of the loops that prefetch32 asks the cache for: with the
  * hardware prefetcher alone both passes wait on memory longer (the encode
  * took 4-12% longer without it at 2^24 values; 64 or 256 ahead did no
@@ -78,7 +94,7 @@ TAGC_AVX2 void prefetch32(const void *a, int d, int64_t p)
  * sum, lanes 0-3 into *lo and 4-7 into *hi. */
 TAGC_AVX2 void stats8(__m256 v, __m256i *mx, __m256d *lo, __m256d *hi, int format)
 {
-    __m256i a = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+    __m256i a = mag8(v);
     *mx = _mm256_max_epu32(*mx, a);
     if (tagc_q_uses_sum(format)) {
         __m256 f = _mm256_castsi256_ps(a);
@@ -114,10 +130,7 @@ TAGC_AVX2 int block_scale_avx2(float *scale, const void *g, int gd, const void *
         stats8(_mm256_loadu_ps(t + 16), &mx, &l4, &l5, format);
         stats8(_mm256_loadu_ps(t + 24), &mx, &l6, &l7, format);
     }
-    __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
-    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4e));
-    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xb1));
-    uint32_t mb = (uint32_t)_mm_cvtsi128_si32(m4);
+    uint32_t mb = hmax8(mx);
     if (mb > 0x7f7fffffu) /* above FLT_MAX: NaN or Inf */
         return 0;
     /* the tree: lane j += lane j + off for off = 16, 8, 4, 2, 1 */
@@ -160,6 +173,22 @@ TAGC_AVX2 __m256i bytes32(__m256i q0, __m256i q1, __m256i q2, __m256i q3)
     return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* 32 nibbles (bytes, each 0..15) as 16 bytes of pairs, the even value's in
+ * the low nibble: 16-bit words d0 | d1 << 8 become d0 | d1 << 4. */
+TAGC_AVX2 __m128i nibbles16(__m256i b)
+{
+    b = _mm256_and_si256(_mm256_or_si256(b, _mm256_srli_epi16(b, 4)), _mm256_set1_epi16(0xff));
+    b = _mm256_permute4x64_epi64(_mm256_packus_epi16(b, b), 0x08); /* qwords 0 and 2 */
+    return _mm256_castsi256_si128(b);
+}
+
+/* 32 int4 codes (bytes32's bytes, each in -7..7) as their 16 bytes: digits
+ * q + 7 in nibble pairs. */
+TAGC_AVX2 __m128i int4_bytes16(__m256i b)
+{
+    return nibbles16(_mm256_add_epi8(b, _mm256_set1_epi8(7)));
+}
+
 /* 40 ternary digits d[0..40) as their 8 bytes (tagc_q_weight's base 3).
  * Two loads, at d and d + 8, hold groups (of 5 digits) 0-1 and 4-5, 2-3 and
  * 6-7 in their halves; each group is spread to 8 bytes, multiplied by (1, 3,
@@ -189,7 +218,7 @@ TAGC_AVX2 void ternary_bytes8(uint8_t *out, const uint8_t *d)
 
 /* 32 values from index p (i of the chunk's codes at out; ternary: digits at
  * d + i): codes, and the residual.  sign: the compare results are the bits;
- * int8: the bytes; int4: nibble pairs from 16-bit words d0 | d1 << 8. */
+ * int8: the bytes; int4: nibble pairs (int4_bytes16). */
 TAGC_AVX2 void encode32(uint8_t *out, uint8_t *d, int i, __m256 vs, __m256 vinv,
                         const void *g, int gd, void *r, int rd, int64_t p, int format)
 {
@@ -220,10 +249,7 @@ TAGC_AVX2 void encode32(uint8_t *out, uint8_t *d, int i, __m256 vs, __m256 vinv,
     } else if (format == TAGC_Q_TERNARY) {
         _mm256_storeu_si256((__m256i *)(d + i), _mm256_add_epi8(b, _mm256_set1_epi8(1)));
     } else {
-        b = _mm256_add_epi8(b, _mm256_set1_epi8(7));
-        b = _mm256_and_si256(_mm256_or_si256(b, _mm256_srli_epi16(b, 4)), _mm256_set1_epi16(0xff));
-        b = _mm256_permute4x64_epi64(_mm256_packus_epi16(b, b), 0x08); /* qwords 0 and 2 */
-        _mm_storeu_si128((__m128i *)(out + i / 2), _mm256_castsi256_si128(b));
+        _mm_storeu_si128((__m128i *)(out + i / 2), int4_bytes16(b));
     }
 }
 

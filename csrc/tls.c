@@ -136,12 +136,6 @@ static int encode_dtypes(uint8_t *dst, float *sc, const void *g, int gd, void *r
  * digits 40 at a time.  Tails (blocks past a multiple of eight, a last
  * partial group or chunk) go through the generic code. */
 
-/* |v| of eight values as integer bit patterns. */
-TAGC_AVX2 __m256i abs8(__m256 v)
-{
-    return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
-}
-
 /* Lanes 0-3 and 4-7 of |v| (bit patterns a) as doubles. */
 TAGC_AVX2 __m256d lo4(__m256i a)
 {
@@ -162,8 +156,8 @@ TAGC_AVX2 __m256d block_sums(__m256i *mx, const void *g, int gd, const void *r, 
     prefetch32(g, gd, p);
     if (rd != DT_NONE)
         prefetch32(r, rd, p);
-    __m256i a0 = abs8(ldv8(g, gd, r, rd, p)), a1 = abs8(ldv8(g, gd, r, rd, p + 8));
-    __m256i a2 = abs8(ldv8(g, gd, r, rd, p + 16)), a3 = abs8(ldv8(g, gd, r, rd, p + 24));
+    __m256i a0 = mag8(ldv8(g, gd, r, rd, p)), a1 = mag8(ldv8(g, gd, r, rd, p + 8));
+    __m256i a2 = mag8(ldv8(g, gd, r, rd, p + 16)), a3 = mag8(ldv8(g, gd, r, rd, p + 24));
     *mx = _mm256_max_epu32(_mm256_max_epu32(a0, a1), _mm256_max_epu32(a2, a3));
     __m256d l0 = _mm256_add_pd(lo4(a0), lo4(a2)), l1 = _mm256_add_pd(hi4(a0), hi4(a2));
     __m256d l2 = _mm256_add_pd(lo4(a1), lo4(a3)), l3 = _mm256_add_pd(hi4(a1), hi4(a3));

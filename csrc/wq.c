@@ -17,15 +17,8 @@ TAGC_AI void write_pass(void *out, int od, const uint8_t *src, const int64_t *se
     }
 }
 
-/* The passes over the shard, dispatched once per call (AVX2 clones: the
- * code pass is compute-bound with SSE2). */
-TAGC_HOT_CLONES static void encode_all(uint8_t *dst, const void *src, int sd,
-                                       const int64_t *seg, int64_t nseg, int format,
-                                       int64_t block)
-{
-    BY_WQ(format, sd, encode_pass(dst, src, NULL, NULL, D, seg, nseg, F, block));
-}
-
+/* The decoder's passes over the shard, dispatched once per call (AVX2
+ * clones: the code pass is compute-bound with SSE2). */
 TAGC_HOT_CLONES static int check_all(const uint8_t *src, const int64_t *seg, int64_t nseg,
                                      int format, int64_t block)
 {
@@ -53,7 +46,7 @@ tagc_status tagc_wq_encode(uint8_t *dst, int64_t dst_capacity,
         st = TAGC_ERR_CAPACITY;
     if (st != TAGC_OK || n == 0)
         return st;
-    encode_all(dst, src, (int)src_dtype, seg, nseg, (int)format, block);
+    encode_records(dst, src, NULL, NULL, (int)src_dtype, seg, nseg, (int)format, block);
     return TAGC_OK;
 }
 

@@ -9,6 +9,7 @@
 
 #include <string.h>
 
+#include "quant_avx2.h"
 #include "tagc_checks.h"
 #include "tagc_internal.h"
 
@@ -117,20 +118,135 @@ TAGC_AI void encode_block(uint8_t *rec, const void *src, const void *base, int s
     block_codes(rec + 4, src, base, sd, o, len, tagc_q_inv(s), format);
 }
 
-/* Every record; with sent != NULL each block's values are also copied
- * there once coded (while they are in cache). */
-TAGC_AI void encode_pass(uint8_t *dst, const void *src, const void *base, void *sent, int sd,
-                         const int64_t *seg, int64_t nseg, int format, int64_t block)
+#ifdef TAGC_Q_AVX2
+/* Eight values of what is coded (val_at), from index i. */
+TAGC_AVX2 __m256 val8(const void *src, const void *base, int sd, int64_t i)
 {
-    const size_t es = sd == TAGC_F32 ? 4 : 2;
-    int64_t o, len;
-    for (blocks_t it = blocks_start(seg, nseg, block); blocks_next(&it, &o, &len);) {
-        encode_block(dst, src, base, sd, o, len, format);
-        if (sent != NULL)
-            memcpy((char *)sent + o * es, (const char *)src + o * es, (size_t)len * es);
-        dst += tagc_q_record_bytes(len, format);
-    }
+    __m256 v = ld8(src, sd, i);
+    return base != NULL ? _mm256_sub_ps(v, ld8(base, sd, i)) : v;
 }
+
+/* Values of a block whose differences encode_block_avx2 keeps between its
+ * passes (the gathers' blocks are at most 256); a longer block computes
+ * them again. */
+#define WQ_KEEP 256
+
+/* encode_block with AVX2, the same bytes: the max of the magnitude patterns
+ * as integers (block_max_bits), then the codes 32 a step, packed as encode32
+ * packs them; the block's last values (fewer than 32) through block_codes.
+ * A code is cvtps's conversion of v * inv, which rounds half to even in the
+ * default rounding mode as tagc_wq_code's magic number does (neither
+ * clamps: see tagc_wq_code).  The second pass reads the block from the
+ * cache, or its differences from a buffer. */
+TAGC_AVX2 void encode_block_avx2(uint8_t *rec, const void *src, const void *base, int sd,
+                                 int64_t o, int64_t len, int format)
+{
+    __m256i mx = _mm256_setzero_si256();
+    float t[WQ_KEEP];
+    const int keep = base != NULL && len <= WQ_KEEP;
+    int64_t i = 0;
+    for (; i + 32 <= len; i += 32) {
+        for (int k = 0; k < 4; k++) {
+            __m256 v = val8(src, base, sd, o + i + 8 * k);
+            if (keep)
+                _mm256_storeu_ps(t + i + 8 * k, v);
+            mx = _mm256_max_epu32(mx, mag8(v));
+        }
+    }
+    uint32_t m = hmax8(mx), tail = block_max_bits(src, base, sd, o + i, len - i);
+    uint32_t bits = tagc_wq_scale_bits(format, m > tail ? m : tail);
+    float s;
+    memcpy(rec, &bits, 4);
+    if (bits == TAGC_WQ_NONFINITE) {
+        memset(rec + 4, tagc_wq_zero_byte(format), (size_t)(tagc_q_record_bytes(len, format) - 4));
+        return;
+    }
+    memcpy(&s, &bits, 4);
+    const float inv = tagc_q_inv(s);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    uint8_t *codes = rec + 4;
+    for (i = 0; i + 32 <= len; i += 32) {
+        __m256i q[4];
+        for (int k = 0; k < 4; k++)
+            q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(keep ? _mm256_loadu_ps(t + i + 8 * k)
+                                                         : val8(src, base, sd, o + i + 8 * k),
+                                                    vinv));
+        __m256i b = bytes32(q[0], q[1], q[2], q[3]);
+        if (format == TAGC_Q_INT8) {
+            _mm256_storeu_si256((__m256i *)(codes + i), b);
+        } else {
+            _mm_storeu_si128((__m128i *)(codes + i / 2), int4_bytes16(b));
+        }
+    }
+    if (i < len)
+        block_codes(codes + i / tagc_q_per_byte(format), src, base, sd, o + i, len - i, inv,
+                    format);
+}
+#endif
+
+/* sent = src up to byte `end` (of the shard), from byte *done on; the
+ * generic encoder's copy, block by block (`last` changes nothing here). */
+TAGC_AI void copy_upto(char *sent, const char *src, size_t *done, size_t end, int last)
+{
+    (void)last;
+    memcpy(sent + *done, src + *done, end - *done);
+    *done = end;
+}
+
+#ifdef TAGC_Q_AVX2
+/* copy_upto with non-temporal stores, up to the last 32-byte boundary of
+ * sent at or before `end` (all of it when `end` is the shard's end): the
+ * copy is read back at the next step's compare only, long after the cache
+ * has turned over, so its lines need not be read for ownership first (that
+ * read made the copy cost as much as the rest of the encode at 2^24 fp32
+ * values).  The lines of one block end in the next one's, so the stream
+ * runs across blocks and only the shard's first and last partial pieces
+ * are plain stores.  The caller fences once after the last copy. */
+TAGC_AVX2 void copy_upto_avx2(char *sent, const char *src, size_t *done, size_t end, int last)
+{
+    size_t i = *done, head = (size_t)(-(uintptr_t)sent & 31u);
+    if (i < head) { /* plain stores up to sent's first 32-byte boundary */
+        size_t e = head < end ? head : end;
+        memcpy(sent + i, src + i, e - i);
+        i = e;
+    }
+    for (; i + 32 <= end; i += 32)
+        _mm256_stream_si256((__m256i *)(sent + i), _mm256_loadu_si256((const __m256i *)(src + i)));
+    if (last) {
+        memcpy(sent + i, src + i, end - i);
+        i = end;
+    }
+    *done = i;
+}
+#endif
+
+/* Every record; with sent != NULL the shard is also copied there as its
+ * blocks are coded (while they are in cache).  Defined once with
+ * encode_block and copy_upto and once with their AVX2 forms (S: the
+ * suffix, FN: the attributes). */
+#define DEFINE_ENCODE_PASS(S, FN)                                                              \
+    FN void encode_pass##S(uint8_t *dst, const void *src, const void *base, void *sent,       \
+                           int sd, const int64_t *seg, int64_t nseg, int format,              \
+                           int64_t block)                                                     \
+    {                                                                                         \
+        const size_t es = sd == TAGC_F32 ? 4 : 2;                                             \
+        size_t done = 0, end = 0;                                                             \
+        int64_t o, len;                                                                       \
+        for (blocks_t it = blocks_start(seg, nseg, block); blocks_next(&it, &o, &len);) {     \
+            encode_block##S(dst, src, base, sd, o, len, format);                              \
+            end = (size_t)(o + len) * es;                                                     \
+            if (sent != NULL)                                                                 \
+                copy_upto##S((char *)sent, (const char *)src, &done, end, 0);                 \
+            dst += tagc_q_record_bytes(len, format);                                          \
+        }                                                                                     \
+        if (sent != NULL)                                                                     \
+            copy_upto##S((char *)sent, (const char *)src, &done, end, 1);                     \
+    }
+
+DEFINE_ENCODE_PASS(, TAGC_AI)
+#ifdef TAGC_Q_AVX2
+DEFINE_ENCODE_PASS(_avx2, TAGC_AVX2)
+#endif
 
 /* The whole message before anything is written: -1 corrupt (a bad scale or
  * code anywhere), 1 valid but holding the sentinel, 0 valid. */
@@ -164,5 +280,41 @@ TAGC_AI int check_pass(const uint8_t *src, const int64_t *seg, int64_t nseg, int
             enum { F = TAGC_Q_INT4, D = TAGC_BF16 }; call;                             \
         }                                                                              \
     } while (0)
+
+/* The encoder, one instance per (format, dtype) pair and path: AVX2 where
+ * the CPU has it, the generic loops otherwise (the same bytes; no AVX2
+ * clone of them, which only a CPU without AVX2 runs). */
+static void encode_generic(uint8_t *dst, const void *src, const void *base, void *sent,
+                           int sd, const int64_t *seg, int64_t nseg, int format,
+                           int64_t block)
+{
+    BY_WQ(format, sd, encode_pass(dst, src, base, sent, D, seg, nseg, F, block));
+}
+
+#ifdef TAGC_Q_AVX2
+__attribute__((target("avx2"))) static void encode_avx2(uint8_t *dst, const void *src,
+                                                        const void *base, void *sent, int sd,
+                                                        const int64_t *seg, int64_t nseg,
+                                                        int format, int64_t block)
+{
+    BY_WQ(format, sd, encode_pass_avx2(dst, src, base, sent, D, seg, nseg, F, block));
+    if (sent != NULL)
+        _mm_sfence(); /* the copy's streaming stores before anything after the call */
+}
+#endif
+
+/* Every record of src (base != NULL: of src - base; sent != NULL: sent =
+ * src), with the encoder for this CPU. */
+static void encode_records(uint8_t *dst, const void *src, const void *base, void *sent,
+                           int sd, const int64_t *seg, int64_t nseg, int format, int64_t block)
+{
+#ifdef TAGC_Q_AVX2
+    if (__builtin_cpu_supports("avx2")) {
+        encode_avx2(dst, src, base, sent, sd, seg, nseg, format, block);
+        return;
+    }
+#endif
+    encode_generic(dst, src, base, sent, sd, seg, nseg, format, block);
+}
 
 #endif /* TAGC_WQ_BLOCKS_H */

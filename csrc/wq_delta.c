@@ -8,14 +8,6 @@
  */
 #include "wq_blocks.h"
 
-/* Records of the change, and sent = src block by block. */
-TAGC_HOT_CLONES static void delta_encode_all(uint8_t *dst, const void *src, const void *base,
-                                             void *sent, int sd, const int64_t *seg,
-                                             int64_t nseg, int format, int64_t block)
-{
-    BY_WQ(format, sd, encode_pass(dst, src, base, sent, D, seg, nseg, F, block));
-}
-
 /* Value i: ref_i += x (fp32 sum, one rounding to dtype d), and out_i too
  * when `copy`. */
 TAGC_AI void add_one(void *restrict ref, void *restrict out, int d, int copy, int64_t i,
@@ -106,7 +98,7 @@ tagc_status tagc_wq_delta_encode(uint8_t *dst, int64_t dst_capacity,
         memset(dst, 0, (size_t)need + 1);
         return TAGC_OK;
     }
-    delta_encode_all(dst, src, base, sent, (int)dtype, seg, nseg, (int)format, block);
+    encode_records(dst, src, base, sent, (int)dtype, seg, nseg, (int)format, block);
     dst[need] = 1;
     return TAGC_OK;
 }

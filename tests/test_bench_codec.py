@@ -374,6 +374,19 @@ def test_fp4(benchmark: Callable, size: int, op: str, rotate: bool) -> None:
     assert (out - v).norm().item() <= 0.2 * v.norm().item()
 
 
+@pytest.mark.parametrize("rotate", (False, True), ids=("plain", "rotated"))
+def test_fp4_gather(benchmark: Callable, size: int, rotate: bool) -> None:
+    """``fp4`` encode as ``gather: fp4`` runs it: the weights, no residual."""
+    import _tagc
+
+    w = _grad(size, 26)
+    buf = torch.empty(_tagc.fp4_bytes(size, 32), dtype=torch.uint8)
+    benchmark(_tagc.fp4_encode, buf, None, w, 32, seed=3, rotate=rotate)
+    out = torch.zeros(size)
+    _tagc.fp4_decode_add(out, buf, 32, seed=3, rotate=rotate)
+    assert (out - w).norm().item() <= 0.2 * w.norm().item()
+
+
 def test_memcpy_end(benchmark: Callable, size: int) -> None:
     """The yardstick again, last: with the first, how far the load moved."""
     _memcpy(benchmark, size)

@@ -210,6 +210,65 @@ def test_encode_decode_match_reference(n: int, block: int, gd: torch.dtype,
     assert np.array_equal(bits(out), bits(torch.from_numpy(base.numpy() + dec)))
 
 
+@pytest.fixture(scope="module")
+def generic(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
+    """csrc/fp4.c built here with setup.py's C flags and its generic loops only
+    (-DTAGC_QUANT_NO_AVX2: what a CPU without AVX2 runs)."""
+    import os
+    import shutil
+    import subprocess
+
+    cc = shutil.which(os.environ.get("CC", "gcc"))
+    if cc is None:
+        pytest.skip("no C compiler to build csrc/fp4.c")
+    root = Path(__file__).resolve().parents[1] / "csrc"
+    so = tmp_path_factory.mktemp("fp4_generic") / "libfp4.so"
+    subprocess.run([cc, "-std=c11", "-O3", "-fno-trapping-math", "-fPIC", "-shared",
+                    "-DTAGC_QUANT_NO_AVX2", "-I", str(root), str(root / "fp4.c"),
+                    str(root / "status.c"), "-o", str(so), "-lm"], check=True)
+    dll = C.CDLL(str(so))
+    dll.tagc_fp4_encode.restype = C.c_int
+    dll.tagc_fp4_encode.argtypes = [C.c_void_p, C.c_int64, C.c_void_p, C.c_int, C.c_void_p,
+                                    C.c_int, C.c_int64, C.c_int64, C.c_uint, C.c_uint64]
+    return dll
+
+
+@pytest.mark.parametrize("block", [32, 64, 256])
+@pytest.mark.parametrize("gd,rd", CASES)
+@pytest.mark.parametrize("kind", ["gauss", "nan", "inf", "limit", "tiny"])
+def test_generic_loops_write_the_avx2_bytes(generic: C.CDLL, block: int, gd: torch.dtype,
+                                            rd: Optional[torch.dtype], kind: str) -> None:
+    """The plain code's AVX2 loops (blocks of 32 and more) and the generic ones: the
+    same bytes, residual and status, refusals included (a NaN, an Inf or a value at
+    the limit of 2^100 in a late block; blocks of subnormal scale)."""
+    dtype = {torch.float32: 0, torch.bfloat16: 1}
+    for n in (32, 95, 1000, 4099):
+        grad = gradient(n, torch.float32, seed=n + block)
+        if kind == "tiny":
+            grad = grad * 1e-40
+        elif kind != "gauss":
+            grad[n - 5] = {"nan": float("nan"), "inf": float("-inf"), "limit": 2.0 ** 100}[kind]
+        grad = grad.to(gd)
+        res = None if rd is None else (gradient(n, torch.float32, seed=n + 1) * 0.3).to(rd)
+        r1 = None if res is None else res.clone()
+        r2 = None if res is None else res.clone()
+        nb = _tagc.fp4_bytes(n, block)
+        b1, b2 = torch.zeros(nb, dtype=torch.uint8), torch.zeros(nb, dtype=torch.uint8)
+        try:
+            _tagc.fp4_encode(b1, r1, grad, block)
+            st1 = 0
+        except _tagc.NonFiniteError:
+            st1 = 5
+        st2 = generic.tagc_fp4_encode(b2.data_ptr(), nb, None if r2 is None else r2.data_ptr(),
+                                      dtype[rd] if rd is not None else 0, grad.data_ptr(),
+                                      dtype[gd], n, block, 0, 0)
+        assert st1 == st2 == (0 if kind in ("gauss", "tiny") else 5), (n, kind)
+        if st1 == 0:  # a refused message's bytes are unspecified
+            assert torch.equal(b1, b2), n
+        if res is not None:
+            assert np.array_equal(bits(r1), bits(r2)), n
+
+
 @pytest.mark.parametrize("gd,flags", [(torch.float32, ROTATE), (torch.bfloat16, 0)])
 def test_two_to_the_24(gd: torch.dtype, flags: int) -> None:
     n, block, seed = 1 << 24, 32, 99

@@ -75,6 +75,26 @@ def test_changed_shard_matches_reference(fmt: str, si: int, block: int,
     assert same_bits(inplace, expect)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("offset", range(9))
+@pytest.mark.parametrize("segs", [[1, 2, 700], [3], [0, 1, 0, 40, 64, 1000, 7], [2049]],
+                         ids=("tiny-head", "three", "mixed", "long"))
+def test_remembered_copy_at_every_alignment(dt: torch.dtype, offset: int, segs) -> None:
+    """The copy of the shard into ``sent`` at every alignment of ``sent`` (its start
+    ``offset`` values into a larger buffer), first blocks shorter and longer than the
+    way to a 32-byte boundary: exactly the shard, nothing written beside it, and the
+    message the reference's."""
+    n = sum(segs)
+    src, _, base = triple(n, 40 + offset, dt)
+    room = torch.full((n + 24,), -3.0, dtype=dt)
+    sent = room[offset:offset + n]
+    want, _ = delta_ref(src, sent, base, segs, "int4", 64)
+    buf = encode(src, sent, base, segs, "int4", 64)
+    assert bytes(buf.numpy()) == want
+    assert same_bits(sent, src)
+    assert bool((room[:offset] == -3.0).all()) and bool((room[offset + n:] == -3.0).all())
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dt", DTYPES)
 def test_unchanged_shard_sends_zeros_and_decodes_to_ref(fmt: str, dt: torch.dtype) -> None:
