@@ -242,6 +242,20 @@ def test_add_a_run_to_the_check_set(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert data["setups"]["gpt2-124m-202611281000-slow"].get("worker", False) == worker
     with pytest.raises(SystemExit):  # the same run twice
         cli.main(argv)
-    assert "already there" in capsys.readouterr().err
+    assert "setups" in capsys.readouterr().err
+    # a later run on the same link tables: the tables kept once, its setups added
+    later = {**rep, "started_utc": "2026-11-28 11:00:00"}
+    (tmp_path / "run" / "results.json").write_text(json.dumps(later))
+    assert cli.main(argv) == 0
+    assert "added 2 setups, 4 rows and 0 link tables" in capsys.readouterr().out
+    assert "gpt2-124m-202611281100-slow" in cm.load_runs(str(runs))["setups"]
+    # a table of the same name with other content is refused
+    f = Path(tables["slow"])
+    f.write_text(json.dumps(link(100.0, 1e7)))
+    (tmp_path / "run" / "results.json").write_text(json.dumps({**rep, "started_utc":
+                                                                "2026-11-28 12:00:00"}))
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert "with other content" in capsys.readouterr().err
     with pytest.raises(ValueError, match="the run measured"):  # a run of another model
         bench.compare(pred, [{**rep, "shape": {**rep["shape"], "n_layer": 1}}])

@@ -153,8 +153,10 @@ def _measured_reports(paths: Sequence[str]) -> Dict[str, dict]:
 
 
 def _add_to_runs(runs_file: str, pred_path: str, pred: dict, reports: Dict[str, dict]) -> None:
-    """--add-to: the run's setups, rows and link tables merged into a runs file (an
-    existing setup or table of the same name is refused), which is then loaded back.
+    """--add-to: the run's setups, rows and link tables merged into a runs file, which is
+    then loaded back.  An existing setup of the same name is refused, as is a link table
+    of the same name with other content; the same table again (a later run on the links
+    an earlier one measured) is kept once.
 
     Args:
         runs_file: the runs file (``docs/cost_model_runs.json``).
@@ -167,15 +169,20 @@ def _add_to_runs(runs_file: str, pred_path: str, pred: dict, reports: Dict[str, 
     new = bench.runs_entries(pred, shown(Path(pred_path)), reports, tables)
     data = json.loads(Path(runs_file).read_text())
     for key in ("links", "setups"):
-        clash = set(new[key]) & set(data[key])
+        clash = {k for k in set(new[key]) & set(data[key])
+                 if key == "setups" or new[key][k] != data[key][k]}
         if clash:
-            raise ValueError(f"--add-to {runs_file}: {key} {sorted(clash)} already there")
+            raise ValueError(f"--add-to {runs_file}: {key} {sorted(clash)} already there"
+                             + (" with other content" if key == "links" else ""))
+        added = len(set(new[key]) - set(data[key]))
         data[key].update(new[key])
+        new[key + "_added"] = added
     data["runs"] += new["runs"]
     Path(runs_file).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     load_runs(runs_file)
     print(f"\nadded {len(new['setups'])} setups, {len(new['runs'])} rows and "
-          f"{len(new['links'])} link tables to {runs_file}")
+          f"{new['links_added']} link tables to {runs_file}"
+          f" ({len(new['links']) - new['links_added']} already there)")
 
 
 def _predict_bench(args: argparse.Namespace, codec: Dict[str, float], runs_dir: Path,
