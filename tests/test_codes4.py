@@ -406,26 +406,13 @@ def test_decode_takes_any_bytes() -> None:
 
 
 # ----------------------------------------------------------------------------- CUDA twin
-I64, VP, INT, U64, SZ, UINT = C.c_int64, C.c_void_p, C.c_int, C.c_uint64, C.c_size_t, C.c_uint
-FP4_SIGS = {
-    "tagc_cuda_fp4_encode_workspace_size": (SZ, []),
-    "tagc_cuda_fp4_encode": (INT, [VP, I64, VP, INT, VP, INT, I64, I64, UINT, U64, VP, SZ, VP]),
-    "tagc_cuda_fp4_decode_add": (INT, [VP, I64, VP, I64, I64, UINT, U64, VP]),
-    "tagc_cuda_rht": (INT, [VP, I64, VP, I64, I64, U64, INT, VP]),
-}
-
-
 @pytest.fixture(scope="module")
 def lib(cuda_emu_library: Path) -> C.CDLL:
-    """The launchers compiled by g++ against the emulation (conftest's build), with the
-    fp4 launchers' signatures."""
+    """The launchers compiled by g++ against the emulation (conftest's build), typed from
+    ``tagc_bench.cuda_emu.SIGS``."""
     from tagc_bench import cuda_emu
 
-    dll = cuda_emu.load(cuda_emu_library)
-    for name, (ret, args) in FP4_SIGS.items():
-        fn = getattr(dll, name)
-        fn.restype, fn.argtypes = ret, args
-    return dll
+    return cuda_emu.load(cuda_emu_library)
 
 
 def P(t: Optional[torch.Tensor]) -> Optional[int]:

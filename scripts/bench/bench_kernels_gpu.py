@@ -11,9 +11,11 @@ so 50% means the op moves its minimal traffic at half the speed of a copy.
 Multi-pass kernels (the radix select reads its input once per digit) move
 more than the minimal traffic, which is exactly what the ratio shows.
 
-The goals (issue 39): select+sparsify (the ``sparsify`` row, which includes the
-select) and quant encode (``quant_encode int4``, tagc-balanced's code) at >= 50% of
-the copy; ``--json`` records each goal and whether it was met.
+The goals: select+sparsify (the ``sparsify`` row, which includes the select) and
+quant encode (``quant_encode int4``) at >= 50% of the copy (issue 39); the newer codes'
+encoders at >= 40% (issue 56: ``tls`` as ``tagc-lean`` runs it, without a residual;
+``fp4`` as ``gather: fp4`` runs it, plain and rotated; ``wq_delta``, ``tagc-full4``'s
+gathers); ``--json`` records each goal and whether it was met.
 
 Usage (needs a CUDA GPU and a CUDA build of ``_tagc``: ``TAGC_BUILD_CUDA=1 pip install
 -e .``, or ``scripts/gpu_check.sh``, which builds one in a scratch folder)::
@@ -38,8 +40,10 @@ from typing import Any, Callable, Dict, List, Tuple
 logger = logging.getLogger(__name__)
 
 COPY = "copy (torch copy_, device to device)"
-# (row, goal in % of the copy's bandwidth): issue 39
-GOALS = (("sparsify (select+EF+bitmap+compact)", 50.0), ("quant_encode int4", 50.0))
+# (row, goal in % of the copy's bandwidth): issue 39's, then issue 56's
+GOALS = (("sparsify (select+EF+bitmap+compact)", 50.0), ("quant_encode int4", 50.0),
+         ("tls_encode (no residual)", 40.0), ("fp4_encode block 32 (no residual)", 40.0),
+         ("fp4_encode block 32 rotated (no residual)", 40.0), ("wq_delta_encode int4", 40.0))
 
 
 def _fail(msg: str) -> None:
@@ -152,6 +156,11 @@ def _ops(torch: Any, ops: Any, dev: Any, s: int, n: int, k: int, N: int, u: int,
     wq8 = torch.empty(ops.wq_bytes(seg_cpu, "int8", 256), dtype=torch.uint8, device=dev)
     ops.wq_encode(wq8, src, segs, "int8", 256, stream=s)
     wout = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    wq4d = torch.empty(ops.wq_delta_bytes(seg_cpu, "int4", 256), dtype=torch.uint8, device=dev)
+    sent, held = torch.zeros_like(src), src + 1e-3 * grad
+    tls = torch.empty(ops.tls_bytes(n), dtype=torch.uint8, device=dev)
+    fp4 = torch.empty(ops.fp4_bytes(n, 32), dtype=torch.uint8, device=dev)
+    ops.tls_encode(tls, None, grad, stream=s)
 
     f4 = 4
     table: Dict[str, tuple] = {
@@ -192,6 +201,31 @@ def _ops(torch: Any, ops: Any, dev: Any, s: int, n: int, k: int, N: int, u: int,
                                n * f4 + wq8.numel())
     table["wq_decode int8 (to bf16)"] = (
         lambda: ops.wq_decode(wout, wq8, segs, "int8", 256, stream=s), wq8.numel() + 2 * n)
+
+    def delta_encode() -> None:
+        # a changed shard (as every step's first gather): compare, code, remember
+        sent[:1].add_(1.0)
+        ops.wq_delta_encode(wq4d, src, sent, held, segs, "int4", 256, stream=s)
+
+    # tagc-full4's gathers: the change of the weights, int4 (the compare reads two arrays
+    # and the copy writes one beside the codes)
+    table["wq_delta_encode int4"] = (delta_encode, 3 * n * f4 + n * f4 + wq4d.numel())
+    table["wq_delta_decode int4"] = (
+        lambda: ops.wq_delta_decode(dst, held, wq4d, segs, "int4", 256, stream=s),
+        wq4d.numel() + 3 * n * f4)
+    # tagc-lean's code (no feedback) and the 4-bit gather codes (weights: no residual)
+    table["tls_encode (no residual)"] = (lambda: ops.tls_encode(tls, None, grad, stream=s),
+                                         n * f4 + tls.numel())
+    table["tls_decode_add"] = (lambda: ops.tls_decode_add(acc, tls, stream=s),
+                               2 * n * f4 + tls.numel())
+    for rot in (False, True):
+        tag = " rotated" if rot else ""
+        table[f"fp4_encode block 32{tag} (no residual)"] = (
+            lambda rot=rot: ops.fp4_encode(fp4, None, src, 32, seed=3, rotate=rot, stream=s),
+            n * f4 + fp4.numel())
+        table[f"fp4_decode_add block 32{tag}"] = (
+            lambda rot=rot: ops.fp4_decode_add(acc, fp4, 32, seed=3, rotate=rot, stream=s),
+            2 * n * f4 + fp4.numel())
     return table, cnt
 
 
@@ -254,9 +288,9 @@ def main(argv: List[str]) -> int:
             ref_gbs = gbs
         rows.append({"op": op, "bytes": nbytes, "ms": ms, "GB/s": gbs,
                      "pct_copy": 100.0 * gbs / ref_gbs})
-    logger.info("%-38s %12s %10s %10s %9s", "op", "bytes", "ms", "GB/s", "% copy")
+    logger.info("%-44s %12s %10s %10s %9s", "op", "bytes", "ms", "GB/s", "% copy")
     for r in rows:
-        logger.info("%-38s %12d %10.4f %10.1f %8.1f%%", r["op"], r["bytes"], r["ms"],
+        logger.info("%-44s %12d %10.4f %10.1f %8.1f%%", r["op"], r["bytes"], r["ms"],
                     r["GB/s"], r["pct_copy"])
     peeled = int(cnt.item())  # after timing: the last decode's unpeeled count
     logger.info("last peel_decode left %d of %d union positions unpeeled", peeled, u)

@@ -34,7 +34,7 @@ DT = {torch.float32: F32, torch.bfloat16: BF16}
 QFORMAT = {"sign": 1, "ternary": 2, "int4": 4, "int8": 8}
 CODING = {"ef": 1, "bitmap": 2, "dense": 3}
 PEEL_ROUNDS = 96  # TAGC_CUDA_PEEL_ROUNDS, what _tagc passes
-I64, SZ, VP, INT, U64 = C.c_int64, C.c_size_t, C.c_void_p, C.c_int, C.c_uint64
+I64, SZ, VP, INT, U64, UINT = C.c_int64, C.c_size_t, C.c_void_p, C.c_int, C.c_uint64, C.c_uint
 
 # every launcher of cuda/tagc_cuda.h and its workspace query: (restype, argtypes)
 SIGS = {
@@ -74,6 +74,10 @@ SIGS = {
     "tagc_cuda_wq_delta_decode_workspace_size": (SZ, [I64]),
     "tagc_cuda_wq_delta_decode": (INT, [VP, VP, INT, I64, VP, I64, VP, I64, INT, I64, VP, VP,
                                         SZ, VP]),
+    "tagc_cuda_fp4_encode_workspace_size": (SZ, []),
+    "tagc_cuda_fp4_encode": (INT, [VP, I64, VP, INT, VP, INT, I64, I64, UINT, U64, VP, SZ, VP]),
+    "tagc_cuda_fp4_decode_add": (INT, [VP, I64, VP, I64, I64, UINT, U64, VP]),
+    "tagc_cuda_rht": (INT, [VP, I64, VP, I64, I64, U64, INT, VP]),
     "tagc_cuda_tls_encode_workspace_size": (SZ, [I64]),
     "tagc_cuda_tls_encode": (INT, [VP, I64, VP, INT, VP, INT, I64, VP, SZ, VP]),
     "tagc_cuda_tls_decode_add_workspace_size": (SZ, []),
@@ -318,6 +322,29 @@ class EmuOps:
         self._run("tagc_cuda_wq_delta_decode", P(ref if out is None else out), P(ref),
                   DT[ref.dtype], ref.numel(), P(buf), buf.numel(), P(seg), seg.numel(),
                   QFORMAT[format], block, P(status_out), P(w), w.numel(), None)
+
+    @staticmethod
+    def _fp4_flags(rotate: bool, stochastic: bool) -> int:
+        return (1 if rotate else 0) | (2 if stochastic else 0)  # TAGC_FP4_ROTATE, _STOCHASTIC
+
+    def fp4_encode(self, buf: torch.Tensor, residual: Optional[torch.Tensor],
+                   grad: torch.Tensor, block: int, *, seed: int = 0, rotate: bool = False,
+                   stochastic: bool = False, stream: int = 0) -> None:
+        w = ws(self.lib.tagc_cuda_fp4_encode_workspace_size())
+        rd = F32 if residual is None else DT[residual.dtype]
+        self._run("tagc_cuda_fp4_encode", P(buf), buf.numel(), P(residual), rd, P(grad),
+                  DT[grad.dtype], grad.numel(), block, self._fp4_flags(rotate, stochastic),
+                  seed, P(w), w.numel(), None)
+
+    def fp4_decode_add(self, out: torch.Tensor, buf: torch.Tensor, block: int, *,
+                       seed: int = 0, rotate: bool = False, stream: int = 0) -> None:
+        self._run("tagc_cuda_fp4_decode_add", P(out), out.numel(), P(buf), buf.numel(), block,
+                  self._fp4_flags(rotate, False), seed, None)
+
+    def rht(self, dst: torch.Tensor, src: torch.Tensor, block: int, seed: int, *,
+            inverse: bool = False, stream: int = 0) -> None:
+        self._run("tagc_cuda_rht", P(dst), dst.numel(), P(src), src.numel(), block, seed,
+                  int(bool(inverse)), None)
 
     def tls_encode(self, buf: torch.Tensor, residual: Optional[torch.Tensor],
                    grad: torch.Tensor, *, stream: int = 0) -> None:
