@@ -171,7 +171,7 @@ DEFINE_ENCODE_ALL(, TAGC_AI)
  * encoder; -DTAGC_QUANT_NO_AVX2 builds the generic loops only).  The generic
  * loops' arithmetic in their order, eight values a vector, so the bytes and
  * the residual are theirs bit for bit: the max of the magnitude patterns as
- * integers, the code's index as the count of the thresholds of
+ * integers, the code's index as the count of the midpoints of
  * tagc_fp4_code that y = |v| * inv passes (exact: inv is a power of two),
  * the decoded value as the index's E2M1 magnitude times the scale with the
  * code's sign (the generic multiplies the signed magnitude by s: the same
@@ -214,27 +214,23 @@ TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, 
         return -1;
     const uint32_t sb = tagc_fp4_scale_byte(m);
     const __m256 inv = _mm256_set1_ps(tagc_fp4_inv(sb)), s = _mm256_set1_ps(tagc_fp4_scale(sb));
-    const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m256 mag = _mm256_setr_ps(tagc_fp4_value(0), tagc_fp4_value(1), tagc_fp4_value(2),
+                                      tagc_fp4_value(3), tagc_fp4_value(4), tagc_fp4_value(5),
+                                      tagc_fp4_value(6), tagc_fp4_value(7));
     const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
     for (int k = 0; k < len / 8; k += 4) {
         __m256i q[4];
         for (int j = 0; j < 4; j++) {
             __m256 x = v[k + j];
             __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(mag8(x)), inv);
-            /* each passed threshold's mask is -1: the index is minus their sum */
+            /* each passed midpoint's mask is -1: the index is minus their sum */
+#define PASSED(k, pred) _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(TAGC_FP4_MID##k), pred))
             __m256i t = _mm256_add_epi32(
-                _mm256_add_epi32(
-                    _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(0.25f), _CMP_GT_OQ)),
-                    _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(0.75f), _CMP_GE_OQ))),
-                _mm256_add_epi32(
-                    _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(1.25f), _CMP_GT_OQ)),
-                    _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(1.75f), _CMP_GE_OQ))));
-            t = _mm256_add_epi32(
-                t, _mm256_add_epi32(
-                       _mm256_add_epi32(
-                           _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(2.5f), _CMP_GT_OQ)),
-                           _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(3.5f), _CMP_GE_OQ))),
-                       _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(5.0f), _CMP_GT_OQ))));
+                _mm256_add_epi32(_mm256_add_epi32(PASSED(0, _CMP_GT_OQ), PASSED(1, _CMP_GE_OQ)),
+                                 _mm256_add_epi32(PASSED(2, _CMP_GT_OQ), PASSED(3, _CMP_GE_OQ))),
+                _mm256_add_epi32(_mm256_add_epi32(PASSED(4, _CMP_GT_OQ), PASSED(5, _CMP_GE_OQ)),
+                                 PASSED(6, _CMP_GT_OQ)));
+#undef PASSED
             __m256i idx = _mm256_sub_epi32(_mm256_setzero_si256(), t);
             /* the sign bit where v < 0 and the index is not 0 (never -0) */
             __m256i neg = _mm256_andnot_si256(_mm256_cmpeq_epi32(idx, _mm256_setzero_si256()),

@@ -127,6 +127,17 @@ TAGC_HD float tagc_fp4_value(unsigned c)
     return (c & 8u) ? -m : m;
 }
 
+/* The midpoints between neighbouring E2M1 magnitudes: y above midpoint k
+ * rounds to index k + 1, and y equal to it to the even one of k and k + 1
+ * (up for k = 1, 3, 5: hence >= there and > at the others). */
+#define TAGC_FP4_MID0 0.25f
+#define TAGC_FP4_MID1 0.75f
+#define TAGC_FP4_MID2 1.25f
+#define TAGC_FP4_MID3 1.75f
+#define TAGC_FP4_MID4 2.5f
+#define TAGC_FP4_MID5 3.5f
+#define TAGC_FP4_MID6 5.0f
+
 /* Code of v under inv = tagc_fp4_inv(scale byte), |v| * inv <= 6: the
  * nearest E2M1 value, ties to the even index (mantissa bit 0, as IEEE);
  * stochastic (u in [0, 1)): the magnitude just below y = |v| * inv rounded
@@ -140,8 +151,9 @@ TAGC_HD unsigned tagc_fp4_code(float v, float inv, int stochastic, float u)
 #endif
     int k;
     if (!stochastic) {
-        k = (y > 0.25f) + (y >= 0.75f) + (y > 1.25f) + (y >= 1.75f) + (y > 2.5f) +
-            (y >= 3.5f) + (y > 5.0f);
+        k = (y > TAGC_FP4_MID0) + (y >= TAGC_FP4_MID1) + (y > TAGC_FP4_MID2) +
+            (y >= TAGC_FP4_MID3) + (y > TAGC_FP4_MID4) + (y >= TAGC_FP4_MID5) +
+            (y > TAGC_FP4_MID6);
     } else {
         k = (y >= 0.5f) + (y >= 1.0f) + (y >= 1.5f) + (y >= 2.0f) + (y >= 3.0f) +
             (y >= 4.0f) + (y >= 6.0f);

@@ -1,11 +1,12 @@
 /*
  * quant_avx2.h - the AVX2 pieces of the block codes' encoders (quant.c's,
- * tls.c's and wq_blocks.h's): loads and stores of eight values in either
- * dtype, a block's scale statistics in block_scale's order, tagc_q_code of
- * eight values, the ternary digits' packing and the codes and residual of
- * 32 values under one scale.  Each is the generic loops' arithmetic in the same order, so both
- * paths write the same bits (quant.c's comment before its AVX2 encoder says
- * how).  TAGC_Q_AVX2 is defined where they exist (GCC/clang on x86-64,
+ * tls.c's, fp4.c's and wq_blocks.h's): loads and stores of eight values in
+ * either dtype, magnitude patterns and their max, a block's scale
+ * statistics in block_scale's order, tagc_q_code of eight values, the
+ * digits' packing (nibbles, ternary) and the codes and residual of 32
+ * values under one scale.  Each is the generic loops' arithmetic in the
+ * same order, so both paths write the same bits (quant.c's comment before
+ * its AVX2 encoder says how).  TAGC_Q_AVX2 is defined where they exist (GCC/clang on x86-64,
  * unless -DTAGC_QUANT_NO_AVX2).  Internal: included by those files only.
  */
 #ifndef TAGC_QUANT_AVX2_H

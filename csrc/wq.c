@@ -18,7 +18,7 @@ TAGC_AI void write_pass(void *out, int od, const uint8_t *src, const int64_t *se
 }
 
 /* The decoder's passes over the shard, dispatched once per call (AVX2
- * clones: the code pass is compute-bound with SSE2). */
+ * clones; the encoder's dispatch is wq_blocks.h's encode_records). */
 TAGC_HOT_CLONES static int check_all(const uint8_t *src, const int64_t *seg, int64_t nseg,
                                      int format, int64_t block)
 {
