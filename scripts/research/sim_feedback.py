@@ -16,8 +16,9 @@ from the row's start; EF21's per-rank ``h`` and the owner's estimate), and measu
   ``1 - ||C(x) - x||^2 / ||x||^2`` of several codes on the *same* blocks (median,
   5th percentile, minimum over every block of every sampled step).
 
-Quantizers (``q=``): ``exact`` (no code: the control of an exchange's own rule), the codec's ``sign``, ``ternary``, ``int4``, ``int8``, ``tls``
-(``tagc.codec.quant_encode`` itself), and pure-torch prototypes: ``tl2`` (the L2-optimal
+Quantizers (``q=``): ``exact`` (no code: the control of an exchange's own rule), the
+codec's ``sign``, ``ternary``, ``int4``, ``int8``, ``tls`` (``tagc.codec.quant_encode``
+itself), and pure-torch prototypes: ``tl2`` (the L2-optimal
 ternary per block: for |x| sorted descending with prefix sums c_m, keep the m entries
 maximising c_m^2 / m at s = c_m / m; the same wire format as ``ternary``, only the
 scale differs), ``tmax`` (ternary at s = max|x|), ``trot`` (ternary of blocks rotated by
@@ -53,7 +54,7 @@ exchange every owner codes its row of the sum on ``Q2`` again, with ``downfb`` `
 ranks' lam), ``ef21d`` (the owner's own lam for its row), ``res`` or ``none``; what the
 optimizer gets is every owner's decoded row (DESIGN section 9).
 
-``mom:q=Q[,warm=W][,v=frozen]``: error-compensated momentum in the spirit of 1-bit Adam
+``mom:q=Q[,warm=W][,v=frozen[,floor=F]]``: error-compensated momentum in the spirit of 1-bit Adam
 (Tang et al. 2021): every rank keeps a local momentum ``m_i = b m_i + (1 - b) g_i`` (b the
 optimizer's beta1) and codes ``m_i + e_i`` with residual feedback ``e_i`` instead of its
 gradient; the owner's sum of the decoded momenta ``M_t`` is what the optimizer's momentum
@@ -301,6 +302,11 @@ def best_lam(g: torch.Tensor, h: torch.Tensor) -> float:
     return lam_of(float((g * h).sum()), float(h.pow(2).sum()))
 
 
+def out_error(out: torch.Tensor, true: torch.Tensor) -> float:
+    """``||out - true||^2 / ||true||^2``: what the optimizer gets against the true sum."""
+    return float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30)
+
+
 def block_alpha(x: torch.Tensor, cx: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """Per block of x: ``1 - ||C(x) - x||^2 / ||x||^2`` (blocks with x == 0 left out)."""
     xb, _ = _blocks(x, block)
@@ -364,8 +370,7 @@ class Exchange:
                  beta: float = 1.0, momentum: float = 0.9) -> None:
         self.unit, self.fb, self.qname, self.guard = unit, feedback, q, guard
         self.beta = beta
-        # mom: the ranks' local momenta, the owners' previous sum of decoded momenta,
-        # and whether this call is exact (the warm-up)
+        # mom: beta1, and whether this call is exact (the warm-up)
         self.momentum = momentum
         self.exact = False
         self.store = stored(store)
@@ -376,8 +381,10 @@ class Exchange:
         # EF21: h (per rank, all rows) and the owners' estimates; res: the residuals
         self.state = torch.zeros(n, n, s)
         self.est = torch.zeros(n, s)
+        # mom: the ranks' local momenta (all rows) and the owners' last sum of the
+        # decoded momenta
         self.mom = torch.zeros(n, n, s) if feedback == "mom" else None
-        self.prev = torch.zeros(n, s)
+        self.prev = torch.zeros(n, s) if feedback == "mom" else None
         # HSDP two-phase's to-everyone phase: each owner's row of the sum coded again
         # (``down``) with EF21 (est_out, held alike by every replica) or residual
         # feedback (res_out, the owner's)
@@ -422,7 +429,7 @@ class Exchange:
                 self.state.zero_()
             self.est_out.copy_(out)
             self.res_out.zero_()
-            self.log["out_err"].append(float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30))
+            self.log["out_err"].append(out_error(out, true))
             return out / n
         if self.damp and self.fb == "ef21":
             # damped EF21: every rank compresses g - lam h with the lam minimising the
@@ -466,7 +473,7 @@ class Exchange:
             out = self.est.clone()
         if self.down is not None:
             out = self._down(out)
-        self.log["out_err"].append(float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30))
+        self.log["out_err"].append(out_error(out, true))
         return out / n
 
     def _reduce_momentum(self, g: torch.Tensor) -> torch.Tensor:
@@ -497,7 +504,7 @@ class Exchange:
         # makes it M_t (both start from zero)
         out = (total - b * self.prev) / (1.0 - b)
         self.prev = total
-        self.log["out_err"].append(float((out - true).pow(2).sum()) / max(float(true.pow(2).sum()), 1e-30))
+        self.log["out_err"].append(out_error(out, true))
         return out / n
 
     def _down(self, out: torch.Tensor) -> torch.Tensor:
@@ -616,15 +623,16 @@ def parse_method(spec: str) -> Tuple[str, Dict[str, str]]:
     opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
     if fb not in ("plain", "none", "res", "ef21", "mom"):
         raise SystemExit(f"unknown feedback {fb!r}")
-    if ("warm" in opts or "v" in opts) and fb != "mom":
-        raise SystemExit(f"{spec}: warm= and v= are the momentum exchange's (mom:...)")
+    if {"warm", "v", "floor"} & set(opts) and fb != "mom":
+        raise SystemExit(f"{spec}: warm=, v= and floor= are the momentum exchange's (mom:...)")
     if fb == "mom":
         if not opts.get("warm", "0").isdigit():
             raise SystemExit(f"{spec}: warm= is a step count")
         if opts.get("v", "adam") not in ("adam", "frozen"):
             raise SystemExit(f"{spec}: v= is adam or frozen")
         if opts.get("v") == "frozen" and int(opts.get("warm", 0)) < 1:
-            raise SystemExit(f"{spec}: v=frozen freezes what the warm-up measured: give warm=W >= 1")
+            raise SystemExit(f"{spec}: v=frozen freezes what the warm-up measured: "
+                             "give warm=W >= 1")
         if "floor" in opts and opts.get("v") != "frozen":
             raise SystemExit(f"{spec}: floor= bounds the frozen second moment (v=frozen)")
         if set(opts) - {"q", "warm", "v", "floor"}:

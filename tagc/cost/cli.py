@@ -168,21 +168,20 @@ def _add_to_runs(runs_file: str, pred_path: str, pred: dict, reports: Dict[str, 
               for v in pred["inputs"]["links"].values()}
     new = bench.runs_entries(pred, shown(Path(pred_path)), reports, tables)
     data = json.loads(Path(runs_file).read_text())
+    kept = set(new["links"]) & set(data["links"])  # the same tables, checked below
     for key in ("links", "setups"):
         clash = {k for k in set(new[key]) & set(data[key])
                  if key == "setups" or new[key][k] != data[key][k]}
         if clash:
             raise ValueError(f"--add-to {runs_file}: {key} {sorted(clash)} already there"
                              + (" with other content" if key == "links" else ""))
-        added = len(set(new[key]) - set(data[key]))
         data[key].update(new[key])
-        new[key + "_added"] = added
     data["runs"] += new["runs"]
     Path(runs_file).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     load_runs(runs_file)
     print(f"\nadded {len(new['setups'])} setups, {len(new['runs'])} rows and "
-          f"{new['links_added']} link tables to {runs_file}"
-          f" ({len(new['links']) - new['links_added']} already there)")
+          f"{len(new['links']) - len(kept)} link tables to {runs_file}"
+          f" ({len(kept)} already there)")
 
 
 def _predict_bench(args: argparse.Namespace, codec: Dict[str, float], runs_dir: Path,
