@@ -7,6 +7,7 @@
  */
 #include <float.h>
 #include <math.h>
+#include <stdlib.h>
 
 #include "tagc_checks.h"
 #include "tagc_internal.h"
@@ -135,6 +136,205 @@ TAGC_AVX2 void block_encode_avx2(uint8_t *codes, float s, const void *g, int gd,
 
 DEFINE_ENCODE(_avx2, TAGC_AVX2, __attribute__((target("avx2"))) static)
 #endif
+
+/* ---- one unit at a time (tagc_quant_unit_encode / _decode) ---- */
+
+/* w[0..len) = the hook's working copy of one residual record: 0 + q * s
+ * (decode_add into zeros), or zeros after a reset, times factor unless it
+ * is 1 (the hook skips that multiply). */
+TAGC_AI void unit_residual(float *w, const uint8_t *rec, int64_t len, int rfmt, float factor,
+                           int zero)
+{
+    memset(w, 0, (size_t)len * sizeof *w);
+    if (!zero)
+        BY_QFORMAT(rfmt, q_record_out(w, TAGC_F32, 1, 0, rec, len, F));
+    if (factor != 1.0f)
+        for (int64_t i = 0; i < len; i++)
+            w[i] *= factor;
+}
+
+/* unit_pass##S: tagc_quant_unit_encode's two passes for grad dtype G with
+ * block_scale##S / block_encode##S; 0 on NaN/Inf.  Pass 1 writes every scale
+ * of the messages (finding NaN/Inf before rcodes changes); pass 2 streams
+ * each block: its residual decoded again, its codes, its
+ * residual re-coded over its own record.  Defined once for the generic
+ * loops and once for the AVX2 ones. */
+#define DEFINE_UNIT(S, INLINE, FN)                                                      \
+    INLINE int unit_pass##S(uint8_t *dst, int64_t nb, uint8_t *rc, const char *g, int G,  \
+                            int64_t shard, int64_t world, int64_t rank, int fmt,          \
+                            int rfmt, int64_t block, float factor, int zero, float *w)    \
+    {                                                                                   \
+        const int64_t per = shard / block, es = G == TAGC_F32 ? 4 : 2;                  \
+        const int64_t rg = tagc_q_record_bytes(block, fmt);                             \
+        const int64_t rr = tagc_q_record_bytes(block, rfmt);                            \
+        for (int64_t u = 0; u < world * per; u++) {                                     \
+            int64_t r = u / per, b = u % per;                                           \
+            unit_residual(w, rc + u * rr, block, rfmt, factor, zero);                   \
+            if (r == rank)                                                              \
+                continue;                                                               \
+            float s = 0.0f;                                                             \
+            int ok = 0;                                                                 \
+            BY_QFORMAT(fmt, ok = block_scale##S(&s, g + u * block * es, G, w, TAGC_F32, \
+                                                0, block, F));                          \
+            if (!ok)                                                                    \
+                return 0;                                                               \
+            memcpy(dst + r * nb + b * rg, &s, 4);                                       \
+        }                                                                               \
+        for (int64_t u = 0; u < world * per; u++) {                                     \
+            int64_t r = u / per, b = u % per;                                           \
+            unit_residual(w, rc + u * rr, block, rfmt, factor, zero);                   \
+            if (r != rank) {                                                            \
+                uint8_t *rec = dst + r * nb + b * rg;                                   \
+                float s;                                                                \
+                memcpy(&s, rec, 4);                                                     \
+                BY_QFORMAT(fmt, block_encode##S(rec + 4, s, g + u * block * es, G, w,   \
+                                                TAGC_F32, 0, block, F));                \
+            }                                                                           \
+            /* w is finite: v and q * s are (own shard: the guard's, times <= 1) */     \
+            float s2 = 0.0f;                                                            \
+            BY_QFORMAT(rfmt, (void)block_scale##S(&s2, w, TAGC_F32, NULL, DT_NONE, 0,   \
+                                                  block, F));                           \
+            memcpy(rc + u * rr, &s2, 4);                                                \
+            BY_QFORMAT(rfmt, block_encode##S(rc + u * rr + 4, s2, w, TAGC_F32, NULL,    \
+                                             DT_NONE, 0, block, F));                    \
+        }                                                                               \
+        return 1;                                                                       \
+    }                                                                                   \
+    FN int unit_dtypes##S(uint8_t *dst, int64_t nb, uint8_t *rc, const void *g, int gd,   \
+                          int64_t shard, int64_t world, int64_t rank, int fmt, int rfmt,  \
+                          int64_t block, float factor, int zero, float *w)                \
+    {                                                                                   \
+        if (gd == TAGC_F32)                                                             \
+            return unit_pass##S(dst, nb, rc, g, TAGC_F32, shard, world, rank, fmt, rfmt, \
+                                block, factor, zero, w);                                \
+        return unit_pass##S(dst, nb, rc, g, TAGC_BF16, shard, world, rank, fmt, rfmt,   \
+                            block, factor, zero, w);                                    \
+    }
+
+DEFINE_UNIT(, TAGC_AI, static)
+#ifdef TAGC_Q_AVX2
+DEFINE_UNIT(_avx2, TAGC_AVX2, __attribute__((target("avx2"))) static)
+#endif
+
+/* The residual's records (n values, n % block == 0): CORRUPT for a code
+ * outside rfmt; *zero = 1 when a value decodes to NaN/Inf (the hook's
+ * guard).  Only a scale above FLT_MAX / 127 can make a product overflow, so
+ * only such a record's codes are multiplied out. */
+static tagc_status unit_guard(const uint8_t *rc, int64_t n, int rfmt, int64_t block, int *zero)
+{
+    const int64_t rr = tagc_q_record_bytes(block, rfmt);
+    const int per = tagc_q_per_byte(rfmt);
+    *zero = 0;
+    for (int64_t b = 0; b < n / block; b++) {
+        const uint8_t *rec = rc + b * rr;
+        int ok = 0;
+        BY_QFORMAT(rfmt, ok = q_codes_valid(rec + 4, block, F));
+        if (!ok)
+            return TAGC_ERR_CORRUPT;
+        float s;
+        memcpy(&s, rec, 4);
+        if (*zero || fabsf(s) <= FLT_MAX / 127.0f)
+            continue;
+        int ignored = 0;
+        for (int64_t i = 0; i < block && !*zero; i++) {
+            float x = (float)tagc_q_decode(rfmt, rec[4 + i / per], (int)(i % per), &ignored) * s;
+            *zero = !(fabsf(x) <= FLT_MAX);
+        }
+    }
+    return TAGC_OK;
+}
+
+tagc_status tagc_quant_unit_encode(uint8_t *dst, int64_t dst_capacity,
+                                   uint8_t *rcodes, int64_t rcodes_bytes,
+                                   const void *grad, tagc_dtype grad_dtype,
+                                   int64_t shard, int64_t world, int64_t rank,
+                                   tagc_qformat format, tagc_qformat residual_format,
+                                   int64_t block, float factor, int *reset)
+{
+    if (reset != NULL)
+        *reset = 0;
+    int64_t nb = 0;
+    tagc_status st = tagc_check_quant_unit_encode(dst, dst_capacity, rcodes, rcodes_bytes, grad,
+                                                  (int)grad_dtype, shard, world, rank,
+                                                  (int)format, (int)residual_format, block,
+                                                  factor, &nb);
+    if (st != TAGC_OK)
+        return st;
+    int64_t n = world * shard;
+    if (n == 0)
+        return TAGC_OK;
+    int zero = 0;
+    st = unit_guard(rcodes, n, (int)residual_format, block, &zero);
+    if (st != TAGC_OK)
+        return st;
+    float *w = malloc((size_t)block * sizeof *w);
+    if (w == NULL)
+        return TAGC_ERR_NOMEM;
+    int ok;
+#ifdef TAGC_Q_AVX2
+    if (__builtin_cpu_supports("avx2"))
+        ok = unit_dtypes_avx2(dst, nb, rcodes, grad, (int)grad_dtype, shard, world, rank,
+                              (int)format, (int)residual_format, block, factor, zero, w);
+    else
+#endif
+        ok = unit_dtypes(dst, nb, rcodes, grad, (int)grad_dtype, shard, world, rank,
+                         (int)format, (int)residual_format, block, factor, zero, w);
+    free(w);
+    if (!ok)
+        return TAGC_ERR_NONFINITE;
+    if (reset != NULL)
+        *reset = zero;
+    return TAGC_OK;
+}
+
+tagc_status tagc_quant_unit_decode(void *out, tagc_dtype out_dtype, int64_t shard,
+                                   const uint8_t *src, int64_t src_bytes,
+                                   const void *own, tagc_dtype own_dtype,
+                                   int64_t world, int64_t rank,
+                                   tagc_qformat format, int64_t block, float divisor)
+{
+    int64_t nb = 0;
+    tagc_status st = tagc_check_quant_unit_decode(out, (int)out_dtype, shard, src, src_bytes, own,
+                                                  (int)own_dtype, world, rank, (int)format,
+                                                  block, divisor, &nb);
+    if (st != TAGC_OK || shard == 0)
+        return st;
+    const int fmt = (int)format;
+    const int64_t rec = tagc_q_record_bytes(block, fmt);
+    for (int64_t r = 0; r < world; r++) {
+        if (r == rank)
+            continue;
+        for (int64_t o = 0, b = 0; o < shard; o += block, b++) {
+            int64_t len = shard - o < block ? shard - o : block;
+            int ok = 0;
+            BY_QFORMAT(fmt, ok = q_codes_valid(src + r * nb + b * rec + 4, len, F));
+            if (!ok)
+                return TAGC_ERR_CORRUPT; /* checked in full before out is written */
+        }
+    }
+    float *acc = malloc((size_t)(shard < block ? shard : block) * sizeof *acc);
+    if (acc == NULL)
+        return TAGC_ERR_NOMEM;
+    for (int64_t o = 0, b = 0; o < shard; o += block, b++) {
+        int64_t len = shard - o < block ? shard - o : block;
+        memset(acc, 0, (size_t)len * sizeof *acc);
+        for (int64_t r = 0; r < world; r++) {
+            if (r == rank) {
+                for (int64_t i = 0; i < len; i++)
+                    acc[i] += ld_val(own, (int)own_dtype, o + i);
+                continue;
+            }
+            BY_QFORMAT(fmt, q_record_out(acc, TAGC_F32, 1, 0, src + r * nb + b * rec, len, F));
+        }
+        if (divisor != 1.0f)
+            for (int64_t i = 0; i < len; i++)
+                acc[i] /= divisor;
+        for (int64_t i = 0; i < len; i++)
+            st_val(out, (int)out_dtype, o + i, acc[i]);
+    }
+    free(acc);
+    return TAGC_OK;
+}
 
 /* The encoder for the dtypes at hand and this CPU. */
 static int encode_dispatch(uint8_t *dst, const void *g, int gd, void *r, int rd,

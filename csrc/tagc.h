@@ -340,6 +340,58 @@ tagc_status tagc_quant_decode_add(float *out, int64_t n,
                                   tagc_qformat format, int64_t block);
 
 /*
+ * One unit at a time: the hook's quant transport for a unit of `world` shards
+ * of `shard` values with the residual kept as codes (residual_code), each side
+ * in one call instead of a decode, a multiply, world - 1 encodes and a re-code
+ * (encode) or a zero fill, world - 1 decode-adds, an add, a divide and a copy
+ * (decode).  Same bytes and values as those calls in that order.
+ *
+ * tagc_quant_unit_encode - with w the unit's residual (world * shard values):
+ *     w = 0 + decode(rcodes), all zeros if any of them is NaN/Inf (then
+ *         *reset = 1, else 0; reset may be NULL), times factor unless it is 1
+ *     for r != rank, in order: row r of dst = tagc_quant_encode(grad_r + w_r)
+ *         on (format, block), w_r updated in place, where x_r is values
+ *         [r * shard, (r + 1) * shard) of x and row r is bytes
+ *         [r * nb, (r + 1) * nb) of dst, nb = tagc_quant_bytes(shard, format, block)
+ *     rcodes = tagc_quant_encode(w, no residual) on (residual_format, block)
+ *   Row `rank` of dst is not written (the own shard never leaves the rank).
+ *   Blocks are streamed one at a time: no unit-sized working copy.
+ *   Bounds: world >= 1, 0 <= rank < world, shard >= 0, world * shard <=
+ *   TAGC_MAX_N, 1 <= block <= TAGC_QBLOCK_MAX, shard % block == 0 (every
+ *   residual record lies inside one shard), 0 <= factor <= 1 (so the own
+ *   shard's residual stays finite).
+ *   Errors: ARG, DTYPE, RANGE (also rcodes_bytes != tagc_quant_bytes(world *
+ *   shard, residual_format, block)), CAPACITY (dst_capacity < world * nb),
+ *   NOMEM; CORRUPT (a code of rcodes outside its format) and NONFINITE
+ *   (grad_r + w_r holds NaN/Inf) with rcodes untouched and dst unspecified.
+ */
+tagc_status tagc_quant_unit_encode(uint8_t *dst, int64_t dst_capacity,
+                                   uint8_t *rcodes, int64_t rcodes_bytes,
+                                   const void *grad, tagc_dtype grad_dtype,
+                                   int64_t shard, int64_t world, int64_t rank,
+                                   tagc_qformat format, tagc_qformat residual_format,
+                                   int64_t block, float factor, int *reset);
+
+/*
+ * tagc_quant_unit_decode - the owner's sum of one unit's shard: for each of
+ *   the `shard` values, acc = 0, then for r = 0 .. world - 1 in order acc +=
+ *   own (r == rank, the own shard of the unit's gradient) or the value row r
+ *   of src decodes to (tagc_quant_decode_add's product); acc / divisor unless
+ *   divisor is 1; stored into out as out_dtype (bf16: round to nearest even).
+ *   Rows as tagc_quant_unit_encode's dst; row `rank` is not read.  Every
+ *   other row's codes are checked first (CORRUPT: out untouched).
+ *   Bounds: world >= 1, 0 <= rank < world, 0 <= shard <= TAGC_MAX_N, block
+ *   as tagc_quant_bytes, src_bytes == world * tagc_quant_bytes(shard, format,
+ *   block) (else RANGE), divisor finite and nonzero.
+ *   Errors: ARG, DTYPE, RANGE, NOMEM, CORRUPT.
+ */
+tagc_status tagc_quant_unit_decode(void *out, tagc_dtype out_dtype, int64_t shard,
+                                   const uint8_t *src, int64_t src_bytes,
+                                   const void *own, tagc_dtype own_dtype,
+                                   int64_t world, int64_t rank,
+                                   tagc_qformat format, int64_t block, float divisor);
+
+/*
  * Quantized weight gather (the `wq` codec: ZeRO++'s qwZ for FSDP's parameter
  * all-gather).  A rank's flat shard of n values is the concatenation of
  * nseg segments, one per parameter (seg[0..nseg), sum n; every rank has the

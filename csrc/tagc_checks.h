@@ -13,6 +13,7 @@
 #ifndef TAGC_CHECKS_H
 #define TAGC_CHECKS_H
 
+#include <float.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -347,6 +348,50 @@ static inline tagc_status tagc_check_quant_decode(const float *out, int64_t n,
         return TAGC_ERR_ARG;
     int64_t need = tagc_check_quant_bytes(n, format, block);
     if (need < 0 || src_bytes != need)
+        return TAGC_ERR_RANGE;
+    return TAGC_OK;
+}
+
+/* tagc_quant_unit_encode's arguments; the bytes of one message row in *nb. */
+static inline tagc_status tagc_check_quant_unit_encode(const uint8_t *dst, int64_t dst_capacity,
+                                                       const uint8_t *rcodes,
+                                                       int64_t rcodes_bytes, const void *grad,
+                                                       int grad_dtype, int64_t shard,
+                                                       int64_t world, int64_t rank, int format,
+                                                       int residual_format, int64_t block,
+                                                       float factor, int64_t *nb)
+{
+    if (shard > 0 && (dst == NULL || rcodes == NULL || grad == NULL))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(grad_dtype))
+        return TAGC_ERR_DTYPE;
+    if (world < 1 || rank < 0 || rank >= world || shard < 0 || shard > TAGC_MAX_N / world ||
+        block < 1 || shard % block != 0 || !(factor >= 0.0f && factor <= 1.0f))
+        return TAGC_ERR_RANGE;
+    *nb = tagc_check_quant_bytes(shard, format, block);
+    int64_t need = tagc_check_quant_bytes(world * shard, residual_format, block);
+    if (*nb < 0 || need < 0 || rcodes_bytes != need)
+        return TAGC_ERR_RANGE;
+    return dst_capacity < world * *nb ? TAGC_ERR_CAPACITY : TAGC_OK;
+}
+
+/* tagc_quant_unit_decode's arguments; the bytes of one message row in *nb. */
+static inline tagc_status tagc_check_quant_unit_decode(const void *out, int out_dtype,
+                                                       int64_t shard, const uint8_t *src,
+                                                       int64_t src_bytes, const void *own,
+                                                       int own_dtype, int64_t world,
+                                                       int64_t rank, int format, int64_t block,
+                                                       float divisor, int64_t *nb)
+{
+    if (shard > 0 && (out == NULL || own == NULL || (world > 1 && src == NULL)))
+        return TAGC_ERR_ARG;
+    if (!tagc_check_dtype_ok(out_dtype) || !tagc_check_dtype_ok(own_dtype))
+        return TAGC_ERR_DTYPE;
+    if (world < 1 || rank < 0 || rank >= world || !(divisor >= -FLT_MAX && divisor <= FLT_MAX) ||
+        divisor == 0.0f)
+        return TAGC_ERR_RANGE;
+    *nb = tagc_check_quant_bytes(shard, format, block);
+    if (*nb < 0 || *nb > INT64_MAX / world || src_bytes != world * *nb)
         return TAGC_ERR_RANGE;
     return TAGC_OK;
 }

@@ -119,6 +119,21 @@ int main(void)
            TAGC_ERR_RANGE);
     EXPECT(tagc_cuda_quant_decode_add(tau, 100, bm, 58, TAGC_Q_INT4, 64, NULL, NULL, 0, s),
            TAGC_ERR_ARG);
+    /* one unit of 2 shards of 64 int4 values: rows of 4 + 32 bytes, residual codes 72 */
+#define UNIT_ENC(cap, rbytes, shard, block, factor, reset)                                  \
+    tagc_cuda_quant_unit_encode(bm, cap, bm, rbytes, d, TAGC_F32, shard, 2, 0, TAGC_Q_INT4, \
+                                TAGC_Q_INT4, block, factor, reset, NULL, idx, s)
+    EXPECT(UNIT_ENC(71, 72, 64, 64, 0.5f, cnt), TAGC_ERR_CAPACITY);
+    EXPECT(UNIT_ENC(72, 71, 64, 64, 0.5f, cnt), TAGC_ERR_RANGE);
+    EXPECT(UNIT_ENC(72, 72, 64, 48, 0.5f, cnt), TAGC_ERR_RANGE);
+    EXPECT(UNIT_ENC(72, 72, 64, 64, 1.5f, cnt), TAGC_ERR_RANGE);
+    EXPECT(UNIT_ENC(72, 72, 64, 64, 0.5f, NULL), TAGC_ERR_ARG);
+    EXPECT(tagc_cuda_quant_unit_decode(tau, TAGC_F32, 64, bm, 71, d, TAGC_F32, 2, 0,
+                                       TAGC_Q_INT4, 64, 1.0f, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_quant_unit_decode(tau, TAGC_F32, 64, bm, 72, d, TAGC_F32, 2, 0,
+                                       TAGC_Q_INT4, 64, 0.0f, s), TAGC_ERR_RANGE);
+    EXPECT(tagc_cuda_quant_unit_decode(tau, TAGC_F32, 64, bm, 72, d, TAGC_F32, 2, 2,
+                                       TAGC_Q_INT4, 64, 1.0f, s), TAGC_ERR_RANGE);
     /* wq: 100 values in one segment (a device table: never read here) */
     int64_t *segs = cnt;
     size_t sw = tagc_cuda_wq_encode_workspace_size(1);
@@ -244,6 +259,9 @@ int main(void)
                                      1, 1, 8, d, pd, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_quant_encode(bm, 58, NULL, TAGC_F32, d, TAGC_F32, 100, TAGC_Q_INT4,
                                       64, d, sq, s), TAGC_ERR_CUDA);
+        EXPECT(UNIT_ENC(72, 72, 64, 64, 0.5f, cnt), TAGC_ERR_CUDA);
+        EXPECT(tagc_cuda_quant_unit_decode(tau, TAGC_F32, 64, bm, 72, d, TAGC_F32, 2, 0,
+                                           TAGC_Q_INT4, 64, 1.0f, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_pairs_pack(bm, 10, idx, d, TAGC_F32, 2, 10, TAGC_PAIRS_EF, NULL,
                                     NULL, 0, s), TAGC_ERR_CUDA);
         EXPECT(tagc_cuda_wq_encode(bm, 58, d, TAGC_F32, 100, segs, 1, TAGC_Q_INT4, 64, NULL,

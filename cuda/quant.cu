@@ -116,15 +116,8 @@ static __device__ float quant_block_scale(tagc_gr gr, int64_t o, int64_t len, in
         if (tagc_q_uses_sum(format))
             acc += (double)a;
     }
-    for (int off = 16; off > 0; off >>= 1) {
-        acc += __shfl_down_sync(TAGC_FULL_MASK, acc, off);
-        float other = __shfl_down_sync(TAGC_FULL_MASK, m, off);
-        m = other > m ? other : m;
-    }
-    acc = __shfl_sync(TAGC_FULL_MASK, acc, 0);
-    m = __shfl_sync(TAGC_FULL_MASK, m, 0);
     *bad = !__all_sync(TAGC_FULL_MASK, finite);
-    return tagc_q_scale(format, acc, m, len);
+    return tagc_warp_q_scale(acc, m, format, len);
 }
 
 /* Pass 1: every block's scale into its record; any NaN/Inf sets *nonfinite. */

@@ -251,6 +251,43 @@ tagc_status tagc_cuda_quant_decode_add(float *out, int64_t n,
                                        cudaStream_t stream);
 
 /*
+ * tagc_cuda_quant_unit_encode - as tagc_quant_unit_encode, the same bytes
+ *   and residual codes, in two kernels (cuda/quant_unit.cu) with no
+ *   workspace and no memset:
+ *     reset   DEVICE int64, written: 1 when the residual was reset, else 0;
+ *     ok      DEVICE byte or NULL: when it holds 0 (a rank's gradient was
+ *             not finite) every message record gets a NaN scale and zero
+ *             codes, as tagc_cuda_quant_encode gives a poisoned shard, and
+ *             rcodes is left as it was (reset is still reported);
+ *     flags   DEVICE int32[2], zero before the call and left zero after it
+ *             (the guard's verdict and the blocks' finishing count): one per
+ *             stream, as calls on a stream never overlap.
+ *   Unlike the C op it cannot refuse data: codes of rcodes are not checked
+ *   (they are this rank's own state), and a NaN/Inf in grad + residual
+ *   reaches the message (callers poison through `ok` instead).
+ */
+tagc_status tagc_cuda_quant_unit_encode(uint8_t *dst, int64_t dst_capacity,
+                                        uint8_t *rcodes, int64_t rcodes_bytes,
+                                        const void *grad, tagc_dtype grad_dtype,
+                                        int64_t shard, int64_t world, int64_t rank,
+                                        tagc_qformat format, tagc_qformat residual_format,
+                                        int64_t block, float factor, int64_t *reset,
+                                        const uint8_t *ok, int32_t *flags,
+                                        cudaStream_t stream);
+
+/*
+ * tagc_cuda_quant_unit_decode - as tagc_quant_unit_decode, the same values
+ *   (one kernel, a thread per value, the same rank order), except that a
+ *   code outside the format decodes to NaN instead of refusing the call.
+ */
+tagc_status tagc_cuda_quant_unit_decode(void *out, tagc_dtype out_dtype, int64_t shard,
+                                        const uint8_t *src, int64_t src_bytes,
+                                        const void *own, tagc_dtype own_dtype,
+                                        int64_t world, int64_t rank,
+                                        tagc_qformat format, int64_t block, float divisor,
+                                        cudaStream_t stream);
+
+/*
  * tagc_cuda_wq_encode / tagc_cuda_wq_decode - as tagc_wq_encode /
  *   tagc_wq_decode, the same bytes and values (one warp per block; codes and
  *   scales from tagc_portable.h).  The segment table seg[0..nseg) is a

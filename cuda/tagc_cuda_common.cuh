@@ -147,6 +147,22 @@ static __device__ __forceinline__ float tagc_gr_load(tagc_gr s, int64_t i)
     return v;
 }
 
+/* A block's quant scale from each lane's partial statistics (acc: its double
+ * sum of |v|, m: its max |v|): the shuffle tree csrc/quant.c's block_scale
+ * mirrors, then tagc_q_scale.  Every lane returns it. */
+static __device__ __forceinline__ float tagc_warp_q_scale(double acc, float m, int format,
+                                                          int64_t len)
+{
+    for (int off = 16; off > 0; off >>= 1) {
+        acc += __shfl_down_sync(TAGC_FULL_MASK, acc, off);
+        float other = __shfl_down_sync(TAGC_FULL_MASK, m, off);
+        m = other > m ? other : m;
+    }
+    acc = __shfl_sync(TAGC_FULL_MASK, acc, 0);
+    m = __shfl_sync(TAGC_FULL_MASK, m, 0);
+    return tagc_q_scale(format, acc, m, len);
+}
+
 /* The magnitude as its 31-bit pattern: ordered like |v| for finite v. */
 static __device__ __forceinline__ uint32_t tagc_mag_key(float v)
 {

@@ -42,6 +42,12 @@ _OWN_LAYOUT = {"tls": ("tls_bytes", "tls_encode", "tls_decode_add")}
 OWN_PERIOD = {"tls": 512}
 
 
+def block_records(fmt: str) -> bool:
+    """Whether quant format ``fmt`` is coded as ``_tagc.quant_*``'s block records (every
+    format but those with a layout of their own, ``tls``)."""
+    return fmt not in _OWN_LAYOUT
+
+
 def quant_bytes(n: int, fmt: str, block: int) -> int:
     """Wire size of ``n`` values on the quant code ``fmt``.
 

@@ -191,6 +191,7 @@ class CodecStreams:
 
     def __init__(self) -> None:
         self._streams: Dict[int, Any] = {}
+        self._flags: Dict[int, torch.Tensor] = {}
         self.scratch = Scratch()
 
     def get(self, device: torch.device) -> "torch.cuda.Stream":
@@ -202,6 +203,19 @@ class CodecStreams:
         if stream is None:
             stream = self._streams[key] = torch.cuda.Stream(device=key)
         return stream
+
+    def flags(self, device: torch.device) -> torch.Tensor:
+        """The unit path's device words of ``device`` (``_tagc.quant_unit_encode``'s
+        ``flags``: int32[2], zero between calls, which the kernels leave as they found
+        them).  One per device serves every unit: they all encode on its codec stream,
+        one call after another."""
+        key = torch.device(device).index
+        if key is None:
+            key = torch.cuda.current_device()
+        t = self._flags.get(key)
+        if t is None:
+            t = self._flags[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        return t
 
     @contextlib.contextmanager
     def around(self, *foreign: torch.Tensor) -> Iterator[None]:

@@ -58,6 +58,9 @@ class UnitReducer:
 
     # what a checkpoint's layout record calls this reducer's buffers (tagc/positions.py)
     FORM = "fsdp"
+    # whether eligible calls take the unit path (:meth:`_unit_eligible`); False: always
+    # the general one (the tests compare the two)
+    UNIT_PATH = True
 
     def __init__(self, cfg: TAGCConfig, spec: UnitSpec, group: Any, rank: int, world: int,
                  pre: float, post: float, streams: CodecStreams) -> None:
@@ -89,6 +92,10 @@ class UnitReducer:
         # the timing-based choice of path (cfg.bypass_every; compressed units only)
         self.bypass: Optional[Bypass] = \
             Bypass(cfg.bypass_every) if cfg.bypass_every and spec.compressed else None
+        # whether this call takes the unit path (set per call by _reduce)
+        self.unit_call = False
+        # CUDA: the unit path's residual reset flag (device int64, reused every call)
+        self._reset_out: Optional[torch.Tensor] = None
 
     # ----------------------------------------------------------------- feedback state
     @property
@@ -259,8 +266,10 @@ class UnitReducer:
         self.stats.add("default_wire_bytes", self.default_wire_bytes(inp))
         self.last_path = "plain"
         step = self.step
-        held = self._open_codes(dev)  # empty unless the residuals are kept as codes
-        reset = self._guard_residuals()
+        # the unit path decodes, guards and re-codes the residual inside its one call
+        self.unit_call = self._unit_eligible(dev, inp, out)
+        held = {} if self.unit_call else self._open_codes(dev)
+        reset = False if self.unit_call else self._guard_residuals()
         done = False
         try:
             self._route(comm, dev, inp, out)
@@ -303,8 +312,8 @@ class UnitReducer:
             self._plain(comm, inp, out)
             return
         if self.keeps_feedback and self.residual is None:
-            self.residual = torch.zeros(self.flat_numel, dtype=self.cfg.residual_dtype,
-                                        device=inp.device)
+            self.residual = self._zero_codes(inp.device) if self.unit_call else \
+                torch.zeros(self.flat_numel, dtype=self.cfg.residual_dtype, device=inp.device)
         if decision == "reset":
             # Outside the bypass's bookkeeping: a reset is neither path's timing, and
             # every rank skips that bookkeeping alike (the decision is the ranks' sum).
@@ -338,6 +347,9 @@ class UnitReducer:
 
     def _compressed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
         self.last_path = "compress"
+        if self.unit_call:
+            self._unit_quant(comm, dev, inp, out)
+            return
         self._apply_damping()
         f = self.cfg.residual_factor
         if f != 1.0 and self.residual is not None and not self.cfg.ef21:
@@ -355,6 +367,85 @@ class UnitReducer:
         if divisor != 1:
             acc.div_(divisor)
         out.copy_(acc)
+
+    def _unit_eligible(self, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether this call's compressed exchange takes the unit path
+        (:meth:`_unit_quant`): the quant transport with a coded residual and
+        nothing around it that needs the residual decoded (EF21, damping, the
+        guard, the bypass, another reducer's transport).  On the CPU with three
+        ranks or more the general path stays: it encodes shard r + 1 while
+        shard r travels (``Comm.stepped``).
+
+        Args:
+            dev: the call's device side.
+            inp, out: the call's tensors (``inp`` flat and contiguous).
+        Returns:
+            the decision, the same on every rank (it reads only the config, the
+            sizes and the device kind, which the ranks share).
+        """
+        cfg = self.cfg
+        if not (self.UNIT_PATH and self.keeps_feedback and cfg.mode == "quant"
+                and cfg.residual_code != "none" and not cfg.ef21 and not cfg.ef21_damping
+                and not self.guard_ratio and self.bypass is None
+                and codec.block_records(cfg.quant_format)
+                and type(self).transport is UnitReducer.transport
+                and type(self).after is UnitReducer.after
+                and self.world > 1 and (dev.cuda or self.world == 2)):
+            return False
+        s = out.numel()
+        return (s > 0 and s % cfg.quant_block == 0 and inp.numel() == self.world * s
+                and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
+                and inp.dtype in (torch.float32, torch.bfloat16)
+                and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr())
+
+    def _zero_codes(self, device: torch.device) -> torch.Tensor:
+        """The residual of the first compressed call as codes: zeros, coded."""
+        fmt, block = self.cfg.residual_code, self.cfg.quant_block
+        codes = torch.empty(memory.coded_bytes(self.flat_numel, fmt, block), dtype=torch.uint8,
+                            device=device)
+        kw = {"stream": torch.cuda.current_stream(device).cuda_stream} if codes.is_cuda else {}
+        codec._tagc.quant_encode(codes, None, torch.zeros(self.flat_numel, device=device),
+                                 fmt, block, **kw)
+        return codes
+
+    def _unit_quant(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """The quant transport with the residual kept as codes, one extension call per
+        side: ``_tagc.quant_unit_encode`` decodes the residual (reset when it is not
+        finite), scales it by ``residual_factor``, writes every other owner's message
+        and codes the residual back; ``_tagc.quant_unit_decode`` sums the own shard and
+        the received messages in rank order and divides.  The same bytes and values as
+        :meth:`_open_codes`, :meth:`_guard_residuals`, the ``quant`` transport, the
+        division and :meth:`_close_codes` one after another (tests/test_unit_path.py),
+        without the unit-sized fp32 working copy.  On CUDA the call's finite flag
+        (``dev.ok``) makes the encoder send NaN and keep the residual, as poisoning the
+        shards does on the general path.
+        """
+        cfg, n, s, rank = self.cfg, self.world, out.numel(), self.rank
+        fmt, rfmt, block = cfg.quant_format, cfg.residual_code, cfg.quant_block
+        nb = codec.quant_bytes(s, fmt, block)
+        buf = dev.empty("quant_send", (n, nb), torch.uint8, inp.device)
+        recv = dev.empty("quant_recv", (n, nb), torch.uint8, inp.device)
+        works = comm.post_recvs(recv)
+        if dev.cuda:
+            if self._reset_out is None:
+                self._reset_out = torch.empty(1, dtype=torch.int64, device=inp.device)
+            codec._tagc.quant_unit_encode(
+                buf, self.residual, inp, n, rank, fmt, rfmt, block, cfg.residual_factor,
+                reset_out=self._reset_out, ok=dev.ok.view(torch.uint8),
+                flags=self.streams.flags(inp.device), **dev.kw)
+            self.stats.add("residual_resets", self._reset_out)
+        elif codec._tagc.quant_unit_encode(buf, self.residual, inp, n, rank, fmt, rfmt, block,
+                                           cfg.residual_factor):
+            self.stats.add("residual_resets", 1)
+            logger.warning("TAGC: unit %r: residual not finite, reset to zero (what it owed "
+                           "is dropped)", self.name)
+        for r in comm.ring()[:-1]:
+            comm.post_send(works, buf, recv, r)
+        comm.wait(works)
+        codec._tagc.quant_unit_decode(out, recv, inp[rank * s:(rank + 1) * s], n, rank, fmt,
+                                      block, self.pre * self.post, **dev.kw)
+        self.stats.add("union_size", s, dev.ok)
+        self.stats.add("shard_slots", s, dev.ok)
 
     def _bypassed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
         """The plain reduce-scatter in place of compression (tagc/bypass.py)."""
@@ -523,7 +614,7 @@ class UnitReducer:
             self.stats.add("nonfinite_fallbacks", bad)
             dev.ok = ~bad
             self.stats.add("compressed_calls", dev.ok)
-            if self.cfg.compresses:
+            if self.cfg.compresses and not self.unit_call:  # the unit path poisons itself
                 poison_nonfinite(inp.view(self.shards_in(inp), -1), bad)
             return True
         flag = torch.zeros(1, dtype=torch.int32, device=inp.device)

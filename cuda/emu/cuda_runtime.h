@@ -334,6 +334,12 @@ static inline void __syncwarp(void) { tagc_emu_warp_sync(); }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+
+/* Blocks run one after another: a fence orders nothing more than program
+ * order already does, but the compiler must not move memory accesses
+ * across it. */
+static inline void __threadfence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 /* CUDA's 16-byte vector type (vector_types.h), for the kernels' wide loads */
 struct alignas(16) float4 {

@@ -10,6 +10,7 @@
  */
 #include "tagc_args.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -574,6 +575,149 @@ static PyObject *py_quant_decode_add(PyObject *m, PyObject *args, PyObject *kw)
     TAGC_END_NONE(TAGC_ERR_CORRUPT,
                   "buf holds a code outside the format "
                   "(out untouched)");
+}
+
+/* ---- one unit at a time: the quant transport with a coded residual ----- */
+
+/* world in [1, TAGC_MAX_N], rank in [0, world), and grad.numel() split into
+ * world shards: the shard's length in *shard. */
+static int arg_unit(const char *fn, PyObject *oworld, PyObject *orank, int64_t numel,
+                    int64_t *world, int64_t *rank, int64_t *shard)
+{
+    if (tagc_py_arg_range(fn, oworld, "world", 1, TAGC_MAX_N, world) < 0 ||
+        tagc_py_arg_range(fn, orank, "rank", 0, *world - 1, rank) < 0)
+        return -1;
+    if (numel % *world != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %lld values do not split into world = %lld shards",
+                     fn, (long long)numel, (long long)*world);
+        return -1;
+    }
+    *shard = numel / *world;
+    return 0;
+}
+
+static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"buf", "rcodes", "grad", "world", "rank", "format",
+                          "residual_format", "block", "factor", "reset_out", "ok", "flags",
+                          "stream", NULL};
+    PyObject *obuf, *orc, *ograd, *oworld, *orank, *ofmt, *orfmt, *oblock;
+    PyObject *oreset = NULL, *ook = NULL, *oflags = NULL, *ostream = NULL;
+    double factor;
+    TAGC_BEGIN("quant_unit_encode");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOd|$OOOO", kwl, &obuf, &orc, &ograd,
+                                     &oworld, &orank, &ofmt, &orfmt, &oblock, &factor,
+                                     &oreset, &ook, &oflags, &ostream))
+        return NULL;
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    tagc_qformat fmt, rfmt;
+    int64_t block, world, rank, shard;
+    int v;
+    TAGC_CHECK(arg_quant(fn, ofmt, oblock, 0, &fmt, &block));
+    TAGC_CHECK(arg_enum(fn, orfmt, "residual_format", QFORMAT_NAMES,
+                        "'sign', 'ternary', 'int4' or 'int8'", &v));
+    rfmt = (tagc_qformat)v;
+    if (!(factor >= 0.0 && factor <= 1.0)) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'factor' must be in [0, 1], got %g", fn,
+                     factor);
+        goto done;
+    }
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE(rc, orc, "rcodes", TAGC_K_U8);
+    TAGC_TAKE(grad, ograd, "grad", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE_OPT(reset, has_reset, oreset, "reset_out", TAGC_K_I64);
+    TAGC_TAKE_OPT(ok, has_ok, ook, "ok", TAGC_K_U8);
+    TAGC_TAKE_OPT(flags, has_flags, oflags, "flags", TAGC_K_I32);
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, grad));
+    TAGC_CHECK(arg_unit(fn, oworld, orank, grad->numel, &world, &rank, &shard));
+    if (shard % block != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: the shard of %lld values is not a whole number of blocks of %lld "
+                     "(a residual record would straddle two shards)",
+                     fn, (long long)shard, (long long)block);
+        goto done;
+    }
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, world * tagc_quant_bytes(shard, fmt, block), 0,
+                                 "world * quant_bytes(grad.numel() // world, format, block)"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, rc, tagc_quant_bytes(grad->numel, rfmt, block), 1,
+                                 "quant_bytes(grad.numel(), residual_format, block)"));
+    TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, reset, has_reset));
+    TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, ok, has_ok));
+    if (has_flags)
+        TAGC_CHECK(tagc_py_need_size(&vs_, flags, 2, 1, "2 (the guard's flag and a count)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_reset, "reset_out"));
+    TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_flags, "flags"));
+    int reset_here = 0;
+    if (dev == TAGC_DEV_CUDA) {
+        TAGC_RUN_CUDA(grad, 0, tagc_cuda_quant_unit_encode(
+                                   buf->data, buf->numel, rc->data, rc->numel, grad->data,
+                                   tagc_py_codec_dtype(grad->kind), shard, world, rank, fmt,
+                                   rfmt, block, (float)factor, reset->data, ok->data,
+                                   flags->data, strm_));
+    } else {
+        TAGC_RUN(tagc_quant_unit_encode(buf->data, buf->numel, rc->data, rc->numel, grad->data,
+                                        tagc_py_codec_dtype(grad->kind), shard, world, rank,
+                                        fmt, rfmt, block, (float)factor, &reset_here));
+    }
+    if (st != TAGC_OK) {
+        tagc_py_raise_status(m, fn, st,
+                             st == TAGC_ERR_NONFINITE
+                                 ? "grad + residual holds NaN or Inf (rcodes untouched)"
+                             : st == TAGC_ERR_CORRUPT
+                                 ? "rcodes holds a code outside residual_format "
+                                   "(rcodes untouched)"
+                                 : NULL);
+        goto done;
+    }
+    ret = dev == TAGC_DEV_CUDA ? tagc_py_none_result()
+                               : tagc_py_int_result(reset, has_reset, reset_here);
+done:
+    tagc_py_views_release(&vs_);
+    return ret;
+}
+
+static PyObject *py_quant_unit_decode(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"out", "buf", "own", "world", "rank", "format", "block", "divisor",
+                          "stream", NULL};
+    PyObject *oout, *obuf, *oown, *oworld, *orank, *ofmt, *oblock, *ostream = NULL;
+    double divisor;
+    TAGC_BEGIN("quant_unit_decode");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOd|$O", kwl, &oout, &obuf, &oown,
+                                     &oworld, &orank, &ofmt, &oblock, &divisor, &ostream))
+        return NULL;
+    TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
+    tagc_qformat fmt;
+    int64_t block, world, rank, shard;
+    TAGC_CHECK(arg_quant(fn, ofmt, oblock, 0, &fmt, &block));
+    if (!(fabs(divisor) <= FLT_MAX) || (float)divisor == 0.0f) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument 'divisor' must be finite and nonzero in float32, got %g",
+                     fn, divisor);
+        goto done;
+    }
+    TAGC_TAKE(out, oout, "out", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
+    TAGC_TAKE(own, oown, "own", TAGC_K_F32 | TAGC_K_BF16);
+    TAGC_CHECK(tagc_py_need_max_n(&vs_, out));
+    TAGC_CHECK(tagc_py_arg_range(fn, oworld, "world", 1, TAGC_MAX_N, &world));
+    TAGC_CHECK(tagc_py_arg_range(fn, orank, "rank", 0, world - 1, &rank));
+    shard = out->numel;
+    TAGC_CHECK(tagc_py_need_size(&vs_, own, shard, 1, "out.numel()"));
+    TAGC_CHECK(tagc_py_need_size(&vs_, buf, world * tagc_quant_bytes(shard, fmt, block), 1,
+                                 "world * quant_bytes(out.numel(), format, block)"));
+    int dev = tagc_py_common_device(&vs_);
+    TAGC_CHECK(dev);
+    /* CUDA: a code outside the format decodes to NaN (tagc_cuda.h) */
+    TAGC_RUN_BOTH(dev, out, 0, quant_unit_decode,
+                  (out->data, tagc_py_codec_dtype(out->kind), shard, buf->data, buf->numel,
+                   own->data, tagc_py_codec_dtype(own->kind), world, rank, fmt, block,
+                   (float)divisor),
+                  strm_);
+    TAGC_END_NONE(TAGC_ERR_CORRUPT,
+                  "a row of buf holds a code outside the format (out untouched)");
 }
 
 /* ---- 4-bit codes (fp4) and the block rotation ---------------------------- */
@@ -1257,6 +1401,17 @@ static PyMethodDef methods[] = {
     KW(quant_decode_add, SIG(quant_decode_add,
                              "out, buf, format, block, *, stream=0, status_out=None",
                              "out += the decoded values of one quantized shard.")),
+    KW(quant_unit_encode,
+       SIG(quant_unit_encode,
+           "buf, rcodes, grad, world, rank, format, residual_format, block, factor, *, "
+           "reset_out=None, ok=None, flags=None, stream=0",
+           "One unit's quant messages to every other rank, with the residual kept as codes "
+           "(rcodes, updated): decode, feed back, encode, re-code in one call.  Returns "
+           "whether the residual was reset (CPU without reset_out).")),
+    KW(quant_unit_decode,
+       SIG(quant_unit_decode, "out, buf, own, world, rank, format, block, divisor, *, stream=0",
+           "out = (the own shard + every other rank's decoded message, in rank order) / "
+           "divisor.")),
     KW(wq_bytes, SIG(wq_bytes, "segs, format, block",
                      "Wire size of one rank's parameter shard (segments segs) as a wq message.")),
     KW(wq_encode, SIG(wq_encode, "buf, src, segs, format, block, *, stream=0, status_out=None",

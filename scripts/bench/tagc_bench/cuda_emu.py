@@ -60,6 +60,10 @@ SIGS = {
     "tagc_cuda_quant_encode": (INT, [VP, I64, VP, INT, VP, INT, I64, INT, I64, VP, SZ, VP]),
     "tagc_cuda_quant_decode_add_workspace_size": (SZ, []),
     "tagc_cuda_quant_decode_add": (INT, [VP, I64, VP, I64, INT, I64, VP, VP, SZ, VP]),
+    "tagc_cuda_quant_unit_encode": (INT, [VP, I64, VP, I64, VP, INT, I64, I64, I64, INT, INT,
+                                          I64, C.c_float, VP, VP, VP, VP]),
+    "tagc_cuda_quant_unit_decode": (INT, [VP, INT, I64, VP, I64, VP, INT, I64, I64, INT, I64,
+                                          C.c_float, VP]),
     "tagc_cuda_pairs_pack_workspace_size": (SZ, []),
     "tagc_cuda_pairs_pack": (INT, [VP, I64, VP, VP, INT, I64, I64, INT, VP, VP, SZ, VP]),
     "tagc_cuda_pairs_unpack_add_workspace_size": (SZ, [I64, I64]),
@@ -266,6 +270,21 @@ class EmuOps:
         w = ws(self.lib.tagc_cuda_quant_decode_add_workspace_size())
         self._run("tagc_cuda_quant_decode_add", P(out), out.numel(), P(buf), buf.numel(),
                   QFORMAT[format], block, P(status_out), P(w), w.numel(), None)
+
+    def quant_unit_encode(self, buf: torch.Tensor, rcodes: torch.Tensor, grad: torch.Tensor,
+                          world: int, rank: int, format: str, residual_format: str, block: int,
+                          factor: float, *, reset_out: torch.Tensor, flags: torch.Tensor,
+                          ok: Optional[torch.Tensor] = None, stream: int = 0) -> None:
+        self._run("tagc_cuda_quant_unit_encode", P(buf), buf.numel(), P(rcodes), rcodes.numel(),
+                  P(grad), DT[grad.dtype], grad.numel() // world, world, rank, QFORMAT[format],
+                  QFORMAT[residual_format], block, factor, P(reset_out), P(ok), P(flags), None)
+
+    def quant_unit_decode(self, out: torch.Tensor, buf: torch.Tensor, own: torch.Tensor,
+                          world: int, rank: int, format: str, block: int, divisor: float, *,
+                          stream: int = 0) -> None:
+        self._run("tagc_cuda_quant_unit_decode", P(out), DT[out.dtype], out.numel(), P(buf),
+                  buf.numel(), P(own), DT[own.dtype], world, rank, QFORMAT[format], block,
+                  divisor, None)
 
     def pairs_pack(self, buf: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, n: int,
                    coding: str, *, stream: int = 0,
