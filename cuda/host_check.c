@@ -120,9 +120,9 @@ int main(void)
     EXPECT(tagc_cuda_quant_decode_add(tau, 100, bm, 58, TAGC_Q_INT4, 64, NULL, NULL, 0, s),
            TAGC_ERR_ARG);
     /* one unit of 2 shards of 64 int4 values: rows of 4 + 32 bytes, residual codes 72 */
-#define UNIT_ENC(cap, rbytes, shard, block, factor, reset)                                  \
+#define UNIT_ENC(cap, rbytes, shard, block, factor, counts)                                 \
     tagc_cuda_quant_unit_encode(bm, cap, bm, rbytes, d, TAGC_F32, shard, 2, 0, TAGC_Q_INT4, \
-                                TAGC_Q_INT4, block, factor, reset, NULL, idx, s)
+                                TAGC_Q_INT4, block, factor, counts, NULL, idx, s)
     EXPECT(UNIT_ENC(71, 72, 64, 64, 0.5f, cnt), TAGC_ERR_CAPACITY);
     EXPECT(UNIT_ENC(72, 71, 64, 64, 0.5f, cnt), TAGC_ERR_RANGE);
     EXPECT(UNIT_ENC(72, 72, 64, 48, 0.5f, cnt), TAGC_ERR_RANGE);

@@ -11,8 +11,8 @@
  * updates the residual and writes it back as codes over the record it read.
  * The values are never stored: each pass recomputes them from the same
  * inputs with the same _rn arithmetic, so they are the same bits every time
- * and the same as csrc/quant.c's.  The last block to finish hands flags[0]
- * to *reset and leaves flags at zero for the next call on the stream.
+ * and the same as csrc/quant.c's.  The last block to finish counts the call
+ * (and a reset) and leaves flags at zero for the next call on the stream.
  */
 #include <float.h>
 
@@ -122,7 +122,7 @@ static __global__ void quant_unit_encode_kernel(uint8_t *dst, int64_t nb, uint8_
                                                 int64_t world, int64_t rank, int fmt,
                                                 int rfmt, int64_t block, float factor,
                                                 const uint8_t *ok, int32_t *flags,
-                                                int64_t *reset)
+                                                int64_t *counts)
 {
     const int64_t per = shard / block, nrec = world * per;
     const int64_t rg = tagc_q_record_bytes(block, fmt), rr = tagc_q_record_bytes(block, rfmt);
@@ -171,12 +171,13 @@ static __global__ void quant_unit_encode_kernel(uint8_t *dst, int64_t nb, uint8_
         if (lane == 0)
             tagc_st_scale(rrec, s2);
     }
-    /* the last block out hands the guard's verdict over and clears flags */
+    /* the last block out counts the call and clears flags */
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd((unsigned *)&flags[1], 1u) == gridDim.x - 1) {
-            *reset = flags[0] != 0;
+            counts[poisoned ? 1 : 0] += 1;
+            counts[2] += zero;
             flags[0] = 0;
             flags[1] = 0;
         }
@@ -221,11 +222,11 @@ extern "C" tagc_status tagc_cuda_quant_unit_encode(uint8_t *dst, int64_t dst_cap
                                                    int64_t shard, int64_t world, int64_t rank,
                                                    tagc_qformat format,
                                                    tagc_qformat residual_format, int64_t block,
-                                                   float factor, int64_t *reset,
+                                                   float factor, int64_t *counts,
                                                    const uint8_t *ok, int32_t *flags,
                                                    cudaStream_t stream)
 {
-    if (reset == NULL || flags == NULL)
+    if (counts == NULL || flags == NULL)
         return TAGC_ERR_ARG;
     int64_t nb = 0;
     tagc_status st = tagc_check_quant_unit_encode(dst, dst_capacity, rcodes, rcodes_bytes, grad,
@@ -234,13 +235,13 @@ extern "C" tagc_status tagc_cuda_quant_unit_encode(uint8_t *dst, int64_t dst_cap
                                                   factor, &nb);
     if (st != TAGC_OK)
         return st;
-    int64_t nrec = world * shard / block; /* 0: the kernels still run, to write *reset */
+    int64_t nrec = world * shard / block; /* 0: the kernels still run, to count the call */
     quant_unit_guard_kernel<<<tagc_grid(nrec, TAGC_THREADS), TAGC_THREADS, 0, stream>>>(
         flags, rcodes, nrec, (int)residual_format, block);
     TAGC_CUDA_LAUNCHED();
     quant_unit_encode_kernel<<<tagc_grid(nrec, UNIT_WARPS), TAGC_THREADS, 0, stream>>>(
         dst, nb, rcodes, grad, (int)grad_dtype, shard, world, rank, (int)format,
-        (int)residual_format, block, factor, ok, flags, reset);
+        (int)residual_format, block, factor, ok, flags, counts);
     TAGC_CUDA_LAUNCHED();
     return TAGC_OK;
 }

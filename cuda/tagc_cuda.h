@@ -254,11 +254,13 @@ tagc_status tagc_cuda_quant_decode_add(float *out, int64_t n,
  * tagc_cuda_quant_unit_encode - as tagc_quant_unit_encode, the same bytes
  *   and residual codes, in two kernels (cuda/quant_unit.cu) with no
  *   workspace and no memset:
- *     reset   DEVICE int64, written: 1 when the residual was reset, else 0;
+ *     counts  DEVICE int64[3], added to: [0] += 1 for a call that encoded,
+ *             [1] += 1 for a poisoned one, [2] += 1 when the residual was
+ *             reset (the hook's counters, kept without a kernel of their own);
  *     ok      DEVICE byte or NULL: when it holds 0 (a rank's gradient was
  *             not finite) every message record gets a NaN scale and zero
  *             codes, as tagc_cuda_quant_encode gives a poisoned shard, and
- *             rcodes is left as it was (reset is still reported);
+ *             rcodes is left as it was (a reset is still counted);
  *     flags   DEVICE int32[2], zero before the call and left zero after it
  *             (the guard's verdict and the blocks' finishing count): one per
  *             stream, as calls on a stream never overlap.
@@ -271,7 +273,7 @@ tagc_status tagc_cuda_quant_unit_encode(uint8_t *dst, int64_t dst_capacity,
                                         const void *grad, tagc_dtype grad_dtype,
                                         int64_t shard, int64_t world, int64_t rank,
                                         tagc_qformat format, tagc_qformat residual_format,
-                                        int64_t block, float factor, int64_t *reset,
+                                        int64_t block, float factor, int64_t *counts,
                                         const uint8_t *ok, int32_t *flags,
                                         cudaStream_t stream);
 

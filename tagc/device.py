@@ -50,6 +50,25 @@ def nonfinite(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t.sum(dtype=acc))
 
 
+def nonfinite_vote(t: torch.Tensor) -> torch.Tensor:
+    """This rank's vote on whether ``t`` is finite, for a SUM all-reduce (CUDA).
+
+    A 1-element tensor, 0 when :func:`nonfinite` would say finite, NaN otherwise
+    (``s - s`` of the sum ``s``: 0 for a finite ``s``, NaN for an infinite or NaN one).
+    NaN absorbs the sum, so the ranks' votes add up to 0 exactly when every rank's
+    gradient is finite; two kernels (the sum, the difference) where ``nonfinite`` and a
+    cast take six on a GPU, whose host enqueues each (issue 57).
+
+    Args:
+        t: a floating tensor.
+    Returns:
+        the vote (float32; float64 for float64 ``t``).
+    """
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    s = t.sum(dtype=acc).reshape(1)
+    return s.sub_(s)
+
+
 def poison_nonfinite(grad2d: torch.Tensor, bad: torch.Tensor) -> None:
     """If ``bad``, write NaN into element 0 of every shard (row) of ``grad2d``, in place.
 
@@ -205,16 +224,14 @@ class CodecStreams:
         return stream
 
     def flags(self, device: torch.device) -> torch.Tensor:
-        """The unit path's device words of ``device`` (``_tagc.quant_unit_encode``'s
+        """The unit path's device words of ``device``, a tensor's device (``_tagc.quant_unit_encode``'s
         ``flags``: int32[2], zero between calls, which the kernels leave as they found
         them).  One per device serves every unit: they all encode on its codec stream,
         one call after another."""
-        key = torch.device(device).index
-        if key is None:
-            key = torch.cuda.current_device()
+        key = torch.device(device)  # a tensor's device: its index is set
         t = self._flags.get(key)
         if t is None:
-            t = self._flags[key] = torch.zeros(2, dtype=torch.int32, device=device)
+            t = self._flags[key] = torch.zeros(2, dtype=torch.int32, device=key)
         return t
 
     @contextlib.contextmanager

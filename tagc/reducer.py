@@ -19,11 +19,14 @@ from . import codec, memory, transports
 from .bypass import Bypass
 from .comm import Comm
 from .config import TAGCConfig
-from .device import CodecStreams, Exec, nonfinite, poison_nonfinite
+from .device import CodecStreams, Exec, nonfinite, nonfinite_vote, poison_nonfinite
 from .selection import UnitSpec
 from .stats import UnitStats
 
 logger = logging.getLogger("tagc_hook")
+
+# what _tagc.quant_unit_encode's kernel counts on CUDA, in its order
+UNIT_COUNTS = ("compressed_calls", "nonfinite_fallbacks", "residual_resets")
 
 
 def send_owed(dev: Exec, g: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -94,8 +97,6 @@ class UnitReducer:
             Bypass(cfg.bypass_every) if cfg.bypass_every and spec.compressed else None
         # whether this call takes the unit path (set per call by _reduce)
         self.unit_call = False
-        # CUDA: the unit path's residual reset flag (device int64, reused every call)
-        self._reset_out: Optional[torch.Tensor] = None
 
     # ----------------------------------------------------------------- feedback state
     @property
@@ -173,7 +174,7 @@ class UnitReducer:
                 codes.copy_(dev.keep(new, codes))
             setattr(self, name, codes)
 
-    def _guard_residuals(self) -> bool:
+    def _guard_residuals(self, dev: Exec) -> bool:
         """Reset every residual that is not finite, before the call uses it.
 
         A residual is this rank's own unsent error: a NaN or Inf there (a corrupted
@@ -184,6 +185,8 @@ class UnitReducer:
         there EF21's guard (``guard_ratio``, on by default with it) settles every
         rank together instead.
 
+        Args:
+            dev: the call's device side.
         Returns:
             whether a residual was reset (CPU; on CUDA the reset and its count stay on
             the device, no host sync, and False is returned).
@@ -196,7 +199,7 @@ class UnitReducer:
             if r is None or not r.is_floating_point():
                 continue
             bad = ~torch.isfinite(r).all()
-            if r.is_cuda:
+            if dev.cuda:
                 r.masked_fill_(bad, 0)
                 self.stats.add("residual_resets", bad)
                 continue
@@ -269,7 +272,7 @@ class UnitReducer:
         # the unit path decodes, guards and re-codes the residual inside its one call
         self.unit_call = self._unit_eligible(dev, inp, out)
         held = {} if self.unit_call else self._open_codes(dev)
-        reset = False if self.unit_call else self._guard_residuals()
+        reset = False if self.unit_call else self._guard_residuals(dev)
         done = False
         try:
             self._route(comm, dev, inp, out)
@@ -427,13 +430,11 @@ class UnitReducer:
         recv = dev.empty("quant_recv", (n, nb), torch.uint8, inp.device)
         works = comm.post_recvs(recv)
         if dev.cuda:
-            if self._reset_out is None:
-                self._reset_out = torch.empty(1, dtype=torch.int64, device=inp.device)
+            counts = self.stats.vector(UNIT_COUNTS, inp.device)
             codec._tagc.quant_unit_encode(
                 buf, self.residual, inp, n, rank, fmt, rfmt, block, cfg.residual_factor,
-                reset_out=self._reset_out, ok=dev.ok.view(torch.uint8),
+                counts=counts, ok=dev.ok.view(torch.uint8),
                 flags=self.streams.flags(inp.device), **dev.kw)
-            self.stats.add("residual_resets", self._reset_out)
         elif codec._tagc.quant_unit_encode(buf, self.residual, inp, n, rank, fmt, rfmt, block,
                                            cfg.residual_factor):
             self.stats.add("residual_resets", 1)
@@ -608,13 +609,15 @@ class UnitReducer:
         (identically on every rank, so the seeds still agree)."""
         dev = comm.dev
         if dev.cuda:
-            flag = nonfinite(inp).to(torch.int32).reshape(1)
-            comm.all_reduce(flag, control=True)
-            bad = flag > 0
+            vote = nonfinite_vote(inp)
+            comm.all_reduce(vote, control=True)
+            dev.ok = vote == 0
+            if self.unit_call:  # its kernel poisons and counts
+                return True
+            bad = ~dev.ok
             self.stats.add("nonfinite_fallbacks", bad)
-            dev.ok = ~bad
             self.stats.add("compressed_calls", dev.ok)
-            if self.cfg.compresses and not self.unit_call:  # the unit path poisons itself
+            if self.cfg.compresses:
                 poison_nonfinite(inp.view(self.shards_in(inp), -1), bad)
             return True
         flag = torch.zeros(1, dtype=torch.int32, device=inp.device)

@@ -7,7 +7,7 @@ hot path never waits for the GPU.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -38,6 +38,7 @@ class UnitStats:
         """Zero everything."""
         self.counters: Dict[str, float] = {c: 0 for c in COUNTERS}
         self.device: Dict[str, torch.Tensor] = {}
+        self.vectors: Dict[Tuple[str, ...], torch.Tensor] = {}
         self.collectives: Dict[str, Dict[str, int]] = {}
 
     def add(self, name: str, value: Union[int, float, torch.Tensor],
@@ -59,6 +60,22 @@ class UnitStats:
             self.device[name] = v if acc is None else acc.add_(v)
         else:
             self.counters[name] += value
+
+    def vector(self, names: Tuple[str, ...], device: torch.device) -> torch.Tensor:
+        """A device int64 vector that kernels add to directly, entry i counting
+        ``names[i]`` (created zero on first use): the counts of a call without a
+        torch op of their own (``_tagc.quant_unit_encode``'s ``counts``).
+
+        Args:
+            names: counters of :data:`COUNTERS`.
+            device: the CUDA device.
+        Returns:
+            the vector, read by :meth:`as_dict`.
+        """
+        t = self.vectors.get(names)
+        if t is None:
+            t = self.vectors[names] = torch.zeros(len(names), dtype=torch.int64, device=device)
+        return t
 
     def record(self, op: str, handed: int, wire: float, control: bool = False) -> None:
         """One tensor handed to ``torch.distributed``.
@@ -86,6 +103,9 @@ class UnitStats:
         for name, t in self.device.items():
             v = float(t.item())
             d[name] += int(v) if name != "collision_dropped_l1" else v
+        for names, t in self.vectors.items():
+            for name, v in zip(names, t.tolist()):
+                d[name] += v
         d["collectives"] = {k: dict(v) for k, v in self.collectives.items()}
         derive(d)
         return d

@@ -134,10 +134,8 @@ def test_nonfinite_residual_is_reset() -> None:
     codes[2 * rec:2 * rec + 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # NaN
     want_buf, want_codes, want_reset = encode_ref(grad, codes, 2, 0, "int4", "int4", 64, 0.5)
     buf = torch.empty_like(want_buf)
-    reset = torch.zeros(1, dtype=torch.int64)
-    assert _tagc.quant_unit_encode(buf, codes, grad, 2, 0, "int4", "int4", 64, 0.5,
-                                   reset_out=reset) is None
-    assert int(reset) == want_reset == 1
+    assert _tagc.quant_unit_encode(buf, codes, grad, 2, 0, "int4", "int4", 64, 0.5) == 1
+    assert want_reset == 1
     assert torch.equal(buf[1], want_buf[1]) and torch.equal(codes, want_codes)
 
 
@@ -216,8 +214,13 @@ def test_bad_arguments_raise() -> None:
         enc(2, grad.double())
     with pytest.raises(TypeError, match="rcodes"):
         enc(1, codes.to(torch.int32))
-    with pytest.raises(ValueError, match="reset_out"):
-        _tagc.quant_unit_encode(*args, reset_out=torch.zeros(2, dtype=torch.int64))
+    for cuda_only in ({"counts": torch.zeros(3, dtype=torch.int64)},
+                      {"ok": torch.ones(1, dtype=torch.uint8)},
+                      {"flags": torch.zeros(2, dtype=torch.int32)}):
+        with pytest.raises(ValueError, match="for CUDA tensors"):
+            _tagc.quant_unit_encode(*args, **cuda_only)
+    with pytest.raises(ValueError, match="counts"):
+        _tagc.quant_unit_encode(*args, counts=torch.zeros(2, dtype=torch.int64))
     out = torch.empty(128)
     with pytest.raises(ValueError, match="divisor"):
         _tagc.quant_unit_decode(out, buf, grad[:128], 2, 0, "int4", 64, 0.0)
@@ -243,8 +246,8 @@ def emu(cuda_emu_library: Path):
 def test_cuda_twin_writes_the_c_bytes(emu, world: int, blocks: int, block: int, fmt: str,
                                       rfmt: str, dtype: torch.dtype, factor: float) -> None:
     """Bit for bit the C op's messages, residual codes and sums; flags left at zero;
-    a poisoned call (ok = 0) sends what the general CUDA encode sends for a NaN shard
-    and keeps the residual."""
+    the call counted; a poisoned call (ok = 0) sends what the general CUDA encode sends
+    for a NaN shard and keeps the residual."""
     flags = torch.zeros(2, dtype=torch.int32)
     for rank in range(world):
         grad, codes = case(world, blocks, block, dtype, rfmt, seed=world + 7 * rank)
@@ -256,11 +259,12 @@ def test_cuda_twin_writes_the_c_bytes(emu, world: int, blocks: int, block: int, 
         for ok in (1, 0):
             ebuf = torch.zeros_like(buf)
             got = codes.clone()
-            reset = torch.full((1,), 9, dtype=torch.int64)
+            counts = torch.tensor([5, 6, 7])
             emu.quant_unit_encode(ebuf, got, grad, world, rank, fmt, rfmt, block, factor,
-                                  reset_out=reset, flags=flags,
+                                  counts=counts, flags=flags,
                                   ok=torch.tensor([ok], dtype=torch.uint8))
-            assert flags.tolist() == [0, 0] and int(reset) == want_reset
+            assert flags.tolist() == [0, 0]
+            assert counts.tolist() == [5 + ok, 6 + 1 - ok, 7 + want_reset]
             others = [r for r in range(world) if r != rank]
             if ok:
                 assert torch.equal(ebuf[others], buf[others]) and torch.equal(got, want_codes)
@@ -291,10 +295,10 @@ def test_cuda_twin_resets_as_the_c_op(emu) -> None:
     buf = torch.zeros(2, _tagc.quant_bytes(128, "int4", 64), dtype=torch.uint8)
     assert _tagc.quant_unit_encode(buf, want, grad, 2, 1, "int4", "int4", 64, 0.5) == 1
     ebuf, flags = torch.zeros_like(buf), torch.zeros(2, dtype=torch.int32)
-    reset = torch.zeros(1, dtype=torch.int64)
-    emu.quant_unit_encode(ebuf, codes, grad, 2, 1, "int4", "int4", 64, 0.5, reset_out=reset,
+    counts = torch.zeros(3, dtype=torch.int64)
+    emu.quant_unit_encode(ebuf, codes, grad, 2, 1, "int4", "int4", 64, 0.5, counts=counts,
                           flags=flags)
-    assert int(reset) == 1 and flags.tolist() == [0, 0]
+    assert counts.tolist() == [1, 0, 1] and flags.tolist() == [0, 0]
     assert torch.equal(ebuf[0], buf[0]) and torch.equal(codes, want)
 
 

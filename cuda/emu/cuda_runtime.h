@@ -49,6 +49,18 @@ struct tagc_emu_dim3 {
 /* inline (C++17): one instance shared by every translation unit. */
 inline tagc_emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 inline cudaError_t tagc_emu_last = cudaSuccess;
+/* What a launcher asked of the runtime since the library was loaded: kernel
+ * launches and memsets (tagc_emu_counters; the host-cost proxy of
+ * scripts/bench/tagc_bench/host_counts.py reads them around each call). */
+inline long long tagc_emu_launches = 0, tagc_emu_memsets = 0;
+
+/* `used`: emitted (as one merged weak symbol) although no kernel calls it. */
+extern "C" __attribute__((used, visibility("default"))) inline void
+tagc_emu_counters(long long *out)
+{
+    out[0] = tagc_emu_launches;
+    out[1] = tagc_emu_memsets;
+}
 
 static inline cudaError_t cudaGetLastError(void)
 {
@@ -60,6 +72,7 @@ static inline cudaError_t cudaGetLastError(void)
 static inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s)
 {
     (void)s;
+    tagc_emu_memsets++;
     memset(p, v, n);
     return cudaSuccess;
 }
@@ -179,6 +192,7 @@ static inline void tagc_emu_launch(unsigned grid, unsigned block, size_t smem,
 {
     (void)smem;
     (void)stream;
+    tagc_emu_launches++;
     if (grid == 0 || block == 0 || block > 1024 || block % 32 != 0) {
         tagc_emu_last = cudaErrorInvalidValue;
         return;

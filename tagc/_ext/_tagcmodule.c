@@ -599,15 +599,15 @@ static int arg_unit(const char *fn, PyObject *oworld, PyObject *orank, int64_t n
 static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"buf", "rcodes", "grad", "world", "rank", "format",
-                          "residual_format", "block", "factor", "reset_out", "ok", "flags",
+                          "residual_format", "block", "factor", "counts", "ok", "flags",
                           "stream", NULL};
     PyObject *obuf, *orc, *ograd, *oworld, *orank, *ofmt, *orfmt, *oblock;
-    PyObject *oreset = NULL, *ook = NULL, *oflags = NULL, *ostream = NULL;
+    PyObject *ocounts = NULL, *ook = NULL, *oflags = NULL, *ostream = NULL;
     double factor;
     TAGC_BEGIN("quant_unit_encode");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOd|$OOOO", kwl, &obuf, &orc, &ograd,
                                      &oworld, &orank, &ofmt, &orfmt, &oblock, &factor,
-                                     &oreset, &ook, &oflags, &ostream))
+                                     &ocounts, &ook, &oflags, &ostream))
         return NULL;
     TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
     tagc_qformat fmt, rfmt;
@@ -625,7 +625,7 @@ static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
     TAGC_TAKE(buf, obuf, "buf", TAGC_K_U8);
     TAGC_TAKE(rc, orc, "rcodes", TAGC_K_U8);
     TAGC_TAKE(grad, ograd, "grad", TAGC_K_F32 | TAGC_K_BF16);
-    TAGC_TAKE_OPT(reset, has_reset, oreset, "reset_out", TAGC_K_I64);
+    TAGC_TAKE_OPT(counts, has_counts, ocounts, "counts", TAGC_K_I64);
     TAGC_TAKE_OPT(ok, has_ok, ook, "ok", TAGC_K_U8);
     TAGC_TAKE_OPT(flags, has_flags, oflags, "flags", TAGC_K_I32);
     TAGC_CHECK(tagc_py_need_max_n(&vs_, grad));
@@ -641,20 +641,27 @@ static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
                                  "world * quant_bytes(grad.numel() // world, format, block)"));
     TAGC_CHECK(tagc_py_need_size(&vs_, rc, tagc_quant_bytes(grad->numel, rfmt, block), 1,
                                  "quant_bytes(grad.numel(), residual_format, block)"));
-    TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, reset, has_reset));
     TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, ok, has_ok));
+    if (has_counts)
+        TAGC_CHECK(tagc_py_need_size(&vs_, counts, 3, 1, "3 (encoded, poisoned, reset)"));
     if (has_flags)
         TAGC_CHECK(tagc_py_need_size(&vs_, flags, 2, 1, "2 (the guard's flag and a count)"));
     int dev = tagc_py_common_device(&vs_);
     TAGC_CHECK(dev);
-    TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_reset, "reset_out"));
+    TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_counts, "counts"));
     TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_flags, "flags"));
+    if (dev == TAGC_DEV_CPU && (has_counts || has_ok || has_flags)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: counts, ok and flags are for CUDA tensors (on the CPU a non-finite "
+                     "value raises and the reset is returned)", fn);
+        goto done;
+    }
     int reset_here = 0;
     if (dev == TAGC_DEV_CUDA) {
         TAGC_RUN_CUDA(grad, 0, tagc_cuda_quant_unit_encode(
                                    buf->data, buf->numel, rc->data, rc->numel, grad->data,
                                    tagc_py_codec_dtype(grad->kind), shard, world, rank, fmt,
-                                   rfmt, block, (float)factor, reset->data, ok->data,
+                                   rfmt, block, (float)factor, counts->data, ok->data,
                                    flags->data, strm_));
     } else {
         TAGC_RUN(tagc_quant_unit_encode(buf->data, buf->numel, rc->data, rc->numel, grad->data,
@@ -671,8 +678,7 @@ static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
                                  : NULL);
         goto done;
     }
-    ret = dev == TAGC_DEV_CUDA ? tagc_py_none_result()
-                               : tagc_py_int_result(reset, has_reset, reset_here);
+    ret = dev == TAGC_DEV_CUDA ? tagc_py_none_result() : PyLong_FromLong(reset_here);
 done:
     tagc_py_views_release(&vs_);
     return ret;
@@ -1332,6 +1338,28 @@ static PyObject *py_wq_delta_decode(PyObject *m, PyObject *args, PyObject *kw)
     TAGC_END_NONE(st, wq_detail(st));
 }
 
+static PyObject *py_set_dlpack_exporter(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"type", "exporter", NULL};
+    PyObject *type, *fn;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwl, &type, &fn))
+        return NULL;
+    if ((type == Py_None) != (fn == Py_None) ||
+        (type != Py_None && (!PyType_Check(type) || !PyCallable_Check(fn)))) {
+        PyErr_SetString(PyExc_TypeError, "_tagc.set_dlpack_exporter: arguments must be a type "
+                                         "and a callable, or None and None");
+        return NULL;
+    }
+    tagc_py_state *s = tagc_py_get_state(m);
+    Py_CLEAR(s->export_type);
+    Py_CLEAR(s->export_fn);
+    if (type != Py_None) {
+        s->export_type = Py_NewRef(type);
+        s->export_fn = Py_NewRef(fn);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_cuda_available(PyObject *m, PyObject *unused)
 {
     (void)m;
@@ -1404,10 +1432,10 @@ static PyMethodDef methods[] = {
     KW(quant_unit_encode,
        SIG(quant_unit_encode,
            "buf, rcodes, grad, world, rank, format, residual_format, block, factor, *, "
-           "reset_out=None, ok=None, flags=None, stream=0",
+           "counts=None, ok=None, flags=None, stream=0",
            "One unit's quant messages to every other rank, with the residual kept as codes "
            "(rcodes, updated): decode, feed back, encode, re-code in one call.  Returns "
-           "whether the residual was reset (CPU without reset_out).")),
+           "whether the residual was reset (CPU; CUDA: added to counts).")),
     KW(quant_unit_decode,
        SIG(quant_unit_decode, "out, buf, own, world, rank, format, block, divisor, *, stream=0",
            "out = (the own shard + every other rank's decoded message, in rank order) / "
@@ -1448,6 +1476,11 @@ static PyMethodDef methods[] = {
                            "out += the decoded values of one tls shard.")),
     KW(rht, SIG(rht, "dst, src, block, seed, *, inverse=False, stream=0",
                 "dst = the seeded block Hadamard rotation of src (or its inverse).")),
+    KW(set_dlpack_exporter,
+       SIG(set_dlpack_exporter, "type, exporter",
+           "Export tensors of exactly `type` with exporter(t) -> a 'dltensor' capsule instead "
+           "of t.__dlpack__() (None, None: none).  tagc registers torch._C._to_dlpack for "
+           "torch.Tensor: the same capsule without the Python method's cost.")),
     {"cuda_available", py_cuda_available, METH_NOARGS,
      SIG(cuda_available, "",
          "Whether the CUDA kernels are built in and a CUDA device is usable.")},
@@ -1477,6 +1510,8 @@ static int mod_traverse(PyObject *module, visitproc visit, void *arg)
 {
     tagc_py_state *s = tagc_py_get_state(module);
     Py_VISIT(s->nonfinite_error);
+    Py_VISIT(s->export_type);
+    Py_VISIT(s->export_fn);
     return 0;
 }
 
@@ -1484,6 +1519,8 @@ static int mod_clear(PyObject *module)
 {
     tagc_py_state *s = tagc_py_get_state(module);
     Py_CLEAR(s->nonfinite_error);
+    Py_CLEAR(s->export_type);
+    Py_CLEAR(s->export_fn);
     return 0;
 }
 

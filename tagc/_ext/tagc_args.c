@@ -60,9 +60,14 @@ static void allowed_names(unsigned allowed, char *buf, size_t cap)
  * autograd graph (the kernels would write or read it behind autograd's
  * back).  A requires_grad that cannot be read counts as False: plain
  * DLPack producers have none. */
+static int fast_export(const tagc_py_views *vs, PyObject *obj)
+{
+    return vs->export_fn != NULL && (PyObject *)Py_TYPE(obj) == vs->export_type;
+}
+
 static int view_precheck(const tagc_py_views *vs, PyObject *obj, const char *name)
 {
-    if (!PyObject_HasAttrString(obj, "__dlpack__")) {
+    if (!fast_export(vs, obj) && !PyObject_HasAttrString(obj, "__dlpack__")) {
         PyErr_Format(PyExc_TypeError,
                      "%s: argument '%s' must be a tensor (an object with __dlpack__), "
                      "not %.100s", vs->fn, name, Py_TYPE(obj)->tp_name);
@@ -85,11 +90,13 @@ static int view_precheck(const tagc_py_views *vs, PyObject *obj, const char *nam
     return 0;
 }
 
-/* obj.__dlpack__() (a new reference), or NULL with the producer's error
- * re-raised as a TypeError that names the argument. */
+/* obj.__dlpack__(), or the registered exporter's capsule for its type (a
+ * new reference), or NULL with the producer's error re-raised as a TypeError
+ * that names the argument. */
 static PyObject *view_export(const tagc_py_views *vs, PyObject *obj, const char *name)
 {
-    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    PyObject *cap = fast_export(vs, obj) ? PyObject_CallOneArg(vs->export_fn, obj)
+                                         : PyObject_CallMethod(obj, "__dlpack__", NULL);
     if (cap != NULL)
         return cap;
     PyObject *type, *value, *tb;

@@ -38,9 +38,14 @@
 #define TAGC_PY_INTERNAL
 #endif
 
-/* The module's state: the exception class of TAGC_ERR_NONFINITE. */
+/* The module's state: the exception class of TAGC_ERR_NONFINITE, and the
+ * registered fast DLPack exporter (set_dlpack_exporter): objects of exactly
+ * export_type are exported by export_fn(obj) instead of obj.__dlpack__()
+ * (both NULL: none registered). */
 typedef struct {
     PyObject *nonfinite_error;
+    PyObject *export_type;
+    PyObject *export_fn;
 } tagc_py_state;
 
 static inline tagc_py_state *tagc_py_get_state(PyObject *module)
@@ -79,6 +84,7 @@ typedef struct {
     int n;
     const char *fn;
     int64_t *owned; /* PyMem copy of a sequence argument (wq's segs), or NULL */
+    PyObject *export_type, *export_fn; /* the module state's (borrowed), or NULL */
 } tagc_py_views;
 
 /* Drops every capsule (and `owned`); vs may be taken from again. */
@@ -160,15 +166,17 @@ TAGC_PY_INTERNAL PyObject *tagc_py_none_result(void);
  * takes its tensors with TAGC_TAKE*, checks with TAGC_CHECK (which jumps to
  * `done` on failure), calls the kernel in TAGC_RUN / TAGC_RUN_CUDA (status in
  * `st`), and ends with TAGC_END_NONE or its own `done:` that releases vs_. */
-#define TAGC_BEGIN(fname)            \
-    tagc_py_views vs_;               \
-    memset(&vs_, 0, sizeof vs_);     \
-    vs_.fn = "_tagc." fname;         \
-    const char *fn = vs_.fn;         \
-    PyObject *ret = NULL;            \
-    tagc_status st = TAGC_OK;        \
-    int64_t stream = 0;              \
-    (void)st;                        \
+#define TAGC_BEGIN(fname)                                     \
+    tagc_py_views vs_;                                        \
+    memset(&vs_, 0, sizeof vs_);                              \
+    vs_.fn = "_tagc." fname;                                  \
+    vs_.export_type = tagc_py_get_state(m)->export_type;      \
+    vs_.export_fn = tagc_py_get_state(m)->export_fn;          \
+    const char *fn = vs_.fn;                                  \
+    PyObject *ret = NULL;                                     \
+    tagc_status st = TAGC_OK;                                 \
+    int64_t stream = 0;                                       \
+    (void)st;                                                 \
     (void)stream
 #define TAGC_TAKE(var, obj, name, allowed)                               \
     tagc_py_view *var = tagc_py_view_take(&vs_, obj, name, allowed);     \

@@ -86,6 +86,8 @@ SIGS = {
     "tagc_cuda_tls_encode": (INT, [VP, I64, VP, INT, VP, INT, I64, VP, SZ, VP]),
     "tagc_cuda_tls_decode_add_workspace_size": (SZ, []),
     "tagc_cuda_tls_decode_add": (INT, [VP, I64, VP, I64, VP, VP, SZ, VP]),
+    # the emulation's own: launches and memsets so far (cuda/emu/cuda_runtime.h)
+    "tagc_emu_counters": (None, [VP]),
 }
 LIB_NAME = "libtagc_cuda_emu.so"
 
@@ -273,11 +275,11 @@ class EmuOps:
 
     def quant_unit_encode(self, buf: torch.Tensor, rcodes: torch.Tensor, grad: torch.Tensor,
                           world: int, rank: int, format: str, residual_format: str, block: int,
-                          factor: float, *, reset_out: torch.Tensor, flags: torch.Tensor,
+                          factor: float, *, counts: torch.Tensor, flags: torch.Tensor,
                           ok: Optional[torch.Tensor] = None, stream: int = 0) -> None:
         self._run("tagc_cuda_quant_unit_encode", P(buf), buf.numel(), P(rcodes), rcodes.numel(),
                   P(grad), DT[grad.dtype], grad.numel() // world, world, rank, QFORMAT[format],
-                  QFORMAT[residual_format], block, factor, P(reset_out), P(ok), P(flags), None)
+                  QFORMAT[residual_format], block, factor, P(counts), P(ok), P(flags), None)
 
     def quant_unit_decode(self, out: torch.Tensor, buf: torch.Tensor, own: torch.Tensor,
                           world: int, rank: int, format: str, block: int, divisor: float, *,

@@ -487,10 +487,12 @@ def _host_table(res: Dict[str, Any]) -> str:
     rows = [v for v in res["variants"] if "host_us_per_unit" in v]
     if not rows:
         return ""
-    keys = list(rows[0]["host_us_per_unit"])
+    # the codecs' calls, then the hook's (each row times the calls of its own codec)
+    keys = list(dict.fromkeys(k for v in rows for k in v["host_us_per_unit"]))
     lines = ["| variant | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
     for v in rows:
-        lines.append(f"| {v['name']} | " + " | ".join(f"{v['host_us_per_unit'][k]:.1f}"
+        us = v["host_us_per_unit"]
+        lines.append(f"| {v['name']} | " + " | ".join(f"{us[k]:.1f}" if k in us else "-"
                                                       for k in keys) + " |")
     return "\n".join(lines)
 
@@ -532,7 +534,9 @@ def part_step(r: Runner, part: Part, later: int) -> None:
         if host:
             host = ("\n\nHost microseconds per unit of each codec call (the gradients in "
                     "place, every unit back to back; `order` is the wait for the caller's "
-                    "stream and the stream switch):\n\n" + host)
+                    "stream and the stream switch; `reduce (hook)`: the hook's whole "
+                    "reduction of a unit at two ranks, the loopback in place of NCCL, on the "
+                    "general path and on the unit path):\n\n" + host)
         bodies.append(head + "\n\n" + _step_table(res) + host)
     intro = ("With the codec: each unit's flat gradient encoded and decoded on a side stream "
              "as its last gradient lands (the hook's moment), the optimizer waiting for it.  "

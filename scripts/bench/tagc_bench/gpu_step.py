@@ -12,7 +12,12 @@ large-N bound.  Not included: EF21's estimate update (two element-wise passes), 
 non-finite vote, the network.
 
 Variants: ``plain`` (no codec), ``int4+EF`` (int4 codes with error feedback: the code of
-tagc-balanced and tagc-full's gradients), ``ternary`` (tagc-lean's, no feedback).  Also
+tagc-balanced and tagc-full's gradients), ``ternary`` (tagc-lean's, no feedback), and the
+hook itself: each unit's ``UnitReducer`` with tagc-balanced's config, rank 0 of two ranks
+on the loopback stand-in for the other rank (``tagc_bench.cuda_hook.LoopbackComm``: its
+copies in place of NCCL), on the general path (several calls, the residual decoded into
+an fp32 copy and coded back) and on the unit path (``_tagc.quant_unit_encode`` /
+``quant_unit_decode``): issue 57's before and after.  Also
 timed alone: each variant's codec over every unit (no overlap), and tagc-full's gather
 codec (int8 weights, every unit's parameters encoded and decoded to bf16, twice a step:
 the forward gather and the backward re-gather), and the host microseconds per unit of
@@ -39,18 +44,17 @@ import torch.nn as nn
 
 from tagc.codec import _tagc
 from tagc.config import TAGCConfig
-from tagc.selection import modules_to_wrap
+from tagc.device import CodecStreams
+from tagc.reducer import UnitReducer
+from tagc.selection import UnitSpec, modules_to_wrap
 from tagc.train.model import GPT, GPTConfig
 
 if not __package__:  # run as a file: the folder holding tagc_bench onto the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tagc_bench.cuda_ops import require_device  # noqa: E402 - after the path
+from tagc_bench.cuda_hook import loopback  # noqa: E402
+from tagc_bench.cuda_ops import require_device  # noqa: E402
 
-# (variant, quant format, error feedback)
-VARIANTS: List[Tuple[str, Optional[str], bool]] = [
-    ("plain", None, False), ("int4+EF (tagc-balanced, tagc-full)", "int4", True),
-    ("ternary (tagc-lean)", "ternary", False)]
 BLOCK = 256
 SHAPES = {"gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304),
           "tiny": dict(n_layer=2, n_head=4, n_embd=128, vocab_size=1024)}
@@ -96,7 +100,7 @@ class GradCodec:
 
     def __init__(self, units: List[Tuple[str, List[nn.Parameter]]], fmt: str, feedback: bool,
                  device: torch.device) -> None:
-        self.units, self.fmt, self.device = units, fmt, device
+        self.units, self.fmt, self.feedback, self.device = units, fmt, feedback, device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self.kw = {"stream": self.stream.cuda_stream} if self.cuda else {}
@@ -139,6 +143,11 @@ class GradCodec:
         self.encode(i, self.flat(i))
         self.decode(i)
 
+    def host_calls(self, flats: List[torch.Tensor]) -> Dict[str, Callable[[int], Any]]:
+        """What :func:`host_breakdown` times, by name (``whole unit`` last)."""
+        return {"flatten": self.flat, "encode": lambda i: self.encode(i, flats[i]),
+                "decode": self.decode, "whole unit": self.run_unit}
+
     def flat(self, i: int) -> torch.Tensor:
         """Unit i's gradients as one fp32 vector (FSDP's copy-in)."""
         return torch.cat([p.grad.reshape(-1).float() for p in self.units[i][1]])
@@ -162,6 +171,76 @@ class GradCodec:
             h.remove()
 
 
+class HookCodec(GradCodec):
+    """The hook's own reduction per unit: a :class:`UnitReducer` with a preset's config,
+    rank 0 of two ranks on the loopback stand-in for rank 1, on the unit path or the
+    general one (``UNIT_PATH``).  The reducer runs on its own codec stream, as in FSDP.
+
+    Args:
+        units: :func:`unit_params`.
+        preset: the shipped preset.
+        unit_path: whether the reducers may take the unit path.
+        device: where the model lives.
+    """
+
+    WORLD = 2
+
+    def __init__(self, units: List[Tuple[str, List[nn.Parameter]]], preset: str,
+                 unit_path: bool, device: torch.device) -> None:
+        cfg = TAGCConfig.preset(preset)
+        self.fmt, self.feedback = cfg.quant_format, cfg.feeds_back
+        self.units, self.device = units, device
+        self.cuda = device.type == "cuda"
+        self.stream = None  # the reducers switch to their codec stream themselves
+        pad = self.WORLD * cfg.quant_block  # FSDP pads every unit to whole shards
+        sizes = [sum(p.numel() for p in ps) for _, ps in units]
+        self.sizes = [-(-n // pad) * pad for n in sizes]
+        streams = CodecStreams()
+        self.reducers = []
+        for i, ((name, _), n) in enumerate(zip(units, self.sizes)):
+            r = UnitReducer(cfg, UnitSpec(name, i, n, n, n, device), None, 0, self.WORLD,
+                            1.0, float(self.WORLD), streams)
+            r.UNIT_PATH = unit_path
+            self.reducers.append(r)
+        self.outs = [torch.empty(n // self.WORLD, device=device) for n in self.sizes]
+        self.numel = sum(sizes)
+        self.left, self.handles = [], []
+        for i, (_, ps) in enumerate(units):
+            for p in ps:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+        self.reset()
+
+    def flat(self, i: int) -> torch.Tensor:
+        """Unit i's gradients as FSDP's padded fp32 reduce-scatter input."""
+        g = super().flat(i)
+        return torch.nn.functional.pad(g, (0, self.sizes[i] - g.numel()))
+
+    def encode(self, i: int, flat: torch.Tensor) -> None:
+        """The whole reduction of unit i (both sides, the loopback between)."""
+        with loopback():
+            self.reducers[i].reduce(flat, self.outs[i])
+
+    def decode(self, i: int) -> None:
+        """Nothing: :meth:`encode` is the whole reduction."""
+
+    def join(self) -> None:
+        if self.cuda:
+            self.reducers[0].streams.join()
+
+    def host_calls(self, flats: List[torch.Tensor]) -> Dict[str, Callable[[int], Any]]:
+        return {"flatten": self.flat, "reduce (hook)": lambda i: self.encode(i, flats[i]),
+                "whole unit": self.run_unit}
+
+
+# (variant, its codec: None for none)
+VARIANTS: List[Tuple[str, Optional[Callable[[Any, torch.device], GradCodec]]]] = [
+    ("plain", None),
+    ("int4+EF (tagc-balanced, tagc-full)", lambda u, d: GradCodec(u, "int4", True, d)),
+    ("ternary (tagc-lean)", lambda u, d: GradCodec(u, "ternary", False, d)),
+    ("tagc-balanced hook, general path", lambda u, d: HookCodec(u, "balanced", False, d)),
+    ("tagc-balanced hook, unit path", lambda u, d: HookCodec(u, "balanced", True, d))]
+
+
 def host_breakdown(codec: GradCodec, reps: int = 6) -> Dict[str, float]:
     """Host microseconds per unit of each call the codec makes (the gradients in place):
     where a step bound by its launching thread spends the codec's time.
@@ -170,15 +249,14 @@ def host_breakdown(codec: GradCodec, reps: int = 6) -> Dict[str, float]:
         codec: the codec, its units' gradients present.
         reps: passes over every unit; the median after the first is kept.
     Returns:
-        microseconds per unit: ``flatten`` (torch.cat), ``encode``, ``decode`` (zero the
-        accumulator, decode into it), ``whole unit`` (``run_unit``), and ``order`` (the
-        rest of ``run_unit``: the wait for the caller's stream and the stream switch).
+        microseconds per unit of each of ``codec.host_calls`` (``flatten``: torch.cat;
+        ``encode``, ``decode``: zero the accumulator, decode into it; the hook's:
+        ``reduce (hook)``; ``whole unit``: ``run_unit``), and ``order`` (the rest of
+        ``run_unit``: the wait for the caller's stream and the stream switch).
     """
     n = len(codec.units)
     flats = [codec.flat(i) for i in range(n)]
-    calls: Dict[str, Callable[[int], Any]] = {
-        "flatten": codec.flat, "encode": lambda i: codec.encode(i, flats[i]),
-        "decode": codec.decode, "whole unit": codec.run_unit}
+    calls = codec.host_calls(flats)
     out: Dict[str, float] = {}
     for name, fn in calls.items():
         times = []
@@ -191,7 +269,7 @@ def host_breakdown(codec: GradCodec, reps: int = 6) -> Dict[str, float]:
             times.append((time.perf_counter() - t0) * 1e6 / n)
         out[name] = statistics.median(times[1:] if reps > 1 else times)
     codec.join()
-    out["order"] = out["whole unit"] - out["flatten"] - out["encode"] - out["decode"]
+    out["order"] = 2 * out["whole unit"] - sum(out.values())
     return out
 
 
@@ -285,19 +363,20 @@ def run(device: torch.device, gcfg: GPTConfig, batch: int, steps: int, warmup: i
         "params": model.num_params(), "batch": batch, "tokens_per_step": batch * gcfg.block_size,
         "units": len(units), "steps": steps, "warmup": warmup, "variants": []}
     plain_ms = None
-    for name, fmt, feedback in VARIANTS:
-        if fmt and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+    for name, make in VARIANTS:
+        if make and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             out["variants"].append({"name": name, "skipped": f"torch {torch.__version__} has "
                                     "no Tensor.register_post_accumulate_grad_hook"})
             continue
-        codec = GradCodec(units, fmt, feedback, device) if fmt else None
+        codec = make(units, device) if make else None
         for _ in range(warmup):
             step(codec)
         times, host = [], []
         for _ in range(steps):
             times.append(timer(lambda: step(codec)))
             host.append(timer.host_ms)
-        row: Dict[str, Any] = {"name": name, "format": fmt, "error_feedback": feedback,
+        row: Dict[str, Any] = {"name": name, "format": codec and codec.fmt,
+                               "error_feedback": bool(codec and codec.feedback),
                                "step_ms_mean": statistics.fmean(times),
                                "step_ms_median": statistics.median(times),
                                "host_ms_median": statistics.median(host)}

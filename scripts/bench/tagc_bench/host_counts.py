@@ -1,0 +1,237 @@
+"""What one unit's reduction asks of the host on CUDA, counted on a CPU (issue 57 item 1).
+
+On a GPU the codec's cost in a host-bound step is host work per call (docs/gpu: about
+133 us a unit: flattening, encode, zero and decode, allocations and memsets, stream
+waits), not kernel time.  GPU time is rare, so this proxy counts that work without one:
+the reducer runs its CUDA branch (``Exec.cuda``: device flags instead of host reads,
+poisoning instead of a plain fallback) on CPU tensors, the ``_tagc`` calls go to the
+kernels' own code under the emulation (:class:`tagc_bench.cuda_emu.EmuOps`), and the
+second rank is the loopback stand-in of ``tagc_bench.cuda_hook``.  Per call it counts:
+
+* ``ext_calls``: calls into ``_tagc``; ``kernels`` / ``ext_memsets``: the launches and
+  ``cudaMemsetAsync`` calls the launchers made (the emulation's counters);
+  ``workspaces``: launcher workspaces, each a ``cudaMallocAsync`` and a
+  ``cudaFreeAsync`` in the module;
+* ``torch_kernels``: the aten ops the hook ran outside ``_tagc`` that launch a kernel
+  on a GPU (views and factories excluded); ``allocs``: the caching-allocator
+  allocations among them (factories, out-of-place results); ``memsets``: fills
+  (``zero_``, ``fill_``, zero/full factories);
+* ``syncs``: host reads of a device value (``.item()``, ``bool(t)``): must be 0;
+* ``collectives``: calls to the process group (the loopback's copies stand in for them).
+
+It cannot see the stream waits and switches around a call (``CodecStreams.around``, the
+same on every path), NCCL, DLPack exports or Python's own time: only a GPU measures
+microseconds.  Usage::
+
+    python3 scripts/bench/tagc_bench/host_counts.py   # the table, both paths, two presets
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes as C
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tagc.codec
+import tagc.device
+import tagc.reducer
+import tagc.transports
+from tagc.config import TAGCConfig
+from tagc.device import CodecStreams
+from tagc.reducer import UnitReducer
+from tagc.selection import UnitSpec
+from tagc_bench import cuda_emu
+from tagc_bench.cuda_hook import LoopbackComm
+
+COUNTS = ("ext_calls", "kernels", "ext_memsets", "workspaces", "torch_kernels", "allocs",
+          "memsets", "syncs", "collectives")
+_FACTORIES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_FILLED = {"zeros", "zeros_like", "new_zeros", "full", "full_like", "new_full", "ones",
+           "ones_like", "new_ones", "scalar_tensor"}
+_FILLS = {"zero_", "fill_"}
+
+
+class Counter(TorchDispatchMode):
+    """Counts the aten ops run inside it (outside ``_tagc`` calls and the loopback's
+    stand-ins for collectives) and, through :class:`CountingOps` and
+    :class:`CountingComm`, the extension's calls and the collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Dict[str, int] = dict.fromkeys(COUNTS, 0)
+        self.paused = 0
+
+    @contextlib.contextmanager
+    def outside(self, name: str) -> Iterator[None]:
+        """Count one ``name`` and none of the aten ops inside."""
+        self.counts[name] += 1
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        out = func(*args, **(kwargs or {}))
+        if self.paused or func.is_view:
+            return out
+        name = func._schema.name.split("::")[-1]
+        c = self.counts
+        if name == "_local_scalar_dense":
+            c["syncs"] += 1
+        elif name in _FACTORIES:
+            c["allocs"] += 1
+        elif name in _FILLED:
+            c["allocs"] += 1
+            c["memsets"] += 1
+        elif name in _FILLS:
+            c["memsets"] += 1
+        else:
+            c["torch_kernels"] += 1
+            if not func._schema.is_mutable:
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                c["allocs"] += sum(isinstance(t, torch.Tensor) for t in outs)
+        return out
+
+
+class CountingOps:
+    """:class:`cuda_emu.EmuOps` whose calls add to the active :class:`Counter`."""
+
+    def __init__(self, ops: cuda_emu.EmuOps) -> None:
+        self._ops = ops
+        self.counter: Optional[Counter] = None
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._ops, name)
+        if not callable(fn) or name.endswith("_bytes") or self.counter is None:
+            return fn
+        counter, lib = self.counter, self._ops.lib
+
+        def call(*args: Any, **kw: Any) -> Any:
+            before, after = (C.c_longlong * 2)(), (C.c_longlong * 2)()
+            lib.tagc_emu_counters(before)
+            try:
+                with counter.outside("ext_calls"):
+                    return fn(*args, **kw)
+            finally:
+                lib.tagc_emu_counters(after)
+                counter.counts["kernels"] += after[0] - before[0]
+                counter.counts["ext_memsets"] += after[1] - before[1]
+        return call
+
+
+class CountingComm(LoopbackComm):
+    """The loopback stand-in for the other ranks, its copies counted as collectives (on
+    a GPU they are NCCL calls, not the hook's kernels)."""
+
+    counter: Optional[Counter] = None
+
+    def _counted(self, method: Any, *args: Any, **kw: Any) -> Any:
+        if self.counter is None:
+            return method(*args, **kw)
+        with self.counter.outside("collectives"):
+            return method(*args, **kw)
+
+    def all_reduce(self, *args: Any, **kw: Any) -> Any:
+        return self._counted(super().all_reduce, *args, **kw)
+
+    def all_gather(self, *args: Any, **kw: Any) -> Any:
+        return self._counted(super().all_gather, *args, **kw)
+
+    def reduce_scatter(self, *args: Any, **kw: Any) -> Any:
+        return self._counted(super().reduce_scatter, *args, **kw)
+
+    def post_send(self, *args: Any, **kw: Any) -> Any:
+        return self._counted(super().post_send, *args, **kw)
+
+
+@contextlib.contextmanager
+def emulated_cuda(ops: CountingOps) -> Iterator[None]:
+    """Reducers built inside take their CUDA branch on CPU tensors: ``Exec.cuda`` set,
+    no CPU scratch reuse (CUDA buffers come from the caching allocator), ``_tagc`` the
+    emulated kernels, the loopback comm.  Workspaces the launchers get are counted."""
+    saved = (tagc.codec._tagc, tagc.transports._tagc, tagc.reducer.Comm,
+             tagc.device.Exec.__init__, cuda_emu.ws)
+
+    def exec_init(self: Any, t: torch.Tensor, scratch: Any = None) -> None:
+        self.cuda, self.scratch, self.kw, self.ok = True, None, {"stream": 0}, None
+
+    def counted_ws(nbytes: int) -> torch.Tensor:
+        if nbytes > 0 and ops.counter is not None:
+            ops.counter.counts["workspaces"] += 1
+        return saved[4](nbytes)
+
+    tagc.codec._tagc = tagc.transports._tagc = ops  # type: ignore[assignment]
+    tagc.reducer.Comm = CountingComm  # type: ignore[misc]
+    tagc.device.Exec.__init__ = exec_init  # type: ignore[method-assign]
+    cuda_emu.ws = counted_ws
+    try:
+        yield
+    finally:
+        (tagc.codec._tagc, tagc.transports._tagc, tagc.reducer.Comm,
+         tagc.device.Exec.__init__, cuda_emu.ws) = saved
+
+
+def count_calls(lib: Any, preset: str, unit_path: bool, steps: int = 3,
+                shard: int = 64 * 40, world: int = 2) -> List[Dict[str, int]]:
+    """The counts of each of ``steps`` calls of one unit (rank 0 of ``world``).
+
+    Args:
+        lib: the emulated library (:func:`cuda_emu.build`) or its path.
+        preset: a shipped preset.
+        unit_path: ``UnitReducer.UNIT_PATH`` for this reducer.
+        steps: calls; the first also creates the feedback state.
+        shard: values per shard.
+        world: ranks.
+    Returns:
+        one dict of :data:`COUNTS` per call.
+    """
+    ops = CountingOps(cuda_emu.EmuOps(lib))
+    cfg = TAGCConfig.preset(preset)
+    n = world * shard
+    u = UnitReducer(cfg, UnitSpec("unit", 0, n, n, n, torch.device("cpu")), None, 0, world,
+                    1.0, float(world), CodecStreams())
+    u.UNIT_PATH = unit_path
+    g = torch.Generator().manual_seed(0)
+    out: List[Dict[str, int]] = []
+    with emulated_cuda(ops):
+        for _ in range(steps):
+            x = torch.randn(n, generator=g)
+            y = torch.empty(shard)
+            with Counter() as counter:
+                ops.counter = CountingComm.counter = counter
+                u.reduce(x, y)
+            ops.counter = CountingComm.counter = None
+            out.append(counter.counts)
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lib", help="an emulated library already built (default: build one)")
+    ap.add_argument("--presets", nargs="+", default=["balanced", "full"])
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = args.lib or cuda_emu.build(tmp)
+        print("| preset | path | " + " | ".join(COUNTS) + " |")
+        print("|---|---|" + "---|" * len(COUNTS))
+        for preset in args.presets:
+            for unit_path in (False, True):
+                c = count_calls(lib, preset, unit_path)[-1]
+                print(f"| {preset} | {'unit' if unit_path else 'general'} | "
+                      + " | ".join(str(c[k]) for k in COUNTS) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
