@@ -10,10 +10,9 @@ build ``_tagc`` is None, ``dense`` mode and config handling still work, and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 try:
     import _tagc
@@ -22,8 +21,6 @@ except ImportError as _exc:  # pragma: no cover - exercised only without a build
     IMPORT_ERROR: Optional[BaseException] = _exc
 else:
     IMPORT_ERROR = None
-    import torch
-
     # Every tensor argument is exported through DLPack.  torch.Tensor.__dlpack__ is a
     # Python method (2.5 us a tensor on the CI machine), torch's C exporter behind it
     # 0.3 us, and a unit's call passes up to six tensors: the codec's host cost per

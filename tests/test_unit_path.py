@@ -9,7 +9,6 @@ path against the same reducer on the general path (``UnitReducer.UNIT_PATH = Fal
 """
 from __future__ import annotations
 
-import ctypes as C
 from pathlib import Path
 from typing import List, Optional, Tuple
 

@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -90,6 +89,8 @@ import torch.nn as nn
 
 # the scripts' helpers, scripts/bench/tagc_bench, from the folder beside this one
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from tagc_bench.rows import UnitRows  # noqa: E402 - after the path
 
 BLOCK = 256
 CODEC_FORMATS = ("sign", "ternary", "int4", "int8", "tls")
@@ -318,41 +319,6 @@ def block_alpha(x: torch.Tensor, cx: torch.Tensor, block: int = BLOCK) -> torch.
 
 # --------------------------------------------------------------------------- units
 
-class Unit:
-    """One compressed module as FSDP2 reduces it: N rows, row r = chunk r of every
-    parameter (dim 0 padded to a multiple of N), flattened and concatenated.
-
-    Args:
-        name: the module's name.
-        params: its parameters (weight first).
-        n: ranks.
-    """
-
-    def __init__(self, name: str, params: List[nn.Parameter], n: int) -> None:
-        self.name, self.params, self.n = name, params, n
-        self.chunks = [math.ceil(p.shape[0] / n) for p in params]
-        self.row = sum(c * (p.numel() // p.shape[0]) for c, p in zip(self.chunks, params))
-
-    def rows(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """(N, S) reduce-scatter input of one rank's gradients of this unit."""
-        parts = []
-        for g, c in zip(grads, self.chunks):
-            pad = c * self.n - g.shape[0]
-            gp = torch.cat([g, g.new_zeros((pad,) + g.shape[1:])]) if pad else g
-            parts.append(gp.reshape(self.n, -1))
-        return torch.cat(parts, dim=1)
-
-    def unrows(self, rows: torch.Tensor) -> List[torch.Tensor]:
-        """Inverse of :meth:`rows`: per-parameter tensors from (N, S)."""
-        out, off = [], 0
-        for p, c in zip(self.params, self.chunks):
-            w = c * (p.numel() // p.shape[0])
-            full = rows[:, off:off + w].reshape((c * self.n,) + p.shape[1:])
-            out.append(full[:p.shape[0]])
-            off += w
-        return out
-
-
 class Exchange:
     """Quant mode's reduction of one unit over N simulated ranks, with feedback.
 
@@ -364,7 +330,7 @@ class Exchange:
         alpha_now: whether to measure the per-block alphas this call.
     """
 
-    def __init__(self, unit: Unit, feedback: str, q: str, guard: float,
+    def __init__(self, unit: UnitRows, feedback: str, q: str, guard: float,
                  response: str = "exact", damp: bool = False, down: str = "",
                  down_fb: str = "", cut: float = 0.0, store: str = "fp32",
                  beta: float = 1.0, momentum: float = 0.9) -> None:
@@ -702,7 +668,7 @@ def run(spec: str, task: Any, args: argparse.Namespace) -> Dict[str, Any]:
     n = args.ranks
     warm, frozen_v = int(opts.get("warm", 0)), opts.get("v") == "frozen"
     frozen: Optional[Dict[int, torch.Tensor]] = None
-    ex = {name: Exchange(Unit(name, ps, n), fb, opts["q"], float(opts.get("guard", 0)),
+    ex = {name: Exchange(UnitRows(name, ps, n), fb, opts["q"], float(opts.get("guard", 0)),
                          opts.get("resp", "exact"), opts.get("damp") == "1",
                          opts.get("down", ""), opts.get("downfb", ""),
                          float(opts.get("cut", 0)), opts.get("store", "fp32"),

@@ -1,0 +1,87 @@
+"""The 124M quality run's simulation of two ranks (``tagc_bench.gpu_quality``, issue 57
+item 4) against the hook itself: the simulated exchange must give each owner what the
+hook's reducer gives on two real gloo ranks fed the same gradients, bit for bit, step
+after step (the feedback state carried); and the script's CPU check must run and report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("_tagc", reason="the _tagc codec is not built (pip install -e .)")
+pytestmark = [pytest.mark.codec, pytest.mark.dist]
+
+import tagc_hook as tagc
+from dist_helpers import run_dist
+from tagc.device import CodecStreams
+from tagc.reducer import UnitReducer
+from tagc.selection import UnitSpec
+from tagc.train.model import GPT, GPTConfig
+from tagc_bench import gpu_quality
+
+STEPS = 3
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=32, vocab_size=512, n_layer=1, n_head=2, n_embd=128))
+
+
+def rank_rows(rows_len: int, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(2, rows_len, generator=g) * (1 + step)
+
+
+def _hook_side(rank: int, world: int, preset: str, lengths: List[int]) -> List[List[Any]]:
+    cfg = tagc.TAGCConfig.preset(preset)
+    outs = []
+    for i, s in enumerate(lengths):
+        u = UnitReducer(cfg, UnitSpec(f"u{i}", i, 2 * s, 2 * s, 2 * s, torch.device("cpu")),
+                        dist.group.WORLD, rank, world, 1.0, float(world), CodecStreams())
+        per = []
+        for step in range(STEPS):
+            out = torch.empty(s)
+            u.reduce(rank_rows(s, step, rank).reshape(-1), out)
+            assert u.unit_call  # the path the simulation stands for
+            per.append(out)
+        outs.append(per)
+    return outs
+
+
+@pytest.mark.parametrize("preset", ["balanced", "full"])
+def test_simulated_exchange_is_the_hooks(preset: str) -> None:
+    sim = gpu_quality.SimRanks(tiny(), preset, torch.device("cpu"))
+    units = [i for i, c in enumerate(sim.compressed) if c]
+    assert units
+    lengths = [sim.units[i].row for i in units]
+    hook = run_dist(_hook_side, 2, preset, lengths, timeout=120)
+    for k, i in enumerate(units):
+        for step in range(STEPS):
+            got = sim.reduce_unit(i, [rank_rows(lengths[k], step, r) for r in range(2)])
+            for r in range(2):
+                assert torch.equal(got[r], hook[r][k][step]), (sim.units[i].name, step, r)
+
+
+@pytest.mark.slow
+def test_dry_run_runs_and_reports(tmp_path: Path) -> None:
+    """``scripts/gpu_quality.sh --dry-run``: the CPU, a tiny shape, six steps."""
+    res = subprocess.run(["bash", str(REPO / "scripts" / "gpu_quality.sh"), "--dry-run",
+                          "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=600, env={k: v for k, v in os.environ.items() if k != "OUT"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((tmp_path / "gpu_quality.json").read_text())
+    assert [r["preset"] for r in out["runs"]] == ["plain", "balanced", "full"]
+    for r in out["runs"]:
+        assert len(r["curve"]) == 6 and [s for s, _ in r["val"]] == [3, 6]
+        assert all(v == v and v < 10 for v in r["curve"])  # finite, learning-sized
+    assert out["runs"][1]["compressed_units"] > 0
+    text = (tmp_path / "gpu_quality.md").read_text()
+    assert "| balanced |" in text and "vs plain" in text
