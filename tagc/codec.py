@@ -24,7 +24,7 @@ else:
     # Every tensor argument is exported through DLPack.  torch.Tensor.__dlpack__ is a
     # Python method (2.5 us a tensor on the CI machine), torch's C exporter behind it
     # 0.3 us, and a unit's call passes up to six tensors: the codec's host cost per
-    # call on a GPU step is what matters there (issue 57).  Exact torch.Tensor only:
+    # call is what a host-bound GPU step pays (docs/gpu).  Exact torch.Tensor only:
     # subclasses keep their own __dlpack__.
     _tagc.set_dlpack_exporter(torch.Tensor, torch._C._to_dlpack)
 

@@ -57,7 +57,7 @@ def nonfinite_vote(t: torch.Tensor) -> torch.Tensor:
     (``s - s`` of the sum ``s``: 0 for a finite ``s``, NaN for an infinite or NaN one).
     NaN absorbs the sum, so the ranks' votes add up to 0 exactly when every rank's
     gradient is finite; two kernels (the sum, the difference) where ``nonfinite`` and a
-    cast take six on a GPU, whose host enqueues each (issue 57).
+    cast take six on a GPU, whose host enqueues each (docs/gpu).
 
     Args:
         t: a floating tensor.

@@ -226,6 +226,26 @@ def _ops(torch: Any, ops: Any, dev: Any, s: int, n: int, k: int, N: int, u: int,
         table[f"fp4_decode_add block 32{tag}"] = (
             lambda rot=rot: ops.fp4_decode_add(acc, fp4, 32, seed=3, rotate=rot, stream=s),
             2 * n * f4 + fp4.numel())
+    # the hook's unit path (tagc-balanced, tagc-full at two ranks): one call per side, the
+    # residual kept as int4 codes over the whole unit; encode reads the sent shard and the
+    # codes, writes the message and the codes back, decode reads a message and the own
+    # shard and writes the sum
+    ushard = n // 128 * 64
+    ugrad = grad[:2 * ushard]
+    urc = torch.empty(ops.quant_bytes(2 * ushard, "int4", 64), dtype=torch.uint8, device=dev)
+    ops.quant_encode(urc, None, res[:2 * ushard], "int4", 64, stream=s)
+    ubuf = torch.empty(2, ops.quant_bytes(ushard, "int4", 64), dtype=torch.uint8, device=dev)
+    ucounts = torch.zeros(3, dtype=torch.int64, device=dev)
+    uflags = torch.zeros(2, dtype=torch.int32, device=dev)
+    uout = torch.empty(ushard, device=dev)
+    table["quant_unit_encode int4 (2 ranks)"] = (
+        lambda: ops.quant_unit_encode(ubuf, urc, ugrad, 2, 0, "int4", "int4", 64, 0.5,
+                                      counts=ucounts, flags=uflags, stream=s),
+        ushard * f4 + 2 * urc.numel() + ubuf[1].numel())
+    table["quant_unit_decode int4 (2 ranks)"] = (
+        lambda: ops.quant_unit_decode(uout, ubuf, ugrad[:ushard], 2, 0, "int4", 64, 2.0,
+                                      stream=s),
+        ubuf[1].numel() + 2 * ushard * f4)
     return table, cnt
 
 
