@@ -223,6 +223,8 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
         expect=("lq.md", "lq.png"), shrink=("tiny-r2", 2), seconds=26)],
     "scripts/bench/measure_bytes.py": [Run(("--world-sizes", "2", "--steps", "1",
                                             "--width", "64"), prints=" quant int4 ", seconds=13)],
+    "scripts/bench/bench_unit_path.py": [Run(("--shape", "tiny", "--repeats", "2"),
+                                             prints="unit path taken by", seconds=6)],
     "scripts/bench/pp_quality.py": [Run(
         ("--tasks", "tiny-300", "--codes", "int8", "--out_dir", "{out}/ppq",
          "--doc", "{out}/ppq.md", "--curves", "{out}/ppq.png"),
@@ -258,6 +260,9 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
     "scripts/gpu_check.sh": [Covered(
         "tests/test_gpu_check.py::test_dry_run_passes_and_reports_every_part", '"--dry-run"',
         "--dry-run: every part on the CPU paths and the CUDA emulation")],
+    "scripts/gpu_quality.sh": [Covered(
+        "tests/test_gpu_quality.py::test_dry_run_runs_and_reports", '"--dry-run"',
+        "--dry-run: the CPU, a tiny shape, six steps of each preset")],
     "scripts/research/lean_family.py": [Run(
         ("--steps", "2", "--seeds", "10", "--members", "w128-b8-n0.5", "--out_dir",
          "{out}/lf", "tagc-lean"), expect=("lf/family.md",), seconds=12), Run(
