@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
@@ -210,7 +211,9 @@ class CodecStreams:
 
     def __init__(self) -> None:
         self._streams: Dict[int, Any] = {}
-        self._flags: Dict[int, torch.Tensor] = {}
+        self._flags: Dict[torch.device, torch.Tensor] = {}
+        # per thread and device, the two events around() records and waits on
+        self._events = threading.local()
         self.scratch = Scratch()
 
     def get(self, device: torch.device) -> "torch.cuda.Stream":
@@ -224,10 +227,10 @@ class CodecStreams:
         return stream
 
     def flags(self, device: torch.device) -> torch.Tensor:
-        """The unit path's device words of ``device``, a tensor's device (``_tagc.quant_unit_encode``'s
-        ``flags``: int32[2], zero between calls, which the kernels leave as they found
-        them).  One per device serves every unit: they all encode on its codec stream,
-        one call after another."""
+        """The unit path's device words of ``device``, a tensor's device
+        (``_tagc.quant_unit_encode``'s ``flags``: int32[2], zero between calls, which the
+        kernels leave as they found them).  One per device serves every unit: they all
+        encode on its codec stream, one call after another."""
         key = torch.device(device)  # a tensor's device: its index is set
         t = self._flags.get(key)
         if t is None:
@@ -237,25 +240,43 @@ class CodecStreams:
     @contextlib.contextmanager
     def around(self, *foreign: torch.Tensor) -> Iterator[None]:
         """Run the body on the codec stream S of the tensors' device, ordered after the
-        caller's current stream R's work so far (``S.wait_stream(R)``) and before R's
-        later work (``R.wait_stream(S)``, also when the body raises: FSDP records its
-        events on R right after the call returns).  ``foreign`` tensors belong to R's
+        caller's current stream R's work so far (S waits for an event recorded on R) and
+        before R's later work (R waits for one recorded on S, also when the body raises:
+        FSDP records its events on R right after the call returns).  ``foreign`` tensors belong to R's
         allocator and are ``record_stream``-ed on S; the body allocates on S.
 
         Args:
             foreign: the CUDA tensors handed in by FSDP (at least one; the first names
                 the device).
         """
-        r_stream = torch.cuda.current_stream(foreign[0].device)
-        s_stream = self.get(foreign[0].device)
-        s_stream.wait_stream(r_stream)
+        device = foreign[0].device
+        r_stream = torch.cuda.current_stream(device)
+        s_stream = self.get(device)
+        ready, done = self._event_pair(device)
+        ready.record(r_stream)
+        s_stream.wait_event(ready)
         for t in foreign:
             t.record_stream(s_stream)
         try:
             with torch.cuda.stream(s_stream):
                 yield
         finally:
-            r_stream.wait_stream(s_stream)
+            done.record(s_stream)
+            r_stream.wait_event(done)
+
+    def _event_pair(self, device: torch.device) -> Tuple[Any, Any]:
+        """This thread's two events of ``device`` for :meth:`around`, made once:
+        ``Stream.wait_stream`` makes (and later destroys) a CUDA event per call.  A
+        re-recorded event is safe to reuse: a stream waits for the record that was the
+        latest when the wait was enqueued.  Per thread, so that an overlap worker's
+        record never lands between another thread's record and wait."""
+        pairs = getattr(self._events, "pairs", None)
+        if pairs is None:
+            pairs = self._events.pairs = {}
+        pair = pairs.get(device)
+        if pair is None:
+            pair = pairs[device] = (torch.cuda.Event(), torch.cuda.Event())
+        return pair
 
     def join(self) -> None:
         """Order the caller's current stream after all codec work (before host reads)."""
