@@ -3,7 +3,8 @@
 # kernels for this GPU in a scratch folder, run the cuda tests, check every CUDA codec op
 # bit for bit against the C op, exercise the hook's CUDA path on one rank with each
 # preset, time the kernels against a device copy and a GPT-2 124M step without and with
-# the codec, and write one report ($OUT/gpu_report.md, else docs/gpu/report-<UTC>.md).
+# the codec, run two ranks sharing the GPU over gloo against the CPU path, and write one
+# report ($OUT/gpu_report.md, else docs/gpu/report-<UTC>.md).
 # Each part runs even if an earlier one failed; exit status 1 if any failed.  No network.
 #
 # Usage: bash scripts/gpu_check.sh [--dry-run] [--out DIR] [--parts build,tests,...]

@@ -76,6 +76,19 @@ class Comm:
 
     def __init__(self, group: Any, rank: int, world: int, stats: UnitStats, dev: Exec) -> None:
         self.group, self.rank, self.world, self.stats, self.dev = group, rank, world, stats, dev
+        self._staged: Optional[bool] = None
+
+    @property
+    def staged(self) -> bool:
+        """Whether this call's messages are CUDA tensors on a gloo group: ranks that
+        share one GPU, which NCCL refuses.  gloo has no CUDA send/recv (it would hand a
+        device address to its transport), so the messages of one exchange go as one
+        all-to-all (:class:`StagedExchange`), which gloo stages through pinned host
+        memory on its own thread: ordered after the current (codec) stream's work, and
+        before that stream's later work once waited for."""
+        if self._staged is None:
+            self._staged = self.dev.cuda and dist.get_backend(self.group) == "gloo"
+        return self._staged
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
                    in_splits: Optional[List[int]] = None,
@@ -194,6 +207,10 @@ class Comm:
             self.stats.record("isend", nb, nb)
             works.append(dist.isend(buf[r], group=self.group, group_dst=r))
             return
+        if self.staged:
+            if not any(isinstance(w, StagedExchange) for w in works):
+                works.append(StagedExchange(self, buf, recv))
+            return
         # NCCL: a lone recv ahead of a lone send deadlocks between two ranks,
         # so each send is batched with the ring-symmetric receive
         self.stats.record("isend", nb, nb)
@@ -208,3 +225,28 @@ class Comm:
         """Wait for posted work (on CUDA with the codec stream current: a stream wait)."""
         for w in works:
             w.wait()
+
+
+class StagedExchange:
+    """One exchange's messages over gloo on CUDA (:attr:`Comm.staged`): row r of ``buf``
+    to owner r, row r of ``recv`` from rank r, as one ``all_to_all_single`` issued when
+    waited for, once every row is written (the transports encode a row, post it, encode
+    the next).  The own row travels to itself (the rows are equal in size) and is not
+    read.
+
+    Args:
+        comm: the call's collectives.
+        buf: (N, bytes) messages, row r for owner r.
+        recv: (N, bytes) receives.
+    """
+
+    def __init__(self, comm: Comm, buf: torch.Tensor, recv: torch.Tensor) -> None:
+        self.comm, self.buf, self.recv = comm, buf, recv
+        self.done = False
+
+    def wait(self) -> None:
+        """Issue the all-to-all and order the current stream after it (on gloo a host
+        wait for its thread, not a device synchronisation)."""
+        if not self.done:
+            self.done = True
+            self.comm.all_to_all(self.recv, self.buf)

@@ -38,10 +38,11 @@ def test_dry_run_passes_and_reports_every_part(tmp_path: Path) -> None:
     text = (tmp_path / "gpu_report.md").read_text()
     for heading in ("## Environment", "## Parts", "## a. build", "## b. cuda-marked tests",
                     "## c. every CUDA codec op", "## d. the hook's CUDA path",
-                    "## e. each kernel against", "## e. one bf16 GPT-2 124M step"):
+                    "## e. each kernel against", "## e. one bf16 GPT-2 124M step",
+                    "## f. two ranks sharing the GPU"):
         assert heading in text, heading
-    parts = re.findall(r"^\| ([a-e]) \| [^|]+ \| (\w+) \|", text, re.M)
-    assert [p for p, _ in parts] == list("abcdee") and all(s == "ok" for _, s in parts), parts
+    parts = re.findall(r"^\| ([a-f]) \| [^|]+ \| (\w+) \|", text, re.M)
+    assert [p for p, _ in parts] == list("abcdeef") and all(s == "ok" for _, s in parts), parts
     assert "**failed**" not in text and "FAILED" not in text
     assert "dry run" in text and "**passed**" in text
     # each part says what it ran instead of the GPU
@@ -53,7 +54,9 @@ def test_dry_run_passes_and_reports_every_part(tmp_path: Path) -> None:
     assert ops == CUDA_OPS
     assert "NCCL refuses two ranks" in text  # what stays unrun
     assert not gpu_check.MACHINE_PATH.search(text)
-    for line in ("part a (build): ok", "part d (hook): ok", "0 of 6 parts failed"):
+    assert text.count("bit-equal to the CPU path") == 4  # part f: 2 presets x 2 paths
+    for line in ("part a (build): ok", "part d (hook): ok", "part f (two_ranks): ok",
+                 "0 of 7 parts failed"):
         assert line in out
 
 

@@ -15,6 +15,7 @@ OS thread: keep sizes to a few thousand elements.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes as C
 import os
 import shutil
@@ -22,7 +23,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -172,6 +173,34 @@ def _dtype(x: Union[str, torch.dtype]) -> int:
     if isinstance(x, str):
         x = {"float32": torch.float32, "bfloat16": torch.bfloat16}[x]
     return DT[x]
+
+
+@contextlib.contextmanager
+def emulated_cuda(ops: Any) -> Iterator[None]:
+    """Reducers called inside take their CUDA branch on CPU tensors: ``Exec.cuda`` set
+    (device flags instead of host reads, poisoning, the stream keyword), no CPU scratch
+    reuse (CUDA buffers come from the caching allocator), and ``_tagc`` replaced by
+    ``ops`` (an :class:`EmuOps`: the kernels' own code) where the reducers and the
+    transports call it.  What runs on the CPU stays on the CPU.
+
+    Args:
+        ops: the ``_tagc`` stand-in.
+    """
+    import tagc.codec
+    import tagc.device
+    import tagc.transports
+
+    saved = (tagc.codec._tagc, tagc.transports._tagc, tagc.device.Exec.__init__)
+
+    def exec_init(self: Any, t: torch.Tensor, scratch: Any = None) -> None:
+        self.cuda, self.scratch, self.kw, self.ok = True, None, {"stream": 0}, None
+
+    tagc.codec._tagc = tagc.transports._tagc = ops
+    tagc.device.Exec.__init__ = exec_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        tagc.codec._tagc, tagc.transports._tagc, tagc.device.Exec.__init__ = saved
 
 
 class EmuOps:

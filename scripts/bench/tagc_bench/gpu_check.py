@@ -1,6 +1,6 @@
 """What a session runs first on a borrowed GPU: ``scripts/gpu_check.sh`` (issue 39).
 
-One command, six parts, each run even when an earlier one failed (each in its own
+One command, seven parts, each run even when an earlier one failed (each in its own
 process, under its own time limit), one report:
 
 a. **build**: ``setup.py build_ext`` of ``_tagc`` with its CUDA kernels for the local GPU
@@ -19,7 +19,10 @@ d. **hook**: the hook's CUDA path on one rank with each recommended preset
 e. **kernels** and **step**: each CUDA kernel against a device-to-device copy
    (``scripts/bench/bench_kernels_gpu.py --json``) and one bf16 training step of GPT-2
    124M without and with the codec (``tagc_bench.gpu_step``);
-f. the report: ``$OUT/gpu_report.md`` when ``$OUT`` is set, else
+f. **two_ranks**: two processes sharing the GPU over gloo, the hook's reduce-scatter with
+   a real peer against the CPU path, and NCCL's refusal (``tagc_bench.two_ranks``);
+
+The report: ``$OUT/gpu_report.md`` when ``$OUT`` is set, else
    ``docs/gpu/report-<UTC>.md`` (``--out DIR`` overrides both): the parts' status and
    duration, the tests' summary, the bit-equality table, the timings, the device,
    driver, CUDA, torch and Python versions and the commit.  Exit status 1 when a part
@@ -59,7 +62,8 @@ BENCH = Path(__file__).resolve().parents[1]
 # the code a report describes (hashed when the checkout has no .git)
 CODE_PATHS = ("tagc", "csrc", "cuda", "scripts", "configs", "tests", "setup.py", "tagc_hook.py")
 # seconds: each part's own limit; the whole run's budget (GPU: one device call of 8 min)
-LIMITS = {"build": 300, "tests": 240, "ops": 180, "hook": 150, "kernels": 90, "step": 150}
+LIMITS = {"build": 300, "tests": 240, "ops": 180, "hook": 150, "kernels": 90, "step": 150,
+          "two_ranks": 120}
 GPU_BUDGET, DRY_BUDGET = 450, 900
 # a folder of one machine (tests/test_docs_commands.py refuses them in committed files)
 MACHINE_PATH = re.compile(r"(?<![\w.~])/(?:work|home|root)/[^\s'\"`),:;]*")
@@ -70,8 +74,9 @@ class Part:
     """One part's outcome.
 
     Attributes:
-        key: ``a`` ... ``e``.
-        name: ``build``, ``tests``, ``ops``, ``hook``, ``kernels``, ``step``.
+        key: ``a`` ... ``f``.
+        name: ``build``, ``tests``, ``ops``, ``hook``, ``kernels``, ``step``,
+            ``two_ranks``.
         title: what it does, for the report.
         status: ``ok``, ``failed`` or ``skipped``.
         reason: why it failed or was skipped (one line).
@@ -390,7 +395,8 @@ def part_ops(r: Runner, part: Part, later: int) -> None:
 
 UNRUN = ("Two ranks: NCCL refuses two ranks on one device and gloo has no CUDA send/recv, so "
          "on one GPU these stay unrun: the batched isend/irecv between ranks "
-         "(`Comm.post_send` on CUDA), NCCL's all-gather of several ranks' codes and "
+         "(`Comm.post_send` on CUDA; part f runs the reduce-scatter's exchange over gloo "
+         "as one staged all-to-all instead), NCCL's all-gather of several ranks' codes and "
          "FSDP2's reduce-scatter stream against a second rank's traffic, the owners' sums "
          "of several ranks' codes (EF21's estimate over ranks), and the overlap of the codec "
          "stream with the next unit's all-gather prefetch.  The loopback rank stands in for "
@@ -434,12 +440,8 @@ def part_kernels(r: Runner, part: Part, later: int) -> None:
     out = r.out / "kernels.json"
     cmd = [r.python, "scripts/bench/bench_kernels_gpu.py", "--json", str(out)]
     if r.dry:
-        lib = r.scratch / "emu" / "libtagc_cuda_emu.so"
-        if not lib.exists():  # part c builds it; without part c, build it here
-            r.run(part, [r.python, "-c", "import sys; from tagc_bench import cuda_emu; "
-                         "cuda_emu.build(sys.argv[1])", str(lib.parent)],
-                  r.limit("kernels", later), r.env())
-        cmd += ["--emu-lib", str(lib), "--n", "4099", "--iters", "2", "--warmup", "1"]
+        cmd += ["--emu-lib", str(_emu_lib(r, part, later)), "--n", "4099", "--iters", "2",
+                "--warmup", "1"]
     else:
         cmd += ["--n", str(1 << 24), "--iters", "20", "--warmup", "3"]
     res, _ = run_json(r, part, cmd, out, later)
@@ -462,6 +464,45 @@ def part_kernels(r: Runner, part: Part, later: int) -> None:
                 "after 3 warm-ups, CUDA events; bytes = what the op must at least read and "
                 "write; % of copy = its bandwidth over `dst.copy_(src)`'s.")
     part.body = f"{head}\n\nGoals: {met}\n\n" + "\n".join(lines)
+
+
+def _emu_lib(r: Runner, part: Part, later: int) -> Path:
+    """The emulated kernels of a dry run: part c's build, else one made here."""
+    lib = r.scratch / "emu" / "libtagc_cuda_emu.so"
+    if not lib.exists():
+        r.run(part, [r.python, "-c", "import sys; from tagc_bench import cuda_emu; "
+                     "cuda_emu.build(sys.argv[1])", str(lib.parent)],
+              r.limit(part.name, later), r.env())
+    return lib
+
+
+def part_two_ranks(r: Runner, part: Part, later: int) -> None:
+    """f (two ranks): two processes sharing the GPU over gloo, the hook's reduce-scatter
+    with a real peer against the CPU path, and NCCL's refusal."""
+    out = r.out / "two_ranks.json"
+    cmd = [r.python, "-m", "tagc_bench.two_ranks", "--json", str(out),
+           "--timeout", str(int(max(30, r.limit(part.name, later) - 30)))]
+    if r.dry:
+        cmd += ["--device", "emu", "--emu-lib", str(_emu_lib(r, part, later))]
+    res, secs = run_json(r, part, cmd, out, later)
+    if res is None:
+        return
+    lines = ["| preset | path | units on the unit path | collectives | result |",
+             "|---|---|---|---|---|"]
+    for c in res["cases"]:
+        lines.append(f"| {c['preset']} | {c['path']} | {sum(c['unit_path_taken'])} of "
+                     f"{len(c['unit_path_taken'])} | {', '.join(c['collectives'])} | "
+                     + ("bit-equal to the CPU path" if not c["failures"] else
+                        "**" + "; ".join(c["failures"][:4]).replace("|", "/") + "**") + " |")
+    how = (f"{res['device']}, {res['ranks']} processes, gloo, {res['steps']} steps (an Inf on "
+           f"rank 1 at step {res['inf_step']}), units of {res['shards']} values per shard; "
+           f"module `tagc_bench.two_ranks` says what is checked ({secs:.0f} s).")
+    if r.dry:
+        how = ("**The dry run**: the reducers' CUDA branch on CPU tensors with the kernels "
+               "emulated; the real peer and the staged all-to-all are real. " + how)
+    nccl = f"\n\nNCCL with two ranks on one device: `{res['nccl']}`" if "nccl" in res else ""
+    part.data = {"cases": len(res["cases"]), "ok": res["ok"]}
+    part.body = how + "\n\n" + "\n".join(lines) + nccl
 
 
 # sequences of 1024 tokens per step: 8 leaves the step bound by the host's launches on
@@ -625,7 +666,8 @@ PARTS = [("a", "build", "build the extension with its CUDA kernels"),
          ("c", "ops", "every CUDA codec op against its C twin"),
          ("d", "hook", "the hook's CUDA path on one rank, each preset"),
          ("e", "kernels", "each kernel against a device-to-device copy"),
-         ("e", "step", "one bf16 GPT-2 124M step without and with the codec")]
+         ("e", "step", "one bf16 GPT-2 124M step without and with the codec"),
+         ("f", "two_ranks", "two ranks sharing the GPU over gloo, against the CPU path")]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -640,7 +682,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="no GPU: CPU paths and the CUDA emulation; the report in a temp folder")
     ap.add_argument("--out", default=None, help="write gpu_report.md into this folder")
-    ap.add_argument("--parts", default="build,tests,ops,hook,kernels,step",
+    ap.add_argument("--parts", default="build,tests,ops,hook,kernels,step,two_ranks",
                     help="the parts to run (the others are reported skipped)")
     ap.add_argument("--budget", type=float, default=None,
                     help=f"seconds for the whole run (default {GPU_BUDGET} on a GPU, "
@@ -669,7 +711,8 @@ def main(argv: Optional[List[str]] = None) -> int:
              "ops": lambda p, later: part_ops(runner, p, later),
              "hook": lambda p, later: part_hook(runner, p, later),
              "kernels": lambda p, later: part_kernels(runner, p, later),
-             "step": lambda p, later: part_step(runner, p, later)}
+             "step": lambda p, later: part_step(runner, p, later),
+             "two_ranks": lambda p, later: part_two_ranks(runner, p, later)}
     print(f"gpu_check: {'dry run' if args.dry_run else ti.get('device')}; archs {archs}; "
           f"scratch {scratch}", flush=True)
     try:

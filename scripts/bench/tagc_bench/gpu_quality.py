@@ -22,8 +22,9 @@ way the hook sends it at two ranks:
 Then gradient clipping at 1.0 and AdamW (``tagc.train.optim``: decay on matrices,
 betas 0.9 / 0.95), a linear warm-up and a cosine to a tenth.  What it leaves out: the
 network (nothing is sent), FSDP itself, and the vote's all-reduce (both simulated ranks'
-finiteness is known here).  The real two-process path on one GPU (issue 57 item 3) is
-not built, so nothing ties these losses to a real run yet.
+finiteness is known here).  Real FSDP steps of two processes on the GPU that would tie
+these losses to FSDP's are not built; part f of ``scripts/gpu_check.sh`` ties the
+exchange itself (two processes, the hook's reducers, against the CPU path).
 
 Usage::
 

@@ -42,10 +42,7 @@ if __package__ in (None, ""):
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import tagc.codec
-import tagc.device
 import tagc.reducer
-import tagc.transports
 from tagc.config import TAGCConfig
 from tagc.device import CodecStreams
 from tagc.reducer import UnitReducer
@@ -156,30 +153,24 @@ class CountingComm(LoopbackComm):
 
 
 @contextlib.contextmanager
-def emulated_cuda(ops: CountingOps) -> Iterator[None]:
-    """Reducers built inside take their CUDA branch on CPU tensors: ``Exec.cuda`` set,
-    no CPU scratch reuse (CUDA buffers come from the caching allocator), ``_tagc`` the
-    emulated kernels, the loopback comm.  Workspaces the launchers get are counted."""
-    saved = (tagc.codec._tagc, tagc.transports._tagc, tagc.reducer.Comm,
-             tagc.device.Exec.__init__, cuda_emu.ws)
-
-    def exec_init(self: Any, t: torch.Tensor, scratch: Any = None) -> None:
-        self.cuda, self.scratch, self.kw, self.ok = True, None, {"stream": 0}, None
+def counted(ops: CountingOps) -> Iterator[None]:
+    """Reducers called inside take their CUDA branch with the emulated kernels
+    (:func:`cuda_emu.emulated_cuda`) and the loopback comm; the workspaces the launchers
+    get are counted."""
+    saved = (tagc.reducer.Comm, cuda_emu.ws)
 
     def counted_ws(nbytes: int) -> torch.Tensor:
         if nbytes > 0 and ops.counter is not None:
             ops.counter.counts["workspaces"] += 1
-        return saved[4](nbytes)
+        return saved[1](nbytes)
 
-    tagc.codec._tagc = tagc.transports._tagc = ops  # type: ignore[assignment]
     tagc.reducer.Comm = CountingComm  # type: ignore[misc]
-    tagc.device.Exec.__init__ = exec_init  # type: ignore[method-assign]
     cuda_emu.ws = counted_ws
     try:
-        yield
+        with cuda_emu.emulated_cuda(ops):
+            yield
     finally:
-        (tagc.codec._tagc, tagc.transports._tagc, tagc.reducer.Comm,
-         tagc.device.Exec.__init__, cuda_emu.ws) = saved
+        tagc.reducer.Comm, cuda_emu.ws = saved
 
 
 def count_calls(lib: Any, preset: str, unit_path: bool, steps: int = 3,
@@ -204,7 +195,7 @@ def count_calls(lib: Any, preset: str, unit_path: bool, steps: int = 3,
     u.UNIT_PATH = unit_path
     g = torch.Generator().manual_seed(0)
     out: List[Dict[str, int]] = []
-    with emulated_cuda(ops):
+    with counted(ops):
         for _ in range(steps):
             x = torch.randn(n, generator=g)
             y = torch.empty(shard)
