@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPT-2 124M quality on one GPU in minutes (issue 57 item 4): plain, tagc-balanced and
 # tagc-full, about 1000 steps each, two ranks simulated in one process with the hook's own
-# codec calls (scripts/bench/tagc_bench/gpu_quality.py says what is simulated and what
-# not).  Writes the report and its JSON ($OUT/gpu_quality.md and .json when $OUT is set,
+# codec calls, then the first 20 steps of each again as two real processes (FSDP2 and the
+# hook, gloo, sharing the GPU) whose losses must match the simulation's within 1e-3
+# (scripts/bench/tagc_bench/gpu_quality.py says what is simulated and what not).  Writes the report and its JSON ($OUT/gpu_quality.md and .json when $OUT is set,
 # else docs/gpu/quality-<UTC>.md and .json).  Run after scripts/gpu_check.sh.
 #
 # Usage: bash scripts/gpu_quality.sh [--dry-run] [--steps N] [--out DIR]
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
 done
 if [ "$dry" = 1 ]; then
     args=(--device cpu --shape tiny --steps 6 --context 64 --batch 2 --eval_every 3
-          --eval_batches 2)
+          --eval_batches 2 --tie_steps 3)
     dir=${dir:-$(mktemp -d /tmp/tagc-gpu-quality-XXXXXX)}
 else
     args=(--device cuda --steps "$steps")

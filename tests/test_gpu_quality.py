@@ -83,5 +83,9 @@ def test_dry_run_runs_and_reports(tmp_path: Path) -> None:
         assert len(r["curve"]) == 6 and [s for s, _ in r["val"]] == [3, 6]
         assert all(v == v and v < 10 for v in r["curve"])  # finite, learning-sized
     assert out["runs"][1]["compressed_units"] > 0
+    # two real processes (FSDP2, the hook) give the simulation's losses
+    assert set(out["tie"]) == {"plain", "balanced", "full"}
+    for preset, t in out["tie"].items():
+        assert t["steps"] == 3 and t["ok"] and t["max_abs_diff"] < 1e-4, (preset, t)
     text = (tmp_path / "gpu_quality.md").read_text()
-    assert "| balanced |" in text and "vs plain" in text
+    assert "| balanced |" in text and "vs plain" in text and "within" in text

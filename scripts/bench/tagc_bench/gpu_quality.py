@@ -22,9 +22,13 @@ way the hook sends it at two ranks:
 Then gradient clipping at 1.0 and AdamW (``tagc.train.optim``: decay on matrices,
 betas 0.9 / 0.95), a linear warm-up and a cosine to a tenth.  What it leaves out: the
 network (nothing is sent), FSDP itself, and the vote's all-reduce (both simulated ranks'
-finiteness is known here).  Real FSDP steps of two processes on the GPU that would tie
-these losses to FSDP's are not built; part f of ``scripts/gpu_check.sh`` ties the
-exchange itself (two processes, the hook's reducers, against the CPU path).
+finiteness is known here).
+
+The tie (``--tie_steps``, 20 by default): each preset's first steps again as two real
+processes (:func:`real_worker`: ``tagc.shard_model``, ``tagc.register``, the same model,
+batches, optimizer, clipping and schedule; on a GPU both share it over gloo), whose mean
+train losses must be the simulation's within ``--tie_tol`` (1e-3).  On the CPU (tiny
+shape, 30 steps) they agreed within 3e-5 for all three presets.
 
 Usage::
 
@@ -48,12 +52,14 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import tagc_hook as tagc
 from tagc.codec import _tagc
 from tagc.train import data as token_data
 from tagc.train.model import GPT, GPTConfig
+from tagc.train.launch import run_dist
 from tagc.train.optim import configure_optimizer, decayed_parameter_names
 from tagc_bench.cuda_ops import require_device
 from tagc_bench.gpu_step import SHAPES, unit_params
@@ -257,6 +263,72 @@ def train(preset: str, args: argparse.Namespace, data: token_data.TokenData,
             "params": sum(p.numel() for p in model.parameters())}
 
 
+def real_worker(rank: int, world: int, preset: str, opts: Dict[str, Any], kind: str
+                ) -> List[float]:
+    """Rank ``rank`` of two real processes: :func:`train`'s model, data, optimizer and
+    schedule on FSDP2 (``tagc.shard_model``) with the hook registered (``plain``: FSDP2
+    alone), the first ``tie_steps`` steps; the ranks' mean train loss of each step.  On
+    a GPU both processes share device 0 over gloo (``Comm.staged``)."""
+    args = argparse.Namespace(**opts)
+    cuda = kind == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    data = token_data.TokenData(args.meta)
+    torch.manual_seed(args.seed)
+    gcfg = GPTConfig(block_size=args.context,
+                     **{**SHAPES[args.shape], "vocab_size": args.vocab})
+    model = GPT(gcfg).to(device)
+    decayed = decayed_parameter_names(model)
+    cfg = tagc.TAGCConfig.preset("balanced" if preset == "plain" else preset)
+    model = tagc.shard_model(model, cfg)
+    if preset != "plain":
+        tagc.register(model, cfg)
+    opt = configure_optimizer(model, decayed, 0.1, args.lr, (0.9, 0.95))
+    curve = []
+    for step in range(args.tie_steps):
+        x, y = (t.to(device) for t in data.get_batch("train", args.batch, args.context,
+                                                     (args.seed, 0, step, 0, rank)))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(x, y)[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().float().reshape(1)
+        dist.all_reduce(total)
+        curve.append(float(total) / world)
+    return curve
+
+
+def tie(runs: List[Dict[str, Any]], args: argparse.Namespace, meta: Dict[str, Any],
+        vocab: int, kind: str) -> Dict[str, Any]:
+    """Each preset's first ``args.tie_steps`` train losses from two real processes
+    (:func:`real_worker`) against the simulation's.
+
+    Returns:
+        per preset: the largest |difference| and whether it is within ``args.tie_tol``,
+        or the error that stopped the real run.
+    """
+    from tagc_bench import gpu_quality as this  # the workers by their importable name
+
+    opts = {**vars(args), "meta": meta, "vocab": vocab}
+    out = {}
+    for run in runs:
+        try:
+            real = run_dist(this.real_worker, WORLD, run["preset"], opts, kind,
+                            timeout=args.tie_timeout)[0]
+        except AssertionError as exc:  # a worker's error or a hang, as run_dist reports it
+            out[run["preset"]] = {"error": str(exc).strip().splitlines()[-1][:300]}
+            continue
+        diff = max(abs(a - b) for a, b in zip(real, run["curve"]))
+        out[run["preset"]] = {"steps": len(real), "max_abs_diff": diff,
+                              "ok": diff <= args.tie_tol, "real": real}
+    return out
+
+
 def report(res: Dict[str, Any]) -> str:
     """The markdown report of :func:`main`'s results."""
     runs = res["runs"]
@@ -279,6 +351,16 @@ def report(res: Dict[str, Any]) -> str:
               "|---:|" + "---:|" * len(runs)]
     for i, (step, _) in enumerate(runs[0]["val"]):
         lines.append(f"| {step} | " + " | ".join(f"{r['val'][i][1]:.4f}" for r in runs) + " |")
+    if res.get("tie"):
+        lines += ["", f"The simulation against two real processes (FSDP2 and the hook, the "
+                  f"same model, data and optimizer), the first {res['tie_steps']} train losses "
+                  f"(tolerance {res['tie_tol']}):", "", "| preset | max abs difference | |",
+                  "|---|---:|---|"]
+        for preset, t in res["tie"].items():
+            lines.append(f"| {preset} | " + (f"{t['max_abs_diff']:.2e} | "
+                                            f"{'within' if t['ok'] else '**outside**'} |"
+                                            if "error" not in t else
+                                            f"- | **the real run failed**: {t['error']} |"))
     return "\n".join(lines) + "\n"
 
 
@@ -296,6 +378,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--eval_every", type=int, default=100)
     ap.add_argument("--eval_batches", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--tie_steps", type=int, default=20,
+                    help="steps of two real processes per preset to compare (0: none)")
+    ap.add_argument("--tie_tol", type=float, default=1e-3)
+    ap.add_argument("--tie_timeout", type=float, default=300.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--report", default=None, help="markdown report")
     args = ap.parse_args(argv)
@@ -314,13 +400,17 @@ def main(argv: Optional[List[str]] = None) -> int:
            else "cpu (not a measurement)", "shape": args.shape, "context": args.context,
            "vocab": vocab, "tokenizer_vocab": meta["vocab_size"], "batch": args.batch,
            "steps": args.steps, "lr": args.lr, "warmup": args.warmup, "seed": args.seed,
-           "eval_batches": args.eval_batches, "params": runs[0]["params"], "runs": runs}
+           "eval_batches": args.eval_batches, "params": runs[0]["params"], "runs": runs,
+           "tie_steps": min(args.tie_steps, args.steps), "tie_tol": args.tie_tol}
+    if args.tie_steps:
+        args.tie_steps = res["tie_steps"]
+        res["tie"] = tie(runs, args, meta, vocab, device.type)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     if args.report:
         Path(args.report).write_text(report(res))
     print(report(res))
-    return 0
+    return 0 if all(t.get("ok") for t in res.get("tie", {}).values()) else 1
 
 
 if __name__ == "__main__":
