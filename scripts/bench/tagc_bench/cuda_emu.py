@@ -180,27 +180,30 @@ def emulated_cuda(ops: Any) -> Iterator[None]:
     """Reducers called inside take their CUDA branch on CPU tensors: ``Exec.cuda`` set
     (device flags instead of host reads, poisoning, the stream keyword), no CPU scratch
     reuse (CUDA buffers come from the caching allocator), and ``_tagc`` replaced by
-    ``ops`` (an :class:`EmuOps`: the kernels' own code) where the reducers and the
-    transports call it.  What runs on the CPU stays on the CPU.
+    ``ops`` (an :class:`EmuOps`: the kernels' own code) where the reducers, the
+    transports and the parameter gathers call it.  What runs on the CPU stays on the CPU.
 
     Args:
         ops: the ``_tagc`` stand-in.
     """
     import tagc.codec
     import tagc.device
+    import tagc.gather
     import tagc.transports
 
-    saved = (tagc.codec._tagc, tagc.transports._tagc, tagc.device.Exec.__init__)
+    saved = (tagc.codec._tagc, tagc.transports._tagc, tagc.gather._tagc,
+             tagc.device.Exec.__init__)
 
     def exec_init(self: Any, t: torch.Tensor, scratch: Any = None) -> None:
         self.cuda, self.scratch, self.kw, self.ok = True, None, {"stream": 0}, None
 
-    tagc.codec._tagc = tagc.transports._tagc = ops
+    tagc.codec._tagc = tagc.transports._tagc = tagc.gather._tagc = ops
     tagc.device.Exec.__init__ = exec_init  # type: ignore[method-assign]
     try:
         yield
     finally:
-        tagc.codec._tagc, tagc.transports._tagc, tagc.device.Exec.__init__ = saved
+        (tagc.codec._tagc, tagc.transports._tagc, tagc.gather._tagc,
+         tagc.device.Exec.__init__) = saved
 
 
 class EmuOps:

@@ -490,8 +490,10 @@ def part_two_ranks(r: Runner, part: Part, later: int) -> None:
     lines = ["| preset | path | units on the unit path | collectives | result |",
              "|---|---|---|---|---|"]
     for c in res["cases"]:
-        lines.append(f"| {c['preset']} | {c['path']} | {sum(c['unit_path_taken'])} of "
-                     f"{len(c['unit_path_taken'])} | {', '.join(c['collectives'])} | "
+        taken = c["unit_path_taken"]
+        lines.append(f"| {c['preset']} | {c['path']} | "
+                     f"{f'{sum(taken)} of {len(taken)}' if taken else '-'} | "
+                     f"{', '.join(c['collectives']) or '-'} | "
                      + ("bit-equal to the CPU path" if not c["failures"] else
                         "**" + "; ".join(c["failures"][:4]).replace("|", "/") + "**") + " |")
     how = (f"{res['device']}, {res['ranks']} processes, gloo, {res['steps']} steps (an Inf on "

@@ -6,15 +6,18 @@ processes join a gloo group and hand it CUDA tensors.  The hook sees CUDA tensor
 gloo stages through pinned host memory on its own thread, after the codec stream's work
 and before its later work; the finite vote is gloo's CUDA all-reduce.
 
-Per preset (``tagc-balanced``, ``tagc-full``) and path (the unit path and the general
-one, ``UnitReducer.UNIT_PATH``), each process builds the reducers of three units on the
+The reduce-scatter: per preset (``tagc-balanced``, ``tagc-full``) and path (the unit
+path and the general one, ``UnitReducer.UNIT_PATH``), each process builds the reducers of three units on the
 device and, as the reference, the same reducers on the CPU (the C codec, the CPU path),
 and hands both the same gradients for four steps, the third with an Inf in one of rank
 1's.  Checked: every output and the residual codes after every step are the CPU's bit for
 bit; at the Inf step the device's outputs are not finite and its residual codes are left
 as they were (the CPU takes its plain path there, whose values differ by design); on a
 GPU, no call synchronises the host (``torch.cuda.set_sync_debug_mode("error")`` around
-the device calls after the first step).
+the device calls after the first step).  The parameter gathers: ``tagc-full``'s int8 and
+``tagc-full4``'s int4 weight changes, one unit of three odd-sized parameters, the gather
+comm on the device and on the CPU fed the same shards for three steps: every output bit
+for bit.
 
 ``--device emu`` (the dry run, no GPU): the reducers' CUDA branch on CPU tensors with the
 kernels' own code emulated (``tagc_bench.cuda_emu``), the real gloo peer and the staged
@@ -42,8 +45,10 @@ import torch.distributed as dist
 
 import tagc_hook as tagc
 from tagc.device import CodecStreams
+from tagc.gather import GatherComm, GatherSwitch
 from tagc.reducer import UnitReducer
 from tagc.selection import UnitSpec
+from tagc.stats import UnitStats
 from tagc.train.launch import run_dist
 from tagc_bench import cuda_emu
 
@@ -136,6 +141,45 @@ def worker(rank: int, world: int, kind: str, lib: Optional[str]) -> List[Dict[st
                 bad.append(f"the messages did not go as one staged all-to-all: {ops_used}")
             rows.append({"preset": preset, "path": "unit" if unit_path else "general",
                          "unit_path_taken": taken, "collectives": ops_used, "failures": bad})
+    rows += gathers(rank, device, on_device, cuda)
+    return rows
+
+
+# one unit's parameter segments (values of each parameter in a rank's shard), odd sizes
+SEGMENTS = (64 * 9 + 3, 7, 64 * 4)
+
+
+def gathers(rank: int, device: torch.device, on_device: Any, cuda: bool
+            ) -> List[Dict[str, Any]]:
+    """``tagc-full``'s and ``tagc-full4``'s parameter all-gathers with the real peer: the
+    gather comm on the device and on the CPU, the same shards for three steps (the
+    masters moving a little each step); every output bit for bit."""
+    rows = []
+    for preset in ("full", "full4"):
+        cfg = tagc.TAGCConfig.preset(preset)
+        comms = [GatherComm("u", cfg, list(SEGMENTS), dist.group.WORLD, True, UnitStats(),
+                            GatherSwitch()) for _ in range(2)]
+        n, bad = sum(SEGMENTS), []
+        g = torch.Generator().manual_seed(7 + rank)
+        shard = torch.randn(n, generator=g)
+        for step in range(3):
+            shard += 1e-3 * torch.randn(n, generator=g)
+            ref = torch.empty(WORLD * n)
+            comms[1](ref, shard.clone(), dist.group.WORLD)
+            out = torch.empty(WORLD * n, device=device)
+            with on_device(step):
+                comms[0](out, shard.to(device), dist.group.WORLD)
+            if cuda:
+                torch.cuda.synchronize()
+            if not torch.equal(_bits(out), _bits(ref)):
+                bad.append(f"gather step {step}: output differs from the CPU path "
+                           f"(max |diff| {float((out.cpu() - ref).abs().max()):.3g})")
+        st = comms[0].stats.as_dict()
+        if st["gather_quantized_calls"] < 2:
+            bad.append(f"the gathers were not quantized: {st['gather_quantized_calls']} of 3")
+        rows.append({"preset": preset, "path": "gather" + (" delta" if cfg.gather_delta
+                                                           else ""),
+                     "unit_path_taken": [], "collectives": [], "failures": bad})
     return rows
 
 
@@ -189,7 +233,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ok = all(not c["failures"] for c in res["cases"])
     res["ok"] = ok
     for c in res["cases"]:
-        print(f"{c['preset']:9s} {c['path']:8s} units on the unit path "
+        print(f"{c['preset']:9s} {c['path']:13s} units on the unit path "
               f"{sum(c['unit_path_taken'])}/{len(c['unit_path_taken'])}: "
               + ("bit-equal to the CPU path" if not c["failures"] else
                  "; ".join(c["failures"][:3])))
