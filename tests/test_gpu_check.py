@@ -54,8 +54,8 @@ def test_dry_run_passes_and_reports_every_part(tmp_path: Path) -> None:
     assert ops == CUDA_OPS
     assert "NCCL refuses two ranks" in text  # what stays unrun
     assert not gpu_check.MACHINE_PATH.search(text)
-    # part f: 2 presets x 2 paths of the reduce-scatter, 2 gathers
-    assert text.count("bit-equal to the CPU path") == 6
+    # part f: 2 presets x 2 paths of the reduce-scatter, 2 gathers, 2 HSDP forms
+    assert text.count("bit-equal to the CPU path") == 8
     for line in ("part a (build): ok", "part d (hook): ok", "part f (two_ranks): ok",
                  "0 of 7 parts failed"):
         assert line in out

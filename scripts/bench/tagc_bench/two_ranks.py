@@ -17,7 +17,8 @@ GPU, no call synchronises the host (``torch.cuda.set_sync_debug_mode("error")`` 
 the device calls after the first step).  The parameter gathers: ``tagc-full``'s int8 and
 ``tagc-full4``'s int4 weight changes, one unit of three odd-sized parameters, the gather
 comm on the device and on the CPU fed the same shards for three steps: every output bit
-for bit.
+for bit.  HSDP's all-reduce between the two processes as replicas (``tagc-balanced``,
+the two-phase and the all-gather forms): the same, through the hook's ``hook``.
 
 ``--device emu`` (the dry run, no GPU): the reducers' CUDA branch on CPU tensors with the
 kernels' own code emulated (``tagc_bench.cuda_emu``), the real gloo peer and the staged
@@ -46,6 +47,7 @@ import torch.distributed as dist
 import tagc_hook as tagc
 from tagc.device import CodecStreams
 from tagc.gather import GatherComm, GatherSwitch
+from tagc.hsdp import GatherReducer, TwoPhaseReducer
 from tagc.reducer import UnitReducer
 from tagc.selection import UnitSpec
 from tagc.stats import UnitStats
@@ -142,6 +144,44 @@ def worker(rank: int, world: int, kind: str, lib: Optional[str]) -> List[Dict[st
             rows.append({"preset": preset, "path": "unit" if unit_path else "general",
                          "unit_path_taken": taken, "collectives": ops_used, "failures": bad})
     rows += gathers(rank, device, on_device, cuda)
+    rows += hsdp(rank, device, on_device, cuda)
+    return rows
+
+
+HSDP_SHARD = 64 * 30 + 5  # the hook's input: this rank's shard of a unit (odd)
+
+
+def hsdp(rank: int, device: torch.device, on_device: Any, cuda: bool
+         ) -> List[Dict[str, Any]]:
+    """HSDP's all-reduce between two replicas (one shard each), ``tagc-balanced``, both
+    forms (two-phase and all-gather): the hook on the device and on the CPU, the same
+    shards for three steps; every output bit for bit."""
+    rows = []
+    cfg = tagc.TAGCConfig.preset("balanced")
+    for cls in (TwoPhaseReducer, GatherReducer):
+        flat = HSDP_SHARD if cls is GatherReducer else WORLD * -(-HSDP_SHARD // WORLD)
+        pair = []
+        for dev in (device, torch.device("cpu")):
+            r = cls(cfg, UnitSpec("u", 0, HSDP_SHARD, flat, HSDP_SHARD, dev), dist.group.WORLD,
+                    rank, WORLD, CodecStreams(), HSDP_SHARD)
+            r.divide = float(WORLD)
+            pair.append(r)
+        bad = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            t = torch.randn(HSDP_SHARD, generator=g) * (1 + step)
+            ref = t.clone()
+            pair[1].hook(ref)
+            out = t.to(device)
+            with on_device(step):
+                pair[0].hook(out)
+            if cuda:
+                torch.cuda.synchronize()
+            if not torch.equal(_bits(out), _bits(ref)):
+                bad.append(f"hsdp step {step}: output differs from the CPU path "
+                           f"(max |diff| {float((out.cpu() - ref).abs().max()):.3g})")
+        rows.append({"preset": "balanced", "path": f"HSDP {cls.FORM}", "unit_path_taken": [],
+                     "collectives": sorted(pair[0].stats.collectives), "failures": bad})
     return rows
 
 
@@ -233,7 +273,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ok = all(not c["failures"] for c in res["cases"])
     res["ok"] = ok
     for c in res["cases"]:
-        print(f"{c['preset']:9s} {c['path']:13s} units on the unit path "
+        print(f"{c['preset']:9s} {c['path']:15s} units on the unit path "
               f"{sum(c['unit_path_taken'])}/{len(c['unit_path_taken'])}: "
               + ("bit-equal to the CPU path" if not c["failures"] else
                  "; ".join(c["failures"][:3])))
