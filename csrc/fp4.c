@@ -196,6 +196,56 @@ TAGC_AVX2 int all_below_avx2(const void *g, int gd, const void *r, int rd, int64
     return m <= limit;
 }
 
+/* lut[b] for 32 bytes b in 0..31: a 32-entry table as its two 16-byte halves
+ * (each repeated in both 128-bit lanes), picked by b > 15. */
+TAGC_AVX2 __m256i lut32(__m256i lo, __m256i hi, __m256i b)
+{
+    __m256i high = _mm256_cmpgt_epi8(b, _mm256_set1_epi8(15));
+    return _mm256_blendv_epi8(_mm256_shuffle_epi8(lo, b), _mm256_shuffle_epi8(hi, b), high);
+}
+
+/* The codes of the len values v (a multiple of 32) under inv, without a residual: the
+ * midpoints counted in bytes, 32 values a step.  With y4 = 4 |v| inv (exact: inv and
+ * 4 are powers of two) the midpoints are the integers 1, 3, 5, 7, 10, 14, 20; y passes
+ * a midpoint m taken with >= (3, 7, 14) when floor(y4) >= m and one taken with > (1,
+ * 5, 10, 20) when ceil(y4) >= m + 1, so the index is FLOOR_PASSED[floor(y4)] +
+ * CEIL_PASSED[ceil(y4)], both looked up with pshufb.  The same codes as
+ * tagc_fp4_code (y4 <= 24; the clamp only guards the tables). */
+TAGC_AVX2 void encode_codes_avx2(uint8_t *codes, const __m256 *v, int len, __m256 inv)
+{
+#define T16(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
+    _mm256_setr_epi8(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, \
+                     a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p)
+    /* [f >= 3] + [f >= 7] + [f >= 14], f = 0..31 */
+    const __m256i fl = T16(0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3),
+                  fh = T16(3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3);
+    /* [c >= 2] + [c >= 6] + [c >= 11] + [c >= 21], c = 0..31 */
+    const __m256i cl = T16(0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3),
+                  ch = T16(3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4);
+#undef T16
+    const __m256 four = _mm256_set1_ps(4.0f);
+    const __m256i top = _mm256_set1_epi8(24), eight = _mm256_set1_epi8(8);
+    for (int k = 0; k < len / 8; k += 4) {
+        __m256i f[4], c[4], neg[4];
+        for (int j = 0; j < 4; j++) {
+            __m256 y4 = _mm256_mul_ps(
+                _mm256_mul_ps(_mm256_castsi256_ps(mag8(v[k + j])), inv), four);
+            f[j] = _mm256_cvttps_epi32(y4);
+            c[j] = _mm256_cvttps_epi32(_mm256_round_ps(y4, _MM_FROUND_TO_POS_INF |
+                                                               _MM_FROUND_NO_EXC));
+            neg[j] = _mm256_srai_epi32(_mm256_castps_si256(v[k + j]), 31);
+        }
+        __m256i fb = _mm256_min_epu8(bytes32(f[0], f[1], f[2], f[3]), top);
+        __m256i cb = _mm256_min_epu8(bytes32(c[0], c[1], c[2], c[3]), top);
+        __m256i idx = _mm256_add_epi8(lut32(fl, fh, fb), lut32(cl, ch, cb));
+        /* the sign bit where v < 0 and the index is not 0 (never -0) */
+        __m256i s = _mm256_andnot_si256(_mm256_cmpeq_epi8(idx, _mm256_setzero_si256()),
+                                        bytes32(neg[0], neg[1], neg[2], neg[3]));
+        idx = _mm256_or_si256(idx, _mm256_and_si256(s, eight));
+        _mm_storeu_si128((__m128i *)(codes + 4 * k), nibbles16(idx));
+    }
+}
+
 /* encode_block for a block of len values (a multiple of 32, at most
  * TAGC_FP4_BLOCK_MAX) and no flags (l, flags and seed unused). */
 TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, int rd,
@@ -217,6 +267,10 @@ TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, 
     const __m256 mag = _mm256_setr_ps(tagc_fp4_value(0), tagc_fp4_value(1), tagc_fp4_value(2),
                                       tagc_fp4_value(3), tagc_fp4_value(4), tagc_fp4_value(5),
                                       tagc_fp4_value(6), tagc_fp4_value(7));
+    if (rd == DT_NONE) {
+        encode_codes_avx2(codes, v, len, inv);
+        return (int)sb;
+    }
     const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
     for (int k = 0; k < len / 8; k += 4) {
         __m256i q[4];
