@@ -263,14 +263,15 @@ TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, 
     if (m > limit)
         return -1;
     const uint32_t sb = tagc_fp4_scale_byte(m);
-    const __m256 inv = _mm256_set1_ps(tagc_fp4_inv(sb)), s = _mm256_set1_ps(tagc_fp4_scale(sb));
-    const __m256 mag = _mm256_setr_ps(tagc_fp4_value(0), tagc_fp4_value(1), tagc_fp4_value(2),
-                                      tagc_fp4_value(3), tagc_fp4_value(4), tagc_fp4_value(5),
-                                      tagc_fp4_value(6), tagc_fp4_value(7));
+    const __m256 inv = _mm256_set1_ps(tagc_fp4_inv(sb));
     if (rd == DT_NONE) {
         encode_codes_avx2(codes, v, len, inv);
         return (int)sb;
     }
+    const __m256 s = _mm256_set1_ps(tagc_fp4_scale(sb));
+    const __m256 mag = _mm256_setr_ps(tagc_fp4_value(0), tagc_fp4_value(1), tagc_fp4_value(2),
+                                      tagc_fp4_value(3), tagc_fp4_value(4), tagc_fp4_value(5),
+                                      tagc_fp4_value(6), tagc_fp4_value(7));
     const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
     for (int k = 0; k < len / 8; k += 4) {
         __m256i q[4];

@@ -137,6 +137,21 @@ TAGC_AVX2 void block_encode_avx2(uint8_t *codes, float s, const void *g, int gd,
 DEFINE_ENCODE(_avx2, TAGC_AVX2, __attribute__((target("avx2"))) static)
 #endif
 
+/* Whether every code of the message src (n values in records of `block`) is
+ * inside format: read in full before an op writes anything. */
+static int message_valid(const uint8_t *src, int64_t n, int format, int64_t block)
+{
+    const int64_t rec = tagc_q_record_bytes(block, format);
+    for (int64_t o = 0, b = 0; o < n; o += block, b++) {
+        int64_t len = n - o < block ? n - o : block;
+        int ok = 0;
+        BY_QFORMAT(format, ok = q_codes_valid(src + b * rec + 4, len, F));
+        if (!ok)
+            return 0;
+    }
+    return 1;
+}
+
 /* ---- one unit at a time (tagc_quant_unit_encode / _decode) ---- */
 
 /* w[0..len) = the hook's working copy of one residual record: 0 + q * s
@@ -225,15 +240,13 @@ static tagc_status unit_guard(const uint8_t *rc, int64_t n, int rfmt, int64_t bl
     const int64_t rr = tagc_q_record_bytes(block, rfmt);
     const int per = tagc_q_per_byte(rfmt);
     *zero = 0;
-    for (int64_t b = 0; b < n / block; b++) {
+    if (!message_valid(rc, n, rfmt, block))
+        return TAGC_ERR_CORRUPT;
+    for (int64_t b = 0; b < n / block && !*zero; b++) {
         const uint8_t *rec = rc + b * rr;
-        int ok = 0;
-        BY_QFORMAT(rfmt, ok = q_codes_valid(rec + 4, block, F));
-        if (!ok)
-            return TAGC_ERR_CORRUPT;
         float s;
         memcpy(&s, rec, 4);
-        if (*zero || fabsf(s) <= FLT_MAX / 127.0f)
+        if (fabsf(s) <= FLT_MAX / 127.0f)
             continue;
         int ignored = 0;
         for (int64_t i = 0; i < block && !*zero; i++) {
@@ -301,17 +314,9 @@ tagc_status tagc_quant_unit_decode(void *out, tagc_dtype out_dtype, int64_t shar
         return st;
     const int fmt = (int)format;
     const int64_t rec = tagc_q_record_bytes(block, fmt);
-    for (int64_t r = 0; r < world; r++) {
-        if (r == rank)
-            continue;
-        for (int64_t o = 0, b = 0; o < shard; o += block, b++) {
-            int64_t len = shard - o < block ? shard - o : block;
-            int ok = 0;
-            BY_QFORMAT(fmt, ok = q_codes_valid(src + r * nb + b * rec + 4, len, F));
-            if (!ok)
-                return TAGC_ERR_CORRUPT; /* checked in full before out is written */
-        }
-    }
+    for (int64_t r = 0; r < world; r++)
+        if (r != rank && !message_valid(src + r * nb, shard, fmt, block))
+            return TAGC_ERR_CORRUPT; /* checked in full before out is written */
     float *acc = malloc((size_t)(shard < block ? shard : block) * sizeof *acc);
     if (acc == NULL)
         return TAGC_ERR_NOMEM;
@@ -372,13 +377,8 @@ tagc_status tagc_quant_decode_add(float *out, int64_t n,
         return st;
     int fmt = (int)format;
     int64_t rec = tagc_q_record_bytes(block, fmt);
-    for (int64_t o = 0, b = 0; o < n; o += block, b++) {
-        int64_t len = n - o < block ? n - o : block;
-        int ok = 0;
-        BY_QFORMAT(fmt, ok = q_codes_valid(src + b * rec + 4, len, F));
-        if (!ok)
-            return TAGC_ERR_CORRUPT; /* checked in full before out is written */
-    }
+    if (!message_valid(src, n, fmt, block))
+        return TAGC_ERR_CORRUPT; /* checked in full before out is written */
     for (int64_t o = 0, b = 0; o < n; o += block, b++) {
         int64_t len = n - o < block ? n - o : block;
         BY_QFORMAT(fmt, q_record_out(out, TAGC_F32, 1, o, src + b * rec, len, F));

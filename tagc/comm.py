@@ -76,7 +76,6 @@ class Comm:
 
     def __init__(self, group: Any, rank: int, world: int, stats: UnitStats, dev: Exec) -> None:
         self.group, self.rank, self.world, self.stats, self.dev = group, rank, world, stats, dev
-        self._staged: Optional[bool] = None
 
     @property
     def staged(self) -> bool:
@@ -86,9 +85,7 @@ class Comm:
         all-to-all (:class:`StagedExchange`), which gloo stages through pinned host
         memory on its own thread: ordered after the current (codec) stream's work, and
         before that stream's later work once waited for."""
-        if self._staged is None:
-            self._staged = self.dev.cuda and dist.get_backend(self.group) == "gloo"
-        return self._staged
+        return self.dev.cuda and dist.get_backend(self.group) == "gloo"
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
                    in_splits: Optional[List[int]] = None,

@@ -57,6 +57,7 @@ import torch.nn as nn
 
 import tagc_hook as tagc
 from tagc.codec import _tagc
+from tagc.selection import UnitSpec
 from tagc.train import data as token_data
 from tagc.train.model import GPT, GPTConfig
 from tagc.train.launch import run_dist
@@ -70,14 +71,13 @@ PRESETS = ("plain", "balanced", "full")
 
 
 def selected(model: nn.Module, cfg: tagc.TAGCConfig, params: List[nn.Parameter]) -> bool:
-    """Whether the hook compresses a unit of these parameters (``UnitSpec.compressed``:
-    the selected ones hold at least half of it)."""
+    """Whether the hook compresses a unit of these parameters (``UnitSpec.compressed`` of
+    what ``cfg``'s selection picks)."""
     where = {id(p): (mn, m, pn) for mn, m in model.named_modules()
              for pn, p in m.named_parameters(recurse=False)}
-    sel = sum(p.numel() for p in params if tagc.select_parameter(cfg, where[id(p)][0],
-                                                                 where[id(p)][1],
-                                                                 where[id(p)][2], p))
-    return sel > 0 and 2 * sel >= sum(p.numel() for p in params)
+    sel = sum(p.numel() for p in params if tagc.select_parameter(cfg, *where[id(p)], p))
+    n = sum(p.numel() for p in params)
+    return UnitSpec("unit", 0, n, n, sel, torch.device("cpu")).compressed
 
 
 class SimRanks:
