@@ -166,18 +166,101 @@ DEFINE_ENCODE_ALL(, TAGC_AI)
 
 #ifdef TAGC_Q_AVX2
 /*
- * The plain code (no rotation, no stochastic rounding) of blocks of 32 or
- * more with AVX2, picked at run time when the CPU has it (as quant.c's
- * encoder; -DTAGC_QUANT_NO_AVX2 builds the generic loops only).  The generic
- * loops' arithmetic in their order, eight values a vector, so the bytes and
- * the residual are theirs bit for bit: the max of the magnitude patterns as
- * integers, the code's index as the count of the midpoints of
- * tagc_fp4_code that y = |v| * inv passes (exact: inv is a power of two),
- * the decoded value as the index's E2M1 magnitude times the scale with the
- * code's sign (the generic multiplies the signed magnitude by s: the same
- * product), the residual v - w stored by st8.  Rotated or stochastic codes,
+ * The code of blocks of 32 or more with AVX2, rotated or not (round to
+ * nearest), picked at run time when the CPU has it (as quant.c's encoder;
+ * -DTAGC_QUANT_NO_AVX2 builds the generic loops only).  The generic loops'
+ * arithmetic in their order, eight values a vector, so the bytes and the
+ * residual are theirs bit for bit: the max of the magnitude patterns as
+ * integers, the rotation's sign flips as xors of the hash's bits, each
+ * butterfly the same a + b or a - b of the same two values, the product by
+ * the norm after the butterflies, the code's index as the count of the
+ * midpoints of tagc_fp4_code that y = |v| * inv passes (exact: inv is a
+ * power of two), the decoded value as the index's E2M1 magnitude times the
+ * scale with the code's sign (the generic multiplies the signed magnitude by
+ * s: the same product), the residual v - w stored by st8.  Stochastic codes,
  * blocks under 32 and a last partial block take the generic loops.
  */
+
+/* The sign flips of the block's values at [o, o + 8 nv) held in x (nv a
+ * multiple of 4): flip_signs' 32 bits of a hash per four vectors, bit
+ * 8 k + j of the word moved to lane j's sign in vector k. */
+TAGC_AVX2 void flip_signs_avx2(__m256 *x, int64_t o, int nv, uint64_t seed)
+{
+    const uint64_t ts = tagc_table_seed(seed, TAGC_FP4_SIGN_STREAM);
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    for (int k = 0; k < nv; k += 4) {
+        int64_t p = o + 8 * k;
+        __m256i word = _mm256_set1_epi32(
+            (int)(uint32_t)(tagc_hash((uint64_t)p >> 6, ts) >> (p & 63)));
+        for (int j = 0; j < 4; j++) {
+            const __m256i shift = _mm256_setr_epi32(31 - 8 * j, 30 - 8 * j, 29 - 8 * j,
+                                                    28 - 8 * j, 27 - 8 * j, 26 - 8 * j,
+                                                    25 - 8 * j, 24 - 8 * j);
+            __m256i m = _mm256_and_si256(_mm256_sllv_epi32(word, shift), sign);
+            x[k + j] = _mm256_xor_ps(x[k + j], _mm256_castsi256_ps(m));
+        }
+    }
+}
+
+/* One butterfly of the vectors a and b: a + b into a, a - b into b. */
+#define FP4_BFLY(a, b)                 \
+    do {                               \
+        __m256 t_ = (a);               \
+        (a) = _mm256_add_ps(t_, (b));  \
+        (b) = _mm256_sub_ps(t_, (b));  \
+    } while (0)
+
+/* fwht of the 8 nv values in x (nv a multiple of 4), then each times norm:
+ * strides 1, 2 and 4 within a vector, 8 and 16 between the four vectors of
+ * a group of 32 values (in registers), the wider ones between groups.
+ * Within a vector each lane gets its partner swapped in; with `finite`
+ * (every value finite, as the encoder's are) the lanes that take a - b add
+ * -a to the partner b, the same IEEE result; otherwise a + b and a - b are
+ * both computed in the generic loops' operand order and the lanes blended,
+ * so that a NaN comes out as theirs does (the decoder's NaN scales). */
+TAGC_AVX2 void fwht_avx2(__m256 *x, int nv, float norm, int finite)
+{
+#define NEG(a, b, c, d, e, f, g, h) \
+    _mm256_castsi256_ps(_mm256_setr_epi32(a, b, c, d, e, f, g, h))
+    const int m = (int)0x80000000u;
+    const __m256 n1 = NEG(0, m, 0, m, 0, m, 0, m), n2 = NEG(0, 0, m, m, 0, 0, m, m),
+                 n4 = NEG(0, 0, 0, 0, m, m, m, m);
+#undef NEG
+    const __m256 vn = _mm256_set1_ps(norm);
+    const int last = nv == 4; /* no stride between groups: the norm now */
+    for (int k = 0; k < nv; k += 4) {
+        __m256 y[4];
+        for (int j = 0; j < 4; j++) {
+            __m256 v = x[k + j], a, b;
+            if (finite) {
+                v = _mm256_add_ps(_mm256_permute_ps(v, 0xb1), _mm256_xor_ps(v, n1));
+                v = _mm256_add_ps(_mm256_permute_ps(v, 0x4e), _mm256_xor_ps(v, n2));
+                y[j] = _mm256_add_ps(_mm256_permute2f128_ps(v, v, 1), _mm256_xor_ps(v, n4));
+                continue;
+            }
+            a = _mm256_moveldup_ps(v), b = _mm256_movehdup_ps(v);
+            v = _mm256_blend_ps(_mm256_add_ps(a, b), _mm256_sub_ps(a, b), 0xaa);
+            a = _mm256_permute_ps(v, 0x44), b = _mm256_permute_ps(v, 0xee);
+            v = _mm256_blend_ps(_mm256_add_ps(a, b), _mm256_sub_ps(a, b), 0xcc);
+            a = _mm256_permute2f128_ps(v, v, 0x00), b = _mm256_permute2f128_ps(v, v, 0x11);
+            y[j] = _mm256_blend_ps(_mm256_add_ps(a, b), _mm256_sub_ps(a, b), 0xf0);
+        }
+        FP4_BFLY(y[0], y[1]);
+        FP4_BFLY(y[2], y[3]);
+        FP4_BFLY(y[0], y[2]);
+        FP4_BFLY(y[1], y[3]);
+        for (int j = 0; j < 4; j++)
+            x[k + j] = last ? _mm256_mul_ps(y[j], vn) : y[j];
+    }
+    if (last)
+        return;
+    for (int h = 4; h < nv; h <<= 1)
+        for (int j = 0; j < nv; j += 2 * h)
+            for (int i = j; i < j + h; i++)
+                FP4_BFLY(x[i], x[i + h]);
+    for (int k = 0; k < nv; k++)
+        x[k] = _mm256_mul_ps(x[k], vn);
+}
 
 /* all_below with AVX2. */
 TAGC_AVX2 int all_below_avx2(const void *g, int gd, const void *r, int rd, int64_t n,
@@ -247,25 +330,34 @@ TAGC_AVX2 void encode_codes_avx2(uint8_t *codes, const __m256 *v, int len, __m25
 }
 
 /* encode_block for a block of len values (a multiple of 32, at most
- * TAGC_FP4_BLOCK_MAX) and no flags (l, flags and seed unused). */
+ * TAGC_FP4_BLOCK_MAX, whole: len == 1 << l) without TAGC_FP4_STOCHASTIC. */
 TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, int rd,
                                 int64_t o, int len, int l, unsigned flags, uint64_t seed,
                                 uint32_t limit)
 {
-    (void)l, (void)flags, (void)seed;
-    __m256 v[TAGC_FP4_BLOCK_MAX / 8];
+    const int nv = len / 8, rot = (flags & TAGC_FP4_ROTATE) != 0;
+    const float norm = tagc_fp4_norm(l);
+    __m256 v[TAGC_FP4_BLOCK_MAX / 8], w[TAGC_FP4_BLOCK_MAX / 8];
     __m256i mx = _mm256_setzero_si256();
-    for (int k = 0; k < len / 8; k++) {
-        v[k] = ldv8(g, gd, r, rd, o + 8 * k);
+    for (int k = 0; k < nv; k++) {
+        v[k] = w[k] = ldv8(g, gd, r, rd, o + 8 * k);
         mx = _mm256_max_epu32(mx, mag8(v[k]));
     }
     uint32_t m = hmax8(mx);
     if (m > limit)
         return -1;
+    if (rot) {
+        flip_signs_avx2(w, o, nv, seed);
+        fwht_avx2(w, nv, norm, 1);
+        mx = _mm256_setzero_si256();
+        for (int k = 0; k < nv; k++)
+            mx = _mm256_max_epu32(mx, mag8(w[k]));
+        m = hmax8(mx);
+    }
     const uint32_t sb = tagc_fp4_scale_byte(m);
     const __m256 inv = _mm256_set1_ps(tagc_fp4_inv(sb));
     if (rd == DT_NONE) {
-        encode_codes_avx2(codes, v, len, inv);
+        encode_codes_avx2(codes, w, len, inv);
         return (int)sb;
     }
     const __m256 s = _mm256_set1_ps(tagc_fp4_scale(sb));
@@ -273,10 +365,10 @@ TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, 
                                       tagc_fp4_value(3), tagc_fp4_value(4), tagc_fp4_value(5),
                                       tagc_fp4_value(6), tagc_fp4_value(7));
     const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
-    for (int k = 0; k < len / 8; k += 4) {
+    for (int k = 0; k < nv; k += 4) {
         __m256i q[4];
         for (int j = 0; j < 4; j++) {
-            __m256 x = v[k + j];
+            __m256 x = w[k + j];
             __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(mag8(x)), inv);
             /* each passed midpoint's mask is -1: the index is minus their sum */
 #define PASSED(k, pred) _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(TAGC_FP4_MID##k), pred))
@@ -292,13 +384,22 @@ TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, 
                                               _mm256_castps_si256(_mm256_cmp_ps(x, zero,
                                                                                 _CMP_LT_OQ)));
             q[j] = _mm256_or_si256(idx, _mm256_and_si256(neg, _mm256_set1_epi32(8)));
-            if (rd != DT_NONE) {
-                __m256 w = _mm256_mul_ps(_mm256_permutevar8x32_ps(mag, idx), s);
-                w = _mm256_xor_ps(w, _mm256_and_ps(_mm256_castsi256_ps(neg), sign));
-                st8(r, rd, o + 8 * (k + j), _mm256_sub_ps(x, w));
-            }
+            __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(mag, idx), s);
+            d = _mm256_xor_ps(d, _mm256_and_ps(_mm256_castsi256_ps(neg), sign));
+            /* rotated: the decoded value in w's place (its code is taken) until
+             * the block is unrotated; else the residual at once (x is v) */
+            if (rot)
+                w[k + j] = d;
+            else
+                st8(r, rd, o + 8 * (k + j), _mm256_sub_ps(x, d));
         }
         _mm_storeu_si128((__m128i *)(codes + 4 * k), nibbles16(bytes32(q[0], q[1], q[2], q[3])));
+    }
+    if (rot) {
+        fwht_avx2(w, nv, norm, 1);
+        flip_signs_avx2(w, o, nv, seed);
+        for (int k = 0; k < nv; k++)
+            st8(r, rd, o + 8 * k, _mm256_sub_ps(v[k], w[k]));
     }
     return (int)sb;
 }
@@ -307,9 +408,10 @@ DEFINE_ENCODE_ALL(_avx2, TAGC_AVX2)
 
 __attribute__((target("avx2"))) static int encode_dtypes_avx2(uint8_t *dst, const void *g,
                                                               int gd, void *r, int rd,
-                                                              int64_t n, int l)
+                                                              int64_t n, int l, unsigned flags,
+                                                              uint64_t seed)
 {
-    BY_DTYPES(return encode_all_avx2(dst, g, G, r, R, n, l, 0, 0));
+    BY_DTYPES(return encode_all_avx2(dst, g, G, r, R, n, l, flags, seed));
     return 0; /* unreachable: the dtypes were checked */
 }
 #endif
@@ -338,8 +440,8 @@ static int encode_dispatch(uint8_t *dst, const void *g, int gd, void *r, int rd,
                            int l, unsigned flags, uint64_t seed)
 {
 #ifdef TAGC_Q_AVX2
-    if (flags == 0 && l >= 5 && __builtin_cpu_supports("avx2"))
-        return encode_dtypes_avx2(dst, g, gd, r, rd, n, l);
+    if (!(flags & TAGC_FP4_STOCHASTIC) && l >= 5 && __builtin_cpu_supports("avx2"))
+        return encode_dtypes_avx2(dst, g, gd, r, rd, n, l, flags, seed);
 #endif
     return encode_dtypes(dst, g, gd, r, rd, n, l, flags, seed);
 }
@@ -394,9 +496,67 @@ TAGC_AI void decode_all(float *out, int64_t n, const uint8_t *src, int l, unsign
         decode_block(out, src + (o >> 1), src[code_bytes + b], o, (int)(n - o), l, flags, seed);
 }
 
+#ifdef TAGC_Q_AVX2
+/* decode_block for a whole block of len values (a multiple of 32, at most
+ * TAGC_FP4_BLOCK_MAX), eight values a vector: each nibble's signed E2M1
+ * value from two tables (the sign bit picks), times the scale (the generic
+ * product, NaN scales alike), the inverse rotation as the encoder's. */
+TAGC_AVX2 void decode_block_avx2(float *out, const uint8_t *codes, uint32_t sb, int64_t o,
+                                 int len, int l, unsigned flags, uint64_t seed)
+{
+    const int nv = len / 8;
+    const __m256 s = _mm256_set1_ps(tagc_fp4_scale(sb));
+    const __m256 pos = _mm256_setr_ps(tagc_fp4_value(0), tagc_fp4_value(1), tagc_fp4_value(2),
+                                      tagc_fp4_value(3), tagc_fp4_value(4), tagc_fp4_value(5),
+                                      tagc_fp4_value(6), tagc_fp4_value(7));
+    const __m256 neg = _mm256_setr_ps(tagc_fp4_value(8), tagc_fp4_value(9), tagc_fp4_value(10),
+                                      tagc_fp4_value(11), tagc_fp4_value(12), tagc_fp4_value(13),
+                                      tagc_fp4_value(14), tagc_fp4_value(15));
+    const __m128i low = _mm_set1_epi8(15);
+    __m256 w[TAGC_FP4_BLOCK_MAX / 8];
+    for (int k = 0; k < nv; k++) {
+        uint32_t four;
+        memcpy(&four, codes + 4 * k, sizeof four);
+        __m128i b = _mm_cvtsi32_si128((int)four);
+        __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(b, low),
+                                        _mm_and_si128(_mm_srli_epi16(b, 4), low));
+        __m256i c = _mm256_cvtepu8_epi32(nib);
+        __m256 m = _mm256_blendv_ps(_mm256_permutevar8x32_ps(pos, c),
+                                    _mm256_permutevar8x32_ps(neg, c),
+                                    _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+        w[k] = _mm256_mul_ps(m, s);
+    }
+    if (flags & TAGC_FP4_ROTATE) {
+        fwht_avx2(w, nv, tagc_fp4_norm(l), 0);
+        flip_signs_avx2(w, o, nv, seed);
+    }
+    for (int k = 0; k < nv; k++)
+        _mm256_storeu_ps(out + o + 8 * k, _mm256_add_ps(_mm256_loadu_ps(out + o + 8 * k), w[k]));
+}
+
+/* decode_all with the whole blocks' AVX2 loop (l >= 5). */
+__attribute__((target("avx2"))) static void decode_all_avx2(float *out, int64_t n,
+                                                           const uint8_t *src, int l,
+                                                           unsigned flags, uint64_t seed)
+{
+    const int64_t block = (int64_t)1 << l, code_bytes = (n + 1) / 2;
+    int64_t o = 0, b = 0;
+    for (; o + block <= n; o += block, b++)
+        decode_block_avx2(out, src + (o >> 1), src[code_bytes + b], o, 1 << l, l, flags, seed);
+    if (o < n)
+        decode_block(out, src + (o >> 1), src[code_bytes + b], o, (int)(n - o), l, flags, seed);
+}
+#endif
+
 TAGC_HOT_CLONES static void decode_dispatch(float *out, int64_t n, const uint8_t *src, int l,
                                             unsigned flags, uint64_t seed)
 {
+#ifdef TAGC_Q_AVX2
+    if (l >= 5 && __builtin_cpu_supports("avx2")) {
+        decode_all_avx2(out, n, src, l, flags, seed);
+        return;
+    }
+#endif
     FP4_BY_LOG2(l, decode_all(out, n, src, L, flags, seed));
 }
 

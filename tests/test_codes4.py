@@ -230,17 +230,45 @@ def generic(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
     dll.tagc_fp4_encode.restype = C.c_int
     dll.tagc_fp4_encode.argtypes = [C.c_void_p, C.c_int64, C.c_void_p, C.c_int, C.c_void_p,
                                     C.c_int, C.c_int64, C.c_int64, C.c_uint, C.c_uint64]
+    dll.tagc_fp4_decode_add.restype = C.c_int
+    dll.tagc_fp4_decode_add.argtypes = [C.c_void_p, C.c_int64, C.c_void_p, C.c_int64,
+                                        C.c_int64, C.c_uint, C.c_uint64]
     return dll
 
 
+@pytest.mark.parametrize("flags", [0, ROTATE])
+@pytest.mark.parametrize("block", [32, 64, 256])
+def test_generic_decoder_adds_the_avx2_values(generic: C.CDLL, block: int, flags: int) -> None:
+    """The AVX2 decoder (blocks of 32 and more) and the generic one on random bytes:
+    every nibble, the extreme scale bytes (0, 254, NaN's 255) and a partial last
+    block add the same bits."""
+    g = torch.Generator().manual_seed(block + flags)
+    for n in (32, 95, 1000, 4099):
+        nb = _tagc.fp4_bytes(n, block)
+        buf = torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
+        scales = torch.randint(100, 140, (nb - (n + 1) // 2,), dtype=torch.uint8, generator=g)
+        scales[: min(3, len(scales))] = torch.tensor([0, 254, 255], dtype=torch.uint8)[: len(scales)]
+        buf[(n + 1) // 2:] = scales
+        base = gradient(n, torch.float32, seed=n)
+        o1, o2 = base.clone(), base.clone()
+        _tagc.fp4_decode_add(o1, buf, block, seed=block, rotate=bool(flags & ROTATE))
+        st = generic.tagc_fp4_decode_add(o2.data_ptr(), n, buf.data_ptr(), nb, block, flags,
+                                         block)
+        assert st == 0
+        assert np.array_equal(bits(o1), bits(o2)), n
+
+
+@pytest.mark.parametrize("flags", [0, ROTATE])
 @pytest.mark.parametrize("block", [32, 64, 256])
 @pytest.mark.parametrize("gd,rd", CASES)
 @pytest.mark.parametrize("kind", ["gauss", "nan", "inf", "limit", "tiny"])
 def test_generic_loops_write_the_avx2_bytes(generic: C.CDLL, block: int, gd: torch.dtype,
-                                            rd: Optional[torch.dtype], kind: str) -> None:
-    """The plain code's AVX2 loops (blocks of 32 and more) and the generic ones: the
-    same bytes, residual and status, refusals included (a NaN, an Inf or a value at
-    the limit of 2^100 in a late block; blocks of subnormal scale)."""
+                                            rd: Optional[torch.dtype], kind: str,
+                                            flags: int) -> None:
+    """The AVX2 loops (blocks of 32 and more, plain or rotated) and the generic ones:
+    the same bytes, residual and status, refusals included (a NaN, an Inf or a value
+    at the limit of 2^100 in a late block; blocks of subnormal scale)."""
+    seed = 7 + block
     dtype = {torch.float32: 0, torch.bfloat16: 1}
     for n in (32, 95, 1000, 4099):
         grad = gradient(n, torch.float32, seed=n + block)
@@ -255,13 +283,13 @@ def test_generic_loops_write_the_avx2_bytes(generic: C.CDLL, block: int, gd: tor
         nb = _tagc.fp4_bytes(n, block)
         b1, b2 = torch.zeros(nb, dtype=torch.uint8), torch.zeros(nb, dtype=torch.uint8)
         try:
-            _tagc.fp4_encode(b1, r1, grad, block)
+            _tagc.fp4_encode(b1, r1, grad, block, seed=seed, rotate=bool(flags & ROTATE))
             st1 = 0
         except _tagc.NonFiniteError:
             st1 = 5
         st2 = generic.tagc_fp4_encode(b2.data_ptr(), nb, None if r2 is None else r2.data_ptr(),
                                       dtype[rd] if rd is not None else 0, grad.data_ptr(),
-                                      dtype[gd], n, block, 0, 0)
+                                      dtype[gd], n, block, flags, seed)
         assert st1 == st2 == (0 if kind in ("gauss", "tiny") else 5), (n, kind)
         if st1 == 0:  # a refused message's bytes are unspecified
             assert torch.equal(b1, b2), n
