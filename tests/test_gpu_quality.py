@@ -20,11 +20,9 @@ pytestmark = [pytest.mark.codec, pytest.mark.dist]
 
 import tagc_hook as tagc
 from dist_helpers import run_dist
-from tagc.device import CodecStreams
-from tagc.reducer import UnitReducer
-from tagc.selection import UnitSpec
 from tagc.train.model import GPT, GPTConfig
 from tagc_bench import gpu_quality
+from tagc_bench.cuda_hook import unit_reducers
 
 STEPS = 3
 REPO = Path(__file__).resolve().parents[1]
@@ -43,9 +41,9 @@ def rank_rows(rows_len: int, step: int, rank: int) -> torch.Tensor:
 def _hook_side(rank: int, world: int, preset: str, lengths: List[int]) -> List[List[Any]]:
     cfg = tagc.TAGCConfig.preset(preset)
     outs = []
-    for i, s in enumerate(lengths):
-        u = UnitReducer(cfg, UnitSpec(f"u{i}", i, 2 * s, 2 * s, 2 * s, torch.device("cpu")),
-                        dist.group.WORLD, rank, world, 1.0, float(world), CodecStreams())
+    units = unit_reducers(cfg, [world * s for s in lengths], torch.device("cpu"), world,
+                          group=dist.group.WORLD, rank=rank)
+    for u, s in zip(units, lengths):
         per = []
         for step in range(STEPS):
             out = torch.empty(s)

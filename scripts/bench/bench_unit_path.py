@@ -27,11 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 import tagc_hook as tagc
-from tagc.device import CodecStreams
-from tagc.reducer import UnitReducer
-from tagc.selection import UnitSpec
 from tagc.train.model import GPT, GPTConfig
-from tagc_bench.cuda_hook import loopback
+from tagc_bench.cuda_hook import loopback, unit_reducers
 from tagc_bench.gpu_step import SHAPES, unit_params
 
 
@@ -54,12 +51,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     grads = [torch.randn(n, generator=gen) for n in sizes]
     paths = {}
     for unit_path in (False, True):
-        rs = []
-        for i, n in enumerate(sizes):
-            r = UnitReducer(cfg, UnitSpec(f"u{i}", i, n, n, n, torch.device("cpu")), None, 0,
-                            2, 1.0, 2.0, CodecStreams())
-            r.UNIT_PATH = unit_path
-            rs.append(r)
+        rs = unit_reducers(cfg, sizes, torch.device("cpu"), 2, unit_path=unit_path)
         paths["unit" if unit_path else "general"] = (rs, [torch.empty(n // 2) for n in sizes])
     times = {name: [] for name in paths}
     with loopback():

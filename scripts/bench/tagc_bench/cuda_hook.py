@@ -60,7 +60,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -72,8 +72,9 @@ from tagc.codec import _tagc
 from tagc.comm import Comm
 from tagc.config import TAGCConfig
 from tagc.device import CodecStreams
-from tagc.hsdp import GatherReducer, ReplicaReducer
+from tagc.hsdp import ReplicaReducer
 from tagc.reducer import UnitReducer
+from tagc.selection import UnitSpec
 from tagc.wrapping import shard_model
 
 if not __package__:  # run as a file: the folder holding tagc_bench onto the path
@@ -200,6 +201,37 @@ def loopback() -> Iterator[None]:
         yield
     finally:
         tagc.reducer.Comm = saved  # type: ignore[misc]
+
+
+def unit_reducers(cfg: TAGCConfig, sizes: Sequence[int], device: torch.device,
+                  world: int, *, group: Any = None, rank: int = 0,
+                  unit_path: Optional[bool] = None,
+                  names: Optional[Sequence[str]] = None) -> List[UnitReducer]:
+    """The hook's reducers of an FSDP2 model's units, outside FSDP: unit i has ``sizes[i]``
+    values (FSDP's padded reduce-scatter input, ``world`` whole shards), gradients summed
+    and divided by ``world`` as FSDP2 asks, one codec stream pair shared by all.
+
+    Args:
+        cfg: the TAGC config (a preset's).
+        sizes: each unit's reduce-scatter input length.
+        device: where the reducers' state and kernels live.
+        world: ranks.
+        group: the process group (None: a loopback or one-rank comm).
+        rank: this rank.
+        unit_path: force the unit path on (True) or off (False); None: the reducer's rule.
+        names: the units' names (default ``u0``, ``u1``, ...).
+    Returns:
+        one reducer per unit, in order.
+    """
+    streams = CodecStreams()
+    out = []
+    for i, n in enumerate(sizes):
+        r = UnitReducer(cfg, UnitSpec(names[i] if names else f"u{i}", i, n, n, n, device),
+                        group, rank, world, 1.0, float(world), streams)
+        if unit_path is not None:
+            r.UNIT_PATH = unit_path
+        out.append(r)
+    return out
 
 
 def rebuild(r: UnitReducer, device: torch.device, world: int) -> UnitReducer:

@@ -44,15 +44,13 @@ import torch.nn as nn
 
 from tagc.codec import _tagc
 from tagc.config import TAGCConfig
-from tagc.device import CodecStreams
-from tagc.reducer import UnitReducer
-from tagc.selection import UnitSpec, modules_to_wrap
+from tagc.selection import modules_to_wrap
 from tagc.train.model import GPT, GPTConfig
 
 if not __package__:  # run as a file: the folder holding tagc_bench onto the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tagc_bench.cuda_hook import loopback  # noqa: E402
+from tagc_bench.cuda_hook import loopback, unit_reducers  # noqa: E402
 from tagc_bench.cuda_ops import require_device  # noqa: E402
 
 BLOCK = 256
@@ -195,13 +193,8 @@ class HookCodec(GradCodec):
         pad = self.WORLD * cfg.quant_block  # FSDP pads every unit to whole shards
         sizes = [sum(p.numel() for p in ps) for _, ps in units]
         self.sizes = [-(-n // pad) * pad for n in sizes]
-        streams = CodecStreams()
-        self.reducers = []
-        for i, ((name, _), n) in enumerate(zip(units, self.sizes)):
-            r = UnitReducer(cfg, UnitSpec(name, i, n, n, n, device), None, 0, self.WORLD,
-                            1.0, float(self.WORLD), streams)
-            r.UNIT_PATH = unit_path
-            self.reducers.append(r)
+        self.reducers = unit_reducers(cfg, self.sizes, device, self.WORLD, unit_path=unit_path,
+                                      names=[name for name, _ in units])
         self.outs = [torch.empty(n // self.WORLD, device=device) for n in self.sizes]
         self.numel = sum(sizes)
         self.left, self.handles = [], []

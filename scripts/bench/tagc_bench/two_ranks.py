@@ -53,6 +53,7 @@ from tagc.selection import UnitSpec
 from tagc.stats import UnitStats
 from tagc.train.launch import run_dist
 from tagc_bench import cuda_emu
+from tagc_bench.cuda_hook import unit_reducers
 
 WORLD = 2
 STEPS, INF_STEP = 4, 2
@@ -71,14 +72,9 @@ def gradient(unit: int, step: int, rank: int) -> torch.Tensor:
 
 def reducers(cfg: tagc.TAGCConfig, device: torch.device, rank: int,
              unit_path: bool) -> List[UnitReducer]:
-    out = []
-    for i, s in enumerate(SHARDS):
-        n = WORLD * s
-        r = UnitReducer(cfg, UnitSpec(f"u{i}", i, n, n, n, device), dist.group.WORLD, rank,
-                        WORLD, 1.0, float(WORLD), CodecStreams())
-        r.UNIT_PATH = unit_path
-        out.append(r)
-    return out
+    """Each unit's reducer of this rank on the WORLD group, the unit path forced on or off."""
+    return unit_reducers(cfg, [WORLD * s for s in SHARDS], device, WORLD,
+                         group=dist.group.WORLD, rank=rank, unit_path=unit_path)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
