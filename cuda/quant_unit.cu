@@ -121,12 +121,12 @@ static __global__ void quant_unit_encode_kernel(uint8_t *dst, int64_t nb, uint8_
                                                 const void *grad, int gd, int64_t shard,
                                                 int64_t world, int64_t rank, int fmt,
                                                 int rfmt, int64_t block, float factor,
-                                                const uint8_t *ok, int32_t *flags,
+                                                const float *vote, int32_t *flags,
                                                 int64_t *counts)
 {
     const int64_t per = shard / block, nrec = world * per;
     const int64_t rg = tagc_q_record_bytes(block, fmt), rr = tagc_q_record_bytes(block, rfmt);
-    const int zero = flags[0] != 0, poisoned = ok != NULL && *ok == 0;
+    const int zero = flags[0] != 0, poisoned = vote != NULL && !(*vote == 0.0f);
     const unsigned lane = threadIdx.x & 31u;
     for (int64_t u = (int64_t)blockIdx.x * UNIT_WARPS + (threadIdx.x >> 5); u < nrec;
          u += (int64_t)gridDim.x * UNIT_WARPS) {
@@ -223,7 +223,7 @@ extern "C" tagc_status tagc_cuda_quant_unit_encode(uint8_t *dst, int64_t dst_cap
                                                    tagc_qformat format,
                                                    tagc_qformat residual_format, int64_t block,
                                                    float factor, int64_t *counts,
-                                                   const uint8_t *ok, int32_t *flags,
+                                                   const float *vote, int32_t *flags,
                                                    cudaStream_t stream)
 {
     if (counts == NULL || flags == NULL)
@@ -241,7 +241,7 @@ extern "C" tagc_status tagc_cuda_quant_unit_encode(uint8_t *dst, int64_t dst_cap
     TAGC_CUDA_LAUNCHED();
     quant_unit_encode_kernel<<<tagc_grid(nrec, UNIT_WARPS), TAGC_THREADS, 0, stream>>>(
         dst, nb, rcodes, grad, (int)grad_dtype, shard, world, rank, (int)format,
-        (int)residual_format, block, factor, ok, flags, counts);
+        (int)residual_format, block, factor, vote, flags, counts);
     TAGC_CUDA_LAUNCHED();
     return TAGC_OK;
 }

@@ -257,16 +257,18 @@ tagc_status tagc_cuda_quant_decode_add(float *out, int64_t n,
  *     counts  DEVICE int64[3], added to: [0] += 1 for a call that encoded,
  *             [1] += 1 for a poisoned one, [2] += 1 when the residual was
  *             reset (the hook's counters, kept without a kernel of their own);
- *     ok      DEVICE byte or NULL: when it holds 0 (a rank's gradient was
- *             not finite) every message record gets a NaN scale and zero
+ *     vote    DEVICE float or NULL: the ranks' summed finite votes, 0 when
+ *             every rank's gradient is finite; anything else (NaN) poisons
+ *             the call: every message record gets a NaN scale and zero
  *             codes, as tagc_cuda_quant_encode gives a poisoned shard, and
- *             rcodes is left as it was (a reset is still counted);
+ *             rcodes is left as it was (a reset is still counted).  Read
+ *             here so that the hook enqueues no comparison of its own;
  *     flags   DEVICE int32[2], zero before the call and left zero after it
  *             (the guard's verdict and the blocks' finishing count): one per
  *             stream, as calls on a stream never overlap.
  *   Unlike the C op it cannot refuse data: codes of rcodes are not checked
  *   (they are this rank's own state), and a NaN/Inf in grad + residual
- *   reaches the message (callers poison through `ok` instead).
+ *   reaches the message (callers poison through `vote` instead).
  */
 tagc_status tagc_cuda_quant_unit_encode(uint8_t *dst, int64_t dst_capacity,
                                         uint8_t *rcodes, int64_t rcodes_bytes,
@@ -274,7 +276,7 @@ tagc_status tagc_cuda_quant_unit_encode(uint8_t *dst, int64_t dst_capacity,
                                         int64_t shard, int64_t world, int64_t rank,
                                         tagc_qformat format, tagc_qformat residual_format,
                                         int64_t block, float factor, int64_t *counts,
-                                        const uint8_t *ok, int32_t *flags,
+                                        const float *vote, int32_t *flags,
                                         cudaStream_t stream);
 
 /*

@@ -149,6 +149,8 @@ class Exec:
             stream on CUDA; the reducer makes that stream current first).
         ok: CUDA only: the call's "every rank finite" device flag once agreed
             (gates device counters and feedback updates); None on the CPU.
+        vote: CUDA only, the unit path: the ranks' summed finite votes (0: every
+            rank finite), which its encoder reads instead of ``ok``; else None.
         scratch: the model's reused CPU buffers (None: fresh tensors).
     """
 
@@ -158,6 +160,7 @@ class Exec:
         self.kw: Dict[str, int] = (
             {"stream": torch.cuda.current_stream(t.device).cuda_stream} if self.cuda else {})
         self.ok: Optional[torch.Tensor] = None
+        self.vote: Optional[torch.Tensor] = None
 
     def count(self, fn: Callable[..., Any], *args: Any, out_kw: str = "out",
               **kw: Any) -> Union[int, torch.Tensor]:

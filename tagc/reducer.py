@@ -419,9 +419,9 @@ class UnitReducer:
         the received messages in rank order and divides.  The same bytes and values as
         :meth:`_open_codes`, :meth:`_guard_residuals`, the ``quant`` transport, the
         division and :meth:`_close_codes` one after another (tests/test_unit_path.py),
-        without the unit-sized fp32 working copy.  On CUDA the call's finite flag
-        (``dev.ok``) makes the encoder send NaN and keep the residual, as poisoning the
-        shards does on the general path.
+        without the unit-sized fp32 working copy.  On CUDA the ranks' summed vote
+        (``dev.vote``, not 0 when a rank's gradient is not finite) makes the encoder send
+        NaN and keep the residual, as poisoning the shards does on the general path.
         """
         cfg, n, s, rank = self.cfg, self.world, out.numel(), self.rank
         fmt, rfmt, block = cfg.quant_format, cfg.residual_code, cfg.quant_block
@@ -433,7 +433,7 @@ class UnitReducer:
             counts = self.stats.vector(UNIT_COUNTS, inp.device)
             codec._tagc.quant_unit_encode(
                 buf, self.residual, inp, n, rank, fmt, rfmt, block, cfg.residual_factor,
-                counts=counts, ok=dev.ok.view(torch.uint8),
+                counts=counts, vote=dev.vote,
                 flags=self.streams.flags(inp.device), **dev.kw)
         elif codec._tagc.quant_unit_encode(buf, self.residual, inp, n, rank, fmt, rfmt, block,
                                            cfg.residual_factor):
@@ -445,8 +445,8 @@ class UnitReducer:
         comm.wait(works)
         codec._tagc.quant_unit_decode(out, recv, inp[rank * s:(rank + 1) * s], n, rank, fmt,
                                       block, self.pre * self.post, **dev.kw)
-        self.stats.add("union_size", s, dev.ok)
-        self.stats.add("shard_slots", s, dev.ok)
+        self.stats.add("union_size", s)
+        self.stats.add("shard_slots", s)
 
     def _bypassed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
         """The plain reduce-scatter in place of compression (tagc/bypass.py)."""
@@ -611,9 +611,10 @@ class UnitReducer:
         if dev.cuda:
             vote = nonfinite_vote(inp)
             comm.all_reduce(vote, control=True)
-            dev.ok = vote == 0
-            if self.unit_call:  # its kernel poisons and counts
+            if self.unit_call:  # its kernel reads the vote, poisons and counts
+                dev.vote = vote
                 return True
+            dev.ok = vote == 0
             bad = ~dev.ok
             self.stats.add("nonfinite_fallbacks", bad)
             self.stats.add("compressed_calls", dev.ok)

@@ -235,6 +235,9 @@ MAIN_PATHS: Dict[str, List[Union[Run, Covered, CiStep]]] = {
     "scripts/bench/tagc_bench/cuda_ops.py": [Covered(
         "tests/test_gpu_check.py::test_dry_run_passes_and_reports_every_part", '"--dry-run"',
         "part c of gpu_check.sh --dry-run")],
+    "scripts/bench/tagc_bench/host_counts.py": [Covered(
+        "tests/test_host_counts.py::test_the_table_with_host_time", "host_counts.main(",
+        "its table with --time on the session's emulated library")],
     "scripts/bench/tagc_bench/gpu_step.py": [Covered(
         "tests/test_gpu_check.py::test_dry_run_passes_and_reports_every_part", '"--dry-run"',
         "part e of gpu_check.sh --dry-run")],

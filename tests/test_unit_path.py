@@ -214,7 +214,7 @@ def test_bad_arguments_raise() -> None:
     with pytest.raises(TypeError, match="rcodes"):
         enc(1, codes.to(torch.int32))
     for cuda_only in ({"counts": torch.zeros(3, dtype=torch.int64)},
-                      {"ok": torch.ones(1, dtype=torch.uint8)},
+                      {"vote": torch.zeros(1)},
                       {"flags": torch.zeros(2, dtype=torch.int32)}):
         with pytest.raises(ValueError, match="for CUDA tensors"):
             _tagc.quant_unit_encode(*args, **cuda_only)
@@ -245,8 +245,8 @@ def emu(cuda_emu_library: Path):
 def test_cuda_twin_writes_the_c_bytes(emu, world: int, blocks: int, block: int, fmt: str,
                                       rfmt: str, dtype: torch.dtype, factor: float) -> None:
     """Bit for bit the C op's messages, residual codes and sums; flags left at zero;
-    the call counted; a poisoned call (ok = 0) sends what the general CUDA encode sends
-    for a NaN shard and keeps the residual."""
+    the call counted; a poisoned call (a NaN vote) sends what the general CUDA encode
+    sends for a NaN shard and keeps the residual."""
     flags = torch.zeros(2, dtype=torch.int32)
     for rank in range(world):
         grad, codes = case(world, blocks, block, dtype, rfmt, seed=world + 7 * rank)
@@ -261,7 +261,7 @@ def test_cuda_twin_writes_the_c_bytes(emu, world: int, blocks: int, block: int, 
             counts = torch.tensor([5, 6, 7])
             emu.quant_unit_encode(ebuf, got, grad, world, rank, fmt, rfmt, block, factor,
                                   counts=counts, flags=flags,
-                                  ok=torch.tensor([ok], dtype=torch.uint8))
+                                  vote=torch.tensor([0.0 if ok else float("nan")]))
             assert flags.tolist() == [0, 0]
             assert counts.tolist() == [5 + ok, 6 + 1 - ok, 7 + want_reset]
             others = [r for r in range(world) if r != rank]

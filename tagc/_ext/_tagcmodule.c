@@ -599,15 +599,15 @@ static int arg_unit(const char *fn, PyObject *oworld, PyObject *orank, int64_t n
 static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwl[] = {"buf", "rcodes", "grad", "world", "rank", "format",
-                          "residual_format", "block", "factor", "counts", "ok", "flags",
+                          "residual_format", "block", "factor", "counts", "vote", "flags",
                           "stream", NULL};
     PyObject *obuf, *orc, *ograd, *oworld, *orank, *ofmt, *orfmt, *oblock;
-    PyObject *ocounts = NULL, *ook = NULL, *oflags = NULL, *ostream = NULL;
+    PyObject *ocounts = NULL, *ovote = NULL, *oflags = NULL, *ostream = NULL;
     double factor;
     TAGC_BEGIN("quant_unit_encode");
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOd|$OOOO", kwl, &obuf, &orc, &ograd,
                                      &oworld, &orank, &ofmt, &orfmt, &oblock, &factor,
-                                     &ocounts, &ook, &oflags, &ostream))
+                                     &ocounts, &ovote, &oflags, &ostream))
         return NULL;
     TAGC_CHECK(tagc_py_arg_stream(fn, ostream, &stream));
     tagc_qformat fmt, rfmt;
@@ -626,7 +626,7 @@ static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
     TAGC_TAKE(rc, orc, "rcodes", TAGC_K_U8);
     TAGC_TAKE(grad, ograd, "grad", TAGC_K_F32 | TAGC_K_BF16);
     TAGC_TAKE_OPT(counts, has_counts, ocounts, "counts", TAGC_K_I64);
-    TAGC_TAKE_OPT(ok, has_ok, ook, "ok", TAGC_K_U8);
+    TAGC_TAKE_OPT(vote, has_vote, ovote, "vote", TAGC_K_F32);
     TAGC_TAKE_OPT(flags, has_flags, oflags, "flags", TAGC_K_I32);
     TAGC_CHECK(tagc_py_need_max_n(&vs_, grad));
     TAGC_CHECK(arg_unit(fn, oworld, orank, grad->numel, &world, &rank, &shard));
@@ -641,7 +641,7 @@ static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
                                  "world * quant_bytes(grad.numel() // world, format, block)"));
     TAGC_CHECK(tagc_py_need_size(&vs_, rc, tagc_quant_bytes(grad->numel, rfmt, block), 1,
                                  "quant_bytes(grad.numel(), residual_format, block)"));
-    TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, ok, has_ok));
+    TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, vote, has_vote));
     if (has_counts)
         TAGC_CHECK(tagc_py_need_size(&vs_, counts, 3, 1, "3 (encoded, poisoned, reset)"));
     if (has_flags)
@@ -650,9 +650,9 @@ static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
     TAGC_CHECK(dev);
     TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_counts, "counts"));
     TAGC_CHECK(tagc_py_cuda_needs(fn, dev, has_flags, "flags"));
-    if (dev == TAGC_DEV_CPU && (has_counts || has_ok || has_flags)) {
+    if (dev == TAGC_DEV_CPU && (has_counts || has_vote || has_flags)) {
         PyErr_Format(PyExc_ValueError,
-                     "%s: counts, ok and flags are for CUDA tensors (on the CPU a non-finite "
+                     "%s: counts, vote and flags are for CUDA tensors (on the CPU a non-finite "
                      "value raises and the reset is returned)", fn);
         goto done;
     }
@@ -661,7 +661,7 @@ static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
         TAGC_RUN_CUDA(grad, 0, tagc_cuda_quant_unit_encode(
                                    buf->data, buf->numel, rc->data, rc->numel, grad->data,
                                    tagc_py_codec_dtype(grad->kind), shard, world, rank, fmt,
-                                   rfmt, block, (float)factor, counts->data, ok->data,
+                                   rfmt, block, (float)factor, counts->data, vote->data,
                                    flags->data, strm_));
     } else {
         TAGC_RUN(tagc_quant_unit_encode(buf->data, buf->numel, rc->data, rc->numel, grad->data,
@@ -1432,7 +1432,7 @@ static PyMethodDef methods[] = {
     KW(quant_unit_encode,
        SIG(quant_unit_encode,
            "buf, rcodes, grad, world, rank, format, residual_format, block, factor, *, "
-           "counts=None, ok=None, flags=None, stream=0",
+           "counts=None, vote=None, flags=None, stream=0",
            "One unit's quant messages to every other rank, with the residual kept as codes "
            "(rcodes, updated): decode, feed back, encode, re-code in one call.  Returns "
            "whether the residual was reset (CPU; CUDA: added to counts).")),

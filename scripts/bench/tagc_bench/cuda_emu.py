@@ -195,7 +195,7 @@ def emulated_cuda(ops: Any) -> Iterator[None]:
              tagc.device.Exec.__init__)
 
     def exec_init(self: Any, t: torch.Tensor, scratch: Any = None) -> None:
-        self.cuda, self.scratch, self.kw, self.ok = True, None, {"stream": 0}, None
+        self.cuda, self.scratch, self.kw, self.ok, self.vote = True, None, {"stream": 0}, None, None
 
     tagc.codec._tagc = tagc.transports._tagc = tagc.gather._tagc = ops
     tagc.device.Exec.__init__ = exec_init  # type: ignore[method-assign]
@@ -308,10 +308,10 @@ class EmuOps:
     def quant_unit_encode(self, buf: torch.Tensor, rcodes: torch.Tensor, grad: torch.Tensor,
                           world: int, rank: int, format: str, residual_format: str, block: int,
                           factor: float, *, counts: torch.Tensor, flags: torch.Tensor,
-                          ok: Optional[torch.Tensor] = None, stream: int = 0) -> None:
+                          vote: Optional[torch.Tensor] = None, stream: int = 0) -> None:
         self._run("tagc_cuda_quant_unit_encode", P(buf), buf.numel(), P(rcodes), rcodes.numel(),
                   P(grad), DT[grad.dtype], grad.numel() // world, world, rank, QFORMAT[format],
-                  QFORMAT[residual_format], block, factor, P(counts), P(ok), P(flags), None)
+                  QFORMAT[residual_format], block, factor, P(counts), P(vote), P(flags), None)
 
     def quant_unit_decode(self, out: torch.Tensor, buf: torch.Tensor, own: torch.Tensor,
                           world: int, rank: int, format: str, block: int, divisor: float, *,

@@ -20,10 +20,13 @@ second rank is the loopback stand-in of ``tagc_bench.cuda_hook``.  Per call it c
 * ``collectives``: calls to the process group (the loopback's copies stand in for them).
 
 It cannot see the stream waits and switches around a call (``CodecStreams.around``, the
-same on every path), NCCL, DLPack exports or Python's own time: only a GPU measures
-microseconds.  Usage::
+same on every path), NCCL or DLPack exports: only a GPU measures those microseconds.
+``--time`` adds what the CPU can time: the hook's own host time per call (Python, the
+torch ops on CPU tensors, the loopback's copies) with every CUDA op of ``_tagc`` a no-op
+(:class:`NoOps`), a floor under what a GPU's host pays.  Usage::
 
-    python3 scripts/bench/tagc_bench/host_counts.py   # the table, both paths, two presets
+    python3 scripts/bench/tagc_bench/host_counts.py          # the table, both paths, two presets
+    python3 scripts/bench/tagc_bench/host_counts.py --time   # and the host us per call
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import contextlib
 import ctypes as C
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -43,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tagc.reducer
+from tagc.codec import _tagc
 from tagc.config import TAGCConfig
 from tagc.device import CodecStreams
 from tagc.reducer import UnitReducer
@@ -207,20 +212,83 @@ def count_calls(lib: Any, preset: str, unit_path: bool, steps: int = 3,
     return out
 
 
+class NoOps:
+    """``_tagc`` whose CUDA ops (the methods of :class:`cuda_emu.EmuOps`) do nothing;
+    the size helpers, seeds and errors are the C module's."""
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_") and callable(getattr(cuda_emu.EmuOps, name, None)):
+            return lambda *args, **kw: None
+        return getattr(_tagc, name)
+
+
+def host_us(preset: str, unit_path: bool, calls: int = 500, repeats: int = 5,
+            shard: int = 64 * 4, world: int = 2) -> float:
+    """The hook's host time of one unit call on its CUDA branch with no-op kernels.
+
+    Args:
+        preset: a shipped preset.
+        unit_path: ``UnitReducer.UNIT_PATH`` for this reducer.
+        calls: calls per timed repeat (after as many untimed ones).
+        repeats: timed repeats; the fastest counts (the least disturbed by the load).
+        shard: values per shard (small: the loopback's copies stay negligible).
+        world: ranks.
+    Returns:
+        microseconds per call.
+    """
+    cfg = TAGCConfig.preset(preset)
+    n = world * shard
+    u = UnitReducer(cfg, UnitSpec("unit", 0, n, n, n, torch.device("cpu")), None, 0, world,
+                    1.0, float(world), CodecStreams())
+    u.UNIT_PATH = unit_path
+    x, y = torch.randn(n, generator=torch.Generator().manual_seed(0)), torch.empty(shard)
+    saved = tagc.reducer.Comm
+    tagc.reducer.Comm = LoopbackComm  # type: ignore[misc]
+    try:
+        with cuda_emu.emulated_cuda(NoOps()), _one_thread():
+            for _ in range(calls):
+                u.reduce(x, y)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    u.reduce(x, y)
+                best = min(best, (time.perf_counter() - t0) / calls)
+    finally:
+        tagc.reducer.Comm = saved  # type: ignore[misc]
+    return best * 1e6
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", help="an emulated library already built (default: build one)")
     ap.add_argument("--presets", nargs="+", default=["balanced", "full"])
+    ap.add_argument("--time", action="store_true",
+                    help="add the host us per call with no-op kernels (one thread)")
     args = ap.parse_args(argv)
+    cols = list(COUNTS) + (["host us (no-op kernels)"] if args.time else [])
     with tempfile.TemporaryDirectory() as tmp:
         lib = args.lib or cuda_emu.build(tmp)
-        print("| preset | path | " + " | ".join(COUNTS) + " |")
-        print("|---|---|" + "---|" * len(COUNTS))
+        print("| preset | path | " + " | ".join(cols) + " |")
+        print("|---|---|" + "---|" * len(cols))
         for preset in args.presets:
             for unit_path in (False, True):
                 c = count_calls(lib, preset, unit_path)[-1]
+                row = [str(c[k]) for k in COUNTS]
+                if args.time:
+                    row.append(f"{host_us(preset, unit_path):.1f}")
                 print(f"| {preset} | {'unit' if unit_path else 'general'} | "
-                      + " | ".join(str(c[k]) for k in COUNTS) + " |")
+                      + " | ".join(row) + " |")
     return 0
 
 
