@@ -214,10 +214,11 @@ TAGC_AVX2 void flip_signs_avx2(__m256 *x, int64_t o, int nv, uint64_t seed)
  * strides 1, 2 and 4 within a vector, 8 and 16 between the four vectors of
  * a group of 32 values (in registers), the wider ones between groups.
  * Within a vector each lane gets its partner swapped in; with `finite`
- * (every value finite, as the encoder's are) the lanes that take a - b add
- * -a to the partner b, the same IEEE result; otherwise a + b and a - b are
- * both computed in the generic loops' operand order and the lanes blended,
- * so that a NaN comes out as theirs does (the decoder's NaN scales). */
+ * (every value finite, as the encoder's are) the lane that takes a - b adds
+ * its own value negated to the partner a (a + (-b): the same IEEE result);
+ * otherwise a + b and a - b are both computed in the generic loops' operand
+ * order and the lanes blended, so that a NaN comes out as theirs does (the
+ * decoder's NaN scales). */
 TAGC_AVX2 void fwht_avx2(__m256 *x, int nv, float norm, int finite)
 {
 #define NEG(a, b, c, d, e, f, g, h) \

@@ -68,6 +68,33 @@ def test_simulated_exchange_is_the_hooks(preset: str) -> None:
                 assert torch.equal(got[r], hook[r][k][step]), (sim.units[i].name, step, r)
 
 
+def test_simulation_cuda_branch_under_the_emulation(cuda_emu_library: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation's CUDA branch (the unit encode's counts, flags and the ranks'
+    vote) with the kernels emulated on CPU tensors: the CPU branch's rows and residual
+    codes bit for bit; a NaN vote poisons every row and keeps the codes."""
+    from tagc_bench import cuda_emu
+
+    cpu = gpu_quality.SimRanks(tiny(), "balanced", torch.device("cpu"))
+    emu = gpu_quality.SimRanks(tiny(), "balanced", torch.device("cpu"))
+    units = [i for i, c in enumerate(cpu.compressed) if c]
+    rows = {i: [rank_rows(cpu.units[i].row, 0, r) for r in range(2)] for i in units}
+    want = {i: cpu.reduce_unit(i, rows[i]) for i in units}
+    emu.cuda, emu.counts = True, torch.zeros(3, dtype=torch.int64)
+    emu.flags = torch.zeros(2, dtype=torch.int32)
+    monkeypatch.setattr(gpu_quality, "_tagc", cuda_emu.EmuOps(cuda_emu_library))
+    monkeypatch.setattr(emu, "_kw", lambda: {"stream": 0})
+    for i in units:
+        assert torch.equal(emu.reduce_unit(i, rows[i], torch.zeros(1)), want[i])
+        assert all(torch.equal(a, b) for a, b in zip(emu.codes[i], cpu.codes[i]))
+        kept = [c.clone() for c in emu.codes[i]]
+        bad = emu.reduce_unit(i, rows[i], torch.full((1,), float("nan")))
+        assert bad.isnan().all()
+        assert all(torch.equal(a, b) for a, b in zip(emu.codes[i], kept))
+    assert emu.counts.tolist() == [2 * len(units), 2 * len(units), 0]
+    assert emu.flags.tolist() == [0, 0]
+
+
 @pytest.mark.slow
 def test_dry_run_runs_and_reports(tmp_path: Path) -> None:
     """``scripts/gpu_quality.sh --dry-run``: the CPU, a tiny shape, six steps."""

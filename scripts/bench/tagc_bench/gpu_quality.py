@@ -127,23 +127,27 @@ class SimRanks:
             grads: per rank, every parameter's gradient in the units' order.
         """
         at = 0
-        finite = torch.stack([torch.stack([g.float().sum() for g in gr]).sum()
-                              for gr in grads]).isfinite().all() if self.cuda else None
+        vote = None
+        if self.cuda:  # the hook's vote summed over the ranks: 0, or NaN when one is not finite
+            total = torch.stack([torch.stack([g.float().sum() for g in gr]).sum()
+                                 for gr in grads]).sum().reshape(1)
+            vote = total - total
         for i, u in enumerate(self.units):
             k = len(u.params)
             rows = [u.rows([g.float() for g in gr[at:at + k]]) for gr in grads]
             at += k
-            for p, g in zip(u.params, u.unrows(self.reduce_unit(i, rows, finite))):
+            for p, g in zip(u.params, u.unrows(self.reduce_unit(i, rows, vote))):
                 p.grad = g.to(p.dtype)
 
     def reduce_unit(self, i: int, rows: List[torch.Tensor],
-                    finite: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    vote: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Unit i's reduced rows: row r is what owner r's reduce-scatter gives.
 
         Args:
             i: the unit.
             rows: per rank, its (2, S) reduce-scatter input.
-            finite: CUDA: whether every rank's gradient is finite (a device bool).
+            vote: CUDA: the ranks' summed finite vote (float32: 0 when every rank's
+                gradient is finite, else NaN), which the unit encode reads.
         Returns:
             (2, S) fp32.
         """
@@ -156,7 +160,7 @@ class SimRanks:
                 for _ in range(WORLD)]
         for r in range(WORLD):
             extra = {} if not self.cuda else {"counts": self.counts, "flags": self.flags,
-                                              "ok": finite.reshape(1).view(torch.uint8)}
+                                              "vote": vote}
             _tagc.quant_unit_encode(bufs[r], codes[r], rows[r].reshape(-1), WORLD, r, fmt,
                                     rfmt, block, cfg.residual_factor, **extra, **kw)
         out = torch.empty(WORLD, u.row, device=self.device)
