@@ -68,29 +68,43 @@ def test_simulated_exchange_is_the_hooks(preset: str) -> None:
                 assert torch.equal(got[r], hook[r][k][step]), (sim.units[i].name, step, r)
 
 
-def test_simulation_cuda_branch_under_the_emulation(cuda_emu_library: Path,
+@pytest.mark.parametrize("preset", ["balanced", "full"])
+def test_simulation_cuda_branch_under_the_emulation(cuda_emu_library: Path, preset: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The simulation's CUDA branch (the unit encode's counts, flags and the ranks'
-    vote) with the kernels emulated on CPU tensors: the CPU branch's rows and residual
-    codes bit for bit; a NaN vote poisons every row and keeps the codes."""
+    """The simulation's CUDA branch (the ranks' vote, the unit encode's counts and flags,
+    the gathers' device segments) with the kernels emulated on CPU tensors: the CPU
+    branch's gradients, residual codes and gathered weights bit for bit; a NaN in one
+    rank's gradient poisons every compressed unit's gradient and keeps the codes."""
     from tagc_bench import cuda_emu
 
-    cpu = gpu_quality.SimRanks(tiny(), "balanced", torch.device("cpu"))
-    emu = gpu_quality.SimRanks(tiny(), "balanced", torch.device("cpu"))
-    units = [i for i, c in enumerate(cpu.compressed) if c]
-    rows = {i: [rank_rows(cpu.units[i].row, 0, r) for r in range(2)] for i in units}
-    want = {i: cpu.reduce_unit(i, rows[i]) for i in units}
+    cpu_model, emu_model = tiny(), tiny()
+    cpu = gpu_quality.SimRanks(cpu_model, preset, torch.device("cpu"))
+    emu = gpu_quality.SimRanks(emu_model, preset, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(p.shape, generator=g) for u in cpu.units for p in u.params]
+             for _ in range(2)]  # per rank, in the units' order
+    cpu.reduce(grads)
+    want_gathered = cpu.gathered()
     emu.cuda, emu.counts = True, torch.zeros(3, dtype=torch.int64)
     emu.flags = torch.zeros(2, dtype=torch.int32)
     monkeypatch.setattr(gpu_quality, "_tagc", cuda_emu.EmuOps(cuda_emu_library))
     monkeypatch.setattr(emu, "_kw", lambda: {"stream": 0})
-    for i in units:
-        assert torch.equal(emu.reduce_unit(i, rows[i], torch.zeros(1)), want[i])
+    emu.reduce(grads)
+    for a, b in zip(emu_model.parameters(), cpu_model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    for i in range(len(emu.units)):
         assert all(torch.equal(a, b) for a, b in zip(emu.codes[i], cpu.codes[i]))
-        kept = [c.clone() for c in emu.codes[i]]
-        bad = emu.reduce_unit(i, rows[i], torch.full((1,), float("nan")))
-        assert bad.isnan().all()
-        assert all(torch.equal(a, b) for a, b in zip(emu.codes[i], kept))
+    got = emu.gathered()
+    assert len(got) == len(want_gathered) == (0 if preset == "balanced" else
+                                              sum(len(u.params) for u in emu.units))
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(got, want_gathered))
+    kept = [[c.clone() for c in codes] for codes in emu.codes]
+    grads[1][0][0] = float("nan")
+    emu.reduce(grads)
+    units = [i for i, c in enumerate(emu.compressed) if c]
+    for i in units:
+        assert all(p.grad.isnan().all() for p in emu.units[i].params), emu.units[i].name
+        assert all(torch.equal(a, b) for a, b in zip(emu.codes[i], kept[i]))
     assert emu.counts.tolist() == [2 * len(units), 2 * len(units), 0]
     assert emu.flags.tolist() == [0, 0]
 
