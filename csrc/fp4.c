@@ -280,54 +280,49 @@ TAGC_AVX2 int all_below_avx2(const void *g, int gd, const void *r, int rd, int64
     return m <= limit;
 }
 
-/* lut[b] for 32 bytes b in 0..31: a 32-entry table as its two 16-byte halves
- * (each repeated in both 128-bit lanes), picked by b > 15. */
-TAGC_AVX2 __m256i lut32(__m256i lo, __m256i hi, __m256i b)
-{
-    __m256i high = _mm256_cmpgt_epi8(b, _mm256_set1_epi8(15));
-    return _mm256_blendv_epi8(_mm256_shuffle_epi8(lo, b), _mm256_shuffle_epi8(hi, b), high);
-}
-
-/* The codes of the len values v (a multiple of 32) under inv, without a residual: the
- * midpoints counted in bytes, 32 values a step.  With y4 = 4 |v| inv (exact: inv and
- * 4 are powers of two) the midpoints are the integers 1, 3, 5, 7, 10, 14, 20; y passes
- * a midpoint m taken with >= (3, 7, 14) when floor(y4) >= m and one taken with > (1,
- * 5, 10, 20) when ceil(y4) >= m + 1, so the index is FLOOR_PASSED[floor(y4)] +
- * CEIL_PASSED[ceil(y4)], both looked up with pshufb.  The same codes as
- * tagc_fp4_code (y4 <= 24; the clamp only guards the tables). */
-TAGC_AVX2 void encode_codes_avx2(uint8_t *codes, const __m256 *v, int len, __m256 inv)
+/* The 16 code bytes of the 32 values v0..v3 under inv, without a residual: the
+ * midpoints counted in bytes.  With y4 = 4 |v| inv (exact: inv and 4 are powers of
+ * two) the midpoints are the integers 1, 3, 5, 7, 10, 14, 20; y passes a midpoint m
+ * taken with >= (3, 7, 14) when floor(y4) >= m and one taken with > (1, 5, 10, 20)
+ * when ceil(y4) >= m + 1, so the index is FLOOR_PASSED[floor(y4)] +
+ * CEIL_PASSED[ceil(y4)]: pshufb lookups of floor and ceil capped at 15 (y4 <= 24,
+ * and no midpoint lies in 15..19), plus a compare for the midpoint 20.  The
+ * same codes as tagc_fp4_code. */
+TAGC_AVX2 void encode_group_avx2(uint8_t *codes, __m256 v0, __m256 v1, __m256 v2, __m256 v3,
+                                __m256 inv)
 {
 #define T16(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
     _mm256_setr_epi8(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, \
                      a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p)
-    /* [f >= 3] + [f >= 7] + [f >= 14], f = 0..31 */
-    const __m256i fl = T16(0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3),
-                  fh = T16(3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3);
-    /* [c >= 2] + [c >= 6] + [c >= 11] + [c >= 21], c = 0..31 */
-    const __m256i cl = T16(0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3),
-                  ch = T16(3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4);
+    /* [f >= 3] + [f >= 7] + [f >= 14] of min(f, 15) */
+    const __m256i fl = T16(0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3);
+    /* [c >= 2] + [c >= 6] + [c >= 11] of min(c, 15); [c >= 21] is a compare */
+    const __m256i cl = T16(0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3);
 #undef T16
     const __m256 four = _mm256_set1_ps(4.0f);
-    const __m256i top = _mm256_set1_epi8(24), eight = _mm256_set1_epi8(8);
-    for (int k = 0; k < len / 8; k += 4) {
-        __m256i f[4], c[4], neg[4];
-        for (int j = 0; j < 4; j++) {
-            __m256 y4 = _mm256_mul_ps(
-                _mm256_mul_ps(_mm256_castsi256_ps(mag8(v[k + j])), inv), four);
-            f[j] = _mm256_cvttps_epi32(y4);
-            c[j] = _mm256_cvttps_epi32(_mm256_round_ps(y4, _MM_FROUND_TO_POS_INF |
-                                                               _MM_FROUND_NO_EXC));
-            neg[j] = _mm256_srai_epi32(_mm256_castps_si256(v[k + j]), 31);
-        }
-        __m256i fb = _mm256_min_epu8(bytes32(f[0], f[1], f[2], f[3]), top);
-        __m256i cb = _mm256_min_epu8(bytes32(c[0], c[1], c[2], c[3]), top);
-        __m256i idx = _mm256_add_epi8(lut32(fl, fh, fb), lut32(cl, ch, cb));
-        /* the sign bit where v < 0 and the index is not 0 (never -0) */
-        __m256i s = _mm256_andnot_si256(_mm256_cmpeq_epi8(idx, _mm256_setzero_si256()),
-                                        bytes32(neg[0], neg[1], neg[2], neg[3]));
-        idx = _mm256_or_si256(idx, _mm256_and_si256(s, eight));
-        _mm_storeu_si128((__m128i *)(codes + 4 * k), nibbles16(idx));
+    const __m256i fifteen = _mm256_set1_epi8(15), twenty = _mm256_set1_epi8(20),
+                  eight = _mm256_set1_epi8(8);
+    const __m256 v[4] = {v0, v1, v2, v3};
+    __m256i f[4], c[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 y4 = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(mag8(v[j])), inv), four);
+        f[j] = _mm256_cvttps_epi32(y4);
+        c[j] = _mm256_cvttps_epi32(_mm256_round_ps(y4, _MM_FROUND_TO_POS_INF |
+                                                           _MM_FROUND_NO_EXC));
     }
+    __m256i fb = bytes32(f[0], f[1], f[2], f[3]), cb = bytes32(c[0], c[1], c[2], c[3]);
+    __m256i idx = _mm256_add_epi8(
+        _mm256_shuffle_epi8(fl, _mm256_min_epu8(fb, fifteen)),
+        _mm256_sub_epi8(_mm256_shuffle_epi8(cl, _mm256_min_epu8(cb, fifteen)),
+                        _mm256_cmpgt_epi8(cb, twenty)));
+    /* the values' bit patterns packed with signed saturation keep their signs */
+    __m256i neg = _mm256_cmpgt_epi8(_mm256_setzero_si256(),
+                                    bytes32(_mm256_castps_si256(v0), _mm256_castps_si256(v1),
+                                            _mm256_castps_si256(v2), _mm256_castps_si256(v3)));
+    /* the sign bit where v < 0 and the index is not 0 (never -0) */
+    __m256i s = _mm256_andnot_si256(_mm256_cmpeq_epi8(idx, _mm256_setzero_si256()), neg);
+    idx = _mm256_or_si256(idx, _mm256_and_si256(s, eight));
+    _mm_storeu_si128((__m128i *)codes, nibbles16(idx));
 }
 
 /* encode_block for a block of len values (a multiple of 32, at most
@@ -338,8 +333,8 @@ TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, 
 {
     const int nv = len / 8, rot = (flags & TAGC_FP4_ROTATE) != 0;
     const float norm = tagc_fp4_norm(l);
-    __m256 v[TAGC_FP4_BLOCK_MAX / 8], w[TAGC_FP4_BLOCK_MAX / 8];
     __m256i mx = _mm256_setzero_si256();
+    __m256 v[TAGC_FP4_BLOCK_MAX / 8], w[TAGC_FP4_BLOCK_MAX / 8];
     for (int k = 0; k < nv; k++) {
         v[k] = w[k] = ldv8(g, gd, r, rd, o + 8 * k);
         mx = _mm256_max_epu32(mx, mag8(v[k]));
@@ -358,7 +353,8 @@ TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, 
     const uint32_t sb = tagc_fp4_scale_byte(m);
     const __m256 inv = _mm256_set1_ps(tagc_fp4_inv(sb));
     if (rd == DT_NONE) {
-        encode_codes_avx2(codes, w, len, inv);
+        for (int k = 0; k < nv; k += 4)
+            encode_group_avx2(codes + 4 * k, w[k], w[k + 1], w[k + 2], w[k + 3], inv);
         return (int)sb;
     }
     const __m256 s = _mm256_set1_ps(tagc_fp4_scale(sb));

@@ -175,10 +175,11 @@ TAGC_AVX2 __m256i bytes32(__m256i q0, __m256i q1, __m256i q2, __m256i q3)
 }
 
 /* 32 nibbles (bytes, each 0..15) as 16 bytes of pairs, the even value's in
- * the low nibble: 16-bit words d0 | d1 << 8 become d0 | d1 << 4. */
+ * the low nibble: each byte pair d0, d1 becomes the 16-bit d0 + 16 d1 (one
+ * pmaddubsw, no saturation below 256), packed to bytes. */
 TAGC_AVX2 __m128i nibbles16(__m256i b)
 {
-    b = _mm256_and_si256(_mm256_or_si256(b, _mm256_srli_epi16(b, 4)), _mm256_set1_epi16(0xff));
+    b = _mm256_maddubs_epi16(b, _mm256_set1_epi16(0x1001));
     b = _mm256_permute4x64_epi64(_mm256_packus_epi16(b, b), 0x08); /* qwords 0 and 2 */
     return _mm256_castsi256_si128(b);
 }
