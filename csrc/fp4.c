@@ -482,16 +482,24 @@ TAGC_AI void decode_block(float *out, const uint8_t *codes, uint32_t sb, int64_t
         out[o + i] += w[i];
 }
 
-TAGC_AI void decode_all(float *out, int64_t n, const uint8_t *src, int l, unsigned flags,
-                        uint64_t seed)
-{
-    const int64_t block = (int64_t)1 << l, code_bytes = (n + 1) / 2;
-    int64_t o = 0, b = 0;
-    for (; o + block <= n; o += block, b++)
-        decode_block(out, src + (o >> 1), src[code_bytes + b], o, 1 << l, l, flags, seed);
-    if (o < n)
-        decode_block(out, src + (o >> 1), src[code_bytes + b], o, (int)(n - o), l, flags, seed);
-}
+/* The decoding of n values: whole blocks by decode_block##S, a last partial
+ * block by the generic decode_block.  Defined once with the generic loop and
+ * once with the AVX2 one below (FN: the attributes). */
+#define DEFINE_DECODE_ALL(S, FN)                                                          \
+    FN void decode_all##S(float *out, int64_t n, const uint8_t *src, int l, unsigned flags, \
+                          uint64_t seed)                                                  \
+    {                                                                                     \
+        const int64_t block = (int64_t)1 << l, code_bytes = (n + 1) / 2;                  \
+        int64_t o = 0, b = 0;                                                             \
+        for (; o + block <= n; o += block, b++)                                           \
+            decode_block##S(out, src + (o >> 1), src[code_bytes + b], o, 1 << l, l, flags, \
+                            seed);                                                        \
+        if (o < n)                                                                        \
+            decode_block(out, src + (o >> 1), src[code_bytes + b], o, (int)(n - o), l,   \
+                         flags, seed);                                                    \
+    }
+
+DEFINE_DECODE_ALL(, TAGC_AI)
 
 #ifdef TAGC_Q_AVX2
 /* decode_block for a whole block of len values (a multiple of 32, at most
@@ -532,17 +540,7 @@ TAGC_AVX2 void decode_block_avx2(float *out, const uint8_t *codes, uint32_t sb, 
 }
 
 /* decode_all with the whole blocks' AVX2 loop (l >= 5). */
-__attribute__((target("avx2"))) static void decode_all_avx2(float *out, int64_t n,
-                                                           const uint8_t *src, int l,
-                                                           unsigned flags, uint64_t seed)
-{
-    const int64_t block = (int64_t)1 << l, code_bytes = (n + 1) / 2;
-    int64_t o = 0, b = 0;
-    for (; o + block <= n; o += block, b++)
-        decode_block_avx2(out, src + (o >> 1), src[code_bytes + b], o, 1 << l, l, flags, seed);
-    if (o < n)
-        decode_block(out, src + (o >> 1), src[code_bytes + b], o, (int)(n - o), l, flags, seed);
-}
+DEFINE_DECODE_ALL(_avx2, __attribute__((target("avx2"))) static)
 #endif
 
 TAGC_HOT_CLONES static void decode_dispatch(float *out, int64_t n, const uint8_t *src, int l,

@@ -49,11 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tagc.reducer
 from tagc.codec import _tagc
 from tagc.config import TAGCConfig
-from tagc.device import CodecStreams
-from tagc.reducer import UnitReducer
-from tagc.selection import UnitSpec
 from tagc_bench import cuda_emu
-from tagc_bench.cuda_hook import LoopbackComm
+from tagc_bench.cuda_hook import LoopbackComm, loopback, unit_reducers
 
 COUNTS = ("ext_calls", "kernels", "ext_memsets", "workspaces", "torch_kernels", "allocs",
           "memsets", "syncs", "collectives")
@@ -195,9 +192,7 @@ def count_calls(lib: Any, preset: str, unit_path: bool, steps: int = 3,
     ops = CountingOps(cuda_emu.EmuOps(lib))
     cfg = TAGCConfig.preset(preset)
     n = world * shard
-    u = UnitReducer(cfg, UnitSpec("unit", 0, n, n, n, torch.device("cpu")), None, 0, world,
-                    1.0, float(world), CodecStreams())
-    u.UNIT_PATH = unit_path
+    (u,) = unit_reducers(cfg, [n], torch.device("cpu"), world, unit_path=unit_path)
     g = torch.Generator().manual_seed(0)
     out: List[Dict[str, int]] = []
     with counted(ops):
@@ -238,24 +233,17 @@ def host_us(preset: str, unit_path: bool, calls: int = 500, repeats: int = 5,
     """
     cfg = TAGCConfig.preset(preset)
     n = world * shard
-    u = UnitReducer(cfg, UnitSpec("unit", 0, n, n, n, torch.device("cpu")), None, 0, world,
-                    1.0, float(world), CodecStreams())
-    u.UNIT_PATH = unit_path
+    (u,) = unit_reducers(cfg, [n], torch.device("cpu"), world, unit_path=unit_path)
     x, y = torch.randn(n, generator=torch.Generator().manual_seed(0)), torch.empty(shard)
-    saved = tagc.reducer.Comm
-    tagc.reducer.Comm = LoopbackComm  # type: ignore[misc]
-    try:
-        with cuda_emu.emulated_cuda(NoOps()), _one_thread():
+    with loopback(), cuda_emu.emulated_cuda(NoOps()), _one_thread():
+        for _ in range(calls):
+            u.reduce(x, y)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
             for _ in range(calls):
                 u.reduce(x, y)
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    u.reduce(x, y)
-                best = min(best, (time.perf_counter() - t0) / calls)
-    finally:
-        tagc.reducer.Comm = saved  # type: ignore[misc]
+            best = min(best, (time.perf_counter() - t0) / calls)
     return best * 1e6
 
 
