@@ -57,6 +57,7 @@ import torch.nn as nn
 
 import tagc_hook as tagc
 from tagc.codec import _tagc
+from tagc.device import nonfinite_vote
 from tagc.selection import UnitSpec
 from tagc.train import data as token_data
 from tagc.train.model import GPT, GPTConfig
@@ -128,10 +129,8 @@ class SimRanks:
         """
         at = 0
         vote = None
-        if self.cuda:  # the hook's vote summed over the ranks: 0, or NaN when one is not finite
-            total = torch.stack([torch.stack([g.float().sum() for g in gr]).sum()
-                                 for gr in grads]).sum().reshape(1)
-            vote = total - total
+        if self.cuda:  # the hook's vote over both ranks: 0, or NaN when one is not finite
+            vote = nonfinite_vote(torch.stack([g.float().sum() for gr in grads for g in gr]))
         for i, u in enumerate(self.units):
             k = len(u.params)
             rows = [u.rows([g.float() for g in gr[at:at + k]]) for gr in grads]
