@@ -110,7 +110,8 @@ def jobs() -> int:
 class BuildExt(build_ext):
     """build_ext that first compiles the extension's ``cuda_sources`` with nvcc, then its
     C sources one compiler per CPU (setuptools compiles one extension's sources one after
-    another; csrc/fp4.c and csrc/quant.c alone take most of a serial build's minute)."""
+    another; csrc/fp4.c and csrc/quant.c alone take most of a serial build's minute), the
+    codec's (csrc/) without the CUDA build's macro and include folders."""
 
     def build_extension(self, ext: Extension) -> None:
         cu = getattr(ext, "cuda_sources", [])
@@ -118,10 +119,17 @@ class BuildExt(build_ext):
             ext.extra_objects = list(ext.extra_objects or []) + self._nvcc_all(ext, cu)
         serial = self.compiler.compile
 
+        def one(src: str, args: tuple, kwargs: dict) -> List[str]:
+            if not src.startswith(BINDING):
+                # The codec (csrc/) never sees CUDA: the same command in a CPU and a CUDA
+                # build, so a compiler cache serves one from the other.
+                kwargs = dict(kwargs, macros=[], include_dirs=ext.codec_include_dirs)
+            return serial([src], *args, **kwargs)
+
         def compile_parallel(sources: List[str], *args, **kwargs) -> List[str]:
             with ThreadPoolExecutor(max_workers=jobs()) as pool:
-                return [obj for objs in pool.map(lambda src: serial([src], *args, **kwargs),
-                                                 sources) for obj in objs]
+                return [obj for objs in pool.map(lambda src: one(src, args, kwargs), sources)
+                        for obj in objs]
 
         self.compiler.compile = compile_parallel
         try:
@@ -169,6 +177,7 @@ def tagc_extension() -> Extension:
         include_dirs=["csrc"],
         extra_compile_args=["-std=c11", "-O3", "-fno-trapping-math", "-Wall", "-Wextra"],
     )
+    ext.codec_include_dirs = list(ext.include_dirs)  # what the CUDA build adds is the binding's
     mode = cuda_mode()
     nvcc = None if mode == "off" else find_nvcc()
     if nvcc is None:
