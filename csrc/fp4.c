@@ -188,15 +188,14 @@ TAGC_AVX2 void flip_signs_avx2(__m256 *x, int64_t o, int nv, uint64_t seed)
 {
     const uint64_t ts = tagc_table_seed(seed, TAGC_FP4_SIGN_STREAM);
     const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    const __m256i shift = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
     for (int k = 0; k < nv; k += 4) {
         int64_t p = o + 8 * k;
         __m256i word = _mm256_set1_epi32(
             (int)(uint32_t)(tagc_hash((uint64_t)p >> 6, ts) >> (p & 63)));
         for (int j = 0; j < 4; j++) {
-            const __m256i shift = _mm256_setr_epi32(31 - 8 * j, 30 - 8 * j, 29 - 8 * j,
-                                                    28 - 8 * j, 27 - 8 * j, 26 - 8 * j,
-                                                    25 - 8 * j, 24 - 8 * j);
-            __m256i m = _mm256_and_si256(_mm256_sllv_epi32(word, shift), sign);
+            __m256i m = _mm256_and_si256(
+                _mm256_sllv_epi32(_mm256_srli_epi32(word, 8 * j), shift), sign);
             x[k + j] = _mm256_xor_ps(x[k + j], _mm256_castsi256_ps(m));
         }
     }
@@ -280,16 +279,24 @@ TAGC_AVX2 int all_below_avx2(const void *g, int gd, const void *r, int rd, int64
     return m <= limit;
 }
 
-/* The 16 code bytes of the 32 values v0..v3 under inv, without a residual: the
- * midpoints counted in bytes.  With y4 = 4 |v| inv (exact: inv and 4 are powers of
- * two) the midpoints are the integers 1, 3, 5, 7, 10, 14, 20; y passes a midpoint m
- * taken with >= (3, 7, 14) when floor(y4) >= m and one taken with > (1, 5, 10, 20)
- * when ceil(y4) >= m + 1, so the index is FLOOR_PASSED[floor(y4)] +
- * CEIL_PASSED[ceil(y4)]: pshufb lookups of floor and ceil capped at 15 (y4 <= 24,
- * and no midpoint lies in 15..19), plus a compare for the midpoint 20.  The
- * same codes as tagc_fp4_code. */
+/* 4 tagc_fp4_inv(sb) = 2^(129 - sb), a float for sb >= 2; 0 for the two smallest
+ * scales (blocks of subnormal size), which the generic loops code.  |v| inv4 equals
+ * (|v| inv) 4 bit for bit: both scale |v| by powers of two without overflow, and
+ * where |v| inv underflows y4 is below 1, code 0 either way. */
+TAGC_AVX2 float fp4_inv4(uint32_t sb)
+{
+    return sb >= 2 ? tagc_fp4_inv(sb - 2) : 0.0f;
+}
+
+/* The 16 code bytes of the 32 values v0..v3 under inv4 = 4 inv (fp4_inv4), without a
+ * residual: the midpoints counted in bytes.  With y4 = |v| inv4 = 4 |v| inv (exact)
+ * the midpoints are the integers 1, 3, 5, 7, 10, 14, 20; y passes a midpoint m taken
+ * with >= (3, 7, 14) when floor(y4) >= m and one taken with > (1, 5, 10, 20) when
+ * ceil(y4) >= m + 1, so the index is FLOOR_PASSED[floor(y4)] + CEIL_PASSED[ceil(y4)]:
+ * pshufb lookups of floor and ceil capped at 15 (y4 <= 24, and no midpoint lies in
+ * 15..19), plus a compare for the midpoint 20.  The same codes as tagc_fp4_code. */
 TAGC_AVX2 void encode_group_avx2(uint8_t *codes, __m256 v0, __m256 v1, __m256 v2, __m256 v3,
-                                __m256 inv)
+                                __m256 inv4)
 {
 #define T16(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
     _mm256_setr_epi8(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, \
@@ -299,13 +306,12 @@ TAGC_AVX2 void encode_group_avx2(uint8_t *codes, __m256 v0, __m256 v1, __m256 v2
     /* [c >= 2] + [c >= 6] + [c >= 11] of min(c, 15); [c >= 21] is a compare */
     const __m256i cl = T16(0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3);
 #undef T16
-    const __m256 four = _mm256_set1_ps(4.0f);
     const __m256i fifteen = _mm256_set1_epi8(15), twenty = _mm256_set1_epi8(20),
                   eight = _mm256_set1_epi8(8);
     const __m256 v[4] = {v0, v1, v2, v3};
     __m256i f[4], c[4];
     for (int j = 0; j < 4; j++) {
-        __m256 y4 = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(mag8(v[j])), inv), four);
+        __m256 y4 = _mm256_mul_ps(_mm256_castsi256_ps(mag8(v[j])), inv4);
         f[j] = _mm256_cvttps_epi32(y4);
         c[j] = _mm256_cvttps_epi32(_mm256_round_ps(y4, _MM_FROUND_TO_POS_INF |
                                                            _MM_FROUND_NO_EXC));
@@ -351,13 +357,16 @@ TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, 
         m = hmax8(mx);
     }
     const uint32_t sb = tagc_fp4_scale_byte(m);
-    const __m256 inv = _mm256_set1_ps(tagc_fp4_inv(sb));
     if (rd == DT_NONE) {
+        const float inv4 = fp4_inv4(sb);
+        if (inv4 == 0.0f)
+            return encode_block(codes, g, gd, r, rd, o, len, l, flags, seed, limit);
         for (int k = 0; k < nv; k += 4)
-            encode_group_avx2(codes + 4 * k, w[k], w[k + 1], w[k + 2], w[k + 3], inv);
+            encode_group_avx2(codes + 4 * k, w[k], w[k + 1], w[k + 2], w[k + 3],
+                              _mm256_set1_ps(inv4));
         return (int)sb;
     }
-    const __m256 s = _mm256_set1_ps(tagc_fp4_scale(sb));
+    const __m256 inv = _mm256_set1_ps(tagc_fp4_inv(sb)), s = _mm256_set1_ps(tagc_fp4_scale(sb));
     const __m256 mag = _mm256_setr_ps(tagc_fp4_value(0), tagc_fp4_value(1), tagc_fp4_value(2),
                                       tagc_fp4_value(3), tagc_fp4_value(4), tagc_fp4_value(5),
                                       tagc_fp4_value(6), tagc_fp4_value(7));
@@ -403,6 +412,88 @@ TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, 
 
 DEFINE_ENCODE_ALL(_avx2, TAGC_AVX2)
 
+/*
+ * Gathers' form (blocks of 32, no residual, round to nearest) with FMA as well: each
+ * block in four registers from load to codes, the refusal decided once from the
+ * running maximum of every block's magnitudes (dst is unspecified after a refusal, as
+ * the single pass above leaves it), and each in-vector butterfly one fused v * (+-1)
+ * + partner: the product is exact, so the sum is rounded once, the a + b or
+ * a + (-b) of fwht_avx2's finite form (signed zeros included).  The same bytes.
+ */
+#define TAGC_AVX2_FMA static inline __attribute__((always_inline, target("avx2,fma")))
+
+/* fwht_avx2 (finite) of one group of 32 values in x[0..4), then each times norm. */
+TAGC_AVX2_FMA void fwht32_fma(__m256 *x, float norm)
+{
+    const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1),
+                 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1),
+                 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1), vn = _mm256_set1_ps(norm);
+    for (int j = 0; j < 4; j++) {
+        __m256 v = x[j];
+        v = _mm256_fmadd_ps(v, s1, _mm256_permute_ps(v, 0xb1));
+        v = _mm256_fmadd_ps(v, s2, _mm256_permute_ps(v, 0x4e));
+        x[j] = _mm256_fmadd_ps(v, s4, _mm256_permute2f128_ps(v, v, 1));
+    }
+    FP4_BFLY(x[0], x[1]);
+    FP4_BFLY(x[2], x[3]);
+    FP4_BFLY(x[0], x[2]);
+    FP4_BFLY(x[1], x[3]);
+    for (int j = 0; j < 4; j++)
+        x[j] = _mm256_mul_ps(x[j], vn);
+}
+
+TAGC_AVX2_FMA int encode_gather32(uint8_t *dst, const void *g, int gd, int64_t n, int rot,
+                                  uint64_t seed)
+{
+    const float norm = tagc_fp4_norm(5);
+    const int64_t code_bytes = (n + 1) / 2;
+    __m256i all = _mm256_setzero_si256();
+    int64_t o = 0, b = 0;
+    for (; o + 32 <= n; o += 32, b++) {
+        __m256 w[4];
+        __m256i mx = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            w[k] = ld8(g, gd, o + 8 * k);
+            mx = _mm256_max_epu32(mx, mag8(w[k]));
+        }
+        all = _mm256_max_epu32(all, mx);
+        if (rot) {
+            flip_signs_avx2(w, o, 4, seed);
+            fwht32_fma(w, norm);
+            mx = _mm256_max_epu32(_mm256_max_epu32(mag8(w[0]), mag8(w[1])),
+                                  _mm256_max_epu32(mag8(w[2]), mag8(w[3])));
+        }
+        const uint32_t sb = tagc_fp4_scale_byte(hmax8(mx));
+        const float inv4 = fp4_inv4(sb);
+        if (inv4 != 0.0f)
+            encode_group_avx2(dst + (o >> 1), w[0], w[1], w[2], w[3], _mm256_set1_ps(inv4));
+        else
+            encode_block(dst + (o >> 1), g, gd, NULL, DT_NONE, o, 32, 5,
+                         rot ? TAGC_FP4_ROTATE : 0u, seed, TAGC_FP4_MAX_BITS);
+        dst[code_bytes + b] = (uint8_t)sb;
+    }
+    if (hmax8(all) > TAGC_FP4_MAX_BITS)
+        return 0;
+    if (o == n)
+        return 1;
+    int sb = encode_block(dst + (o >> 1), g, gd, NULL, DT_NONE, o, (int)(n - o), 5,
+                          rot ? TAGC_FP4_ROTATE : 0u, seed, TAGC_FP4_MAX_BITS);
+    dst[code_bytes + b] = (uint8_t)sb;
+    return sb >= 0;
+}
+
+__attribute__((target("avx2,fma"))) static int encode_gather32_dtypes(uint8_t *dst,
+                                                                      const void *g, int gd,
+                                                                      int64_t n, int rot,
+                                                                      uint64_t seed)
+{
+    if (gd == TAGC_F32)
+        return rot ? encode_gather32(dst, g, TAGC_F32, n, 1, seed)
+                   : encode_gather32(dst, g, TAGC_F32, n, 0, seed);
+    return rot ? encode_gather32(dst, g, TAGC_BF16, n, 1, seed)
+               : encode_gather32(dst, g, TAGC_BF16, n, 0, seed);
+}
+
 __attribute__((target("avx2"))) static int encode_dtypes_avx2(uint8_t *dst, const void *g,
                                                               int gd, void *r, int rd,
                                                               int64_t n, int l, unsigned flags,
@@ -437,8 +528,11 @@ static int encode_dispatch(uint8_t *dst, const void *g, int gd, void *r, int rd,
                            int l, unsigned flags, uint64_t seed)
 {
 #ifdef TAGC_Q_AVX2
-    if (!(flags & TAGC_FP4_STOCHASTIC) && l >= 5 && __builtin_cpu_supports("avx2"))
+    if (!(flags & TAGC_FP4_STOCHASTIC) && l >= 5 && __builtin_cpu_supports("avx2")) {
+        if (l == 5 && rd == DT_NONE && __builtin_cpu_supports("fma"))
+            return encode_gather32_dtypes(dst, g, gd, n, (flags & TAGC_FP4_ROTATE) != 0, seed);
         return encode_dtypes_avx2(dst, g, gd, r, rd, n, l, flags, seed);
+    }
 #endif
     return encode_dtypes(dst, g, gd, r, rd, n, l, flags, seed);
 }

@@ -182,8 +182,10 @@ def test_bytes_refuses_bad_blocks(block: int) -> None:
         _tagc.fp4_bytes(-1, 32)
 
 
-CASES = [(torch.float32, None), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-         (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+# (the value's dtype, the residual's): bf16 without one is a gather of bf16 weights
+CASES = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float32),
+         (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+         (torch.float32, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 33, 1000, 4097])
