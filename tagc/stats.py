@@ -49,8 +49,9 @@ class UnitStats:
             name: one of :data:`COUNTERS`.
             value: a host number, or a 1-element device tensor (accumulated on
                 the device).
-            ok: CUDA: the call's "every rank's gradient is finite" flag; a
-                device value counts only where it is true.
+            ok: CUDA: the call's "every rank's gradient is finite" flag; the value
+                counts only where it is true (a host number then joins the device
+                counter: a poisoned call counts nothing, its sizes neither).
         """
         if isinstance(value, torch.Tensor):
             v = value.reshape(-1)[:1].to(torch.float64, copy=True)
@@ -58,6 +59,11 @@ class UnitStats:
                 v = gate(v, ok)
             acc = self.device.get(name)
             self.device[name] = v if acc is None else acc.add_(v)
+        elif ok is not None:
+            acc = self.device.get(name)
+            if acc is None:
+                acc = self.device[name] = torch.zeros(1, dtype=torch.float64, device=ok.device)
+            acc.add_(ok.reshape(-1)[:1], alpha=value)
         else:
             self.counters[name] += value
 

@@ -190,7 +190,8 @@ def test_comm_nonfinite_keeps_residual_and_reaches_output(group: None, mode: str
     torch.testing.assert_close(out, topk_split(g3 + r1, k), rtol=1e-5, atol=1e-6)
     st = unit_stats(state, numel)
     assert (st["calls"], st["compressed_calls"], st["nonfinite_fallbacks"]) == (3, 2, 1)
-    if mode != "sparse":  # the non-finite call's device counts are dropped
+    assert st["shard_slots"] == 2 * numel  # the non-finite call's sizes are dropped
+    if mode != "sparse":  # and its device counts
         assert st["union_size"] == 2 * k
 
 

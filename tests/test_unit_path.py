@@ -9,8 +9,9 @@ path against the same reducer on the general path (``UnitReducer.UNIT_PATH = Fal
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import pytest
 import torch
@@ -303,10 +304,13 @@ def test_cuda_twin_resets_as_the_c_op(emu) -> None:
 
 # ------------------------------------------------------------------------- the reducer
 def run_reducer(preset: str, unit_path: bool, steps: int, out_dtype: torch.dtype,
-                grad_dtype: torch.dtype, nan_step: Optional[int] = None
+                grad_dtype: torch.dtype, nan_step: Optional[int] = None,
+                cuda_ops: Any = None
                 ) -> Tuple[List[torch.Tensor], torch.Tensor, dict, List[bool]]:
     """Rank 0 of 2 on the loopback stand-in for a second rank: every output, the final
-    residual codes, the counters, and which calls took the unit path."""
+    residual codes, the counters, and which calls took the unit path; with ``cuda_ops``
+    (an emulated ``_tagc``) on the reducer's CUDA branch."""
+    from tagc_bench import cuda_emu
     from tagc_bench.cuda_hook import loopback
 
     cfg = tagc.TAGCConfig.preset(preset)
@@ -316,7 +320,8 @@ def run_reducer(preset: str, unit_path: bool, steps: int, out_dtype: torch.dtype
     u.UNIT_PATH = unit_path
     g = torch.Generator().manual_seed(11)
     outs, paths = [], []
-    with loopback():
+    branch = contextlib.nullcontext() if cuda_ops is None else cuda_emu.emulated_cuda(cuda_ops)
+    with loopback(), branch:
         for step in range(steps):
             x = (torch.randn(n, generator=g) * (1 + step)).to(grad_dtype)
             if step == nan_step:
@@ -343,6 +348,18 @@ def test_reducer_unit_path_equals_the_general_path(preset: str, out_dtype: torch
                               and torch.equal(torch.isnan(x), torch.isnan(y)))
     assert torch.equal(a[1], b[1])
     assert a[2] == b[2]
+
+
+def test_cuda_branch_counts_no_sizes_of_a_poisoned_call(emu) -> None:
+    """The general path's CUDA branch (kernels emulated) over steps with a non-finite
+    gradient: its counters are the CPU's, where that call took the plain path (the
+    poisoned call's sizes, host numbers, count on the device only where it was finite)."""
+    cpu = run_reducer("balanced", False, 4, torch.float32, torch.float32, nan_step=2)[2]
+    dev = run_reducer("balanced", False, 4, torch.float32, torch.float32, nan_step=2,
+                      cuda_ops=emu)[2]
+    assert dev["shard_slots"] == cpu["shard_slots"] == 3 * 64 * 40, (dev, cpu)
+    for k in ("calls", "compressed_calls", "nonfinite_fallbacks", "union_size"):
+        assert dev[k] == cpu[k], (k, dev[k], cpu[k])
 
 
 def test_unit_path_not_taken_where_it_does_not_apply() -> None:
