@@ -178,6 +178,10 @@ static __global__ void quant_unit_encode_kernel(uint8_t *dst, int64_t nb, uint8_
         if (atomicAdd((unsigned *)&flags[1], 1u) == gridDim.x - 1) {
             counts[poisoned ? 1 : 0] += 1;
             counts[2] += zero;
+            if (!poisoned) {
+                counts[3] += shard;
+                counts[4] += shard;
+            }
             flags[0] = 0;
             flags[1] = 0;
         }

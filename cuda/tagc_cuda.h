@@ -254,9 +254,11 @@ tagc_status tagc_cuda_quant_decode_add(float *out, int64_t n,
  * tagc_cuda_quant_unit_encode - as tagc_quant_unit_encode, the same bytes
  *   and residual codes, in two kernels (cuda/quant_unit.cu) with no
  *   workspace and no memset:
- *     counts  DEVICE int64[3], added to: [0] += 1 for a call that encoded,
+ *     counts  DEVICE int64[5], added to: [0] += 1 for a call that encoded,
  *             [1] += 1 for a poisoned one, [2] += 1 when the residual was
- *             reset (the hook's counters, kept without a kernel of their own);
+ *             reset, [3] and [4] += shard for a call that encoded (the hook's
+ *             counters, union size and shard slots among them, kept without a
+ *             kernel of their own and not counting a poisoned call);
  *     vote    DEVICE float or NULL: the ranks' summed finite votes, 0 when
  *             every rank's gradient is finite; anything else (NaN) poisons
  *             the call: every message record gets a NaN scale and zero

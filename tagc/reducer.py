@@ -26,7 +26,8 @@ from .stats import UnitStats
 logger = logging.getLogger("tagc_hook")
 
 # what _tagc.quant_unit_encode's kernel counts on CUDA, in its order
-UNIT_COUNTS = ("compressed_calls", "nonfinite_fallbacks", "residual_resets")
+UNIT_COUNTS = ("compressed_calls", "nonfinite_fallbacks", "residual_resets", "union_size",
+               "shard_slots")
 
 
 def send_owed(dev: Exec, g: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -421,7 +422,8 @@ class UnitReducer:
         division and :meth:`_close_codes` one after another (tests/test_unit_path.py),
         without the unit-sized fp32 working copy.  On CUDA the ranks' summed vote
         (``dev.vote``, not 0 when a rank's gradient is not finite) makes the encoder send
-        NaN and keep the residual, as poisoning the shards does on the general path.
+        NaN and keep the residual, as poisoning the shards does on the general path; the
+        encode kernel adds the call's counters (:data:`UNIT_COUNTS`) where it was not.
         """
         cfg, n, s, rank = self.cfg, self.world, out.numel(), self.rank
         fmt, rfmt, block = cfg.quant_format, cfg.residual_code, cfg.quant_block
@@ -435,18 +437,19 @@ class UnitReducer:
                 buf, self.residual, inp, n, rank, fmt, rfmt, block, cfg.residual_factor,
                 counts=counts, vote=dev.vote,
                 flags=self.streams.flags(inp.device), **dev.kw)
-        elif codec._tagc.quant_unit_encode(buf, self.residual, inp, n, rank, fmt, rfmt, block,
-                                           cfg.residual_factor):
-            self.stats.add("residual_resets", 1)
-            logger.warning("TAGC: unit %r: residual not finite, reset to zero (what it owed "
-                           "is dropped)", self.name)
+        else:
+            if codec._tagc.quant_unit_encode(buf, self.residual, inp, n, rank, fmt, rfmt, block,
+                                             cfg.residual_factor):
+                self.stats.add("residual_resets", 1)
+                logger.warning("TAGC: unit %r: residual not finite, reset to zero (what it "
+                               "owed is dropped)", self.name)
+            self.stats.add("union_size", s)
+            self.stats.add("shard_slots", s)
         for r in comm.ring()[:-1]:
             comm.post_send(works, buf, recv, r)
         comm.wait(works)
         codec._tagc.quant_unit_decode(out, recv, inp[rank * s:(rank + 1) * s], n, rank, fmt,
                                       block, self.pre * self.post, **dev.kw)
-        self.stats.add("union_size", s)
-        self.stats.add("shard_slots", s)
 
     def _bypassed(self, comm: Comm, dev: Exec, inp: torch.Tensor, out: torch.Tensor) -> None:
         """The plain reduce-scatter in place of compression (tagc/bypass.py)."""

@@ -85,7 +85,7 @@ def test_simulation_cuda_branch_under_the_emulation(cuda_emu_library: Path, pres
              for _ in range(2)]  # per rank, in the units' order
     cpu.reduce(grads)
     want_gathered = cpu.gathered()
-    emu.cuda, emu.counts = True, torch.zeros(3, dtype=torch.int64)
+    emu.cuda, emu.counts = True, torch.zeros(5, dtype=torch.int64)
     emu.flags = torch.zeros(2, dtype=torch.int32)
     monkeypatch.setattr(gpu_quality, "_tagc", cuda_emu.EmuOps(cuda_emu_library))
     monkeypatch.setattr(emu, "_kw", lambda: {"stream": 0})
@@ -105,7 +105,9 @@ def test_simulation_cuda_branch_under_the_emulation(cuda_emu_library: Path, pres
     for i in units:
         assert all(p.grad.isnan().all() for p in emu.units[i].params), emu.units[i].name
         assert all(torch.equal(a, b) for a, b in zip(emu.codes[i], kept[i]))
-    assert emu.counts.tolist() == [2 * len(units), 2 * len(units), 0]
+    # the sizes count the finite call's encodes only (each simulated rank's, every unit)
+    slots = 2 * sum(emu.units[i].row for i in units)
+    assert emu.counts.tolist() == [2 * len(units), 2 * len(units), 0, slots, slots]
     assert emu.flags.tolist() == [0, 0]
 
 

@@ -214,7 +214,7 @@ def test_bad_arguments_raise() -> None:
         enc(2, grad.double())
     with pytest.raises(TypeError, match="rcodes"):
         enc(1, codes.to(torch.int32))
-    for cuda_only in ({"counts": torch.zeros(3, dtype=torch.int64)},
+    for cuda_only in ({"counts": torch.zeros(5, dtype=torch.int64)},
                       {"vote": torch.zeros(1)},
                       {"flags": torch.zeros(2, dtype=torch.int32)}):
         with pytest.raises(ValueError, match="for CUDA tensors"):
@@ -259,12 +259,13 @@ def test_cuda_twin_writes_the_c_bytes(emu, world: int, blocks: int, block: int, 
         for ok in (1, 0):
             ebuf = torch.zeros_like(buf)
             got = codes.clone()
-            counts = torch.tensor([5, 6, 7])
+            counts = torch.tensor([5, 6, 7, 8, 9])
             emu.quant_unit_encode(ebuf, got, grad, world, rank, fmt, rfmt, block, factor,
                                   counts=counts, flags=flags,
                                   vote=torch.tensor([0.0 if ok else float("nan")]))
             assert flags.tolist() == [0, 0]
-            assert counts.tolist() == [5 + ok, 6 + 1 - ok, 7 + want_reset]
+            assert counts.tolist() == [5 + ok, 6 + 1 - ok, 7 + want_reset, 8 + ok * s,
+                                       9 + ok * s]
             others = [r for r in range(world) if r != rank]
             if ok:
                 assert torch.equal(ebuf[others], buf[others]) and torch.equal(got, want_codes)
@@ -295,10 +296,10 @@ def test_cuda_twin_resets_as_the_c_op(emu) -> None:
     buf = torch.zeros(2, _tagc.quant_bytes(128, "int4", 64), dtype=torch.uint8)
     assert _tagc.quant_unit_encode(buf, want, grad, 2, 1, "int4", "int4", 64, 0.5) == 1
     ebuf, flags = torch.zeros_like(buf), torch.zeros(2, dtype=torch.int32)
-    counts = torch.zeros(3, dtype=torch.int64)
+    counts = torch.zeros(5, dtype=torch.int64)
     emu.quant_unit_encode(ebuf, codes, grad, 2, 1, "int4", "int4", 64, 0.5, counts=counts,
                           flags=flags)
-    assert counts.tolist() == [1, 0, 1] and flags.tolist() == [0, 0]
+    assert counts.tolist() == [1, 0, 1, 128, 128] and flags.tolist() == [0, 0]
     assert torch.equal(ebuf[0], buf[0]) and torch.equal(codes, want)
 
 
@@ -350,13 +351,17 @@ def test_reducer_unit_path_equals_the_general_path(preset: str, out_dtype: torch
     assert a[2] == b[2]
 
 
-def test_cuda_branch_counts_no_sizes_of_a_poisoned_call(emu) -> None:
-    """The general path's CUDA branch (kernels emulated) over steps with a non-finite
-    gradient: its counters are the CPU's, where that call took the plain path (the
-    poisoned call's sizes, host numbers, count on the device only where it was finite)."""
-    cpu = run_reducer("balanced", False, 4, torch.float32, torch.float32, nan_step=2)[2]
-    dev = run_reducer("balanced", False, 4, torch.float32, torch.float32, nan_step=2,
-                      cuda_ops=emu)[2]
+@pytest.mark.parametrize("unit_path", [False, True])
+def test_cuda_branch_counts_no_sizes_of_a_poisoned_call(emu, unit_path: bool) -> None:
+    """The CUDA branch (kernels emulated) over steps with a non-finite gradient: its
+    counters are the CPU's, where that call took the plain path (a poisoned call's sizes
+    count nowhere: the general path's host numbers join the device counter where the call
+    was finite, the unit path's come from its encode kernel)."""
+    cpu = run_reducer("balanced", unit_path, 4, torch.float32, torch.float32, nan_step=2)
+    dev = run_reducer("balanced", unit_path, 4, torch.float32, torch.float32, nan_step=2,
+                      cuda_ops=emu)
+    assert cpu[3] == dev[3] == [unit_path] * 4
+    cpu, dev = cpu[2], dev[2]
     assert dev["shard_slots"] == cpu["shard_slots"] == 3 * 64 * 40, (dev, cpu)
     for k in ("calls", "compressed_calls", "nonfinite_fallbacks", "union_size"):
         assert dev[k] == cpu[k], (k, dev[k], cpu[k])

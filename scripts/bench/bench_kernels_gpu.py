@@ -235,7 +235,7 @@ def _ops(torch: Any, ops: Any, dev: Any, s: int, n: int, k: int, N: int, u: int,
     urc = torch.empty(ops.quant_bytes(2 * ushard, "int4", 64), dtype=torch.uint8, device=dev)
     ops.quant_encode(urc, None, res[:2 * ushard], "int4", 64, stream=s)
     ubuf = torch.empty(2, ops.quant_bytes(ushard, "int4", 64), dtype=torch.uint8, device=dev)
-    ucounts = torch.zeros(3, dtype=torch.int64, device=dev)
+    ucounts = torch.zeros(5, dtype=torch.int64, device=dev)
     uflags = torch.zeros(2, dtype=torch.int32, device=dev)
     uout = torch.empty(ushard, device=dev)
     table["quant_unit_encode int4 (2 ranks)"] = (

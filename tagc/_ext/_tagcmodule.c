@@ -643,7 +643,8 @@ static PyObject *py_quant_unit_encode(PyObject *m, PyObject *args, PyObject *kw)
                                  "quant_bytes(grad.numel(), residual_format, block)"));
     TAGC_CHECK(tagc_py_scalar_out_ok(&vs_, vote, has_vote));
     if (has_counts)
-        TAGC_CHECK(tagc_py_need_size(&vs_, counts, 3, 1, "3 (encoded, poisoned, reset)"));
+        TAGC_CHECK(tagc_py_need_size(&vs_, counts, 5, 1,
+                                     "5 (encoded, poisoned, reset, union size, shard slots)"));
     if (has_flags)
         TAGC_CHECK(tagc_py_need_size(&vs_, flags, 2, 1, "2 (the guard's flag and a count)"));
     int dev = tagc_py_common_device(&vs_);

@@ -309,6 +309,10 @@ class EmuOps:
                           world: int, rank: int, format: str, residual_format: str, block: int,
                           factor: float, *, counts: torch.Tensor, flags: torch.Tensor,
                           vote: Optional[torch.Tensor] = None, stream: int = 0) -> None:
+        if counts.numel() != 5 or counts.dtype != torch.int64:
+            # the kernel adds to five counters (the module checks this on a GPU)
+            raise ValueError(f"quant_unit_encode: counts must be int64[5], got "
+                             f"{counts.dtype}[{counts.numel()}]")
         self._run("tagc_cuda_quant_unit_encode", P(buf), buf.numel(), P(rcodes), rcodes.numel(),
                   P(grad), DT[grad.dtype], grad.numel() // world, world, rank, QFORMAT[format],
                   QFORMAT[residual_format], block, factor, P(counts), P(vote), P(flags), None)

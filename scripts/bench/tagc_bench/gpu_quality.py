@@ -58,6 +58,7 @@ import torch.nn as nn
 import tagc_hook as tagc
 from tagc.codec import _tagc
 from tagc.device import nonfinite_vote
+from tagc.reducer import UNIT_COUNTS
 from tagc.selection import UnitSpec
 from tagc.train import data as token_data
 from tagc.train.model import GPT, GPTConfig
@@ -106,7 +107,7 @@ class SimRanks:
             self.codes.append([self._zero_codes(u) for _ in range(WORLD)] if c else [])
         self.kw: Dict[str, Any] = {}
         if self.cuda:
-            self.counts = torch.zeros(3, dtype=torch.int64, device=device)
+            self.counts = torch.zeros(len(UNIT_COUNTS), dtype=torch.int64, device=device)
             self.flags = torch.zeros(2, dtype=torch.int32, device=device)
 
     def _zero_codes(self, u: UnitRows) -> torch.Tensor:
