@@ -446,6 +446,7 @@ TAGC_AVX2_FMA int encode_gather32(uint8_t *dst, const void *g, int gd, int64_t n
                                   uint64_t seed)
 {
     const float norm = tagc_fp4_norm(5);
+    const unsigned flags = rot ? TAGC_FP4_ROTATE : 0u; /* the generic loops' rare blocks */
     const int64_t code_bytes = (n + 1) / 2;
     __m256i all = _mm256_setzero_si256();
     int64_t o = 0, b = 0;
@@ -468,16 +469,16 @@ TAGC_AVX2_FMA int encode_gather32(uint8_t *dst, const void *g, int gd, int64_t n
         if (inv4 != 0.0f)
             encode_group_avx2(dst + (o >> 1), w[0], w[1], w[2], w[3], _mm256_set1_ps(inv4));
         else
-            encode_block(dst + (o >> 1), g, gd, NULL, DT_NONE, o, 32, 5,
-                         rot ? TAGC_FP4_ROTATE : 0u, seed, TAGC_FP4_MAX_BITS);
+            encode_block(dst + (o >> 1), g, gd, NULL, DT_NONE, o, 32, 5, flags, seed,
+                         TAGC_FP4_MAX_BITS);
         dst[code_bytes + b] = (uint8_t)sb;
     }
     if (hmax8(all) > TAGC_FP4_MAX_BITS)
         return 0;
     if (o == n)
         return 1;
-    int sb = encode_block(dst + (o >> 1), g, gd, NULL, DT_NONE, o, (int)(n - o), 5,
-                          rot ? TAGC_FP4_ROTATE : 0u, seed, TAGC_FP4_MAX_BITS);
+    int sb = encode_block(dst + (o >> 1), g, gd, NULL, DT_NONE, o, (int)(n - o), 5, flags,
+                          seed, TAGC_FP4_MAX_BITS);
     dst[code_bytes + b] = (uint8_t)sb;
     return sb >= 0;
 }
