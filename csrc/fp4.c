@@ -181,23 +181,38 @@ DEFINE_ENCODE_ALL(, TAGC_AI)
  * blocks under 32 and a last partial block take the generic loops.
  */
 
+/* Lane j of row i: bit j of i moved to the sign. */
+#define FM(i, j) ((((i) >> (j)) & 1u) << 31)
+#define FROW(i) {FM(i, 0), FM(i, 1), FM(i, 2), FM(i, 3), FM(i, 4), FM(i, 5), FM(i, 6), FM(i, 7)}
+#define FROW4(i) FROW(i), FROW((i) + 1), FROW((i) + 2), FROW((i) + 3)
+#define FROW16(i) FROW4(i), FROW4((i) + 4), FROW4((i) + 8), FROW4((i) + 12)
+#define FROW64(i) FROW16(i), FROW16((i) + 16), FROW16((i) + 32), FROW16((i) + 48)
+/* The sign masks of eight lanes for each byte of flip bits (8 KiB). */
+static const uint32_t flip_masks[256][8] __attribute__((aligned(32))) = {
+    FROW64(0), FROW64(64), FROW64(128), FROW64(192)};
+#undef FROW64
+#undef FROW16
+#undef FROW4
+#undef FROW
+#undef FM
+
+/* The sign flips of 32 values in x[0..4) from the 32 bits of `word`: bit
+ * 8 k + j to lane j's sign in vector k, one byte's masks from a table. */
+TAGC_AVX2 void flip_signs_word(__m256 *x, uint32_t word)
+{
+    for (int j = 0; j < 4; j++)
+        x[j] = _mm256_xor_ps(x[j],
+                             _mm256_load_ps((const float *)flip_masks[(word >> 8 * j) & 255]));
+}
+
 /* The sign flips of the block's values at [o, o + 8 nv) held in x (nv a
- * multiple of 4): flip_signs' 32 bits of a hash per four vectors, bit
- * 8 k + j of the word moved to lane j's sign in vector k. */
+ * multiple of 4): flip_signs' 32 bits of a hash per four vectors. */
 TAGC_AVX2 void flip_signs_avx2(__m256 *x, int64_t o, int nv, uint64_t seed)
 {
     const uint64_t ts = tagc_table_seed(seed, TAGC_FP4_SIGN_STREAM);
-    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-    const __m256i shift = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
     for (int k = 0; k < nv; k += 4) {
         int64_t p = o + 8 * k;
-        __m256i word = _mm256_set1_epi32(
-            (int)(uint32_t)(tagc_hash((uint64_t)p >> 6, ts) >> (p & 63)));
-        for (int j = 0; j < 4; j++) {
-            __m256i m = _mm256_and_si256(
-                _mm256_sllv_epi32(_mm256_srli_epi32(word, 8 * j), shift), sign);
-            x[k + j] = _mm256_xor_ps(x[k + j], _mm256_castsi256_ps(m));
-        }
+        flip_signs_word(x + k, (uint32_t)(tagc_hash((uint64_t)p >> 6, ts) >> (p & 63)));
     }
 }
 
@@ -288,13 +303,14 @@ TAGC_AVX2 float fp4_inv4(uint32_t sb)
     return sb >= 2 ? tagc_fp4_inv(sb - 2) : 0.0f;
 }
 
-/* The 16 code bytes of the 32 values v0..v3 under inv4 = 4 inv (fp4_inv4), without a
- * residual: the midpoints counted in bytes.  With y4 = |v| inv4 = 4 |v| inv (exact)
- * the midpoints are the integers 1, 3, 5, 7, 10, 14, 20; y passes a midpoint m taken
- * with >= (3, 7, 14) when floor(y4) >= m and one taken with > (1, 5, 10, 20) when
- * ceil(y4) >= m + 1, so the index is FLOOR_PASSED[floor(y4)] + CEIL_PASSED[ceil(y4)]:
- * pshufb lookups of floor and ceil capped at 15 (y4 <= 24, and no midpoint lies in
- * 15..19), plus a compare for the midpoint 20.  The same codes as tagc_fp4_code. */
+/* The 16 code bytes of the 32 values v0..v3 under inv4 = 4 inv (fp4_inv4; times the
+ * norm for the gathers' loop's rotated blocks), without a residual: the midpoints
+ * counted in bytes.  With y4 = |v| inv4 = 4 |v| inv (exact) the midpoints are the
+ * integers 1, 3, 5, 7, 10, 14, 20; y passes a midpoint m taken with >= (3, 7, 14) when
+ * floor(y4) >= m and one taken with > (1, 5, 10, 20) when ceil(y4) >= m + 1, so the
+ * index is FLOOR_PASSED[floor(y4)] + CEIL_PASSED[ceil(y4)]: pshufb lookups of floor
+ * and ceil capped at 15 (y4 <= 24, and no midpoint lies in 15..19), plus a compare for
+ * the midpoint 20.  The same codes as tagc_fp4_code. */
 TAGC_AVX2 void encode_group_avx2(uint8_t *codes, __m256 v0, __m256 v1, __m256 v2, __m256 v3,
                                 __m256 inv4)
 {
@@ -316,19 +332,20 @@ TAGC_AVX2 void encode_group_avx2(uint8_t *codes, __m256 v0, __m256 v1, __m256 v2
         c[j] = _mm256_cvttps_epi32(_mm256_round_ps(y4, _MM_FROUND_TO_POS_INF |
                                                            _MM_FROUND_NO_EXC));
     }
-    __m256i fb = bytes32(f[0], f[1], f[2], f[3]), cb = bytes32(c[0], c[1], c[2], c[3]);
+    __m256i fb = packs32(f[0], f[1], f[2], f[3]), cb = packs32(c[0], c[1], c[2], c[3]);
     __m256i idx = _mm256_add_epi8(
         _mm256_shuffle_epi8(fl, _mm256_min_epu8(fb, fifteen)),
         _mm256_sub_epi8(_mm256_shuffle_epi8(cl, _mm256_min_epu8(cb, fifteen)),
                         _mm256_cmpgt_epi8(cb, twenty)));
-    /* the values' bit patterns packed with signed saturation keep their signs */
+    /* bytes in the packs' order until the nibbles (each step is bytewise); the
+     * values' bit patterns packed with signed saturation keep their signs */
     __m256i neg = _mm256_cmpgt_epi8(_mm256_setzero_si256(),
-                                    bytes32(_mm256_castps_si256(v0), _mm256_castps_si256(v1),
+                                    packs32(_mm256_castps_si256(v0), _mm256_castps_si256(v1),
                                             _mm256_castps_si256(v2), _mm256_castps_si256(v3)));
     /* the sign bit where v < 0 and the index is not 0 (never -0) */
     __m256i s = _mm256_andnot_si256(_mm256_cmpeq_epi8(idx, _mm256_setzero_si256()), neg);
     idx = _mm256_or_si256(idx, _mm256_and_si256(s, eight));
-    _mm_storeu_si128((__m128i *)codes, nibbles16(idx));
+    _mm_storeu_si128((__m128i *)codes, nibbles16(packs32_in_order(idx)));
 }
 
 /* encode_block for a block of len values (a multiple of 32, at most
@@ -413,21 +430,21 @@ TAGC_AVX2 int encode_block_avx2(uint8_t *codes, const void *g, int gd, void *r, 
 DEFINE_ENCODE_ALL(_avx2, TAGC_AVX2)
 
 /*
- * Gathers' form (blocks of 32, no residual, round to nearest) with FMA as well: each
- * block in four registers from load to codes, the refusal decided once from the
- * running maximum of every block's magnitudes (dst is unspecified after a refusal, as
- * the single pass above leaves it), and each in-vector butterfly one fused v * (+-1)
- * + partner: the product is exact, so the sum is rounded once, the a + b or
- * a + (-b) of fwht_avx2's finite form (signed zeros included).  The same bytes.
+ * Gathers' form (blocks of 32, no residual, round to nearest) with FMA as well: the
+ * refusal decided once from the running maximum of every block's magnitudes (dst is
+ * unspecified after a refusal, as the single pass above leaves it), and each
+ * in-vector butterfly one fused v * (+-1) + partner: the product is exact, so the sum
+ * is rounded once, the a + b or a + (-b) of fwht_avx2's finite form (signed zeros
+ * included).  The same bytes.
  */
 #define TAGC_AVX2_FMA static inline __attribute__((always_inline, target("avx2,fma")))
 
-/* fwht_avx2 (finite) of one group of 32 values in x[0..4), then each times norm. */
-TAGC_AVX2_FMA void fwht32_fma(__m256 *x, float norm)
+/* fwht_avx2 (finite) of one group of 32 values in x[0..4), without the norm. */
+TAGC_AVX2_FMA void fwht32_fma(__m256 *x)
 {
     const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1),
                  s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1),
-                 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1), vn = _mm256_set1_ps(norm);
+                 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
     for (int j = 0; j < 4; j++) {
         __m256 v = x[j];
         v = _mm256_fmadd_ps(v, s1, _mm256_permute_ps(v, 0xb1));
@@ -438,48 +455,116 @@ TAGC_AVX2_FMA void fwht32_fma(__m256 *x, float norm)
     FP4_BFLY(x[2], x[3]);
     FP4_BFLY(x[0], x[2]);
     FP4_BFLY(x[1], x[3]);
-    for (int j = 0; j < 4; j++)
-        x[j] = _mm256_mul_ps(x[j], vn);
 }
 
+/* encode_block of the whole block of 32 at o without a residual: the gathers'
+ * loop's blocks of extreme scales, out of line. */
+__attribute__((noinline)) static void encode_block_generic(uint8_t *codes, const void *g,
+                                                           int gd, int64_t o, unsigned flags,
+                                                           uint64_t seed)
+{
+    encode_block(codes, g, gd, NULL, DT_NONE, o, 32, 5, flags, seed, TAGC_FP4_MAX_BITS);
+}
+
+/* tagc_fp4_scale_byte of eight patterns (finite ones: a refused call's bytes
+ * are unspecified). */
+TAGC_AVX2 __m256i scale_bytes8(__m256i bits)
+{
+    __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffff)),
+                                    _mm256_set1_epi32(0x400000));
+    __m256i b = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23),
+                                                  _mm256_set1_epi32(2)), up);
+    return _mm256_max_epi32(b, _mm256_setzero_si256());
+}
+
+/*
+ * The gathers' loop codes groups of eight blocks in two passes: the first loads
+ * each block (rotated: flips its signs and applies the butterflies) into u and
+ * keeps its largest magnitude; the eight are reduced, and their scale bytes and
+ * multipliers computed, as vectors; the second codes each block from u.  A loop
+ * of one block at a time chained load, rotation, horizontal maximum, scale and
+ * codes, and ran at the latency of that chain.
+ *
+ * A rotated block is kept without the norm: y4 = |u| (norm inv4) is fl(|u| norm)
+ * inv4 (inv4 a power of two) where the product is normal, and where fl(|u| norm)
+ * is subnormal both are below 1 (code 0) for scale bytes of 3 and more; the
+ * block's largest fl(|u| norm) is fl(max |u| norm) (rounding is monotonic).
+ * Blocks of the extreme scale bytes (multiplier 0 here) go to the generic loops.
+ */
 TAGC_AVX2_FMA int encode_gather32(uint8_t *dst, const void *g, int gd, int64_t n, int rot,
                                   uint64_t seed)
 {
     const float norm = tagc_fp4_norm(5);
-    const unsigned flags = rot ? TAGC_FP4_ROTATE : 0u; /* the generic loops' rare blocks */
-    const int64_t code_bytes = (n + 1) / 2;
+    const unsigned flags = rot ? TAGC_FP4_ROTATE : 0u;
+    const uint64_t ts = tagc_table_seed(seed, TAGC_FP4_SIGN_STREAM);
+    const int64_t code_bytes = (n + 1) / 2, blocks = n / 32;
     __m256i all = _mm256_setzero_si256();
-    int64_t o = 0, b = 0;
-    for (; o + 32 <= n; o += 32, b++) {
-        __m256 w[4];
-        __m256i mx = _mm256_setzero_si256();
-        for (int k = 0; k < 4; k++) {
-            w[k] = ld8(g, gd, o + 8 * k);
-            mx = _mm256_max_epu32(mx, mag8(w[k]));
+    uint64_t h = 0;
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+        const int nb = blocks - b0 < 8 ? (int)(blocks - b0) : 8;
+        __m256 u[8][4];
+        __m256i mx[8];
+        for (int i = 0; i < 8; i++)
+            mx[i] = _mm256_setzero_si256();
+        for (int i = 0; i < nb; i++) {
+            const int64_t o = 32 * (b0 + i);
+            for (int k = 0; k < 4; k++)
+                u[i][k] = ld8(g, gd, o + 8 * k);
+            if (rot) {
+                if (!(o & 32)) /* one hash per 64 values */
+                    h = tagc_hash((uint64_t)o >> 6, ts);
+                flip_signs_word(u[i], (uint32_t)(h >> (o & 32)));
+                fwht32_fma(u[i]);
+            }
+            mx[i] = _mm256_max_epu32(_mm256_max_epu32(mag8(u[i][0]), mag8(u[i][1])),
+                                     _mm256_max_epu32(mag8(u[i][2]), mag8(u[i][3])));
         }
-        all = _mm256_max_epu32(all, mx);
+        const __m256i m = max8x8(mx);
+        all = _mm256_max_epu32(all, m);
+        __m256i sb;
+        __m256 inv4, ok;
         if (rot) {
-            flip_signs_avx2(w, o, 4, seed);
-            fwht32_fma(w, norm);
-            mx = _mm256_max_epu32(_mm256_max_epu32(mag8(w[0]), mag8(w[1])),
-                                  _mm256_max_epu32(mag8(w[2]), mag8(w[3])));
+            sb = scale_bytes8(_mm256_castps_si256(
+                _mm256_mul_ps(_mm256_castsi256_ps(m), _mm256_set1_ps(norm))));
+            ok = _mm256_castsi256_ps(_mm256_and_si256(
+                _mm256_cmpgt_epi32(sb, _mm256_set1_epi32(2)),
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(251), sb)));
+        } else {
+            sb = scale_bytes8(m);
+            ok = _mm256_castsi256_ps(_mm256_cmpgt_epi32(sb, _mm256_set1_epi32(1)));
         }
-        const uint32_t sb = tagc_fp4_scale_byte(hmax8(mx));
-        const float inv4 = fp4_inv4(sb);
-        if (inv4 != 0.0f)
-            encode_group_avx2(dst + (o >> 1), w[0], w[1], w[2], w[3], _mm256_set1_ps(inv4));
-        else
-            encode_block(dst + (o >> 1), g, gd, NULL, DT_NONE, o, 32, 5, flags, seed,
-                         TAGC_FP4_MAX_BITS);
-        dst[code_bytes + b] = (uint8_t)sb;
+        /* fp4_inv4: 2^(129 - sb) */
+        inv4 = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(256), sb), 23));
+        inv4 = _mm256_and_ps(rot ? _mm256_mul_ps(inv4, _mm256_set1_ps(norm)) : inv4, ok);
+        float inv[8];
+        _mm256_storeu_ps(inv, inv4);
+        __m128i s16 = _mm_packs_epi32(_mm256_castsi256_si128(sb), _mm256_extracti128_si256(sb, 1));
+        uint8_t sbs[16];
+        _mm_storeu_si128((__m128i *)sbs, _mm_packus_epi16(s16, s16));
+        memcpy(dst + code_bytes + b0, sbs, (size_t)nb);
+        for (int i = 0; i < nb; i++)
+            encode_group_avx2(dst + 16 * (b0 + i), u[i][0], u[i][1], u[i][2], u[i][3],
+                              _mm256_broadcast_ss(&inv[i]));
+        unsigned rare = ~(unsigned)_mm256_movemask_ps(ok) & ((1u << nb) - 1);
+        for (; rare; rare &= rare - 1)
+            encode_block_generic(dst + 16 * (b0 + __builtin_ctz(rare)), g, gd,
+                                 32 * (b0 + __builtin_ctz(rare)), flags, seed);
     }
-    if (hmax8(all) > TAGC_FP4_MAX_BITS)
+    /* Rotated, all holds the largest unnormed |H D v|, which bounds every |v|
+     * (v = D H (H D v) / 32): below half the limit (a margin over the
+     * butterflies' rounding) nothing is refused; above, the input decides. */
+    const uint32_t m = hmax8(all);
+    const int64_t o = 32 * blocks;
+    if (rot ? m > TAGC_FP4_MAX_BITS - (1u << 23) && !all_below_avx2(g, gd, NULL, DT_NONE, o,
+                                                                   TAGC_FP4_MAX_BITS)
+            : m > TAGC_FP4_MAX_BITS)
         return 0;
     if (o == n)
         return 1;
     int sb = encode_block(dst + (o >> 1), g, gd, NULL, DT_NONE, o, (int)(n - o), 5, flags,
                           seed, TAGC_FP4_MAX_BITS);
-    dst[code_bytes + b] = (uint8_t)sb;
+    dst[code_bytes + blocks] = (uint8_t)sb;
     return sb >= 0;
 }
 

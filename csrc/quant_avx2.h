@@ -73,6 +73,20 @@ TAGC_AVX2 uint32_t hmax8(__m256i mx)
     return (uint32_t)_mm_cvtsi128_si32(m4);
 }
 
+/* The max pattern of each of eight vectors, as lanes 0-7. */
+TAGC_AVX2 __m256i max8x8(const __m256i *m)
+{
+    __m256i q[4], h[2];
+    for (int k = 0; k < 4; k++)
+        q[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(m[2 * k], m[2 * k + 1]),
+                                _mm256_unpackhi_epi32(m[2 * k], m[2 * k + 1]));
+    for (int k = 0; k < 2; k++)
+        h[k] = _mm256_max_epu32(_mm256_unpacklo_epi64(q[2 * k], q[2 * k + 1]),
+                                _mm256_unpackhi_epi64(q[2 * k], q[2 * k + 1]));
+    return _mm256_max_epu32(_mm256_permute2x128_si256(h[0], h[1], 0x20),
+                            _mm256_permute2x128_si256(h[0], h[1], 0x31));
+}
+
 /* Values ahead of the loops that prefetch32 asks the cache for: with the
  * hardware prefetcher alone both passes wait on memory longer (the encode
  * took 4-12% longer without it at 2^24 values; 64 or 256 ahead did no
@@ -165,13 +179,24 @@ TAGC_AVX2 __m256i code8(__m256 v, __m256 inv, int format, __m256 *qf)
     return q;
 }
 
+/* 32 integers (each in -128..127, values in order in q0..q3) as 32 bytes in
+ * the packs' order: they work per 128-bit half, so the dwords (four values
+ * each) come out as q0 lo, q1 lo, q2 lo, q3 lo | q0 hi, q1 hi, q2 hi, q3 hi. */
+TAGC_AVX2 __m256i packs32(__m256i q0, __m256i q1, __m256i q2, __m256i q3)
+{
+    return _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+}
+
+/* packs32's bytes in value order. */
+TAGC_AVX2 __m256i packs32_in_order(__m256i b)
+{
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* 32 integers (each in -128..127, values in order in q0..q3) as 32 bytes. */
 TAGC_AVX2 __m256i bytes32(__m256i q0, __m256i q1, __m256i q2, __m256i q3)
 {
-    /* the packs work per 128-bit half: dwords come out as q0 lo, q1 lo, q2
-     * lo, q3 lo | q0 hi, q1 hi, q2 hi, q3 hi, hence the permutation */
-    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
-    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return packs32_in_order(packs32(q0, q1, q2, q3));
 }
 
 /* 32 nibbles (bytes, each 0..15) as 16 bytes of pairs, the even value's in

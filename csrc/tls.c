@@ -175,20 +175,6 @@ TAGC_AVX2 __m256d finish4(__m256d x, __m256d y, __m256d z, __m256d w)
     return _mm256_hadd_pd(xy, zw);
 }
 
-/* The max pattern of each of eight vectors, as lanes 0-7. */
-TAGC_AVX2 __m256i max8x8(const __m256i *m)
-{
-    __m256i q[4], h[2];
-    for (int k = 0; k < 4; k++)
-        q[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(m[2 * k], m[2 * k + 1]),
-                                _mm256_unpackhi_epi32(m[2 * k], m[2 * k + 1]));
-    for (int k = 0; k < 2; k++)
-        h[k] = _mm256_max_epu32(_mm256_unpacklo_epi64(q[2 * k], q[2 * k + 1]),
-                                _mm256_unpackhi_epi64(q[2 * k], q[2 * k + 1]));
-    return _mm256_max_epu32(_mm256_permute2x128_si256(h[0], h[1], 0x20),
-                            _mm256_permute2x128_si256(h[0], h[1], 0x31));
-}
-
 /* Ternary scales (tagc_q_scale) of four full blocks from their sums and max
  * |v|: min(2.5 sum / 32, max) is at most a float's max, so the clamp to
  * FLT_MAX and the nudge for the top code never act; then 0 below FLT_MIN. */

@@ -263,19 +263,24 @@ def test_generic_decoder_adds_the_avx2_values(generic: C.CDLL, block: int, flags
 @pytest.mark.parametrize("flags", [0, ROTATE])
 @pytest.mark.parametrize("block", [32, 64, 256])
 @pytest.mark.parametrize("gd,rd", CASES)
-@pytest.mark.parametrize("kind", ["gauss", "nan", "inf", "limit", "tiny"])
+@pytest.mark.parametrize("kind", ["gauss", "nan", "inf", "limit", "near", "tiny", "small"])
 def test_generic_loops_write_the_avx2_bytes(generic: C.CDLL, block: int, gd: torch.dtype,
                                             rd: Optional[torch.dtype], kind: str,
                                             flags: int) -> None:
     """The AVX2 loops (blocks of 32 and more, plain or rotated) and the generic ones:
     the same bytes, residual and status, refusals included (a NaN, an Inf or a value
-    at the limit of 2^100 in a late block; blocks of subnormal scale)."""
+    at the limit of 2^100 in a late block; the largest value taken there; blocks of
+    subnormal scale, and of scales 2^-130 .. 2^-119 side by side)."""
     seed = 7 + block
     dtype = {torch.float32: 0, torch.bfloat16: 1}
     for n in (32, 95, 1000, 4099):
         grad = gradient(n, torch.float32, seed=n + block)
         if kind == "tiny":
             grad = grad * 1e-40
+        elif kind == "small":
+            grad = grad * 2.0 ** -130 * 2.0 ** (torch.arange(n) // 32 % 12)
+        elif kind == "near":
+            grad[n - 5] = 1.99 * 2.0 ** 99
         elif kind != "gauss":
             grad[n - 5] = {"nan": float("nan"), "inf": float("-inf"), "limit": 2.0 ** 100}[kind]
         grad = grad.to(gd)
@@ -292,7 +297,7 @@ def test_generic_loops_write_the_avx2_bytes(generic: C.CDLL, block: int, gd: tor
         st2 = generic.tagc_fp4_encode(b2.data_ptr(), nb, None if r2 is None else r2.data_ptr(),
                                       dtype[rd] if rd is not None else 0, grad.data_ptr(),
                                       dtype[gd], n, block, flags, seed)
-        assert st1 == st2 == (0 if kind in ("gauss", "tiny") else 5), (n, kind)
+        assert st1 == st2 == (0 if kind in ("gauss", "near", "tiny", "small") else 5), (n, kind)
         if st1 == 0:  # a refused message's bytes are unspecified
             assert torch.equal(b1, b2), n
         if res is not None:
