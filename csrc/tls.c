@@ -270,17 +270,31 @@ TAGC_AVX2 __m256i codes8(__m256 r, __m256 M, __m256 *s)
     return b;
 }
 
+/* The largest of the 16 block scales at x (non-negative: their patterns order
+ * as integers; max_of's value). */
+TAGC_AVX2 float max16(const float *x)
+{
+    __m256i m = _mm256_max_epu32(_mm256_loadu_si256((const __m256i *)x),
+                                 _mm256_loadu_si256((const __m256i *)(x + 8)));
+    union { uint32_t u; float f; } r = {hmax8(m)};
+    return r.f;
+}
+
 /* scale_codes with every full group's sixteen blocks in two vectors, and
- * inv[j] = tagc_q_inv(sc[j]) for every block. */
+ * inv[j] = tagc_q_inv(sc[j]) for every block.  The group codes of all full
+ * groups first (their decoded scales parked in inv, free until the end), then
+ * the block codes: one loop of both chained each group's maximum, division and
+ * comparisons into its block codes' divisions. */
 TAGC_AVX2 void scale_codes_avx2(uint8_t *dst, float *sc, float *inv, float S, int64_t n)
 {
     const int64_t nb = tagc_tls_blocks(n), full = nb / TAGC_TLS_GROUP;
     uint8_t *gcodes = dst + 4, *bcodes = dst + tagc_tls_block_codes_at(n);
+    for (int64_t k = 0; k < full; k++)
+        gcodes[k] = (uint8_t)group_code(max16(sc + k * TAGC_TLS_GROUP), S, &inv[k]);
     for (int64_t k = 0; k < full; k++) {
         float *x = sc + k * TAGC_TLS_GROUP;
+        const float M = inv[k];
         __m256 r0 = _mm256_loadu_ps(x), r1 = _mm256_loadu_ps(x + 8);
-        float M;
-        gcodes[k] = (uint8_t)group_code(max_of(x, 0, TAGC_TLS_GROUP), S, &M);
         __m256 s0 = _mm256_setzero_ps(), s1 = s0;
         __m256i b0 = _mm256_set1_epi32(15), b1 = b0;
         if (M > 0.0f) {
