@@ -481,9 +481,9 @@ TAGC_AVX2 __m256i scale_bytes8(__m256i bits)
  * The gathers' loop codes groups of eight blocks in two passes: the first loads
  * each block (rotated: flips its signs and applies the butterflies) into u and
  * keeps its largest magnitude; the eight are reduced, and their scale bytes and
- * multipliers computed, as vectors; the second codes each block from u.  A loop
- * of one block at a time chained load, rotation, horizontal maximum, scale and
- * codes, and ran at the latency of that chain.
+ * multipliers computed, as vectors; the second codes each block from u.  So a
+ * block's codes do not wait on its own chain of load, rotation, horizontal
+ * maximum and scale, which bounds a loop of one block at a time by its latency.
  *
  * A rotated block is kept without the norm: y4 = |u| (norm inv4) is fl(|u| norm)
  * inv4 (inv4 a power of two) where the product is normal, and where fl(|u| norm)

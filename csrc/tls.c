@@ -283,8 +283,8 @@ TAGC_AVX2 float max16(const float *x)
 /* scale_codes with every full group's sixteen blocks in two vectors, and
  * inv[j] = tagc_q_inv(sc[j]) for every block.  The group codes of all full
  * groups first (their decoded scales parked in inv, free until the end), then
- * the block codes: one loop of both chained each group's maximum, division and
- * comparisons into its block codes' divisions. */
+ * the block codes, so that these do not wait on their group's maximum, division
+ * and comparisons: that chain bounds one loop of both by its latency. */
 TAGC_AVX2 void scale_codes_avx2(uint8_t *dst, float *sc, float *inv, float S, int64_t n)
 {
     const int64_t nb = tagc_tls_blocks(n), full = nb / TAGC_TLS_GROUP;
