@@ -712,7 +712,10 @@ TAGC_AVX2 void decode_block_avx2(float *out, const uint8_t *codes, uint32_t sb, 
         w[k] = _mm256_mul_ps(m, s);
     }
     if (flags & TAGC_FP4_ROTATE) {
-        fwht_avx2(w, nv, tagc_fp4_norm(l), 0);
+        /* below the scale byte 245 no sum of up to 256 values of at most 6 s reaches
+         * FLT_MAX: every value stays finite and the butterflies take fwht_avx2's
+         * finite form (the same bits); above, Inf - Inf and NaN scales make NaNs */
+        fwht_avx2(w, nv, tagc_fp4_norm(l), sb < 245);
         flip_signs_avx2(w, o, nv, seed);
     }
     for (int k = 0; k < nv; k++)

@@ -242,14 +242,18 @@ def generic(tmp_path_factory: pytest.TempPathFactory) -> C.CDLL:
 @pytest.mark.parametrize("block", [32, 64, 256])
 def test_generic_decoder_adds_the_avx2_values(generic: C.CDLL, block: int, flags: int) -> None:
     """The AVX2 decoder (blocks of 32 and more) and the generic one on random bytes:
-    every nibble, the extreme scale bytes (0, 254, NaN's 255) and a partial last
-    block add the same bits."""
+    every nibble, the extreme scale bytes (0, 254, NaN's 255), blocks of +6 codes at
+    the scale bytes 244 and 245 (whose rotated sums stay finite / reach Inf) and a
+    partial last block add the same bits."""
     g = torch.Generator().manual_seed(block + flags)
     for n in (32, 95, 1000, 4099):
         nb = _tagc.fp4_bytes(n, block)
         buf = torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
         scales = torch.randint(100, 140, (nb - (n + 1) // 2,), dtype=torch.uint8, generator=g)
-        scales[: min(3, len(scales))] = torch.tensor([0, 254, 255], dtype=torch.uint8)[: len(scales)]
+        extreme = torch.tensor([0, 254, 255, 244, 245], dtype=torch.uint8)[: len(scales)]
+        scales[: len(extreme)] = extreme
+        for b in (3, 4):
+            buf[b * block // 2:min((b + 1) * block, n) // 2] = 0x77
         buf[(n + 1) // 2:] = scales
         base = gradient(n, torch.float32, seed=n)
         o1, o2 = base.clone(), base.clone()
