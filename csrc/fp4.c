@@ -547,9 +547,10 @@ TAGC_AVX2_FMA int encode_gather32(uint8_t *dst, const void *g, int gd, int64_t n
             encode_group_avx2(dst + 16 * (b0 + i), u[i][0], u[i][1], u[i][2], u[i][3],
                               _mm256_broadcast_ss(&inv[i]));
         unsigned rare = ~(unsigned)_mm256_movemask_ps(ok) & ((1u << nb) - 1);
-        for (; rare; rare &= rare - 1)
-            encode_block_generic(dst + 16 * (b0 + __builtin_ctz(rare)), g, gd,
-                                 32 * (b0 + __builtin_ctz(rare)), flags, seed);
+        for (; rare; rare &= rare - 1) {
+            const int64_t b = b0 + __builtin_ctz(rare);
+            encode_block_generic(dst + 16 * b, g, gd, 32 * b, flags, seed);
+        }
     }
     /* Rotated, all holds the largest unnormed |H D v|, which bounds every |v|
      * (v = D H (H D v) / 32): below half the limit (a margin over the
@@ -715,6 +716,7 @@ TAGC_AVX2 void decode_block_avx2(float *out, const uint8_t *codes, uint32_t sb, 
         /* below the scale byte 245 no sum of up to 256 values of at most 6 s reaches
          * FLT_MAX: every value stays finite and the butterflies take fwht_avx2's
          * finite form (the same bits); above, Inf - Inf and NaN scales make NaNs */
+        _Static_assert(TAGC_FP4_BLOCK_MAX <= 256, "the finite form's bound assumes 256");
         fwht_avx2(w, nv, tagc_fp4_norm(l), sb < 245);
         flip_signs_avx2(w, o, nv, seed);
     }
